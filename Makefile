@@ -1,0 +1,24 @@
+# The two front-door commands (README): `make smoke` and `make test`. Both install first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install smoke test lint gpu-check
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(VENV)
+	touch $@
+
+# The main job on the embedded default: tiny MLA model, CPU vLLM, local Ray, loopback only.
+smoke: install
+	$(VENV)/bin/orchestrator run matrices/smoke.yaml
+
+# Everything but the GPU-marked tests (those run on the H200 through the device tool).
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -m "not gpu" tests
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

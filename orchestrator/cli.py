@@ -1,0 +1,137 @@
+"""The `orchestrator` command line: parse arguments, call one library function, map errors to exit codes.
+
+Heavy modules (torch, ray, vllm) are imported inside the command that needs them so that
+`orchestrator --help` and `orchestrator plan` answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Validate vLLM serving topologies: plan, run, audit, report, compare.",
+)
+
+# Exit codes shared by every command.
+EXIT_OK = 0
+EXIT_FINDINGS = 1  # a check ran and found something (audit findings, regressions, failed cases)
+EXIT_USAGE = 2  # bad input: nothing was launched
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
+    """One clear line on stderr, then the exit code."""
+    typer.echo(f"orchestrator: {message}", err=True)
+    return typer.Exit(code)
+
+
+_SET_HELP = "Override a matrix field: --set models[0].path=/ckpt (repeatable)."
+
+
+@app.command()
+def plan(
+    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+) -> None:
+    """Validate a matrix and list its cases and their needs; launches nothing."""
+    import json
+
+    from orchestrator.matrix import MatrixError
+    from orchestrator.plan import plan_matrix, render_plan
+
+    try:
+        result = plan_matrix(matrix, sets=sets)
+    except MatrixError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(json.dumps(result, indent=2) if json_out else render_plan(result))
+
+
+@app.command()
+def run(
+    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    resume: str | None = typer.Option(None, "--resume", help="Continue RUN-ID, skipping finished cases."),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="With --resume: re-run failed cases too."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Name of a new run (default: matrix-UTC time)."),
+    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", help="Where run directories go."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster (default: local Ray)."
+    ),
+    only: list[str] = typer.Option([], "--only", help="Run only cases whose id contains this (repeatable)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
+) -> None:
+    """Run a matrix: place, start, measure, stop and audit every case; write the reports.
+
+    Exit 0 when every case passed, 1 when a case failed, 2 on bad input (nothing launched).
+    """
+    from orchestrator.launch import LaunchError
+    from orchestrator.matrix import MatrixError
+    from orchestrator.runner import RunOptions, run_matrix
+    from orchestrator.store import StoreError
+
+    if retry_failed and not resume:
+        raise _fail("--retry-failed needs --resume RUN-ID")
+    options = RunOptions(
+        logs_dir=logs_dir,
+        run_id=run_id,
+        resume=resume,
+        retry_failed=retry_failed,
+        ray_address=ray_address,
+        sets=sets,
+        only=only,
+        progress=not quiet,
+    )
+    try:
+        summary = run_matrix(matrix, options)
+    except (MatrixError, StoreError, LaunchError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    report = summary.run_dir / "report.md"
+    typer.echo(f"run directory: {summary.run_dir}")
+    typer.echo(f"report: {report}")
+    if summary.skipped:
+        typer.echo(f"skipped {len(summary.skipped)} finished case(s) (resume)")
+    if summary.failed:
+        typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (logs/<run-id>)."),
+) -> None:
+    """Rebuild report.md and report.json of a run and print the Markdown."""
+    from orchestrator.report import write_reports
+    from orchestrator.store import RunStore, StoreError
+
+    try:
+        store = RunStore.open(run_dir.parent, run_dir.name)
+        write_reports(store)
+    except StoreError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo((store.root / "report.md").read_text())
+
+
+@app.command()
+def audit(
+    paths: list[Path] = typer.Argument(..., help="Log files or directories (gzip and rotated logs too)."),
+    json_out: bool = typer.Option(False, "--json", help="Print findings as JSON."),
+    since: str | None = typer.Option(None, "--since", help="Only kernel-log lines after this time (ISO 8601)."),
+) -> None:
+    """Scan logs for GPU faults: exit 0 clean, 1 findings, 2 usage error."""
+    from orchestrator.audit import cli_audit
+
+    raise typer.Exit(cli_audit(paths, json_out=json_out, since=since))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="orchestrator")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,508 @@
+"""The topology matrix: YAML -> validated `Matrix` -> expanded list of `Case`s.
+
+Everything here is pure (no torch, ray or vllm) so `orchestrator plan` answers instantly and
+every validation rule is unit-testable. Errors name the file, the field and the value:
+``matrices/tp8.yaml: topologies[2].dcp=3 does not divide tp=8``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Heads per rank for which fusedq has a qualified specialisation (see fusedq.capability).
+FUSEDQ_QUALIFIED_HEADS = (8, 11, 16)
+# A model path with this prefix is built locally by orchestrator.tinymodel (the embedded default).
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-mla",)
+# vLLM flags the orchestrator owns; passing them through would fight the topology axes.
+OWNED_FLAGS = (
+    "--tensor-parallel-size",
+    "-tp",
+    "--decode-context-parallel-size",
+    "-dcp",
+    "--speculative-config",
+    "--host",
+    "--port",
+    "--served-model-name",
+)
+
+
+class MatrixError(ValueError):
+    """A matrix that cannot run; the message names file, field and value."""
+
+    def __init__(self, source: str, field_path: str, message: str) -> None:
+        self.source = source
+        self.field_path = field_path
+        self.detail = message
+        # "topologies[2].dcp=3 does not divide tp=8" reads as a sentence; "x.y: unknown key" as a label.
+        sep = " " if "=" in field_path else ": "
+        where = f"{source}: {field_path}{sep}" if field_path else f"{source}: "
+        super().__init__(where + message)
+
+
+class _Strict(BaseModel):
+    # extra="forbid": a typo in a YAML key is an error naming the key (GuideLLM's habit).
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_env(env: Mapping[str, str]) -> dict[str, str]:
+    for key in env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"{key!r} is not a valid environment variable name")
+    return dict(env)
+
+
+def _check_args(args: Sequence[str]) -> list[str]:
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_FLAGS:
+            raise ValueError(
+                f"{arg!r} is set by the orchestrator from the topology; remove it from args"
+            )
+    return list(args)
+
+
+class _EnvArgs(_Strict):
+    """Environment and passthrough vLLM arguments; every level of the matrix may add some."""
+
+    args: list[str] = Field(default_factory=list, description="Passed through to `vllm serve`.")
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("args")
+    @classmethod
+    def _no_owned_flags(cls, v: list[str]) -> list[str]:
+        return _check_args(v)
+
+
+class ModelSpec(_EnvArgs):
+    label: str = Field(min_length=1, description="Name in reports, e.g. 'Luke BF16'.")
+    path: str = Field(min_length=1, description="Checkpoint path, or builtin:tiny-mla.")
+    num_heads: int = Field(gt=0, description="Total attention heads of the model.")
+    weight_format: str = Field("bf16", description="Label only: bf16, mxfp8, ...")
+    served_name: str | None = None
+    has_mtp: bool = Field(True, description="The checkpoint carries MTP layers.")
+
+    @field_validator("path")
+    @classmethod
+    def _builtin_known(cls, v: str) -> str:
+        if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX) :] not in BUILTIN_MODELS:
+            raise ValueError(f"unknown built-in model {v!r}; known: {list(BUILTIN_MODELS)}")
+        return v
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.path.startswith(BUILTIN_PREFIX)
+
+
+class EngineSpec(_EnvArgs):
+    kind: Literal["vllm"] = "vllm"
+    pads_heads: bool = Field(
+        False,
+        description="The engine build pads heads to a multiple of TP ('virtual TP'); "
+        "upstream vLLM refuses num_heads % tp != 0.",
+    )
+    vllm_bin: str | None = Field(None, description="`vllm` executable; default: next to python.")
+
+
+class ResourceSpec(_Strict):
+    accelerator: Literal["gpu", "cpu"] = "gpu"
+    cpus_per_rank: int = Field(1, gt=0, description="CPUs reserved per TP rank on a CPU cluster.")
+    gpus_per_node: int | None = Field(
+        None, gt=0, description="Largest GPU count of one node, for plan-time checks."
+    )
+
+
+class TopologySpec(_EnvArgs):
+    tp: int = Field(gt=0)
+    dcp: list[int] | Literal["divisors"] = Field(default_factory=lambda: [1])
+    mtp: list[int] = Field(default_factory=lambda: [0])
+
+    @field_validator("dcp", "mtp", mode="before")
+    @classmethod
+    def _scalar_to_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, int) and not isinstance(v, bool) else v
+
+    def dcp_values(self) -> list[int]:
+        if self.dcp == "divisors":
+            return [d for d in range(1, self.tp + 1) if self.tp % d == 0]
+        return list(self.dcp)
+
+
+class WorkloadSpec(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    column: str | None = Field(None, description="Report column; default: the name.")
+    prompt_tokens: int = Field(gt=0)
+    output_tokens: int = Field(gt=0)
+    concurrency: int = Field(1, gt=0)
+    requests: int | None = Field(None, gt=0)
+    duration_s: float | None = Field(None, gt=0)
+    repeats: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> WorkloadSpec:
+        if self.requests is not None and self.duration_s is not None:
+            raise ValueError("set either requests or duration_s, not both")
+        return self
+
+    @property
+    def report_column(self) -> str:
+        return self.column or self.name
+
+    @property
+    def request_count(self) -> int | None:
+        if self.duration_s is not None:
+            return None
+        return self.requests if self.requests is not None else self.concurrency
+
+
+class VariantSpec(_EnvArgs):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+
+
+class TimeoutSpec(_Strict):
+    placement_s: float = Field(600, gt=0, description="Ray placement group ready.")
+    ready_s: float = Field(1800, gt=0, description="Server start-up until /health answers.")
+    request_s: float = Field(1800, gt=0, description="One request (64k prefill included).")
+    case_s: float = Field(7200, gt=0, description="One case, start to stop.")
+
+
+class RaySpec(_Strict):
+    address: str | None = Field(None, description="Join this cluster; default: a local Ray.")
+
+
+class Matrix(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    models: list[ModelSpec] = Field(min_length=1)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    topologies: list[TopologySpec] = Field(min_length=1)
+    workloads: list[WorkloadSpec] = Field(min_length=1)
+    variants: list[VariantSpec] = Field(default_factory=lambda: [VariantSpec(name="default")])
+    timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
+    ray: RaySpec = Field(default_factory=RaySpec)
+    host: str = Field(
+        "127.0.0.1", description="Address servers bind; loopback unless you need more."
+    )
+    max_mtp: int = Field(8, ge=0, description="Sanity bound on speculative tokens.")
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One server launch: a topology of one model under one variant, measured with every workload."""
+
+    model: ModelSpec
+    tp: int
+    dcp: int
+    mtp: int
+    variant: VariantSpec
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    topology_index: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def topology_id(self) -> str:
+        return f"{self.model.label}/tp{self.tp}-dcp{self.dcp}-mtp{self.mtp}"
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.topology_id}/{self.variant.name}"
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.case_id.replace("/", "__"))
+
+    @property
+    def heads_per_rank(self) -> int:
+        return math.ceil(self.model.num_heads / self.tp)
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "case_id": self.case_id,
+            "topology_id": self.topology_id,
+            "model": self.model.label,
+            "model_path": self.model.path,
+            "weight_format": self.model.weight_format,
+            "tp": self.tp,
+            "dcp": self.dcp,
+            "mtp": self.mtp,
+            "variant": self.variant.name,
+            "heads_per_rank": self.heads_per_rank,
+            "fusedq_qualified_heads": self.heads_per_rank in FUSEDQ_QUALIFIED_HEADS,
+            "args": list(self.args),
+            "env": dict(self.env),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML text -> --set overrides -> ${ENV} interpolation -> pydantic -> semantic checks.
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _loc_to_path(loc: Iterable[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _interpolate(
+    node: Any, path: str, env: Mapping[str, str], source: str, unresolved: list[str] | None
+) -> Any:
+    """Replace ${VAR} / ${VAR:-default}; an unset VAR is an error, or kept as text for `plan`."""
+    if isinstance(node, dict):
+        return {
+            k: _interpolate(v, f"{path}.{k}" if path else str(k), env, source, unresolved)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [
+            _interpolate(v, f"{path}[{i}]", env, source, unresolved) for i, v in enumerate(node)
+        ]
+    if isinstance(node, str):
+
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            if unresolved is not None:
+                unresolved.append(f"{path}: ${{{name}}} is not set")
+                return m.group(0)
+            raise MatrixError(source, path, f"environment variable ${{{name}}} is not set")
+
+        return _ENV_REF.sub(sub, node)
+    return node
+
+
+def _apply_set(raw: dict[str, Any], assignment: str, source: str) -> None:
+    """Apply one ``--set a.b[0].c=value`` (value parsed as a YAML scalar) to the raw document."""
+    if "=" not in assignment:
+        raise MatrixError(source, "--set", f"{assignment!r} is not key=value")
+    key, value_text = assignment.split("=", 1)
+    tokens = re.findall(r"[^.\[\]]+|\[\d+\]", key)
+    if not tokens:
+        raise MatrixError(source, "--set", f"{assignment!r} names no key")
+    node: Any = raw
+    walked = ""
+    for i, tok in enumerate(tokens):
+        last = i == len(tokens) - 1
+        index: int | str = int(tok.strip("[]")) if tok.startswith("[") or tok.isdigit() else tok
+        walked += (
+            f"[{index}]" if isinstance(index, int) else (f".{index}" if walked else str(index))
+        )
+        if isinstance(index, int):
+            if not isinstance(node, list) or index >= len(node):
+                raise MatrixError(source, f"--set {key}", f"{walked} does not exist")
+        elif not isinstance(node, dict):
+            raise MatrixError(source, f"--set {key}", f"{walked} is not a mapping")
+        if last:
+            try:
+                value = yaml.safe_load(value_text) if value_text else ""
+            except yaml.YAMLError:
+                value = value_text
+            node[index] = value
+        else:
+            if isinstance(index, str) and index not in node:
+                node[index] = {}
+            node = node[index]
+
+
+def parse_matrix(
+    text: str,
+    source: str = "<matrix>",
+    *,
+    sets: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    unresolved: list[str] | None = None,
+) -> Matrix:
+    """Parse and validate matrix YAML text; raise `MatrixError` naming source, field and value.
+
+    With `unresolved` given (a list), unset ${VAR}s are left in place and described there
+    instead of raising: `plan` shows a matrix whose model paths the user has not supplied yet.
+    """
+    env = os.environ if env is None else env
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "YAML"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise MatrixError(source, "", f"invalid YAML at {where}: {problem}") from None
+    if not isinstance(raw, dict):
+        raise MatrixError(source, "", f"a matrix is a YAML mapping, got {type(raw).__name__}")
+    for assignment in sets:
+        _apply_set(raw, assignment, source)
+    raw = _interpolate(raw, "", env, source, unresolved)
+    try:
+        matrix = Matrix.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = _loc_to_path(err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise MatrixError(source, path, "unknown key") from None
+        if err["type"] == "missing":
+            raise MatrixError(source, path, "is required") from None
+        value = err.get("input")
+        msg = err["msg"].removeprefix("Value error, ")
+        msg = msg[:1].lower() + msg[1:]
+        if isinstance(value, (dict, list)) or value is None:
+            raise MatrixError(source, path, msg) from None
+        raise MatrixError(source, f"{path}={value!r}:", msg) from None
+    check_matrix(matrix, source)
+    return matrix
+
+
+def load_matrix(
+    path: str | Path,
+    *,
+    sets: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    unresolved: list[str] | None = None,
+) -> Matrix:
+    """Read, parse and validate a matrix file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MatrixError(str(path), "", "no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MatrixError(str(path), "", f"cannot read: {exc}") from None
+    return parse_matrix(text, str(path), sets=sets, env=env, unresolved=unresolved)
+
+
+def _dups(names: Iterable[str]) -> list[str]:
+    seen: set[str] = set()
+    return sorted({n for n in names if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+
+
+def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
+    """Semantic checks that need more than one field; raise the first problem found."""
+    for kind, names in (
+        ("models", [x.label for x in m.models]),
+        ("workloads", [x.name for x in m.workloads]),
+        ("variants", [x.name for x in m.variants]),
+    ):
+        dup = _dups(names)
+        if dup:
+            raise MatrixError(source, kind, f"duplicate name {dup[0]!r}")
+    if not m.variants:
+        raise MatrixError(
+            source, "variants", "needs at least one variant (omit the key for one default)"
+        )
+    columns = _dups(w.report_column for w in m.workloads)
+    if columns:
+        raise MatrixError(source, "workloads", f"two workloads report into column {columns[0]!r}")
+
+    for ti, topo in enumerate(m.topologies):
+        where = f"topologies[{ti}]"
+        if not topo.mtp:
+            raise MatrixError(source, f"{where}.mtp", "is empty; use [0] for MTP off")
+        if topo.dcp != "divisors" and not topo.dcp:
+            raise MatrixError(source, f"{where}.dcp", "is empty; use [1] for DCP off")
+        for d in topo.dcp_values():
+            if d < 1:
+                raise MatrixError(source, f"{where}.dcp={d}", "must be >= 1")
+            if topo.tp % d:
+                raise MatrixError(source, f"{where}.dcp={d}", f"does not divide tp={topo.tp}")
+            if d > 1 and m.resources.accelerator == "cpu":
+                raise MatrixError(
+                    source,
+                    f"{where}.dcp={d}",
+                    "is not possible on CPU: DCP needs an attention backend that returns the softmax LSE; vLLM's CPU MLA "
+                    "backends do not (resources.accelerator=cpu): use dcp: [1] on CPU",
+                )
+        for k in topo.mtp:
+            if k < 0 or k > m.max_mtp:
+                raise MatrixError(source, f"{where}.mtp={k}", f"must be within 0..{m.max_mtp}")
+        if (
+            m.resources.gpus_per_node
+            and m.resources.accelerator == "gpu"
+            and topo.tp > m.resources.gpus_per_node
+        ):
+            raise MatrixError(
+                source,
+                f"{where}.tp={topo.tp}",
+                f"needs {topo.tp} GPUs on one node; resources.gpus_per_node={m.resources.gpus_per_node}",
+            )
+        for mi, model in enumerate(m.models):
+            if model.num_heads % topo.tp and not m.engine.pads_heads:
+                raise MatrixError(
+                    source,
+                    f"{where}.tp={topo.tp}",
+                    f"does not divide models[{mi}].num_heads={model.num_heads} ({model.label}); "
+                    f"upstream vLLM refuses this. If your engine build pads heads "
+                    f"({math.ceil(model.num_heads / topo.tp)} per rank), set engine.pads_heads: true",
+                )
+            if model.num_heads < topo.tp:
+                raise MatrixError(
+                    source,
+                    f"{where}.tp={topo.tp}",
+                    f"exceeds models[{mi}].num_heads={model.num_heads}",
+                )
+            if any(k > 0 for k in topo.mtp) and not model.has_mtp:
+                raise MatrixError(
+                    source,
+                    f"{where}.mtp",
+                    f"MTP > 0 but models[{mi}] ({model.label}) has_mtp: false",
+                )
+    cases = expand(m)
+    dup = _dups(c.case_id for c in cases)
+    if dup:
+        raise MatrixError(source, "topologies", f"case {dup[0]!r} appears twice")
+
+
+def expand(m: Matrix) -> list[Case]:
+    """Every case in run order: variants of one topology are adjacent so they are measured paired."""
+    cases: list[Case] = []
+    for model in m.models:
+        for ti, topo in enumerate(m.topologies):
+            for dcp in topo.dcp_values():
+                for mtp in topo.mtp:
+                    for variant in m.variants:
+                        env = {**m.engine.env, **model.env, **topo.env, **variant.env}
+                        args = [*m.engine.args, *model.args, *topo.args, *variant.args]
+                        cases.append(
+                            Case(
+                                model=model,
+                                tp=topo.tp,
+                                dcp=dcp,
+                                mtp=mtp,
+                                variant=variant,
+                                args=tuple(args),
+                                env=tuple(sorted(env.items())),
+                                topology_index=ti,
+                            )
+                        )
+    return cases
+
+
+def units_needed(m: Matrix) -> int:
+    """GPUs (or CPUs on a CPU cluster) that the largest case needs on one node."""
+    largest = max(t.tp for t in m.topologies)
+    return largest * (m.resources.cpus_per_rank if m.resources.accelerator == "cpu" else 1)

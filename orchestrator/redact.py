@@ -1,0 +1,83 @@
+"""Secret redaction: tokens and API keys never reach a manifest, a copied log or a report."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+REDACTED = "***"
+# Environment or option names whose values are secrets (HF_TOKEN, OPENAI_API_KEY, --api-key, ...).
+_SECRET_NAME = re.compile(r"(TOKEN|API[_-]?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH)", re.I)
+# user:password@ inside URLs.
+_URL_CREDS = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<creds>[^/@\s:]+(?::[^/@\s]*)?)@", re.I
+)
+# --api-key VALUE / --api-key=VALUE / Bearer VALUE / hf_xxx tokens in free text.
+_INLINE = [
+    re.compile(r"(--[A-Za-z0-9-]*(?:token|api-key|secret|password)[A-Za-z0-9-]*[= ])(\S+)", re.I),
+    re.compile(r"(Bearer\s+)(\S+)", re.I),
+    re.compile(r"()(hf_[A-Za-z0-9]{20,})"),
+    re.compile(r"()(sk-[A-Za-z0-9_-]{20,})"),
+]
+
+
+def is_secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(name))
+
+
+def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """Redact credentials in URLs, inline option values, bearer tokens and known secret values."""
+    for value in secrets:
+        if value and len(value) >= 4:
+            text = text.replace(value, REDACTED)
+    text = _URL_CREDS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
+    for pat in _INLINE:
+        text = pat.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
+    return text
+
+
+def redact_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
+    """Redact the value following a secret-named option (`--api-key X`) and `--x-token=X`."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        if arg.startswith("-") and is_secret_name(arg.split("=", 1)[0]):
+            if "=" in arg:
+                out.append(arg.split("=", 1)[0] + "=" + REDACTED)
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(redact_text(arg))
+    return out
+
+
+def redact(obj: Any, secrets: tuple[str, ...] = ()) -> Any:
+    """Deep-redact a JSON-like object: secret-named keys lose their values, strings are scrubbed."""
+    if isinstance(obj, Mapping):
+        return {
+            k: (
+                REDACTED
+                if isinstance(k, str) and is_secret_name(k) and v not in (None, "")
+                else redact(v, secrets)
+            )
+            for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        items = [redact(v, secrets) for v in obj]
+        if all(isinstance(v, str) for v in obj):
+            items = redact_argv([str(v) for v in items])
+        return items
+    if isinstance(obj, str):
+        return redact_text(obj, secrets)
+    return obj
+
+
+def secret_values(env: Mapping[str, str]) -> tuple[str, ...]:
+    """Values of secret-named variables, to scrub wherever they appear verbatim."""
+    return tuple(v for k, v in env.items() if is_secret_name(k) and v)

@@ -1,0 +1,193 @@
+"""The run directory: manifest, per-case logs and records, append-only results, resume.
+
+Layout of ``logs/<run-id>/``::
+
+    manifest.json          matrix as given and expanded, versions, hosts, GPUs, commit
+    orchestrator.log       the driver's own log
+    results.jsonl          one JSON line per finished case, appended atomically
+    cases/<slug>/server.log, requests-<workload>.jsonl, audit.json
+    report.md, report.json
+
+Nothing is lost: a result line is written with one ``write`` on an O_APPEND descriptor and
+fsync'd before the next case starts; a torn last line (power loss) is ignored on read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from orchestrator.redact import redact
+
+RESULTS = "results.jsonl"
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+
+
+class StoreError(RuntimeError):
+    """A run directory that cannot be created, opened or resumed."""
+
+
+def new_run_id(matrix_name: str, now: dt.datetime | None = None) -> str:
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return f"{matrix_name}-{now.strftime('%Y%m%d-%H%M%S')}"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON via a temp file and rename, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=False, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line with a single write(2) on O_APPEND, then fsync."""
+    line = (json.dumps(row, default=str, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(line)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Read complete JSON lines; a torn final line (no newline, or bad JSON) is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    with path.open("rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break
+            try:
+                rows.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+class RunStore:
+    """One run directory. Create it for a new run, or open it to resume or report."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock_fd: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    def create(cls, logs_dir: Path, run_id: str) -> RunStore:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
+            raise StoreError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
+        root = logs_dir / run_id
+        try:
+            root.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            raise StoreError(
+                f"{root} exists already; pass --resume {run_id} to continue it"
+            ) from None
+        (root / "cases").mkdir()
+        return cls(root)
+
+    @classmethod
+    def open(cls, logs_dir: Path, run_id: str) -> RunStore:
+        root = Path(run_id) if os.sep in run_id else logs_dir / run_id
+        if not (root / MANIFEST).is_file():
+            raise StoreError(f"{root}: no run to resume (missing {MANIFEST})")
+        return cls(root)
+
+    def lock(self) -> None:
+        """Hold an exclusive lock so two orchestrators never write one run directory."""
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = (self.root / LOCK).read_text().strip() or "another process"
+            raise StoreError(f"{self.root} is in use by {holder}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- contents ----------------------------------------------------------------------------
+    @property
+    def run_id(self) -> str:
+        return self.root.name
+
+    @property
+    def results_path(self) -> Path:
+        return self.root / RESULTS
+
+    def case_dir(self, slug: str) -> Path:
+        d = self.root / "cases" / slug
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def write_manifest(self, manifest: dict[str, Any], secrets: tuple[str, ...] = ()) -> None:
+        write_json_atomic(self.root / MANIFEST, redact(manifest, secrets))
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.root / MANIFEST).read_text())
+
+    def append_result(self, row: dict[str, Any], secrets: tuple[str, ...] = ()) -> None:
+        append_jsonl(self.results_path, redact(row, secrets))
+
+    def results(self) -> list[dict[str, Any]]:
+        """Rows in order; when a case was re-run (--retry-failed), the last row wins."""
+        latest: dict[str, dict[str, Any]] = {}
+        for row in read_jsonl(self.results_path):
+            latest.pop(row.get("case_id", ""), None)
+            latest[row.get("case_id", "")] = row
+        return list(latest.values())
+
+    def finished_case_ids(self, *, include_failed: bool = True) -> set[str]:
+        return {
+            r["case_id"] for r in self.results() if include_failed or r.get("status") == "passed"
+        }
+
+    def write_records(self, slug: str, workload: str, records: Iterable[dict[str, Any]]) -> Path:
+        path = self.case_dir(slug) / f"requests-{workload}.jsonl"
+        lines = "".join(json.dumps(r, default=str, separators=(",", ":")) + "\n" for r in records)
+        write_text_atomic(path, lines)
+        return path
