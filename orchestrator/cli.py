@@ -55,14 +55,25 @@ def plan(
 def run(
     matrix: Path = typer.Argument(..., help="Matrix YAML file."),
     sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
-    resume: str | None = typer.Option(None, "--resume", help="Continue RUN-ID, skipping finished cases."),
-    retry_failed: bool = typer.Option(False, "--retry-failed", help="With --resume: re-run failed cases too."),
-    run_id: str | None = typer.Option(None, "--run-id", help="Name of a new run (default: matrix-UTC time)."),
+    resume: str | None = typer.Option(
+        None, "--resume", help="Continue RUN-ID, skipping finished cases."
+    ),
+    retry_failed: bool = typer.Option(
+        False, "--retry-failed", help="With --resume: re-run failed cases too."
+    ),
+    run_id: str | None = typer.Option(
+        None, "--run-id", help="Name of a new run (default: matrix-UTC time)."
+    ),
     logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", help="Where run directories go."),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster (default: local Ray)."
+        None,
+        "--ray-address",
+        envvar="RAY_ADDRESS",
+        help="Join this Ray cluster (default: local Ray).",
     ),
-    only: list[str] = typer.Option([], "--only", help="Run only cases whose id contains this (repeatable)."),
+    only: list[str] = typer.Option(
+        [], "--only", help="Run only cases whose id contains this (repeatable)."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
 ) -> None:
     """Run a matrix: place, start, measure, stop and audit every case; write the reports.
@@ -118,9 +129,13 @@ def report(
 
 @app.command()
 def audit(
-    paths: list[Path] = typer.Argument(..., help="Log files or directories (gzip and rotated logs too)."),
+    paths: list[Path] = typer.Argument(
+        ..., help="Log files or directories (gzip and rotated logs too)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print findings as JSON."),
-    since: str | None = typer.Option(None, "--since", help="Only kernel-log lines after this time (ISO 8601)."),
+    since: str | None = typer.Option(
+        None, "--since", help="Only kernel-log lines after this time (ISO 8601)."
+    ),
 ) -> None:
     """Scan logs for GPU faults: exit 0 clean, 1 findings, 2 usage error."""
     from orchestrator.audit import cli_audit

@@ -134,6 +134,8 @@ class TopologySpec(_EnvArgs):
     @field_validator("dcp", "mtp", mode="before")
     @classmethod
     def _scalar_to_list(cls, v: Any) -> Any:
+        if isinstance(v, str) and v != "divisors":
+            raise ValueError("must be a list of integers, or 'divisors' (dcp only)")
         return [v] if isinstance(v, int) and not isinstance(v, bool) else v
 
     def dcp_values(self) -> list[int]:
@@ -263,6 +265,11 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 def _loc_to_path(loc: Iterable[Any]) -> str:
     out = ""
     for part in loc:
+        # pydantic adds union-member tags ("list[int]", "literal['divisors']") to the location.
+        if isinstance(part, str) and re.match(
+            r"^(list|dict|literal|function-\w+|str|int)\b|.*\[", part
+        ):
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:
