@@ -1,0 +1,235 @@
+"""Reports of a run: the seeds' topology table in Markdown, and a JSON summary.
+
+Input is only the run directory (manifest + results.jsonl), so `orchestrator report RUN` can
+rebuild the reports of any run, finished, interrupted or resumed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+from orchestrator.store import RunStore, write_json_atomic, write_text_atomic
+
+MISSING = "-"
+
+
+def _tok(row: dict[str, Any], workload: str, metric: str = "aggregate_tok_s") -> float | None:
+    w = row.get("workloads", {}).get(workload)
+    if not w:
+        return None
+    value = w.get("mean", {}).get(metric)
+    return float(value) if value is not None else None
+
+
+def _fmt(v: float | None) -> str:
+    return MISSING if v is None else f"{v:.2f}"
+
+
+def _columns(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """(workload name, report column) in matrix order."""
+    return [(w["name"], w.get("column") or w["name"]) for w in manifest["matrix"]["workloads"]]
+
+
+def _variants(manifest: dict[str, Any]) -> list[str]:
+    return [v["name"] for v in manifest["matrix"].get("variants", [])] or ["default"]
+
+
+def _ordered_rows(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_id = {r["case_id"]: r for r in rows}
+    return [by_id[c["case_id"]] for c in manifest["cases"] if c["case_id"] in by_id]
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def topology_table(manifest: dict[str, Any], rows: list[dict[str, Any]], metric: str) -> str:
+    cols = _columns(manifest)
+    multi = len(_variants(manifest)) > 1
+    header = ["Model", "TP", "DCP", "MTP"] + (["Variant"] if multi else [])
+    header += [c for _, c in cols] + ["Errors", "Status"]
+    body = []
+    for r in _ordered_rows(manifest, rows):
+        line = [r["model"], str(r["tp"]), str(r["dcp"]), str(r["mtp"])]
+        if multi:
+            line.append(r["variant"])
+        line += [_fmt(_tok(r, name, metric)) for name, _ in cols]
+        line += [str(r.get("errors", 0)), "ok" if r.get("status") == "passed" else "**FAILED**"]
+        body.append(line)
+    return _md_table(header, body)
+
+
+def paired_deltas(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per topology and column: the first variant as baseline against each other variant."""
+    variants = _variants(manifest)
+    if len(variants) < 2:
+        return []
+    base = variants[0]
+    by_topo: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()
+    for r in _ordered_rows(manifest, rows):
+        by_topo.setdefault(r["topology_id"], {})[r["variant"]] = r
+    out = []
+    for topo, vs in by_topo.items():
+        for cand in variants[1:]:
+            if base not in vs or cand not in vs:
+                continue
+            for name, col in _columns(manifest):
+                b, c = _tok(vs[base], name), _tok(vs[cand], name)
+                delta = None if b in (None, 0.0) or c is None else 100.0 * (c - b) / b
+                out.append(
+                    {
+                        "topology_id": topo,
+                        "column": col,
+                        "baseline": base,
+                        "candidate": cand,
+                        "baseline_tok_s": b,
+                        "candidate_tok_s": c,
+                        "delta_pct": delta,
+                    }
+                )
+    return out
+
+
+def audit_sentence(rows: list[dict[str, Any]]) -> str:
+    """One run-level sentence built from what the per-case audits actually searched."""
+    from orchestrator.audit import run_summary_sentence
+
+    return run_summary_sentence([r.get("audit", {}) for r in rows])
+
+
+def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -> str:
+    manifest = store.manifest()
+    rows = store.results()
+    versions = manifest.get("versions", {})
+    out = [f"# Run {manifest['run_id']}", ""]
+    out.append(
+        f"Matrix `{manifest['matrix_path']}` ({manifest['matrix']['name']}), "
+        f"{len(rows)}/{len(manifest['cases'])} cases finished, "
+        f"{sum(r.get('status') != 'passed' for r in rows)} failed. "
+        f"vLLM {versions.get('vllm')}, fusedq {versions.get('fusedq')} "
+        f"(tree {manifest.get('fusedq_fingerprint')}), torch {versions.get('torch')}, "
+        f"Ray {versions.get('ray')}, commit {(manifest.get('git') or {}).get('commit')}."
+    )
+    out += ["", "## Aggregate output tok/s", ""]
+    out.append(
+        "Mean over repeats of aggregate output tok/s; every long-context case includes the "
+        "prefill-to-decode transition. Servers were measured one at a time."
+    )
+    out += ["", topology_table(manifest, rows, "aggregate_tok_s"), ""]
+    out += ["## Active per-user output tok/s (time to first token excluded)", ""]
+    out += [topology_table(manifest, rows, "per_user_tok_s"), ""]
+    deltas = paired_deltas(manifest, rows)
+    if deltas:
+        base, cand = deltas[0]["baseline"], deltas[0]["candidate"]
+        out += [f"## Paired variants: {base} vs {cand}", ""]
+        body = [
+            [
+                d["topology_id"],
+                d["column"],
+                _fmt(d["baseline_tok_s"]),
+                _fmt(d["candidate_tok_s"]),
+                MISSING if d["delta_pct"] is None else f"{d['delta_pct']:+.2f}%",
+            ]
+            for d in deltas
+        ]
+        out += [_md_table(["Topology", "Workload", base.title(), cand.title(), "Delta"], body), ""]
+    repeats = [
+        (r["case_id"], name, w.get("repeats", []))
+        for r in _ordered_rows(manifest, rows)
+        for name, w in r.get("workloads", {}).items()
+        if len(w.get("repeats", [])) > 1
+    ]
+    if repeats:
+        out += ["## Repeats", ""]
+        for case_id, name, reps in repeats:
+            agg = "/".join(f"{x.get('aggregate_tok_s', 0):.3f}" for x in reps)
+            usr = "/".join(f"{x.get('per_user_tok_s', 0):.3f}" for x in reps)
+            out.append(f"- {case_id} {name}: aggregate {agg} tok/s, active per-user {usr} tok/s")
+        out.append("")
+    failed = [r for r in _ordered_rows(manifest, rows) if r.get("status") != "passed"]
+    if failed:
+        out += ["## Failed cases", ""]
+        out += [f"- **{r['case_id']}**: {r.get('reason')}" for r in failed]
+        out.append("")
+    out += ["## Log audit", "", audit_sentence(rows), ""]
+    findings = [
+        (r["case_id"], f)
+        for r in _ordered_rows(manifest, rows)
+        for f in r.get("audit", {}).get("findings", [])
+    ]
+    for case_id, f in findings[:50]:
+        out.append(
+            f"- {case_id}: `{f.get('signature_id')}` ({f.get('severity')}) "
+            f"{f.get('file', '').split('/')[-1]}:{f.get('line_no')}: `{str(f.get('line', ''))[:160]}`"
+        )
+    if overhead:
+        out += [
+            "",
+            "## Orchestrator overhead",
+            "",
+            f"Wall {overhead['wall_s']:.1f} s, of which server start-up and measured workloads "
+            f"{overhead['startup_and_measured_s']:.1f} s; overhead {overhead['overhead_s']:.1f} s "
+            f"({overhead['overhead_pct']:.1f}%).",
+        ]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> dict[str, Any]:
+    manifest = store.manifest()
+    rows = _ordered_rows(manifest, store.results())
+    return {
+        "run_id": manifest["run_id"],
+        "matrix": manifest["matrix"]["name"],
+        "versions": manifest.get("versions"),
+        "git": manifest.get("git"),
+        "cases_total": len(manifest["cases"]),
+        "cases_finished": len(rows),
+        "cases_failed": sum(r.get("status") != "passed" for r in rows),
+        "overhead": overhead,
+        "cases": [
+            {
+                "case_id": r["case_id"],
+                "model": r["model"],
+                "tp": r["tp"],
+                "dcp": r["dcp"],
+                "mtp": r["mtp"],
+                "variant": r["variant"],
+                "status": r.get("status"),
+                "reason": r.get("reason"),
+                "errors": r.get("errors", 0),
+                "audit_verdict": r.get("audit", {}).get("verdict"),
+                "workloads": {
+                    name: {
+                        "aggregate_tok_s": w.get("mean", {}).get("aggregate_tok_s"),
+                        "per_user_tok_s": w.get("mean", {}).get("per_user_tok_s"),
+                        "repeats": [
+                            {
+                                "aggregate_tok_s": x.get("aggregate_tok_s"),
+                                "per_user_tok_s": x.get("per_user_tok_s"),
+                            }
+                            for x in w.get("repeats", [])
+                        ],
+                    }
+                    for name, w in r.get("workloads", {}).items()
+                },
+            }
+            for r in rows
+        ],
+        "paired": paired_deltas(manifest, rows),
+        "audit_summary": audit_sentence(rows),
+    }
+
+
+def write_reports(store: RunStore, overhead: dict[str, float] | None = None) -> None:
+    """(Re)write report.md and report.json of a run directory."""
+    saved = store.root / "overhead.json"
+    if overhead is not None:
+        write_json_atomic(saved, overhead)
+    elif saved.exists():
+        overhead = json.loads(saved.read_text())
+    write_text_atomic(store.root / "report.md", render_markdown(store, overhead))
+    write_json_atomic(store.root / "report.json", render_json(store, overhead))
