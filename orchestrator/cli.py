@@ -101,6 +101,11 @@ def run(
         summary = run_matrix(matrix, options)
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        typer.echo(
+            "orchestrator: interrupted; finished cases are kept, continue with --resume", err=True
+        )
+        raise typer.Exit(130) from None
     report = summary.run_dir / "report.md"
     typer.echo(f"run directory: {summary.run_dir}")
     typer.echo(f"report: {report}")

@@ -182,6 +182,28 @@ class TimeoutSpec(_Strict):
     case_s: float = Field(7200, gt=0, description="One case, start to stop.")
 
 
+class ExpectSpec(_Strict):
+    """A line the server log must contain, e.g. fusedq's warmup line from every worker."""
+
+    pattern: str = Field(min_length=1, description="Regular expression.")
+    description: str | None = None
+    per_rank: bool = Field(True, description="Every TP rank's worker must log it.")
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as exc:
+            raise ValueError(f"is not a regular expression: {exc}") from None
+        return v
+
+
+class AuditSpec(_Strict):
+    expect: list[ExpectSpec] = Field(default_factory=list)
+    kernel_log: bool = Field(True, description="Also scan the kernel log (Xid lines land there).")
+
+
 class RaySpec(_Strict):
     address: str | None = Field(None, description="Join this cluster; default: a local Ray.")
 
@@ -196,6 +218,7 @@ class Matrix(_Strict):
     workloads: list[WorkloadSpec] = Field(min_length=1)
     variants: list[VariantSpec] = Field(default_factory=lambda: [VariantSpec(name="default")])
     timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
+    audit: AuditSpec = Field(default_factory=AuditSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     host: str = Field(
         "127.0.0.1", description="Address servers bind; loopback unless you need more."

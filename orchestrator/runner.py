@@ -15,9 +15,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -386,6 +388,15 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     view = ProgressView(total=len(selected), enabled=options.progress)
     measured = 0.0
     summary: RunSummary | None = None
+    # SIGTERM (a job scheduler's stop) must unwind like Ctrl-C: every server stopped, every
+    # finished result kept, reports written. Python's default would exit without cleanup.
+    previous_term = signal.getsignal(signal.SIGTERM)
+
+    def _on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_term)
     try:
         with Launcher(matrix, ray_address=options.ray_address, log=log) as launcher:
             launcher.check_capacity()
@@ -425,7 +436,12 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                     v for k, v in t.items() if k.startswith("workload_")
                 )
                 view.finish(case.case_id, row)
+    except KeyboardInterrupt:
+        log("interrupted: servers stopped; finished cases kept; continue with --resume")
+        raise
     finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous_term)
         view.stop()
         if store is not None and summary is not None:
             total = time.monotonic() - t_run
