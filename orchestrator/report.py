@@ -94,11 +94,44 @@ def paired_deltas(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[
     return out
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def audit_sentence(rows: list[dict[str, Any]]) -> str:
     """One run-level sentence built from what the per-case audits actually searched."""
-    from orchestrator.audit import run_summary_sentence
-
-    return run_summary_sentence([r.get("audit", {}) for r in rows])
+    audits = [(r["case_id"], r.get("audit") or {}) for r in rows]
+    audits = [(cid, a) for cid, a in audits if a.get("searched")]
+    if not audits:
+        return "No case was audited."
+    files = sum(len(a["searched"].get("files", [])) for _, a in audits)
+    lines = sum(int(a["searched"].get("lines", 0)) for _, a in audits)
+    cats = list(audits[0][1]["searched"].get("categories", []))
+    head = (
+        f"The final log audit of {_plural(files, 'log')} ({_plural(lines, 'line')}) "
+        f"across {_plural(len(audits), 'case')}"
+    )
+    bad = [cid for cid, a in audits if a.get("verdict", {}).get("status") != "clean"]
+    if bad:
+        out = f"{head} found problems in {_plural(len(bad), 'case')}: {', '.join(bad)}."
+    else:
+        listed = ", ".join(cats[:-1]) + (f", or {cats[-1]}" if len(cats) > 1 else "".join(cats))
+        out = f"{head} found no {listed} failure."
+    unaudited = [
+        (cid, a) for cid, a in audits if not a["searched"].get("kernel_log", {}).get("audited")
+    ]
+    if unaudited:
+        reason = unaudited[0][1]["searched"]["kernel_log"].get("reason")
+        which = "any case" if len(unaudited) == len(audits) else ", ".join(c for c, _ in unaudited)
+        out += f" The kernel log was not audited for {which} ({reason})."
+    expectations: dict[str, list[bool]] = {}
+    for _, a in audits:
+        for er in a["searched"].get("expectations", []):
+            met = not er.get("missing") and er.get("occurrences", 0) > 0
+            expectations.setdefault(er["description"], []).append(met)
+    for desc, met in expectations.items():
+        out += f" All workers logged {desc}." if all(met) else f" Not every worker logged {desc}."
+    return out
 
 
 def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -> str:
@@ -162,9 +195,11 @@ def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -
         for f in r.get("audit", {}).get("findings", [])
     ]
     for case_id, f in findings[:50]:
+        text = str(f.get("text", ""))[:160].replace("`", "'")
+        rank = f" [{f['rank']}]" if f.get("rank") else ""
         out.append(
-            f"- {case_id}: `{f.get('signature_id')}` ({f.get('severity')}) "
-            f"{f.get('file', '').split('/')[-1]}:{f.get('line_no')}: `{str(f.get('line', ''))[:160]}`"
+            f"- {case_id}: `{f.get('signature')}` ({f.get('severity')}) "
+            f"{str(f.get('file', '')).split('/')[-1]}:{f.get('line')}{rank}: `{text}`"
         )
     if overhead:
         out += [
@@ -201,7 +236,7 @@ def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> di
                 "status": r.get("status"),
                 "reason": r.get("reason"),
                 "errors": r.get("errors", 0),
-                "audit_verdict": r.get("audit", {}).get("verdict"),
+                "audit_verdict": (r.get("audit") or {}).get("verdict", {}).get("status"),
                 "workloads": {
                     name: {
                         "aggregate_tok_s": w.get("mean", {}).get("aggregate_tok_s"),

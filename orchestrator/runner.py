@@ -28,7 +28,7 @@ from typing import Any
 
 from orchestrator.matrix import Case, Matrix, expand, load_matrix
 from orchestrator.redact import redact_argv, secret_values
-from orchestrator.store import RunStore, new_run_id
+from orchestrator.store import RunStore, new_run_id, write_json_atomic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,6 +227,7 @@ def run_case(
             timeout_s=matrix.timeouts.ready_s,
             alive=lambda: launcher.alive(handle),
             log_path=server_log,
+            returncode=lambda: launcher.exit_code(handle),
         )
         timings["startup_s"] = time.monotonic() - t
         log(f"{case.case_id}: ready after {waited:.1f} s")
@@ -278,24 +279,26 @@ def run_case(
     # The audit runs on every case, failed or not: a fault explains a failure, and a fault in a
     # case that produced numbers must fail it anyway.
     t = time.monotonic()
-    expectations = (
-        [Expectation(pattern=p, ranks=None, description=p) for p in matrix.audit_expect]
-        if getattr(matrix, "audit_expect", None)
-        else []
-    )
+    expectations = [
+        Expectation(pattern=e.pattern, ranks=None, description=e.description or e.pattern)
+        for e in matrix.audit.expect
+    ]
     audit = audit_logs(
-        [server_log] if server_log.exists() else [], since=started, expectations=expectations
+        [server_log] if server_log.exists() else [],
+        since=started,
+        expectations=expectations,
+        include_kernel_log=matrix.audit.kernel_log,
     )
     timings["audit_s"] = time.monotonic() - t
     audit_dict = audit.to_dict()
-    (cdir / "audit.json").write_text(json.dumps(audit_dict, indent=2, default=str))
-    fatal = [
-        f for f in audit.findings if getattr(f, "severity", "") in ("fatal", "quarantine-node")
-    ]
+    write_json_atomic(cdir / "audit.json", audit_dict)
+    fatal = [f for f in audit.findings if f.severity in ("fatal", "quarantine-node")]
     if fatal and status == "passed":
-        first = fatal[0]
+        first = audit.root_cause or fatal[0]
         status = "failed"
-        reason = f"audit: {first.signature_id} at {Path(first.file).name}:{first.line_no}: {first.line.strip()[:200]}"
+        reason = (
+            f"audit: {first.signature} ({first.severity}) at {first.location()}: {first.text[:200]}"
+        )
     errors = sum(int(w.get("errors", 0)) for w in workloads.values())
     timings["total_s"] = time.monotonic() - t_case
     row.update(

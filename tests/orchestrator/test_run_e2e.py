@@ -1,0 +1,165 @@
+"""`orchestrator run` end to end: the smoke matrix against real `vllm serve` (CPU build) placed
+through a real local Ray, then resume, then an injected fault. Nothing here is mocked.
+
+The workloads are shrunk with --set (CI time); the topology axes are the smoke matrix's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+SMALL = [
+    "workloads[0].output_tokens=16",
+    "workloads[1].prompt_tokens=512",
+    "workloads[1].output_tokens=16",
+]
+
+
+def _orchestrator(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [str(VENV_BIN / "orchestrator"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _server_processes() -> set[int]:
+    """PIDs of any vllm server or Ray daemon on this machine."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = set()
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if (" serve " in f" {args} " and "vllm" in args) or "raylet" in args or "gcs_server" in args:
+            pids.add(int(pid))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One run of the smoke matrix in two steps: the first case alone, then --resume for the rest."""
+    logs = tmp_path_factory.mktemp("logs")
+    before = _server_processes()
+    sets = [f"--set={s}" for s in SMALL]
+    first = _orchestrator(
+        "run", "matrices/smoke.yaml", "--logs-dir", str(logs), "--run-id", "e2e",
+        "--only", "tp1-dcp1-mtp0", "--quiet", *sets,
+    )  # fmt: skip
+    rest = _orchestrator(
+        "run", "matrices/smoke.yaml", "--logs-dir", str(logs), "--resume", "e2e", "--quiet", *sets
+    )
+    again = _orchestrator(
+        "run", "matrices/smoke.yaml", "--logs-dir", str(logs), "--resume", "e2e", "--quiet", *sets
+    )
+    after = _server_processes()
+    return {
+        "dir": logs / "e2e",
+        "first": first,
+        "rest": rest,
+        "again": again,
+        "leaked": after - before,
+    }
+
+
+def test_every_case_passes_with_throughput(smoke_run):
+    for step in ("first", "rest"):
+        out = smoke_run[step]
+        assert out.returncode == 0, f"{step}:\n{out.stdout}\n{out.stderr[-4000:]}"
+    rows = [json.loads(x) for x in (smoke_run["dir"] / "results.jsonl").read_text().splitlines()]
+    assert [r["case_id"] for r in rows] == [
+        "tiny-mla/tp1-dcp1-mtp0/default",
+        "tiny-mla/tp1-dcp1-mtp1/default",
+        "tiny-mla/tp2-dcp1-mtp0/default",
+        "tiny-mla/tp2-dcp1-mtp1/default",
+    ]
+    for r in rows:
+        assert r["status"] == "passed", r.get("reason")
+        assert r["errors"] == 0
+        for name in ("ctx0", "ctx2k"):
+            mean = r["workloads"][name]["mean"]
+            assert mean["aggregate_tok_s"] > 0
+            assert mean["per_user_tok_s"] >= mean["aggregate_tok_s"] * 0.5
+        assert r["audit"]["verdict"]["status"] == "clean", r["audit"]["verdict"]
+        assert r["timings"]["startup_s"] > 0
+
+
+def test_resume_skips_finished_cases_without_duplicates(smoke_run):
+    assert "skipped 1 finished case" in smoke_run["rest"].stdout
+    assert smoke_run["again"].returncode == 0, smoke_run["again"].stderr[-2000:]
+    assert "skipped 4 finished case" in smoke_run["again"].stdout
+    lines = (smoke_run["dir"] / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+
+
+def test_run_directory_holds_everything(smoke_run):
+    d = smoke_run["dir"]
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["versions"]["vllm"] and manifest["versions"]["ray"]
+    assert manifest["matrix_text"].startswith("# The embedded default")
+    assert len(manifest["cases"]) == 4
+    assert manifest["fusedq_fingerprint"]
+    assert len(manifest["resumes"]) == 2
+    for case in (d / "cases").iterdir():
+        assert (case / "server.log").stat().st_size > 0
+        assert (case / "audit.json").exists()
+        for name in ("ctx0", "ctx2k"):
+            records = (case / f"requests-{name}.jsonl").read_text().splitlines()
+            assert len(records) == 2
+            assert json.loads(records[0])["prompt_tokens"] in (1, 512)
+    rows = [json.loads(x) for x in (d / "results.jsonl").read_text().splitlines()]
+    for r in rows:
+        # The server ran on the node Ray placed it on and ran the driver's fusedq.
+        assert r["server"]["fusedq_fingerprint"] == manifest["fusedq_fingerprint"]
+        assert r["server"]["node_ip"] == "127.0.0.1"
+
+
+def test_report_has_the_seed_table(smoke_run):
+    report = (smoke_run["dir"] / "report.md").read_text()
+    assert "| Model | TP | DCP | MTP | ctx0 | ctx64k | Errors | Status |" in report
+    assert "| tiny-mla | 2 | 1 | 1 |" in report
+    assert "Orchestrator overhead" in report
+    data = json.loads((smoke_run["dir"] / "report.json").read_text())
+    assert data["cases_finished"] == 4 and data["cases_failed"] == 0
+
+
+def test_no_process_outlives_the_run(smoke_run):
+    assert not smoke_run["leaked"]
+
+
+def test_injected_fault_line_fails_its_case(tmp_path):
+    """A server that logs an Xid fails its case even though throughput was measured."""
+    wrapper = tmp_path / "vllm-with-xid"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        "echo 'NVRM: Xid (PCI:0000:1b:00): 31, pid=4242, name=python3, Ch 00000008, "
+        "intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12345000. "
+        "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ' >&2\n"
+        f'exec "{VENV_BIN / "vllm"}" "$@"\n'
+    )
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    out = _orchestrator(
+        "run", "matrices/smoke.yaml", "--logs-dir", str(tmp_path), "--run-id", "fault",
+        "--only", "tp1-dcp1-mtp0", "--quiet", f"--set=engine.vllm_bin={wrapper}",
+        *[f"--set={s}" for s in SMALL],
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    row = json.loads((tmp_path / "fault" / "results.jsonl").read_text().splitlines()[0])
+    assert row["status"] == "failed"
+    assert row["workloads"]["ctx0"]["mean"]["aggregate_tok_s"] > 0  # measured, and still failed
+    assert "xid" in row["reason"].lower()
+    report = (tmp_path / "fault" / "report.md").read_text()
+    assert "**FAILED**" in report and "Xid" in report
