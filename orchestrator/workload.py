@@ -1,0 +1,484 @@
+"""Workload client: streams `/v1/completions` with exact-length token-id prompts and measures.
+
+Prompts are random token ids (seeded, so a rerun sends the same prompts), sent as ids so
+the prompt length is exact without a tokenizer; `ignore_eos` plus `min_tokens` pin the
+output length. Every request's timeline is recorded (start, first token, each streamed
+chunk with its token count, end, usage) and the metrics are computed from those records
+alone, so the maths is testable on synthetic records.
+
+Definitions (per repeat; failed requests are excluded from every latency figure):
+- aggregate tok/s: output tokens of all successful requests / (last end - first start).
+- active per-user tok/s: mean over requests of (output_tokens - 1) / (end - first token);
+  it excludes time to first token, so a long prefill does not hide decode speed.
+- TTFT: first token - start. TPOT: (end - first token) / (output_tokens - 1).
+- ITL: the gap between consecutive streamed chunks, one value per gap, as `vllm bench
+  serve` counts it (with MTP a chunk may carry several tokens).
+
+Modes: `requests` sends that many in total at the given concurrency; `duration_s` runs
+`concurrency` users that each issue requests back to back until the duration is over.
+Requests still in flight when the duration ends run to completion and count, so wall
+time can exceed `duration_s` by up to one request's latency; the rate stays unbiased
+because every counted token is inside the measured wall time.
+
+Only httpx and the standard library are imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+_MONITOR_S = 0.25  # how often alive() is asked and progress is reported
+_PROGRESS_EVERY_S = 1.0
+_ERROR_BACKOFF_S = 0.5  # a duration-mode user that failed waits, so errors cannot spin
+_PERCENTILES = (50, 90, 99)
+
+
+class ServerDiedError(RuntimeError):
+    """The server stopped during a workload; `records` holds what finished before."""
+
+    def __init__(self, message: str, records: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.records = records or []
+
+
+@dataclass(frozen=True)
+class WorkloadParams:
+    """One workload of a matrix. Exactly one of `requests` and `duration_s` may be set;
+    with neither, each of the `concurrency` users sends one request."""
+
+    name: str
+    prompt_tokens: int
+    output_tokens: int
+    concurrency: int = 1
+    requests: int | None = None
+    duration_s: float | None = None
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [
+            f"{k}={v}"
+            for k, v in (
+                ("prompt_tokens", self.prompt_tokens),
+                ("output_tokens", self.output_tokens),
+                ("concurrency", self.concurrency),
+                ("repeats", self.repeats),
+            )
+            if v < 1
+        ]
+        if self.requests is not None and self.requests < 1:
+            bad.append(f"requests={self.requests}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            bad.append(f"duration_s={self.duration_s}")
+        if bad:
+            raise ValueError(f"workload {self.name!r}: {', '.join(bad)} must be positive")
+        if self.requests is not None and self.duration_s is not None:
+            raise ValueError(f"workload {self.name!r}: set requests or duration_s, not both")
+
+    @property
+    def total_requests(self) -> int | None:
+        """Requests per repeat, or None in duration mode."""
+        if self.duration_s is not None:
+            return None
+        return self.requests if self.requests is not None else self.concurrency
+
+
+@dataclass
+class RequestRecord:
+    """One request's timeline. Times are seconds from the start of its repeat."""
+
+    repeat: int
+    index: int
+    user: int
+    started_at: float  # wall clock (epoch s), to line up with server logs
+    start_s: float
+    requested_prompt_tokens: int
+    requested_output_tokens: int
+    first_token_s: float | None = None
+    end_s: float | None = None
+    chunk_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None  # from usage
+    output_tokens: int = 0  # from usage, else counted from chunks
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None and self.first_token_s is not None
+
+
+@dataclass
+class WorkloadResult:
+    params: WorkloadParams
+    repeats: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe summary: each repeat's metrics, their mean, totals, first errors."""
+        errors = [r["error"] for r in self.records if r["error"]]
+        return {
+            "name": self.params.name,
+            "params": asdict(self.params),
+            "repeats": self.repeats,
+            "mean": mean_of_repeats(self.repeats),
+            "requests": len(self.records),
+            "errors": len(errors),
+            "error_samples": errors[:5],
+        }
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def token_id_range(vocab_size: int) -> tuple[int, int]:
+    """[lo, hi) of ids safe for random prompts: tokenizers keep special and control tokens
+    at the very start (bos/eos/pad, byte fallbacks) or the very end (chat and tool
+    markers, padding rows), so the middle of the vocabulary holds ordinary text tokens."""
+    if vocab_size < 64:
+        raise ValueError(f"vocab_size={vocab_size} is too small for random prompts")
+    return min(vocab_size // 16, 1000), vocab_size * 7 // 8
+
+
+def make_prompt(n_tokens: int, *, vocab_size: int, seed: int, key: str) -> list[int]:
+    """Random ids, the same for the same (seed, key): reruns send identical prompts."""
+    lo, hi = token_id_range(vocab_size)
+    rng = random.Random(f"{seed}/{key}")
+    return [rng.randrange(lo, hi) for _ in range(n_tokens)]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), NaN when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    out = {f"p{q}": percentile(ms, q) for q in _PERCENTILES}
+    out["mean"] = sum(ms) / len(ms) if ms else math.nan
+    return out
+
+
+def repeat_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The metrics of one repeat from its request records (see the module docstring)."""
+    ok = [r for r in records if r["error"] is None]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    starts = [r["start_s"] for r in records]
+    ends = [r["end_s"] for r in records if r["end_s"] is not None]
+    wall = (max(ends) - min(starts)) if starts and ends else 0.0
+    ttft = [r["first_token_s"] - r["start_s"] for r in ok]
+    decoding = [r for r in ok if r["output_tokens"] > 1 and r["end_s"] > r["first_token_s"]]
+    tpot = [(r["end_s"] - r["first_token_s"]) / (r["output_tokens"] - 1) for r in decoding]
+    per_user = [(r["output_tokens"] - 1) / (r["end_s"] - r["first_token_s"]) for r in decoding]
+    itl = [b - a for r in ok for a, b in itertools.pairwise(r["chunk_s"])]
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+        "wall_s": wall,
+        "aggregate_tok_s": out_tokens / wall if wall > 0 else 0.0,
+        "per_user_tok_s": sum(per_user) / len(per_user) if per_user else 0.0,
+        "ttft_ms": _stats_ms(ttft),
+        "tpot_ms": _stats_ms(tpot),
+        "itl_ms": _stats_ms(itl),
+    }
+
+
+def mean_of_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Field-wise mean of the repeats' metrics (nested percentile dicts too)."""
+    if not repeats:
+        return {}
+
+    def avg(values: list[Any]) -> Any:
+        if isinstance(values[0], dict):
+            return {k: avg([v[k] for v in values]) for k in values[0]}
+        nums = [float(v) for v in values if not (isinstance(v, float) and math.isnan(v))]
+        return sum(nums) / len(nums) if nums else math.nan
+
+    keys = [k for k in repeats[0] if k != "repeat"]
+    return {k: avg([r[k] for r in repeats]) for k in keys}
+
+
+# --------------------------------------------------------------------------- client
+
+
+async def _one_request(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    rec: RequestRecord,
+    t0: float,
+    timeout_s: float,
+    on_tokens: Callable[[int], None],
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": rec.requested_output_tokens,
+        "min_tokens": rec.requested_output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Per-chunk token ids (vLLM >= 0.10.2); older servers ignore the field and each
+        # chunk then counts as one token, with usage giving the exact total.
+        "return_token_ids": True,
+    }
+    counted = 0
+    usage: dict[str, Any] | None = None
+
+    async def stream() -> None:
+        nonlocal counted, usage
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                rec.error = f"HTTP {resp.status_code}: {text[:500]}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.monotonic() - t0
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    ids = choice.get("token_ids")
+                    n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
+                    if choice.get("finish_reason"):
+                        rec.finish_reason = choice["finish_reason"]
+                    if n == 0:
+                        continue
+                    if rec.first_token_s is None:
+                        rec.first_token_s = now
+                    rec.chunk_s.append(now)
+                    rec.chunk_tokens.append(n)
+                    counted += n
+                    on_tokens(n)
+
+    try:
+        await asyncio.wait_for(stream(), timeout_s)
+        rec.end_s = time.monotonic() - t0
+    except asyncio.TimeoutError:  # not the builtin before Python 3.11
+        rec.error = f"request timed out after {timeout_s:.0f} s"
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:500]
+    if rec.end_s is None:
+        rec.end_s = time.monotonic() - t0
+    if rec.error is not None:
+        return
+    rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
+    rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
+    # The exact-length contract: a mismatch means the numbers describe another workload.
+    problems = []
+    if rec.prompt_tokens != rec.requested_prompt_tokens:
+        problems.append(f"prompt_tokens {rec.prompt_tokens} != {rec.requested_prompt_tokens}")
+    if rec.output_tokens != rec.requested_output_tokens:
+        problems.append(f"output_tokens {rec.output_tokens} != {rec.requested_output_tokens}")
+    if rec.first_token_s is None:
+        problems.append("no token streamed")
+    if problems:
+        rec.error = "; ".join(problems)
+
+
+async def _run_repeat(
+    client: httpx.AsyncClient,
+    model: str,
+    params: WorkloadParams,
+    repeat: int,
+    *,
+    vocab_size: int,
+    seed: int,
+    timeout_s: float,
+    alive: Callable[[], bool] | None,
+    progress: Callable[[dict[str, Any]], None] | None,
+) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    total = params.total_requests
+    t0 = time.monotonic()
+    end_at = t0 + params.duration_s if params.duration_s is not None else math.inf
+    next_index = 0
+    tokens = 0
+
+    def count(n: int) -> None:
+        nonlocal tokens
+        tokens += n
+
+    def report() -> None:
+        if progress is None:
+            return
+        done = sum(1 for r in records if r.end_s is not None)
+        elapsed = time.monotonic() - t0
+        info = {
+            "workload": params.name,
+            "repeat": repeat + 1,
+            "repeats": params.repeats,
+            "done": done,
+            "total": total,
+            "errors": sum(1 for r in records if r.error),
+            "elapsed_s": round(elapsed, 2),
+            "tok_s": round(tokens / elapsed, 2) if elapsed > 0 else 0.0,
+        }
+        if params.duration_s is not None:
+            info["duration_s"] = params.duration_s
+        try:
+            progress(info)
+        except Exception:  # a broken live view must not cost a measurement
+            log.exception("progress callback failed")
+
+    async def user(u: int) -> None:
+        nonlocal next_index
+        while True:
+            if total is not None and next_index >= total:
+                return
+            if time.monotonic() >= end_at:
+                return
+            i = next_index
+            next_index += 1
+            prompt = make_prompt(
+                params.prompt_tokens,
+                vocab_size=vocab_size,
+                seed=seed,
+                key=f"{params.name}/{repeat}/{i}",
+            )
+            rec = RequestRecord(
+                repeat=repeat,
+                index=i,
+                user=u,
+                started_at=time.time(),
+                start_s=time.monotonic() - t0,
+                requested_prompt_tokens=params.prompt_tokens,
+                requested_output_tokens=params.output_tokens,
+            )
+            records.append(rec)
+            await _one_request(client, model, prompt, rec, t0, timeout_s, count)
+            report()
+            if rec.error and params.duration_s is not None:
+                await asyncio.sleep(_ERROR_BACKOFF_S)
+
+    async def monitor() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(_MONITOR_S)
+            if alive is not None and not await asyncio.to_thread(alive):
+                raise ServerDiedError(
+                    f"server died during workload {params.name!r} (repeat {repeat + 1}, "
+                    f"{sum(1 for r in records if r.end_s is not None)} requests done)"
+                )
+            if time.monotonic() - last >= _PROGRESS_EVERY_S:
+                last = time.monotonic()
+                report()
+
+    users = asyncio.gather(*(user(u) for u in range(params.concurrency)))
+    watch = asyncio.ensure_future(monitor())
+    try:
+        done, _ = await asyncio.wait({users, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch in done:
+            users.cancel()
+            exc = watch.exception()
+            assert exc is not None  # monitor only ends by raising
+            if isinstance(exc, ServerDiedError):
+                exc.records = [asdict(r) for r in records]
+            raise exc
+        users.result()
+    finally:
+        watch.cancel()
+        if not users.done():
+            users.cancel()
+        await asyncio.gather(users, watch, return_exceptions=True)
+    report()
+    return records
+
+
+async def arun_workload(
+    base_url: str,
+    model: str,
+    params: WorkloadParams,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    request_timeout_s: float = 600.0,
+    alive: Callable[[], bool] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> WorkloadResult:
+    """The async form of `run_workload`, for callers that already run an event loop."""
+    # One connection per user; trust_env=False keeps proxy variables from routing
+    # loopback traffic elsewhere.
+    limits = httpx.Limits(max_connections=params.concurrency + 1, max_keepalive_connections=None)
+    timeout = httpx.Timeout(request_timeout_s, connect=30.0)
+    repeats: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(
+        base_url=base_url.rstrip("/"), limits=limits, timeout=timeout, trust_env=False
+    ) as client:
+        for r in range(params.repeats):
+            recs = [
+                asdict(x)
+                for x in await _run_repeat(
+                    client,
+                    model,
+                    params,
+                    r,
+                    vocab_size=vocab_size,
+                    seed=seed,
+                    timeout_s=request_timeout_s,
+                    alive=alive,
+                    progress=progress,
+                )
+            ]
+            records += recs
+            repeats.append({"repeat": r + 1, **repeat_metrics(recs)})
+    return WorkloadResult(params=params, repeats=repeats, records=records)
+
+
+def run_workload(
+    base_url: str,
+    model: str,
+    params: WorkloadParams,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    request_timeout_s: float = 600.0,
+    alive: Callable[[], bool] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> WorkloadResult:
+    """Run `params` against a ready server; each repeat is measured separately.
+
+    Raises ServerDiedError within about a second of `alive()` turning False.
+    """
+    return asyncio.run(
+        arun_workload(
+            base_url,
+            model,
+            params,
+            vocab_size=vocab_size,
+            seed=seed,
+            request_timeout_s=request_timeout_s,
+            alive=alive,
+            progress=progress,
+        )
+    )

@@ -1,0 +1,326 @@
+"""Workload client: metric maths on synthetic records, streaming against a fake server, and
+exact lengths and modes against a real tiny vLLM server (slow, e2e)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import workload as wl
+
+# ---------------------------------------------------------------------------- params
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prompt_tokens": 0}, "prompt_tokens=0"),
+        ({"output_tokens": 0}, "output_tokens=0"),
+        ({"concurrency": 0}, "concurrency=0"),
+        ({"requests": 0}, "requests=0"),
+        ({"duration_s": 0}, "duration_s=0"),
+        ({"requests": 2, "duration_s": 1.0}, "not both"),
+    ],
+)
+def test_params_validation(kwargs: dict[str, Any], match: str) -> None:
+    base = {"name": "w", "prompt_tokens": 1, "output_tokens": 1}
+    with pytest.raises(ValueError, match=match):
+        wl.WorkloadParams(**{**base, **kwargs})
+
+
+def test_total_requests() -> None:
+    assert wl.WorkloadParams("w", 1, 1, concurrency=3).total_requests == 3
+    assert wl.WorkloadParams("w", 1, 1, requests=7).total_requests == 7
+    assert wl.WorkloadParams("w", 1, 1, duration_s=2).total_requests is None
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def test_prompts_exact_seeded_and_in_safe_range() -> None:
+    a = wl.make_prompt(1000, vocab_size=2048, seed=1, key="x")
+    assert len(a) == 1000
+    assert a == wl.make_prompt(1000, vocab_size=2048, seed=1, key="x")
+    assert a != wl.make_prompt(1000, vocab_size=2048, seed=2, key="x")
+    assert a != wl.make_prompt(1000, vocab_size=2048, seed=1, key="y")
+    lo, hi = wl.token_id_range(2048)
+    assert (lo, hi) == (128, 1792)
+    assert lo <= min(a) and max(a) < hi
+    # Large vocabularies: the bottom 1000 ids and the top eighth are never used.
+    assert wl.token_id_range(151_552) == (1000, 132_608)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def _rec(start: float, first: float, end: float, n: int, *, error: str | None = None) -> dict:
+    chunks = [first + (end - first) * i / max(n - 1, 1) for i in range(n)]
+    return {
+        "start_s": start,
+        "first_token_s": first,
+        "end_s": end,
+        "chunk_s": chunks,
+        "chunk_tokens": [1] * n,
+        "output_tokens": n,
+        "prompt_tokens": 10,
+        "error": error,
+    }
+
+
+def test_repeat_metrics_maths() -> None:
+    recs = [
+        _rec(0.0, 0.5, 2.5, 11),  # 10 tokens over 2 s of decode: 5 tok/s, TPOT 200 ms
+        _rec(1.0, 1.2, 3.0, 10),  # 9 tokens over 1.8 s: 5 tok/s, TPOT 200 ms
+        _rec(0.5, 0.6, 0.7, 4, error="HTTP 500"),  # excluded from every figure
+    ]
+    m = wl.repeat_metrics(recs)
+    assert m["requests"] == 3 and m["errors"] == 1
+    assert m["output_tokens"] == 21
+    assert m["prompt_tokens"] == 20
+    assert m["wall_s"] == pytest.approx(3.0)  # first start 0.0 to last end 3.0
+    assert m["aggregate_tok_s"] == pytest.approx(7.0)
+    assert m["per_user_tok_s"] == pytest.approx(5.0)
+    assert m["ttft_ms"]["p50"] == pytest.approx(350.0)
+    assert m["ttft_ms"]["mean"] == pytest.approx(350.0)
+    assert m["ttft_ms"]["p90"] == pytest.approx(200 + 300 * 0.9)
+    assert m["tpot_ms"]["mean"] == pytest.approx(200.0)
+    assert m["itl_ms"]["p50"] == pytest.approx(200.0)
+    assert len([1 for r in recs[:2] for _ in r["chunk_s"][1:]]) == 19
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    vals = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert wl.percentile(vals, 50) == 3.0
+    assert wl.percentile(vals, 90) == pytest.approx(4.6)
+    assert wl.percentile(vals, 99) == pytest.approx(4.96)
+    assert math.isnan(wl.percentile([], 50))
+
+
+def test_all_failed_repeat_is_zero_not_crash() -> None:
+    m = wl.repeat_metrics([_rec(0, 1, 2, 3, error="x")])
+    assert m["aggregate_tok_s"] == 0.0 and m["per_user_tok_s"] == 0.0
+    assert math.isnan(m["ttft_ms"]["p50"])
+    json.dumps(m)  # NaN is allowed by json.dumps: summaries stay serialisable
+
+
+def test_mean_of_repeats() -> None:
+    r1 = {"repeat": 1, "aggregate_tok_s": 10.0, "ttft_ms": {"p50": 1.0, "mean": math.nan}}
+    r2 = {"repeat": 2, "aggregate_tok_s": 20.0, "ttft_ms": {"p50": 3.0, "mean": 4.0}}
+    assert wl.mean_of_repeats([r1, r2]) == {
+        "aggregate_tok_s": 15.0,
+        "ttft_ms": {"p50": 2.0, "mean": 4.0},
+    }
+    assert wl.mean_of_repeats([]) == {}
+
+
+# ---------------------------------------------------------------------------- fake server
+
+
+class _Streamer(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    delay_s = 0.01
+    prompt_fudge = 0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        n = body["max_tokens"]
+        sent = 0
+        while sent < n:
+            k = min(2, n - sent)  # two tokens per chunk, as MTP produces
+            sent += k
+            choice = {"text": "ab", "token_ids": [7] * k, "finish_reason": None}
+            if sent == n:
+                choice["finish_reason"] = "length"
+            self._event({"choices": [choice]})
+            time.sleep(self.delay_s)
+        usage = {"prompt_tokens": len(body["prompt"]) + self.prompt_fudge, "completion_tokens": n}
+        self._event({"choices": [], "usage": usage})
+        self._send(b"data: [DONE]\n\n")
+        self._send(b"")
+
+    def _event(self, obj: dict) -> None:
+        self._send(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    def _send(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+@pytest.fixture
+def fake_url() -> Iterator[str]:
+    yield from _serve(_Streamer)
+
+
+def test_fake_stream_counts_multi_token_chunks(fake_url: str) -> None:
+    events: list[dict] = []
+    p = wl.WorkloadParams("w", prompt_tokens=5, output_tokens=7, concurrency=2, requests=4)
+    res = wl.run_workload(fake_url, "m", p, vocab_size=2048, progress=events.append)
+    d = res.to_dict()
+    assert d["errors"] == 0 and d["requests"] == 4
+    for r in res.records:
+        assert r["output_tokens"] == 7 and r["prompt_tokens"] == 5
+        assert r["chunk_tokens"] == [2, 2, 2, 1]
+        assert r["finish_reason"] == "length"
+        assert r["start_s"] <= r["first_token_s"] <= r["end_s"]
+    assert events and events[-1]["done"] == 4 and events[-1]["total"] == 4
+    json.dumps(d)
+
+
+def test_prompt_length_mismatch_is_an_error(fake_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_Streamer, "prompt_fudge", 1)
+    p = wl.WorkloadParams("w", prompt_tokens=5, output_tokens=2)
+    d = wl.run_workload(fake_url, "m", p, vocab_size=2048).to_dict()
+    assert d["errors"] == 1
+    assert "prompt_tokens 6 != 5" in d["error_samples"][0]
+
+
+def test_duration_mode_repeats(fake_url: str) -> None:
+    p = wl.WorkloadParams("d", 3, 4, concurrency=2, duration_s=0.5, repeats=2)
+    res = wl.run_workload(fake_url, "m", p, vocab_size=2048)
+    d = res.to_dict()
+    assert [r["repeat"] for r in d["repeats"]] == [1, 2]
+    for rep in d["repeats"]:
+        assert rep["requests"] >= 4 and rep["errors"] == 0
+        assert rep["wall_s"] >= 0.5  # in-flight requests finish and count
+    assert {r["user"] for r in res.records} == {0, 1}
+    assert d["mean"]["aggregate_tok_s"] == pytest.approx(
+        sum(r["aggregate_tok_s"] for r in d["repeats"]) / 2
+    )
+
+
+def test_connection_refused_is_recorded() -> None:
+    from orchestrator.engines.vllm import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    d = wl.run_workload(url, "m", wl.WorkloadParams("w", 1, 1), vocab_size=2048).to_dict()
+    assert d["errors"] == 1 and "ConnectError" in d["error_samples"][0]
+
+
+def test_server_death_aborts_within_a_second(
+    fake_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_Streamer, "delay_s", 0.5)  # a request would take 50 s
+    dead_at = time.monotonic() + 0.6
+    p = wl.WorkloadParams("w", 2, 100, concurrency=2, requests=10)
+    t0 = time.monotonic()
+    with pytest.raises(wl.ServerDiedError, match="server died") as info:
+        wl.run_workload(fake_url, "m", p, vocab_size=2048, alive=lambda: time.monotonic() < dead_at)
+    assert time.monotonic() - t0 < 0.6 + 1.0
+    assert len(info.value.records) == 2
+
+
+# ---------------------------------------------------------------------------- real vLLM
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any]]:
+    pytest.importorskip("vllm", reason="vLLM not installed")
+    from orchestrator.engines import vllm as eng
+    from orchestrator.tinymodel import build_tiny_model
+
+    model = str(build_tiny_model())
+    run_dir = tmp_path_factory.mktemp("server")
+    port = eng.free_port("127.0.0.1")
+    argv = eng.serve_argv(
+        model,
+        tp=1,
+        dcp=1,
+        mtp=0,
+        host="127.0.0.1",
+        port=port,
+        served_name="tiny",
+        extra_args=["--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096"],
+    )
+    env = eng.serve_env(
+        os.environ, host="127.0.0.1", run_dir=run_dir, extra={"VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
+    log = run_dir / "server.log"
+    proc = eng.start_server(argv, env, log)
+    try:
+        eng.wait_ready(
+            f"http://127.0.0.1:{port}",
+            timeout_s=400,
+            alive=lambda: proc.poll() is None,
+            log_path=log,
+            returncode=proc.poll,
+        )
+        yield f"http://127.0.0.1:{port}", model, proc
+    finally:
+        eng.stop_server(proc, grace_s=10)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_real_exact_lengths_and_sane_metrics(tiny_server: tuple[str, str, Any]) -> None:
+    from orchestrator.tinymodel import vocab_size
+
+    url, model, proc = tiny_server
+    p = wl.WorkloadParams("ctx", prompt_tokens=517, output_tokens=33, concurrency=2, requests=4)
+    res = wl.run_workload(
+        url, "tiny", p, vocab_size=vocab_size(model), alive=lambda: proc.poll() is None
+    )
+    d = res.to_dict()
+    assert d["errors"] == 0, d["error_samples"]
+    for r in res.records:
+        assert r["prompt_tokens"] == 517
+        assert r["output_tokens"] == 33 == sum(r["chunk_tokens"])
+        assert r["finish_reason"] == "length"
+    m = d["repeats"][0]
+    assert m["output_tokens"] == 4 * 33
+    assert 0 < m["aggregate_tok_s"] < 10_000
+    assert 0 < m["per_user_tok_s"] < 10_000
+    assert 0 < m["ttft_ms"]["p50"] <= m["ttft_ms"]["p99"]
+    assert m["tpot_ms"]["p50"] > 0 and m["itl_ms"]["p50"] > 0
+    # Two users at once: the aggregate beats one user's active rate only if batching works,
+    # but it can never exceed the sum of both users' rates.
+    assert m["aggregate_tok_s"] <= 2 * m["per_user_tok_s"] * 1.05
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_real_duration_mode_two_repeats(tiny_server: tuple[str, str, Any]) -> None:
+    url, _, proc = tiny_server
+    p = wl.WorkloadParams("dur", 64, 16, concurrency=2, duration_s=3.0, repeats=2)
+    res = wl.run_workload(url, "tiny", p, vocab_size=2048, alive=lambda: proc.poll() is None)
+    d = res.to_dict()
+    assert d["errors"] == 0, d["error_samples"]
+    assert len(d["repeats"]) == 2
+    for rep in d["repeats"]:
+        assert rep["requests"] >= 2
+        assert rep["wall_s"] >= 3.0
+        assert rep["output_tokens"] == 16 * rep["requests"]
+    assert d["mean"]["aggregate_tok_s"] > 0
+
+
+def test_import_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, orchestrator.workload as w; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
