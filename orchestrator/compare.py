@@ -1,0 +1,404 @@
+"""`orchestrator compare BASE CAND`: what changed between two recorded runs.
+
+Cases are matched by ``case_id``. For every matched case and workload the aggregate and the
+active per-user tok/s of both runs are set side by side; findings are matched by case and
+signature. What fails a comparison (``Comparison.ok`` is False, the CLI exits 1):
+
+- a drop of aggregate tok/s of more than ``threshold_pct`` in any workload of a matched case;
+- a case that passed in BASE and failed in CAND;
+- a new finding of severity ``fatal`` or ``quarantine-node``.
+
+Per-user tok/s deltas, new warnings and cleared findings are reported, not judged: per-user
+rates move with batch composition, and a warning does not break a case (see signatures.yaml).
+Cases present in only one run are listed; a matrix that gained or lost a topology is not a
+regression.
+
+Only the run directories are read (manifest.json, results.jsonl); stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.report import _md_table
+from orchestrator.store import MANIFEST, RESULTS, RunStore
+
+DEFAULT_THRESHOLD_PCT = 3.0
+# Severities that break a case or a node (signatures.yaml): new ones fail a comparison.
+FATAL_SEVERITIES = ("fatal", "quarantine-node")
+METRICS = ("aggregate_tok_s", "per_user_tok_s")
+# The gate: only aggregate tok/s is the throughput figure the seeds' tables are judged by.
+GATED_METRIC = "aggregate_tok_s"
+_SEVERITY_ORDER = {"warning": 0, "fatal": 1, "quarantine-node": 2}
+
+
+class CompareError(ValueError):
+    """A run directory that cannot be compared (missing, no manifest, unreadable)."""
+
+
+def open_run(path: str | Path) -> RunStore:
+    """Open a run directory for reading, or raise CompareError naming the path and the fault."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CompareError(f"{root}: not a run directory (does not exist)")
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        raise CompareError(f"{root}: not a run directory (missing {MANIFEST})")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CompareError(f"{manifest_path}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CompareError(f"{manifest_path}: manifest is not a JSON object")
+    for key in ("run_id", "cases", "matrix"):
+        if key not in manifest:
+            raise CompareError(f"{manifest_path}: manifest has no {key!r}")
+    if not (root / RESULTS).is_file():
+        raise CompareError(f"{root}: not a run directory (missing {RESULTS})")
+    return RunStore(root)
+
+
+@dataclass
+class MetricDelta:
+    """One throughput figure of one case and workload in both runs."""
+
+    case_id: str
+    workload: str
+    column: str
+    metric: str
+    base: float | None
+    cand: float | None
+
+    @property
+    def delta_pct(self) -> float | None:
+        if self.base is None or self.cand is None or self.base == 0.0:
+            return None
+        return 100.0 * (self.cand - self.base) / self.base
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "delta_pct": self.delta_pct}
+
+
+@dataclass
+class CaseRow:
+    """A case present in both runs: its status in each and every throughput delta."""
+
+    case_id: str
+    topology_id: str
+    model: str
+    variant: str
+    base_status: str | None
+    cand_status: str | None
+    deltas: list[MetricDelta] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "deltas": [d.to_dict() for d in self.deltas]}
+
+
+@dataclass
+class Regression:
+    """Why CAND is worse than BASE for one case."""
+
+    case_id: str
+    kind: str  # "throughput" or "status"
+    message: str
+    workload: str | None = None
+    delta_pct: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class FindingChange:
+    """A (case, signature) pair seen in one run's audit and not in the other's."""
+
+    case_id: str
+    signature: str
+    severity: str
+    category: str
+    count: int
+    location: str
+    text: str
+
+    @property
+    def fatal(self) -> bool:
+        return self.severity in FATAL_SEVERITIES
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "fatal": self.fatal}
+
+
+@dataclass
+class Comparison:
+    """The result of comparing a candidate run against a base run."""
+
+    base_run: str
+    cand_run: str
+    base_dir: str
+    cand_dir: str
+    threshold_pct: float
+    rows: list[CaseRow] = field(default_factory=list)
+    regressions: list[Regression] = field(default_factory=list)
+    new_findings: list[FindingChange] = field(default_factory=list)
+    cleared_findings: list[FindingChange] = field(default_factory=list)
+    only_in_base: list[str] = field(default_factory=list)
+    only_in_cand: list[str] = field(default_factory=list)
+
+    @property
+    def new_fatal_findings(self) -> list[FindingChange]:
+        return [f for f in self.new_findings if f.fatal]
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions and not self.new_fatal_findings
+
+    def failures_for(self, case_id: str) -> list[str]:
+        """Messages of everything that fails this comparison for one case (JUnit uses them)."""
+        out = [r.message for r in self.regressions if r.case_id == case_id]
+        out += [
+            f"new {f.severity} finding {f.signature} at {f.location}: {f.text}"
+            for f in self.new_fatal_findings
+            if f.case_id == case_id
+        ]
+        return out
+
+    def verdict(self) -> str:
+        """One sentence for a log line or the head of a report."""
+        if self.ok:
+            return (
+                f"{self.cand_run} vs {self.base_run}: no regression "
+                f"(threshold {self.threshold_pct:g}% aggregate tok/s), no new fatal finding."
+            )
+        parts = []
+        if self.regressions:
+            n = len(self.regressions)
+            parts.append(f"{n} regression{'' if n == 1 else 's'}")
+        if self.new_fatal_findings:
+            n = len(self.new_fatal_findings)
+            parts.append(f"{n} new fatal finding{'' if n == 1 else 's'}")
+        return f"{self.cand_run} vs {self.base_run}: " + " and ".join(parts) + "."
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "base_run": self.base_run,
+            "cand_run": self.cand_run,
+            "base_dir": self.base_dir,
+            "cand_dir": self.cand_dir,
+            "threshold_pct": self.threshold_pct,
+            "ok": self.ok,
+            "verdict": self.verdict(),
+            "regressions": [r.to_dict() for r in self.regressions],
+            "new_findings": [f.to_dict() for f in self.new_findings],
+            "cleared_findings": [f.to_dict() for f in self.cleared_findings],
+            "only_in_base": self.only_in_base,
+            "only_in_cand": self.only_in_cand,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def to_markdown(self) -> str:
+        out = [f"# Compare {self.cand_run} against {self.base_run}", "", self.verdict(), ""]
+        if self.regressions:
+            out += ["## Regressions", ""]
+            out += [f"- **{r.case_id}**: {r.message}" for r in self.regressions]
+            out.append("")
+        if self.new_findings:
+            out += ["## New findings", ""]
+            out += [_finding_line(f) for f in self.new_findings]
+            out.append("")
+        if self.cleared_findings:
+            out += ["## Cleared findings", ""]
+            out += [_finding_line(f) for f in self.cleared_findings]
+            out.append("")
+        out += ["## Throughput, base → candidate", ""]
+        header = [
+            "Case",
+            "Workload",
+            "Aggregate base",
+            "Aggregate cand",
+            "Δ aggregate",
+            "Per-user base",
+            "Per-user cand",
+            "Δ per-user",
+            "Status",
+        ]
+        body = []
+        for row in self.rows:
+            by_wl: dict[str, dict[str, MetricDelta]] = {}
+            for d in row.deltas:
+                by_wl.setdefault(d.workload, {})[d.metric] = d
+            status = (
+                row.cand_status or "-"
+                if row.base_status == row.cand_status
+                else f"{row.base_status} → {row.cand_status}"
+            )
+            for metrics in by_wl.values():
+                agg, usr = metrics["aggregate_tok_s"], metrics["per_user_tok_s"]
+                body.append(
+                    [row.case_id, agg.column, *_delta_cells(agg), *_delta_cells(usr), status]
+                )
+        out.append(_md_table(header, body) if body else "No case is in both runs.")
+        out.append("")
+        if self.only_in_base or self.only_in_cand:
+            out += ["## Cases in one run only", ""]
+            out += [f"- only in {self.base_run}: {c}" for c in self.only_in_base]
+            out += [f"- only in {self.cand_run}: {c}" for c in self.only_in_cand]
+            out.append("")
+        return "\n".join(out).rstrip() + "\n"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.2f}%"
+
+
+def _delta_cells(d: MetricDelta) -> list[str]:
+    return [_num(d.base), _num(d.cand), _pct(d.delta_pct)]
+
+
+def _finding_line(f: FindingChange) -> str:
+    text = f.text[:160].replace("`", "'")
+    times = f" ×{f.count}" if f.count > 1 else ""
+    return f"- {f.case_id}: `{f.signature}` ({f.severity}){times} {f.location}: `{text}`"
+
+
+def _columns(manifest: dict[str, Any]) -> dict[str, str]:
+    """Workload name -> report column (``ctx2k`` may report into ``ctx64k``)."""
+    return {
+        w["name"]: w.get("column") or w["name"]
+        for w in manifest.get("matrix", {}).get("workloads", [])
+    }
+
+
+def _mean(row: dict[str, Any], workload: str, metric: str) -> float | None:
+    value = ((row.get("workloads") or {}).get(workload) or {}).get("mean", {}).get(metric)
+    return None if value is None else float(value)
+
+
+def _findings(row: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    by_sig: dict[str, list[dict[str, Any]]] = {}
+    for f in (row.get("audit") or {}).get("findings", []):
+        by_sig.setdefault(str(f.get("signature")), []).append(f)
+    return by_sig
+
+
+def finding_location(f: dict[str, Any], *, basename: bool = False) -> str:
+    """``file:line [rank]`` of a finding as the audit recorded it."""
+    where = str(f.get("file", ""))
+    if basename:
+        where = where.split("/")[-1]
+    if f.get("line") is not None:
+        where += f":{f['line']}"
+    return f"{where} [{f['rank']}]" if f.get("rank") else where
+
+
+def _change(case_id: str, signature: str, found: list[dict[str, Any]]) -> FindingChange:
+    # The worst occurrence stands for the signature: that is the one a reader must see.
+    worst = max(found, key=lambda f: _SEVERITY_ORDER.get(str(f.get("severity")), 0))
+    return FindingChange(
+        case_id=case_id,
+        signature=signature,
+        severity=str(worst.get("severity")),
+        category=str(worst.get("category", "")),
+        count=len(found),
+        location=finding_location(worst, basename=True),
+        text=str(worst.get("text", "")),
+    )
+
+
+def _ordered(store: RunStore) -> list[dict[str, Any]]:
+    rows = {r["case_id"]: r for r in store.results() if "case_id" in r}
+    order = [c["case_id"] for c in store.manifest().get("cases", [])]
+    # Rows of cases the manifest does not list (a hand-edited run) still count, after the rest.
+    return [rows[c] for c in order if c in rows] + [r for c, r in rows.items() if c not in order]
+
+
+def compare_stores(
+    base: RunStore, cand: RunStore, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT
+) -> Comparison:
+    """Compare two opened runs; see the module docstring for what counts as a regression."""
+    base_manifest, cand_manifest = base.manifest(), cand.manifest()
+    columns = {**_columns(base_manifest), **_columns(cand_manifest)}
+    base_rows = {r["case_id"]: r for r in _ordered(base)}
+    cand_rows = _ordered(cand)
+    cmp = Comparison(
+        base_run=str(base_manifest.get("run_id", base.run_id)),
+        cand_run=str(cand_manifest.get("run_id", cand.run_id)),
+        base_dir=str(base.root),
+        cand_dir=str(cand.root),
+        threshold_pct=threshold_pct,
+    )
+    cand_ids = {r["case_id"] for r in cand_rows}
+    cmp.only_in_base = [c for c in base_rows if c not in cand_ids]
+    cmp.only_in_cand = [r["case_id"] for r in cand_rows if r["case_id"] not in base_rows]
+    for c in cand_rows:
+        b = base_rows.get(c["case_id"])
+        if b is None:
+            continue
+        case_id = c["case_id"]
+        row = CaseRow(
+            case_id=case_id,
+            topology_id=str(c.get("topology_id", "")),
+            model=str(c.get("model", "")),
+            variant=str(c.get("variant", "")),
+            base_status=b.get("status"),
+            cand_status=c.get("status"),
+        )
+        workloads = list(b.get("workloads") or {})
+        workloads += [w for w in (c.get("workloads") or {}) if w not in workloads]
+        for wl in workloads:
+            for metric in METRICS:
+                row.deltas.append(
+                    MetricDelta(
+                        case_id=case_id,
+                        workload=wl,
+                        column=columns.get(wl, wl),
+                        metric=metric,
+                        base=_mean(b, wl, metric),
+                        cand=_mean(c, wl, metric),
+                    )
+                )
+        cmp.rows.append(row)
+        if b.get("status") == "passed" and c.get("status") != "passed":
+            cmp.regressions.append(
+                Regression(
+                    case_id=case_id,
+                    kind="status",
+                    message=f"passed in {cmp.base_run}, failed in {cmp.cand_run}: "
+                    f"{c.get('reason') or 'no reason recorded'}",
+                )
+            )
+        for d in row.deltas:
+            pct = d.delta_pct
+            if d.metric == GATED_METRIC and pct is not None and pct < -threshold_pct:
+                cmp.regressions.append(
+                    Regression(
+                        case_id=case_id,
+                        kind="throughput",
+                        workload=d.workload,
+                        delta_pct=pct,
+                        message=f"{d.column} aggregate tok/s {d.base:.2f} → {d.cand:.2f} "
+                        f"({pct:+.2f}%, threshold -{threshold_pct:g}%)",
+                    )
+                )
+        base_f, cand_f = _findings(b), _findings(c)
+        cmp.new_findings += [_change(case_id, s, fs) for s, fs in cand_f.items() if s not in base_f]
+        cmp.cleared_findings += [
+            _change(case_id, s, fs) for s, fs in base_f.items() if s not in cand_f
+        ]
+    return cmp
+
+
+def compare_runs(
+    base_dir: str | Path, cand_dir: str | Path, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT
+) -> Comparison:
+    """Compare run directory CAND against BASE; CompareError names a bad path or threshold."""
+    if not threshold_pct >= 0.0:  # also rejects NaN
+        raise CompareError(f"--threshold-pct={threshold_pct}: must be a percentage >= 0")
+    return compare_stores(open_run(base_dir), open_run(cand_dir), threshold_pct=threshold_pct)

@@ -1,0 +1,543 @@
+"""`report.html`: one self-contained page per run that a person reads in the morning.
+
+The page holds the seeds' topology tables, inline SVG bar charts of aggregate tok/s per
+topology (one per workload column, e.g. ctx0 and ctx64k), a chart of paired-variant deltas
+when the matrix has two or more variants, a trend chart over earlier runs when a history is
+given (``orchestrator nightly`` passes it), an optional comparison verdict, and the audit
+findings with their log excerpts.
+
+Self-contained on purpose: the file is mailed, attached to CI jobs and opened from shared
+disks on machines without network, so there are no scripts, fonts, stylesheets or images
+from elsewhere; charts are SVG generated here and the page has no JavaScript at all.
+
+Every string that came from a log, a matrix or a run (finding text, reasons, labels, ids) is
+HTML-escaped and stripped of control characters: a log line is attacker-controlled text.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.compare import finding_location
+from orchestrator.report import (
+    _columns,
+    _fmt,
+    _ordered_rows,
+    _tok,
+    _variants,
+    audit_sentence,
+    paired_deltas,
+)
+from orchestrator.store import RunStore, write_text_atomic
+
+if TYPE_CHECKING:
+    from orchestrator.compare import Comparison
+
+HTML_NAME = "report.html"
+
+# Tableau 10: distinguishable for the common colour-vision deficiencies and in greyscale print.
+PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+)
+# Past ten series colours repeat; a dash pattern keeps lines 11..40 apart in the trend chart.
+DASHES = ("", "6 3", "2 3", "8 3 2 3")
+GOOD, BAD, MUTED = "#2e7d32", "#c62828", "#757575"
+
+CHART_WIDTH = 960
+LABEL_WIDTH = 300  # room for "NF3 MXFP8/tp8-dcp8-mtp3" at 12 px
+BAR_HEIGHT = 16
+BAR_GAP = 3
+GROUP_GAP = 10
+MAX_LABEL_CHARS = 44
+# A month of nightlies: more points than this makes the trend unreadable at page width.
+MAX_TREND_RUNS = 30
+# The page must stay small enough to mail: the findings list is capped like report.md's.
+MAX_FINDINGS = 200
+
+# C0 controls (except tab/newline/CR), DEL and C1 controls: invalid or invisible in HTML text.
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
+  margin:24px auto;max-width:1320px;padding:0 16px;color:#212121;background:#fff}
+h1{font-size:22px;margin:0 0 6px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
+h3{font-size:15px;margin:18px 0 6px}
+table{border-collapse:collapse;margin:6px 0 12px;font-variant-numeric:tabular-nums}
+th,td{border:1px solid #d0d0d0;padding:3px 9px;text-align:right}
+th{background:#f3f3f3}td.l,th.l{text-align:left}
+.pill{display:inline-block;padding:1px 9px;border-radius:10px;color:#fff;font-weight:600}
+.ok{background:#2e7d32}.bad{background:#c62828}.warn{background:#ef6c00}.muted{color:#757575}
+.sev-warning{background:#ef6c00}.sev-fatal{background:#c62828}.sev-quarantine-node{background:#6a1b9a}
+.legend{display:flex;flex-wrap:wrap;gap:4px 14px;margin:2px 0 6px;font-size:12px}
+.legend span.sw{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px}
+.finding{border:1px solid #ddd;border-radius:4px;margin:8px 0;padding:6px 10px}
+.finding .where{font-family:ui-monospace,"DejaVu Sans Mono",monospace;font-size:12px}
+pre.excerpt{background:#f7f7f7;border:1px solid #e0e0e0;padding:6px 8px;overflow-x:auto;
+  font:12px/1.4 ui-monospace,"DejaVu Sans Mono",monospace;margin:4px 0;white-space:pre}
+pre.excerpt mark{background:#ffe0b2;display:inline-block;min-width:100%}
+svg{display:block;max-width:100%;height:auto}
+svg text{font:12px system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif}
+"""
+
+
+def _e(value: Any) -> str:
+    """Escape for HTML text and attribute values, control characters removed."""
+    return html.escape(_CONTROL_RE.sub("", str(value)), quote=True)
+
+
+def _short(label: str, limit: int = MAX_LABEL_CHARS) -> str:
+    return label if len(label) <= limit else label[: limit - 1] + "…"
+
+
+# Axis maxima whose quarters are round (0.25, 0.3, 0.4, …): ticks sit at 0, ¼, ½, ¾, 1.
+_NICE_STEPS = (1.0, 1.2, 1.6, 2.0, 2.4, 3.2, 4.0, 6.0, 8.0, 10.0)
+
+
+def _nice_max(value: float) -> float:
+    """The smallest nice step × 10^k at or above value, so bars use most of the width."""
+    if value <= 0:
+        return 1.0
+    exp = 10 ** math.floor(math.log10(value))
+    return next(m * exp for m in _NICE_STEPS if m * exp >= value)
+
+
+def _legend(items: Sequence[tuple[str, str, str]]) -> str:
+    """HTML legend of (name, colour, dash) swatches; HTML wraps long legends, SVG would not."""
+    spans = []
+    for name, colour, dash in items:
+        style = f"background:{colour}" if not dash else f"border-top:3px dashed {colour}"
+        spans.append(f'<span><span class="sw" style="{style}"></span>{_e(name)}</span>')
+    return f'<div class="legend">{"".join(spans)}</div>'
+
+
+def _axis(x0: float, width: float, top: float, bottom: float, vmax: float, unit: str) -> str:
+    parts = []
+    for i in range(5):
+        v = vmax * i / 4
+        x = x0 + width * i / 4
+        parts.append(
+            f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="#e0e0e0"/>'
+            f'<text x="{x:.1f}" y="{bottom + 14}" text-anchor="middle" fill="{MUTED}">'
+            f"{v:g}</text>"
+        )
+    parts.append(
+        f'<text x="{x0 + width:.1f}" y="{bottom + 28}" text-anchor="end" fill="{MUTED}">'
+        f"{_e(unit)}</text>"
+    )
+    return "".join(parts)
+
+
+def bar_chart(
+    title: str,
+    groups: Sequence[tuple[str, Sequence[tuple[str, float | None, bool]]]],
+    series: Sequence[str],
+    unit: str = "tok/s",
+) -> str:
+    """Horizontal grouped bars: one group per label, one bar per (series, value, failed)."""
+    colour = {s: PALETTE[i % len(PALETTE)] for i, s in enumerate(series)}
+    values = [v for _, bars in groups for _, v, _ in bars if v is not None]
+    vmax = _nice_max(max(values, default=0.0) * 1.08)  # room for the value label
+    plot_w = CHART_WIDTH - LABEL_WIDTH - 20
+    y, top = 8.0, 8.0
+    body = []
+    for label, bars in groups:
+        h = len(bars) * (BAR_HEIGHT + BAR_GAP)
+        body.append(
+            f'<text x="{LABEL_WIDTH - 8}" y="{y + h / 2 + 4:.1f}" text-anchor="end">'
+            f"<title>{_e(label)}</title>{_e(_short(label))}</text>"
+        )
+        for name, v, failed in bars:
+            tip = f"{label} {name}: {_fmt(v)} {unit}" + (" (case failed)" if failed else "")
+            if v is None:
+                body.append(
+                    f'<text x="{LABEL_WIDTH + 4}" y="{y + BAR_HEIGHT - 4}" fill="{MUTED}">'
+                    f"<title>{_e(tip)}</title>- no figure</text>"
+                )
+            else:
+                w = max(plot_w * v / vmax, 1.0)
+                stroke = f' stroke="{BAD}" stroke-width="2"' if failed else ""
+                body.append(
+                    f'<rect x="{LABEL_WIDTH}" y="{y:.1f}" width="{w:.1f}" height="{BAR_HEIGHT}" '
+                    f'fill="{colour[name]}"{stroke}><title>{_e(tip)}</title></rect>'
+                    f'<text x="{LABEL_WIDTH + w + 4:.1f}" y="{y + BAR_HEIGHT - 4}"'
+                    f"{f' fill={chr(34)}{BAD}{chr(34)}' if failed else ''}>"
+                    f"{v:.2f}{' FAILED' if failed else ''}</text>"
+                )
+            y += BAR_HEIGHT + BAR_GAP
+        y += GROUP_GAP
+    height = y + 30
+    axis = _axis(LABEL_WIDTH, plot_w, top, y - GROUP_GAP, vmax, unit)
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{height:.0f}" '
+        f'viewBox="0 0 {CHART_WIDTH} {height:.0f}" role="img" aria-label="{_e(title)}">'
+        f"{axis}{''.join(body)}</svg>"
+    )
+    legend = _legend([(s, colour[s], "") for s in series]) if len(series) > 1 else ""
+    return f"<h3>{_e(title)}</h3>{legend}{svg}"
+
+
+def delta_chart(title: str, items: Sequence[tuple[str, float | None]]) -> str:
+    """Diverging horizontal bars around 0%: green right for faster, red left for slower."""
+    values = [abs(v) for _, v in items if v is not None]
+    vmax = _nice_max(max(values, default=0.0) * 1.15)
+    plot_w = CHART_WIDTH - LABEL_WIDTH - 20
+    mid = LABEL_WIDTH + plot_w / 2
+    y, body = 8.0, []
+    for label, v in items:
+        body.append(
+            f'<text x="{LABEL_WIDTH - 8}" y="{y + BAR_HEIGHT - 4}" text-anchor="end">'
+            f"<title>{_e(label)}</title>{_e(_short(label))}</text>"
+        )
+        if v is None:
+            body.append(
+                f'<text x="{mid + 4:.1f}" y="{y + BAR_HEIGHT - 4}" fill="{MUTED}">- no pair</text>'
+            )
+        else:
+            w = plot_w / 2 * abs(v) / vmax
+            x = mid if v >= 0 else mid - w
+            fill = GOOD if v >= 0 else BAD
+            tx, anchor = (mid + w + 4, "start") if v >= 0 else (mid - w - 4, "end")
+            body.append(
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 1.0):.1f}" height="{BAR_HEIGHT}" '
+                f'fill="{fill}"><title>{_e(label)}: {v:+.2f}%</title></rect>'
+                f'<text x="{tx:.1f}" y="{y + BAR_HEIGHT - 4}" text-anchor="{anchor}">'
+                f"{v:+.2f}%</text>"
+            )
+        y += BAR_HEIGHT + BAR_GAP + 2
+    bottom = y
+    ticks = []
+    for i in range(-2, 3):
+        x = mid + plot_w / 2 * i / 2
+        ticks.append(
+            f'<line x1="{x:.1f}" y1="8" x2="{x:.1f}" y2="{bottom:.1f}" '
+            f'stroke="{"#9e9e9e" if i == 0 else "#e0e0e0"}"/>'
+            f'<text x="{x:.1f}" y="{bottom + 14:.1f}" text-anchor="middle" fill="{MUTED}">'
+            f"{vmax * i / 2:+g}%</text>"
+        )
+    height = bottom + 24
+    return (
+        f"<h3>{_e(title)}</h3>"
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{height:.0f}" '
+        f'viewBox="0 0 {CHART_WIDTH} {height:.0f}" role="img" aria-label="{_e(title)}">'
+        f"{''.join(ticks)}{''.join(body)}</svg>"
+    )
+
+
+def line_chart(
+    title: str,
+    xlabels: Sequence[tuple[str, str]],
+    series: Sequence[tuple[str, Sequence[float | None]]],
+    unit: str = "tok/s",
+) -> str:
+    """Lines over runs; xlabels are (tick text, full run id); a missing point breaks the line."""
+    left, right, top, plot_h = 60, 20, 10, 260
+    plot_w = CHART_WIDTH - left - right
+    values = [v for _, vs in series for v in vs if v is not None]
+    lo, hi = min(values, default=0.0), max(values, default=1.0)
+    # Zero-based axes flatten a 2% regression into nothing; pad the observed range instead.
+    pad = max((hi - lo) * 0.1, hi * 0.02, 0.01)
+    lo, hi = max(lo - pad, 0.0), hi + pad
+    n = len(xlabels)
+
+    def px(i: int) -> float:
+        return left + (plot_w * i / (n - 1) if n > 1 else plot_w / 2)
+
+    def py(v: float) -> float:
+        return top + plot_h * (1 - (v - lo) / (hi - lo))
+
+    parts = []
+    for k in range(5):
+        v = lo + (hi - lo) * k / 4
+        parts.append(
+            f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + plot_w}" y2="{py(v):.1f}" '
+            f'stroke="#e0e0e0"/><text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end" '
+            f'fill="{MUTED}">{v:.1f}</text>'
+        )
+    bottom = top + plot_h
+    for i, (tick, full) in enumerate(xlabels):
+        parts.append(
+            f'<text x="{px(i):.1f}" y="{bottom + 14}" text-anchor="end" fill="{MUTED}" '
+            f'transform="rotate(-30 {px(i):.1f} {bottom + 14})"><title>{_e(full)}</title>'
+            f"{_e(tick)}</text>"
+        )
+    legend = []
+    for si, (name, vs) in enumerate(series):
+        colour = PALETTE[si % len(PALETTE)]
+        dash = DASHES[(si // len(PALETTE)) % len(DASHES)]
+        legend.append((name, colour, dash))
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        segment: list[str] = []
+        segments = [segment]
+        for i, v in enumerate(vs):
+            if v is None:
+                segment = []
+                segments.append(segment)
+                continue
+            segment.append(f"{px(i):.1f},{py(v):.1f}")
+            parts.append(
+                f'<circle cx="{px(i):.1f}" cy="{py(v):.1f}" r="3" fill="{colour}">'
+                f"<title>{_e(name)} {_e(xlabels[i][1])}: {v:.2f} {_e(unit)}</title></circle>"
+            )
+        parts += [
+            f'<polyline points="{" ".join(s)}" fill="none" stroke="{colour}" '
+            f'stroke-width="2"{dash_attr}/>'
+            for s in segments
+            if len(s) > 1
+        ]
+    height = bottom + 80
+    return (
+        f"<h3>{_e(title)}</h3>{_legend(legend)}"
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{height}" '
+        f'viewBox="0 0 {CHART_WIDTH} {height}" role="img" aria-label="{_e(title)}">'
+        f"{''.join(parts)}</svg>"
+        f'<p class="muted">{_e(unit)}; the axis starts near the lowest value, not at 0.</p>'
+    )
+
+
+# --------------------------------------------------------------------------- page sections
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]], left: int) -> str:
+    """An HTML table of already-escaped cells; the first `left` columns are text, left-aligned."""
+    th = "".join(f"<th{' class=l' if i < left else ''}>{h}</th>" for i, h in enumerate(header))
+    rows = [
+        "<tr>"
+        + "".join(f"<td{' class=l' if i < left else ''}>{c}</td>" for i, c in enumerate(r))
+        + "</tr>"
+        for r in body
+    ]
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def topology_table_html(manifest: dict[str, Any], rows: list[dict[str, Any]], metric: str) -> str:
+    """The seeds' table (Model | TP | DCP | MTP | [Variant] | columns | Errors | Status)."""
+    cols = _columns(manifest)
+    multi = len(_variants(manifest)) > 1
+    header = ["Model", "TP", "DCP", "MTP"] + (["Variant"] if multi else [])
+    header = [_e(h) for h in header] + [_e(c) for _, c in cols] + ["Errors", "Status"]
+    body = []
+    for r in _ordered_rows(manifest, rows):
+        line = [_e(r["model"]), _e(r["tp"]), _e(r["dcp"]), _e(r["mtp"])]
+        if multi:
+            line.append(_e(r["variant"]))
+        line += [_e(_fmt(_tok(r, name, metric))) for name, _ in cols]
+        ok = r.get("status") == "passed"
+        line += [
+            _e(r.get("errors", 0)),
+            '<span class="pill ok">ok</span>' if ok else '<span class="pill bad">FAILED</span>',
+        ]
+        body.append(line)
+    return _table(header, body, left=1)
+
+
+def _throughput_charts(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    variants = _variants(manifest)
+    ordered = _ordered_rows(manifest, rows)
+    topologies: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in ordered:
+        topologies.setdefault(r["topology_id"], {})[r["variant"]] = r
+    out = []
+    for name, column in _columns(manifest):
+        groups = [
+            (
+                topo,
+                [
+                    (v, _tok(by_v[v], name), by_v[v].get("status") != "passed")
+                    for v in variants
+                    if v in by_v
+                ],
+            )
+            for topo, by_v in topologies.items()
+        ]
+        out.append(bar_chart(f"{column}: aggregate output tok/s per topology", groups, variants))
+    return "".join(out)
+
+
+def _delta_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    deltas = paired_deltas(manifest, rows)
+    if not deltas:
+        return ""
+    by_pair: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for d in deltas:
+        by_pair.setdefault((d["baseline"], d["candidate"]), []).append(d)
+    out = ["<h2>Paired variants</h2>"]
+    for (base, cand), ds in by_pair.items():
+        items = [(f"{d['topology_id']} {d['column']}", d["delta_pct"]) for d in ds]
+        out.append(delta_chart(f"{cand} vs {base}: aggregate tok/s delta", items))
+    return "".join(out)
+
+
+def _run_label(manifest: dict[str, Any]) -> str:
+    created = str(manifest.get("created_at") or "")
+    return created[:16].replace("T", " ") if created else str(manifest.get("run_id"))
+
+
+def _trend_section(store: RunStore, history: Sequence[RunStore]) -> str:
+    # The current run is the last point; it is added if the caller's history left it out.
+    current = store.root.resolve()
+    runs = [h for h in history if h.root.resolve() != current] + [store]
+    loaded = [(h.manifest(), h.results()) for h in runs]
+    loaded.sort(key=lambda mr: str(mr[0].get("created_at") or ""))
+    loaded = loaded[-MAX_TREND_RUNS:]
+    if len(loaded) < 2:
+        return ""
+    manifest = store.manifest()
+    xlabels = [(_run_label(m), str(m.get("run_id"))) for m, _ in loaded]
+    case_ids = [c["case_id"] for c in manifest["cases"]]
+    by_run = [{r["case_id"]: r for r in rs} for _, rs in loaded]
+    out = [f"<h2>Trend over {len(loaded)} runs</h2>"]
+    for name, column in _columns(manifest):
+        series = [
+            (cid, [_tok(rows[cid], name) if cid in rows else None for rows in by_run])
+            for cid in case_ids
+        ]
+        series = [s for s in series if any(v is not None for v in s[1])]
+        if series:
+            out.append(line_chart(f"{column}: aggregate output tok/s per case", xlabels, series))
+    return "".join(out)
+
+
+def _comparison_section(comparison: Comparison) -> str:
+    pill = (
+        '<span class="pill ok">no regression</span>'
+        if comparison.ok
+        else '<span class="pill bad">REGRESSION</span>'
+    )
+    out = [
+        f"<h2>Comparison with {_e(comparison.base_run)}</h2><p>{pill} {_e(comparison.verdict())}</p>"
+    ]
+    if comparison.regressions:
+        out.append("<ul>")
+        out += [f"<li><b>{_e(r.case_id)}</b>: {_e(r.message)}</li>" for r in comparison.regressions]
+        out.append("</ul>")
+    if comparison.new_findings:
+        out.append("<h3>New findings</h3><ul>")
+        out += [
+            f'<li>{_e(f.case_id)}: <span class="pill sev-{_e(f.severity)}">{_e(f.severity)}</span> '
+            f"<code>{_e(f.signature)}</code> {_e(f.location)}: <code>{_e(f.text)}</code></li>"
+            for f in comparison.new_findings
+        ]
+        out.append("</ul>")
+    if comparison.cleared_findings:
+        out.append("<h3>Cleared findings</h3><ul>")
+        out += [
+            f"<li>{_e(f.case_id)}: <code>{_e(f.signature)}</code> ({_e(f.severity)})</li>"
+            for f in comparison.cleared_findings
+        ]
+        out.append("</ul>")
+    return "".join(out)
+
+
+def _finding_html(case_id: str, f: dict[str, Any]) -> str:
+    sev = str(f.get("severity", ""))
+    where = finding_location(f)
+    lines = [_e(x) for x in f.get("context_before") or []]
+    lines.append(f"<mark>{_e(f.get('text', ''))}</mark>")
+    lines += [_e(x) for x in f.get("context_after") or []]
+    notes = "".join(
+        f'<div class="muted">{label}: {_e(f[key])}</div>'
+        for key, label in (("meaning", "Meaning"), ("action", "Action"))
+        if f.get(key)
+    )
+    return (
+        f'<div class="finding"><div><span class="pill sev-{_e(sev)}">{_e(sev)}</span> '
+        f"<b>{_e(case_id)}</b> <code>{_e(f.get('signature'))}</code> "
+        f"({_e(f.get('category', ''))})</div>"
+        f'<div class="where">{_e(where)}</div>'
+        f'<pre class="excerpt">{chr(10).join(lines)}</pre>{notes}</div>'
+    )
+
+
+def _audit_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    out = ["<h2>Log audit</h2>", f"<p>{_e(audit_sentence(rows))}</p>"]
+    findings = [
+        (r["case_id"], f)
+        for r in _ordered_rows(manifest, rows)
+        for f in (r.get("audit") or {}).get("findings", [])
+    ]
+    out += [_finding_html(cid, f) for cid, f in findings[:MAX_FINDINGS]]
+    if len(findings) > MAX_FINDINGS:
+        out.append(
+            f'<p class="muted">{len(findings) - MAX_FINDINGS} more findings are in each '
+            "case's audit.json.</p>"
+        )
+    return "".join(out)
+
+
+def render_html(
+    store: RunStore,
+    history: Sequence[RunStore] | None = None,
+    comparison: Comparison | None = None,
+) -> str:
+    """The whole page as a string; `history` adds the trend, `comparison` its verdict."""
+    manifest = store.manifest()
+    rows = store.results()
+    ordered = _ordered_rows(manifest, rows)
+    failed = [r for r in ordered if r.get("status") != "passed"]
+    versions = manifest.get("versions") or {}
+    commit = (manifest.get("git") or {}).get("commit")
+    matrix = manifest.get("matrix") or {}
+    status = (
+        '<span class="pill bad">FAILED</span>'
+        if failed
+        else '<span class="pill warn">incomplete</span>'
+        if len(ordered) < len(manifest["cases"])
+        else '<span class="pill ok">all passed</span>'
+    )
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>Run {_e(manifest['run_id'])}</title><style>{_CSS}</style></head><body>",
+        f"<h1>Run {_e(manifest['run_id'])} {status}</h1>",
+        f"<p>Matrix <code>{_e(manifest.get('matrix_path', ''))}</code> "
+        f"({_e(matrix.get('name', ''))}), created {_e(manifest.get('created_at', '-'))}; "
+        f"{len(ordered)}/{len(manifest['cases'])} cases finished, {len(failed)} failed. "
+        f"vLLM {_e(versions.get('vllm'))}, fusedq {_e(versions.get('fusedq'))}, "
+        f"torch {_e(versions.get('torch'))}, Ray {_e(versions.get('ray'))}, "
+        f"commit <code>{_e(commit)}</code>.</p>",
+    ]
+    if comparison is not None:
+        parts.append(_comparison_section(comparison))
+    parts += [
+        "<h2>Aggregate output tok/s</h2>",
+        "<p>Mean over repeats of aggregate output tok/s; every long-context case includes the "
+        "prefill-to-decode transition. Servers were measured one at a time.</p>",
+        topology_table_html(manifest, rows, "aggregate_tok_s"),
+        _throughput_charts(manifest, rows),
+        "<h2>Active per-user output tok/s (time to first token excluded)</h2>",
+        topology_table_html(manifest, rows, "per_user_tok_s"),
+        _delta_section(manifest, rows),
+        _trend_section(store, history or []),
+    ]
+    if failed:
+        parts.append("<h2>Failed cases</h2><ul>")
+        parts += [f"<li><b>{_e(r['case_id'])}</b>: {_e(r.get('reason'))}</li>" for r in failed]
+        parts.append("</ul>")
+    parts += [_audit_section(manifest, rows), "</body></html>"]
+    return "\n".join(p for p in parts if p) + "\n"
+
+
+def write_html(
+    store: RunStore,
+    history: Sequence[RunStore] | None = None,
+    comparison: Comparison | None = None,
+) -> Path:
+    """(Re)write report.html in the run directory and return its path."""
+    path = store.root / HTML_NAME
+    write_text_atomic(path, render_html(store, history, comparison))
+    return path
