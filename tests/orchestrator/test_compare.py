@@ -1,0 +1,199 @@
+"""`orchestrator compare` on copies of the recorded seed-tp8 run with planted changes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.compare import CompareError, compare_runs
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "recorded_runs", Path(__file__).parent / "fixtures" / "runs" / "make_fixtures.py"
+)
+runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(runs)
+
+CASE = "Luke BF16/tp8-dcp2-mtp0/fused"
+
+
+@pytest.fixture
+def pair(tmp_path):
+    base = runs.copy_run(tmp_path, "base", created_at="2026-11-27T02:00:00+00:00")
+    cand = runs.copy_run(tmp_path, "cand", created_at="2026-11-28T02:00:00+00:00")
+    return base, cand
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "compare", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+
+
+def test_unchanged_run_passes(pair):
+    cmp = compare_runs(*pair)
+    assert cmp.ok and not cmp.regressions and not cmp.new_findings and not cmp.cleared_findings
+    assert len(cmp.rows) == 10 and not cmp.only_in_base and not cmp.only_in_cand
+    # Every throughput figure is compared: 2 metrics x (2 workloads, 1 for tp8-dcp1).
+    assert sum(len(r.deltas) for r in cmp.rows) == 2 * (2 * 8 + 1 * 2)
+    assert {d.delta_pct for r in cmp.rows for d in r.deltas} == {0.0}
+    assert "no regression" in cmp.to_markdown()
+
+
+def test_planted_5pct_regression_is_flagged(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx64k", 0.95) if r["case_id"] == CASE else r)
+    cmp = compare_runs(base, cand)
+    assert not cmp.ok
+    [reg] = cmp.regressions
+    assert (reg.case_id, reg.kind, reg.workload) == (CASE, "throughput", "ctx64k")
+    assert reg.delta_pct == pytest.approx(-5.0, abs=0.01)
+    assert "71.33 → 67.76 (-5.00%, threshold -3%)" in reg.message
+    # per-user moved too: reported, not gated
+    row = next(r for r in cmp.rows if r.case_id == CASE)
+    per_user = next(
+        d for d in row.deltas if d.workload == "ctx64k" and d.metric == "per_user_tok_s"
+    )
+    assert per_user.delta_pct == pytest.approx(-5.0, abs=0.01)
+    md = cmp.to_markdown()
+    assert "## Regressions" in md and f"**{CASE}**" in md and "-5.00%" in md
+    assert compare_runs(base, cand, threshold_pct=6.0).ok  # a looser threshold lets it pass
+
+
+def test_drop_under_threshold_and_gains_pass(pair):
+    base, cand = pair
+    runs.edit_rows(
+        cand, lambda r: runs.scale(runs.scale(r, "ctx0", 0.975), "ctx64k", 1.2)
+        if "dcp1" not in r["case_id"] else r
+    )  # fmt: skip
+    assert compare_runs(base, cand).ok
+
+
+def test_planted_xid_is_a_new_fatal_finding(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.plant(r, runs.XID_FINDING) if r["case_id"] == CASE else r)
+    cmp = compare_runs(base, cand)
+    assert not cmp.ok and not cmp.regressions  # the finding alone fails it
+    [new] = cmp.new_findings
+    assert (new.case_id, new.signature, new.severity, new.fatal) == (CASE, "xid", "fatal", True)
+    assert new.location == "server.log:2207 [Worker_TP3]"
+    assert "1 new fatal finding" in cmp.verdict()
+    assert cmp.failures_for(CASE) and not cmp.failures_for("Luke BF16/tp8-dcp1-mtp0/fused")
+
+
+def test_case_that_starts_failing_is_a_regression(pair):
+    base, cand = pair
+    runs.edit_rows(
+        cand,
+        lambda r: runs.plant(r, runs.XID_FINDING, fail=True) if r["case_id"] == CASE else r,
+    )
+    cmp = compare_runs(base, cand)
+    kinds = {(r.case_id, r.kind) for r in cmp.regressions}
+    assert kinds == {(CASE, "status")}
+    assert "passed in base, failed in cand: audit: xid (fatal)" in cmp.regressions[0].message
+
+
+def test_new_warning_is_listed_cleared_finding_too_neither_fails(pair):
+    base, cand = pair
+    warning = {**runs.XID_FINDING, "signature": "nccl-warn", "severity": "warning"}
+
+    def edit(r):
+        if r["case_id"] == CASE:
+            return runs.plant(r, warning)
+        if r["case_id"] == "Luke BF16/tp8-dcp8-mtp0/fused":
+            r["audit"]["findings"] = []  # the recorded NCCL WARN is gone
+        return r
+
+    runs.edit_rows(cand, edit)
+    cmp = compare_runs(base, cand)
+    assert cmp.ok
+    assert [(f.case_id, f.signature) for f in cmp.new_findings] == [(CASE, "nccl-warn")]
+    assert [(f.case_id, f.signature) for f in cmp.cleared_findings] == [
+        ("Luke BF16/tp8-dcp8-mtp0/fused", "nccl-warn")
+    ]
+    md = cmp.to_markdown()
+    assert "## New findings" in md and "## Cleared findings" in md
+
+
+def test_cases_in_one_run_only_are_listed_not_failed(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: None if r["case_id"] == CASE else r)
+    runs.edit_rows(base, lambda r: None if r["case_id"].endswith("mtp3/staged") else r)
+    cmp = compare_runs(base, cand)
+    assert cmp.ok
+    assert cmp.only_in_base == [CASE]
+    assert cmp.only_in_cand == ["Luke BF16/tp8-dcp4-mtp3/staged"]
+    assert f"only in base: {CASE}" in cmp.to_markdown()
+
+
+def test_to_dict_is_json(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.9) if r["case_id"] == CASE else r)
+    data = json.loads(json.dumps(compare_runs(base, cand).to_dict()))
+    assert data["ok"] is False and data["regressions"][0]["workload"] == "ctx0"
+    assert data["rows"][0]["deltas"][0]["delta_pct"] == 0.0
+
+
+def test_bad_run_directories_name_the_path(tmp_path, pair):
+    base, _ = pair
+    with pytest.raises(CompareError, match=r"nope: not a run directory \(does not exist\)"):
+        compare_runs(base, tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CompareError, match=r"empty: not a run directory \(missing manifest.json\)"):
+        compare_runs(tmp_path / "empty", base)
+    (tmp_path / "empty" / "manifest.json").write_text("{not json")
+    with pytest.raises(CompareError, match=r"empty/manifest.json: unreadable manifest"):
+        compare_runs(base, tmp_path / "empty")
+    with pytest.raises(CompareError, match="threshold"):
+        compare_runs(base, base, threshold_pct=-1)
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def test_cli_exit_0_when_unchanged(pair):
+    out = _cli(*map(str, pair))
+    assert out.returncode == 0, out.stderr
+    assert "no regression" in out.stdout and out.stderr == ""
+
+
+def test_cli_exit_1_on_planted_regression(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.95) if r["case_id"] == CASE else r)
+    out = _cli(str(base), str(cand))
+    assert out.returncode == 1, out.stderr
+    assert "## Regressions" in out.stdout and "ctx0 aggregate tok/s" in out.stdout
+    assert _cli(str(base), str(cand), "--threshold-pct", "10").returncode == 0
+
+
+def test_cli_exit_1_on_planted_xid_and_json(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.plant(r, runs.XID_FINDING) if r["case_id"] == CASE else r)
+    out = _cli(str(base), str(cand), "--json")
+    assert out.returncode == 1, out.stderr
+    data = json.loads(out.stdout)
+    assert data["new_findings"][0]["signature"] == "xid" and data["new_findings"][0]["fatal"]
+
+
+@pytest.mark.parametrize("what", ["missing", "no-manifest", "bad-threshold"])
+def test_cli_exit_2_with_one_line_naming_the_problem(tmp_path, pair, what):
+    base, _ = pair
+    bad = tmp_path / "not-a-run"
+    if what == "no-manifest":
+        bad.mkdir()
+    args = [str(base), str(base), "--threshold-pct", "-3"] if what == "bad-threshold" else []
+    out = _cli(*(args or [str(base), str(bad)]))
+    assert out.returncode == 2
+    assert out.stdout == ""
+    [line] = out.stderr.splitlines()
+    assert line.startswith("orchestrator: ")
+    assert ("threshold" in line) if what == "bad-threshold" else (str(bad) in line)
