@@ -241,16 +241,24 @@ def line_chart(
     title: str,
     xlabels: Sequence[tuple[str, str]],
     series: Sequence[tuple[str, Sequence[float | None]]],
-    unit: str = "tok/s",
+    tips: Sequence[Sequence[str]],
+    unit: str,
 ) -> str:
-    """Lines over runs; xlabels are (tick text, full run id); a missing point breaks the line."""
-    left, right, top, plot_h = 60, 20, 10, 260
+    """Lines over runs; xlabels are (tick text, full run id), tips one hover text per point.
+
+    A missing point (case absent or without that workload) breaks its line. The y axis spans
+    the observed values and 0, padded; a zero line is drawn darker.
+    """
+    left, right, top, plot_h = 120, 20, 10, 260  # left: room for the rotated first date
     plot_w = CHART_WIDTH - left - right
     values = [v for _, vs in series for v in vs if v is not None]
-    lo, hi = min(values, default=0.0), max(values, default=1.0)
-    # Zero-based axes flatten a 2% regression into nothing; pad the observed range instead.
-    pad = max((hi - lo) * 0.1, hi * 0.02, 0.01)
-    lo, hi = max(lo - pad, 0.0), hi + pad
+    lo, hi = min([*values, 0.0]), max([*values, 0.0])
+    # Round ticks (1/2/2.5/5 × 10^k apart) with at least half a step of air at both ends.
+    raw = max((hi - lo) / 4, 0.25)
+    exp = 10 ** math.floor(math.log10(raw))
+    step = next(m * exp for m in (1.0, 2.0, 2.5, 5.0, 10.0) if m * exp >= raw)
+    lo = step * math.floor(lo / step - 0.5)
+    hi = step * math.ceil(hi / step + 0.5)
     n = len(xlabels)
 
     def px(i: int) -> float:
@@ -260,13 +268,17 @@ def line_chart(
         return top + plot_h * (1 - (v - lo) / (hi - lo))
 
     parts = []
-    for k in range(5):
-        v = lo + (hi - lo) * k / 4
+    for k in range(round((hi - lo) / step) + 1):
+        v = lo + step * k
         parts.append(
             f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + plot_w}" y2="{py(v):.1f}" '
             f'stroke="#e0e0e0"/><text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end" '
-            f'fill="{MUTED}">{v:.1f}</text>'
+            f'fill="{MUTED}">{"0" if abs(v) < step / 1e6 else f"{v:+g}"}</text>'
         )
+    parts.append(
+        f'<line x1="{left}" y1="{py(0.0):.1f}" x2="{left + plot_w}" y2="{py(0.0):.1f}" '
+        'stroke="#9e9e9e"/>'
+    )
     bottom = top + plot_h
     for i, (tick, full) in enumerate(xlabels):
         parts.append(
@@ -275,7 +287,7 @@ def line_chart(
             f"{_e(tick)}</text>"
         )
     legend = []
-    for si, (name, vs) in enumerate(series):
+    for si, ((name, vs), tip) in enumerate(zip(series, tips, strict=True)):
         colour = PALETTE[si % len(PALETTE)]
         dash = DASHES[(si // len(PALETTE)) % len(DASHES)]
         legend.append((name, colour, dash))
@@ -290,7 +302,7 @@ def line_chart(
             segment.append(f"{px(i):.1f},{py(v):.1f}")
             parts.append(
                 f'<circle cx="{px(i):.1f}" cy="{py(v):.1f}" r="3" fill="{colour}">'
-                f"<title>{_e(name)} {_e(xlabels[i][1])}: {v:.2f} {_e(unit)}</title></circle>"
+                f"<title>{_e(tip[i])}</title></circle>"
             )
         parts += [
             f'<polyline points="{" ".join(s)}" fill="none" stroke="{colour}" '
@@ -304,7 +316,7 @@ def line_chart(
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{height}" '
         f'viewBox="0 0 {CHART_WIDTH} {height}" role="img" aria-label="{_e(title)}">'
         f"{''.join(parts)}</svg>"
-        f'<p class="muted">{_e(unit)}; the axis starts near the lowest value, not at 0.</p>'
+        f'<p class="muted">{_e(unit)}. Hover a point for its run and tok/s.</p>'
     )
 
 
@@ -347,6 +359,8 @@ def topology_table_html(manifest: dict[str, Any], rows: list[dict[str, Any]], me
 def _throughput_charts(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     variants = _variants(manifest)
     ordered = _ordered_rows(manifest, rows)
+    if not ordered:
+        return '<p class="muted">No case has finished yet.</p>'
     topologies: dict[str, dict[str, dict[str, Any]]] = {}
     for r in ordered:
         topologies.setdefault(r["topology_id"], {})[r["variant"]] = r
@@ -400,14 +414,35 @@ def _trend_section(store: RunStore, history: Sequence[RunStore]) -> str:
     case_ids = [c["case_id"] for c in manifest["cases"]]
     by_run = [{r["case_id"]: r for r in rs} for _, rs in loaded]
     out = [f"<h2>Trend over {len(loaded)} runs</h2>"]
+    # Relative to each case's first run in the window: absolute tok/s of 60-125 on one axis
+    # flatten a 5% regression into a pixel; as % change every case's drift reads the same.
     for name, column in _columns(manifest):
-        series = [
-            (cid, [_tok(rows[cid], name) if cid in rows else None for rows in by_run])
-            for cid in case_ids
-        ]
-        series = [s for s in series if any(v is not None for v in s[1])]
+        series, tips = [], []
+        for cid in case_ids:
+            absolute = [_tok(rows[cid], name) if cid in rows else None for rows in by_run]
+            first = next((i for i, v in enumerate(absolute) if v), None)
+            if first is None:
+                continue
+            v0 = absolute[first]
+            rel = [None if v is None else 100.0 * (v / v0 - 1.0) for v in absolute]
+            series.append((cid, rel))
+            tips.append(
+                [
+                    f"{cid} {xlabels[i][1]}: {_fmt(v)} tok/s"
+                    + ("" if r is None else f" ({r:+.2f}% vs {xlabels[first][1]})")
+                    for i, (v, r) in enumerate(zip(absolute, rel, strict=True))
+                ]
+            )
         if series:
-            out.append(line_chart(f"{column}: aggregate output tok/s per case", xlabels, series))
+            out.append(
+                line_chart(
+                    f"{column}: aggregate output tok/s per case, change since its first run",
+                    xlabels,
+                    series,
+                    tips,
+                    unit="% change of aggregate tok/s against the case's first run shown",
+                )
+            )
     return "".join(out)
 
 
