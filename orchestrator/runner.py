@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -195,6 +196,7 @@ def run_case(
     workloads: dict[str, Any] = {}
     status, reason = "passed", None
     handle = None
+    short_tmp: Path | None = None
     try:
         model_path = _model_path(case, matrix, log)
         t = time.monotonic()
@@ -216,6 +218,11 @@ def run_case(
             )
 
         env = serve_env({}, host=matrix.host, run_dir=cdir, extra=case.env_dict)
+        if "TMPDIR" not in case.env_dict:
+            # vLLM binds ZeroMQ IPC sockets under TMPDIR and a socket path holds at most 107
+            # bytes: a run directory is too deep, so each case gets a short private temp dir.
+            short_tmp = Path(tempfile.mkdtemp(prefix="orch-"))
+            env["TMPDIR"] = str(short_tmp)
         t = time.monotonic()
         launcher.start(handle, argv_for, env, server_log)
         row["server"]["argv"] = redact_argv(handle.info["argv"])
@@ -273,6 +280,8 @@ def run_case(
                 launcher.fetch_log(handle, server_log)
             except Exception as exc:
                 log(f"{case.case_id}: could not fetch server log: {exc}")
+        if short_tmp is not None:
+            shutil.rmtree(short_tmp, ignore_errors=True)
     if status == "failed":
         log(f"{case.case_id}: FAILED: {reason}")
 
