@@ -1,0 +1,183 @@
+"""The tensor side of the vLLM integration: what the patched MLA decode step runs.
+
+Nothing here imports vLLM, so the GPU tests drive these functions on the H200 (which has no
+vLLM) with the exact tensors vLLM's ``MLAAttention.forward_impl`` holds at that point:
+
+- ``q_nope`` in vLLM's head-major ``(N, B, P)`` layout, a transposed view of a slice of the
+  wider ``q`` (``q[..., :192].transpose(0, 1)``);
+- ``W_UK_T = W_UK.permute(1, 2, 0)``, a strided view of ``kv_b_proj``'s weight, or an
+  ``MXFP8Weight`` cut from an MXFP8 ``kv_b_proj`` by ``mxfp8_w_uk_t``;
+- ``q_pe`` (``q[..., 192:]``), token-major.
+
+``decode_query`` returns the finished ``[B, N, 576]`` query (what vLLM's ``bmm`` + concat,
+or ``bmm`` + ``_decode_concat_quant_fp8_op`` for FP8 attention, would have produced), or
+``None`` when the fused kernel does not serve this step; the caller then runs vLLM's own
+staged code unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+import fusedq
+from fusedq.mxfp8 import MXFP8Weight
+
+# The fused op's fixed geometry (kv_lora_rank 512 + rope 64 = 576; qk_nope 192).
+QK_NOPE = 192
+QK_ROPE = 64
+KV_LORA = 512
+QUERY_WIDTH = KV_LORA + QK_ROPE
+MX_BLOCK = 32
+
+Weight = torch.Tensor | MXFP8Weight
+
+# can_implement() depends only on its arguments and process-wide facts (Triton importable,
+# the device's capability, TRITON_INTERPRET), so its answers are cached: the decode step of
+# every layer asks it once per distinct M.
+_qualifies: dict[tuple, bool] = {}
+_qualifies_lock = threading.Lock()
+
+
+def weight_format(weight: Weight) -> str:
+    """``"mxfp8"`` for an ``MXFP8Weight``, ``"bf16"`` for a tensor."""
+    return "mxfp8" if isinstance(weight, MXFP8Weight) else "bf16"
+
+
+def _weight_device(weight: Weight) -> torch.device:
+    return weight.device
+
+
+def qualifies(num_heads: int, m: int, fmt: str, out_dtype: torch.dtype, device) -> bool:
+    """``fusedq.can_implement`` for one decode step, cached per argument tuple."""
+    key = (num_heads, m, fmt, out_dtype, torch.device(device))
+    hit = _qualifies.get(key)
+    if hit is None:
+        hit = fusedq.can_implement(
+            num_heads, m, weight_format=fmt, out_dtype=out_dtype, device=key[-1]
+        )
+        with _qualifies_lock:
+            _qualifies[key] = hit
+    return hit
+
+
+def decode_query(
+    q_nope: torch.Tensor,
+    weight: Weight,
+    q_pe: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    q_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The MLA decode query of one layer and step in one fused launch, or ``None``.
+
+    Parameters
+    ----------
+    q_nope : bf16 ``(N, B, 192)``, vLLM's ``mqa_q_nope`` after its ``transpose(0, 1)``
+        (any strides with a unit last stride).
+    weight : vLLM's ``W_UK_T`` (bf16 ``[N, 192, 512]``, any strides) or an ``MXFP8Weight``.
+    q_pe : bf16 ``(B, N, 64)``, vLLM's ``mqa_q_pe``.
+    out_dtype : ``torch.bfloat16``, or ``torch.float8_e4m3fn`` when vLLM would run
+        ``_decode_concat_quant_fp8_op`` (FP8 attention with a backend that takes an FP8 query).
+    q_scale : the layer's ``_q_scale`` (one fp32 element) for E4M3 output, else ``None``.
+    out : optional ``(B, N, 576)`` buffer of ``out_dtype`` (rows may be pitched); a new
+        contiguous one is allocated when ``None``.
+
+    Returns
+    -------
+    ``(B, N, 576)`` of ``out_dtype`` — what vLLM's staged code hands on as ``mqa_q`` — or
+    ``None`` when ``fusedq.can_implement`` says no for this ``(N, B)``, weight format and
+    output dtype; nothing is written then.
+    """
+    num_heads, m, _ = q_nope.shape
+    fmt = weight_format(weight)
+    if not qualifies(num_heads, m, fmt, out_dtype, q_nope.device):
+        return None
+    if out is None:
+        # Contiguous token-major [B, N, 576]: backends and DCP's all-gather take it as is.
+        out = torch.empty((m, num_heads, QUERY_WIDTH), dtype=out_dtype, device=q_nope.device)
+    return fusedq.mla_query_projection(
+        q_nope.transpose(0, 1),
+        weight,
+        q_pe,
+        out=out,
+        out_dtype=out_dtype,
+        q_scale=q_scale,
+        backend="triton",
+    )
+
+
+def staged_decode_query(
+    q_nope: torch.Tensor,
+    w_uk_t: torch.Tensor,
+    q_pe: torch.Tensor,
+    *,
+    q_scale: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.32's staged decode query, transcribed (the oracle of the hook tests).
+
+    ``torch.bmm`` into a token-major buffer, then either the pair ``(ql_nope, q_pe)`` that
+    backends concatenate, or — with ``q_scale`` — concat + static per-tensor E4M3 quant as
+    ``_decode_concat_quant_fp8_op`` does (``x / scale``, clamped to ±448).
+    """
+    n, b, _ = q_nope.shape
+    ql_nope = q_nope.new_empty((b, n, w_uk_t.shape[-1]))
+    torch.bmm(q_nope, w_uk_t, out=ql_nope.transpose(0, 1))
+    if q_scale is None:
+        return ql_nope, q_pe
+    cat = torch.cat((ql_nope, q_pe), dim=-1).float() / q_scale.reshape(()).float()
+    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
+    return cat.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
+
+
+def prewarm_values(capture_sizes: Iterable[int], num_heads: int, fmt: str, out_dtype, device):
+    """The CUDA-graph capture sizes the fused kernel will serve (the Ms to prewarm), sorted."""
+    return sorted(
+        {int(m) for m in capture_sizes if qualifies(num_heads, int(m), fmt, out_dtype, device)}
+    )
+
+
+def mxfp8_w_uk_t(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    num_heads: int,
+    qk_nope_head_dim: int = QK_NOPE,
+    v_head_dim: int,
+    kv_lora_rank: int = KV_LORA,
+) -> MXFP8Weight:
+    """``W_UK_T`` of an MXFP8 ``kv_b_proj``, kept in MXFP8 (views, no dequantisation).
+
+    ``kv_b_proj`` maps the latent (``kv_lora_rank`` = 512, its input axis) to
+    ``num_heads * (qk_nope + v_head)`` outputs. A checkpoint-native MXFP8 linear stores
+    ``weight`` E4M3 ``[out, 512]`` and ``weight_scale`` E8M0 ``[out, 16]``, one scale per 32
+    inputs — blocked along the latent axis, which is N of ``W_UK_T``. So the ``W_UK_T`` view
+    ``[H, 192, 512]`` of the values and ``[H, 192, 16]`` of the scales is exactly the
+    N-blocked MXFP8 weight the fused kernel reads.
+
+    Raises ``ValueError`` naming the tensor whose dtype or shape is not that layout (a
+    kernel-specific post-processed layout: swizzled scales, transposed or packed values).
+    """
+    rows = num_heads * (qk_nope_head_dim + v_head_dim)
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kv_b_proj.weight: dtype {weight.dtype} is not torch.float8_e4m3fn")
+    if tuple(weight.shape) != (rows, kv_lora_rank) or weight.stride(-1) != 1:
+        raise ValueError(
+            f"kv_b_proj.weight: shape {tuple(weight.shape)} strides {weight.stride()} is not a "
+            f"row-major [{rows}, {kv_lora_rank}]"
+        )
+    if weight_scale.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
+        raise ValueError(f"kv_b_proj.weight_scale: dtype {weight_scale.dtype} is not E8M0/uint8")
+    blocks = kv_lora_rank // MX_BLOCK
+    if tuple(weight_scale.shape) != (rows, blocks) or weight_scale.stride(-1) != 1:
+        raise ValueError(
+            f"kv_b_proj.weight_scale: shape {tuple(weight_scale.shape)} strides "
+            f"{weight_scale.stride()} is not the unswizzled [{rows}, {blocks}]"
+        )
+    per_head = qk_nope_head_dim + v_head_dim
+    values = weight.view(num_heads, per_head, kv_lora_rank)[:, :qk_nope_head_dim, :]
+    scales = weight_scale.view(num_heads, per_head, blocks)[:, :qk_nope_head_dim, :]
+    return MXFP8Weight(values, scales)

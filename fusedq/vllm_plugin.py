@@ -1,0 +1,533 @@
+"""vLLM general plugin: run ``fusedq``'s fused query projection in MLA decode.
+
+vLLM calls ``register()`` (entry point ``vllm.general_plugins: fusedq``) in every process it
+starts. ``FUSEDQ_MLA_QUERY`` picks the mode:
+
+- unset / ``auto``: use the fused op where it qualifies, vLLM's staged path elsewhere;
+- ``0``: return at once — plain vLLM, nothing patched, nothing logged;
+- ``1``: require it — a vLLM this plugin cannot patch, or an MLA layer that cannot use the
+  fused op, is a startup error naming the reason.
+
+How it hooks (see docs/vllm-plugin.md): ``MLAAttention.forward_impl`` is recompiled from its
+own source with one change — the query-side block (the ROCm-aiter / AMX / padded-heads /
+plain ``torch.bmm`` branches, then the concat or ``_decode_concat_quant_fp8_op``) is nested
+under ``if mqa_q is None:`` after a call to ``_fusedq_decode_query``, which returns the
+finished ``[B, N, 576]`` query or ``None``. ``None`` runs vLLM's block byte for byte.
+``process_weights_after_loading`` is wrapped to decide per layer, prewarm the CUDA-graph
+sizes and log one line per worker process.
+
+The version guard refuses to patch unless the vLLM version is in the tested range and the
+block's text hashes to a known value; it then logs ``fusedq: fused MLA query disabled:
+<reason>`` and leaves vLLM untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import linecache
+import logging
+import os
+import textwrap
+import threading
+
+import torch
+
+ENV = "FUSEDQ_MLA_QUERY"
+MODES = ("auto", "0", "1")
+
+# vLLM versions whose MLAAttention this plugin was written against; the block hash below is
+# the real guard, the range keeps a future vLLM with a changed *surrounding* (what the query
+# feeds into) from being patched just because the block itself stayed the same.
+VLLM_MIN = (0, 32)
+VLLM_BELOW = (0, 34)
+
+MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+# The query-side block of MLAAttention.forward_impl this plugin nests under its fallback:
+# from the first line to the last (inclusive), dedented. sha256 of the dedented text per
+# vLLM release it was read from; any edit to the block disables the plugin.
+BLOCK_FIRST = "if self.is_aiter_triton_fp4_bmm_enabled:"
+BLOCK_LAST = "mqa_q = (mqa_ql_nope, mqa_q_pe)"
+KNOWN_BLOCKS = {
+    "0.32.0": "51306b400d2fc8d04e03d6e2a9c2a8aced015c078c5745064d49c4015cb35e47",
+}
+# Lines that must come before the block (the query split and vLLM's (N, B, P) transpose the
+# hook consumes) and after it (the consumers that accept a tensor query as well as a pair).
+BEFORE_BLOCK = (
+    "mqa_q_nope, mqa_q_pe = mqa_q.split(",
+    "mqa_q_nope = mqa_q_nope.transpose(0, 1)",
+)
+AFTER_BLOCK = (
+    "if isinstance(mqa_q, tuple):",
+    "mqa_q = self.dcp_manager.query_gather(mqa_q)",
+    "self.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, self)",
+)
+# forward_impl locals the inserted call passes on.
+HOOK_LOCALS = ("mqa_q_nope", "mqa_q_pe", "qrep_decode", "fp8_attention", "mqa_q")
+# MLAAttention attributes the hook reads (besides the weight, checked per layer).
+LAYER_ATTRS = (
+    "is_amx_bmm_enabled",
+    "is_aiter_triton_fp4_bmm_enabled",
+    "is_aiter_triton_fp8_bmm_enabled",
+    "q_pad_num_heads",
+    "num_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "kv_cache_dtype",
+    "kv_b_proj",
+    "impl",
+    "layer_name",
+)
+HOOK_NAME = "_fusedq_decode_query"
+PATCH_MARK = "_fusedq_patched"
+PLAN_ATTR = "_fusedq_plan"
+
+logger = logging.getLogger("vllm.fusedq")  # under vLLM's logger: its handler and format
+
+# The forward_impl this process installed (a subclass overriding it does not run the hook).
+_installed: dict[str, object] = {}
+_first_use = threading.Event()
+
+
+class FusedqRequiredError(RuntimeError):
+    """FUSEDQ_MLA_QUERY=1 and the fused MLA query cannot be used (the message says why)."""
+
+
+def mode() -> str:
+    """The normalised ``FUSEDQ_MLA_QUERY`` value; ``ValueError`` for anything else."""
+    raw = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if raw not in MODES:
+        raise ValueError(f"{ENV}={os.environ.get(ENV)!r} is not one of {', '.join(MODES)}")
+    return raw
+
+
+# --- the one line per worker ------------------------------------------------------------
+
+
+class _Report:
+    """The per-process state behind "one line per worker process"."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.first: str | None = None  # the line logged, once
+
+    def once(self, line: str, *, warn: bool = False) -> bool:
+        with self.lock:
+            if self.first is not None:
+                return False
+            self.first = line
+        (logger.warning if warn else logger.info)(line)
+        return True
+
+
+_report = _Report()
+
+
+def enabled_line(num_heads: int, fmt: str, prewarmed: str) -> str:
+    return f"fusedq: fused MLA query enabled (heads={num_heads}, format={fmt}, prewarmed M={prewarmed})"
+
+
+def disabled_line(reason: str) -> str:
+    return f"fusedq: fused MLA query disabled: {reason}"
+
+
+# --- the version guard and the patch -------------------------------------------------------
+
+
+def _block_digest(block: str) -> str:
+    return hashlib.sha256(block.encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchedSource:
+    """forward_impl's source with the hook inserted, and where its block was found."""
+
+    source: str
+    block: str
+    indent: str
+
+
+def transform_forward_impl(source: str) -> PatchedSource:
+    """Insert the hook into forward_impl's (dedented) source.
+
+    Raises ``ValueError`` naming the first expectation that does not hold: the anchors
+    before the block, the block's first and last line (once each, at the expected nesting),
+    the consumers after it.
+    """
+    lines = source.splitlines(keepends=True)
+    stripped = [ln.strip() for ln in lines]
+
+    def find(text: str, start: int) -> int:
+        hits = [
+            i
+            for i in range(start, len(lines))
+            if stripped[i] == text
+            or (stripped[i].startswith(text) and text.endswith(("(", ":")) is False and False)
+        ]
+        return hits[0] if hits else -1
+
+    pos = 0
+    for anchor in BEFORE_BLOCK:
+        idx = next((i for i in range(pos, len(lines)) if stripped[i].startswith(anchor)), -1)
+        if idx < 0:
+            raise ValueError(f"forward_impl has no line {anchor!r} before the query block")
+        pos = idx + 1
+    firsts = [i for i in range(len(lines)) if stripped[i] == BLOCK_FIRST]
+    if len(firsts) != 1 or firsts[0] < pos:
+        raise ValueError(
+            f"forward_impl has {len(firsts)} lines {BLOCK_FIRST!r} (expected one, after the "
+            "query split)"
+        )
+    first = firsts[0]
+    last = find(BLOCK_LAST, first)
+    if last < 0:
+        raise ValueError(f"forward_impl has no {BLOCK_LAST!r} after {BLOCK_FIRST!r}")
+    indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+    if not lines[last].startswith(indent + "    ") or lines[last].startswith(indent + "     "):
+        raise ValueError(f"{BLOCK_LAST!r} is not nested one level inside the query block")
+    pos = last + 1
+    for anchor in AFTER_BLOCK:
+        idx = next((i for i in range(pos, len(lines)) if anchor in stripped[i]), -1)
+        if idx < 0:
+            raise ValueError(f"forward_impl has no {anchor!r} after the query block")
+        pos = idx + 1
+    block_lines = lines[first : last + 1]
+    block = textwrap.dedent("".join(block_lines))
+    hook = (
+        f"{indent}mqa_q = {HOOK_NAME}(self, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention)\n"
+        f"{indent}if mqa_q is None:\n"
+    )
+    nested = "".join(("    " + ln) if ln.strip() else ln for ln in block_lines)
+    patched = "".join(lines[:first]) + hook + nested + "".join(lines[last + 1 :])
+    return PatchedSource(source=patched, block=block, indent=indent)
+
+
+def _vllm_version() -> tuple[str, tuple[int, ...]]:
+    import vllm
+
+    text = getattr(vllm, "__version__", None)
+    if not isinstance(text, str):
+        raise ValueError("vllm.__version__ is missing")
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(text).release
+    except InvalidVersion as exc:
+        raise ValueError(f"vllm.__version__={text!r} does not parse") from exc
+    return text, release
+
+
+def _module_future_flags(func) -> int:
+    import __future__
+
+    flags = 0
+    for name in __future__.all_feature_names:
+        feature = getattr(__future__, name)
+        if func.__globals__.get(name) is feature:
+            flags |= feature.compiler_flag
+    return flags
+
+
+@dataclasses.dataclass
+class Patch:
+    """What ``check_vllm`` found and ``apply`` installs."""
+
+    module: object
+    cls: type
+    forward_impl: object  # the new function
+    process_weights: object  # the original process_weights_after_loading
+
+
+def check_vllm() -> Patch:
+    """The version guard: build the patch, or raise ``ValueError`` naming what is unexpected.
+
+    Touches nothing in vLLM.
+    """
+    text, release = _vllm_version()
+    if not VLLM_MIN <= release[:2] < VLLM_BELOW:
+        raise ValueError(
+            f"vLLM {text} is outside the supported range "
+            f">={'.'.join(map(str, VLLM_MIN))},<{'.'.join(map(str, VLLM_BELOW))}"
+        )
+    import importlib
+
+    module = importlib.import_module(MLA_MODULE)
+    cls = getattr(module, "MLAAttention", None)
+    if not isinstance(cls, type):
+        raise ValueError(f"{MLA_MODULE}.MLAAttention is missing")
+    if cls.__dict__.get(PATCH_MARK):
+        raise ValueError("MLAAttention is already patched in this process")
+    for name in ("forward_impl", "process_weights_after_loading"):
+        if not inspect.isfunction(cls.__dict__.get(name)):
+            raise ValueError(f"MLAAttention.{name} is not a plain function")
+    original = cls.__dict__["forward_impl"]
+    if original.__code__.co_freevars:
+        raise ValueError(
+            f"MLAAttention.forward_impl has closure variables {original.__code__.co_freevars}"
+        )
+    missing = [n for n in HOOK_LOCALS if n not in original.__code__.co_varnames]
+    if missing:
+        raise ValueError(f"MLAAttention.forward_impl has no locals {missing}")
+    if HOOK_NAME in module.__dict__:
+        raise ValueError(f"{MLA_MODULE} already defines {HOOK_NAME}")
+    try:
+        source = textwrap.dedent(inspect.getsource(original))
+    except (OSError, TypeError) as exc:
+        raise ValueError(f"MLAAttention.forward_impl has no readable source ({exc})") from exc
+    if not source.startswith("def forward_impl("):
+        raise ValueError("MLAAttention.forward_impl is decorated or not a plain def")
+    patched = transform_forward_impl(source)
+    digest = _block_digest(patched.block)
+    if digest not in KNOWN_BLOCKS.values():
+        raise ValueError(
+            f"the query block of MLAAttention.forward_impl differs from the one fusedq was "
+            f"written against (sha256 {digest[:12]}…)"
+        )
+    _, first_line = inspect.getsourcelines(original)
+    # Keep line numbers close to the file's (the hook adds two) and make tracebacks show
+    # the patched source.
+    filename = f"<fusedq-patched {inspect.getsourcefile(original)}>"
+    body = "\n" * (first_line - 1) + patched.source
+    linecache.cache[filename] = (len(body), None, body.splitlines(True), filename)
+    code = compile(body, filename, "exec", flags=_module_future_flags(original), dont_inherit=True)
+    namespace: dict = {}
+    exec(code, module.__dict__, namespace)
+    new = namespace["forward_impl"]
+    new.__defaults__ = original.__defaults__
+    new.__kwdefaults__ = original.__kwdefaults__
+    new.__qualname__ = original.__qualname__
+    new.__module__ = original.__module__
+    new.__doc__ = original.__doc__
+    new.__wrapped__ = original
+    return Patch(module, cls, new, cls.__dict__["process_weights_after_loading"])
+
+
+def apply(patch: Patch) -> None:
+    """Install the hook, the new forward_impl and the weight-processing wrapper."""
+    original = patch.process_weights
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self, act_dtype: torch.dtype):
+        result = original(self, act_dtype)
+        setup_layer(self)
+        return result
+
+    _installed["forward_impl"] = patch.forward_impl
+    setattr(patch.module, HOOK_NAME, decode_query_hook)
+    patch.cls.process_weights_after_loading = process_weights_after_loading
+    patch.cls.forward_impl = patch.forward_impl
+    setattr(patch.cls, PATCH_MARK, True)
+
+
+# --- per layer: decide, prewarm, report ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """A layer the fused op serves. ``mx_weight`` replaces ``W_UK_T`` when set."""
+
+    num_heads: int
+    weight_format: str
+    mx_weight: object | None
+
+
+def _fp8_query(layer) -> bool:
+    """Whether vLLM quantises this layer's decode query (FP8 attention + a backend that
+    takes an FP8 query) — the same test forward_impl makes."""
+    from vllm.model_executor.layers.attention import mla_attention
+
+    return bool(
+        mla_attention.is_quantized_kv_cache(layer.kv_cache_dtype)
+        and getattr(layer.impl, "supports_quant_query_input", False)
+    )
+
+
+def _native_mxfp8(layer):
+    """An MXFP8Weight from kv_b_proj when it holds checkpoint-layout MXFP8, else
+    ``(None, note)``."""
+    from fusedq.vllm_hook import mxfp8_w_uk_t
+
+    kv_b_proj = layer.kv_b_proj
+    weight = getattr(kv_b_proj, "weight", None)
+    scale = getattr(kv_b_proj, "weight_scale", None)
+    if weight is None or weight.dtype != torch.float8_e4m3fn or scale is None:
+        return None, None
+    if scale.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
+        return None, None  # block-FP8 (fp32 scales), not MXFP8
+    try:
+        return (
+            mxfp8_w_uk_t(
+                weight.data,
+                scale.data,
+                num_heads=layer.num_heads,
+                qk_nope_head_dim=layer.qk_nope_head_dim,
+                v_head_dim=layer.v_head_dim,
+                kv_lora_rank=layer.kv_lora_rank,
+            ),
+            None,
+        )
+    except ValueError as exc:
+        return None, f"MXFP8 kv_b_proj kept in its GEMM kernel's layout ({exc}); using bf16 W_UK"
+
+
+def plan_layer(layer) -> tuple[LayerPlan | None, str]:
+    """Whether the fused op serves this layer: ``(plan, note)`` or ``(None, reason)``."""
+    import fusedq
+
+    if getattr(layer, "is_amx_bmm_enabled", False):
+        return None, "AMX BMM decode path (its own packed W_UK)"
+    if getattr(layer, "is_aiter_triton_fp4_bmm_enabled", False) or getattr(
+        layer, "is_aiter_triton_fp8_bmm_enabled", False
+    ):
+        return None, "ROCm aiter BMM decode path"
+    if getattr(layer, "q_pad_num_heads", None) is not None:
+        return None, f"backend pads query heads (q_pad_num_heads={layer.q_pad_num_heads})"
+    installed = _installed.get("forward_impl")
+    if getattr(type(layer), "forward_impl", installed) is not installed:
+        return None, f"{type(layer).__name__} overrides forward_impl (the hook is not in it)"
+    dims = (layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank)
+    if dims != (192, 64, 512):
+        return None, f"(qk_nope, qk_rope, kv_lora)={dims}, fused op needs (192, 64, 512)"
+    w_uk_t = getattr(layer, "W_UK_T", None)
+    if not isinstance(w_uk_t, torch.Tensor):
+        return None, "layer has no W_UK_T"
+    if w_uk_t.dtype != torch.bfloat16:
+        return None, f"W_UK_T dtype {w_uk_t.dtype} (fused op takes bf16 or MXFP8)"
+    out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
+    if out_dtype == torch.float8_e4m3fn:
+        from vllm.platforms import current_platform
+
+        if current_platform.fp8_dtype() != torch.float8_e4m3fn:
+            return None, f"FP8 query dtype {current_platform.fp8_dtype()} is not e4m3fn"
+    mx_weight, note = _native_mxfp8(layer)
+    fmt = "bf16" if mx_weight is None else "mxfp8"
+    why = fusedq.explain(
+        layer.num_heads, 1, weight_format=fmt, out_dtype=out_dtype, device=w_uk_t.device
+    )
+    if why is not None and mx_weight is not None:
+        # No MXFP8 recipe here (e.g. sm_80): the bf16 W_UK vLLM built may still qualify.
+        note = f"MXFP8 recipe unavailable ({why}); using bf16 W_UK"
+        mx_weight, fmt = None, "bf16"
+        why = fusedq.explain(
+            layer.num_heads, 1, weight_format=fmt, out_dtype=out_dtype, device=w_uk_t.device
+        )
+    if why is not None:
+        return None, why
+    return LayerPlan(layer.num_heads, fmt, mx_weight), note or ""
+
+
+def _capture_sizes(layer) -> tuple[list[int] | None, str]:
+    """The M values CUDA graphs will capture, or ``(None, why there are none)``."""
+    config = getattr(layer, "_vllm_config", None)
+    comp = getattr(config, "compilation_config", None)
+    w_uk_t = layer.W_UK_T
+    if w_uk_t.device.type != "cuda":
+        return None, f"no CUDA graphs on {w_uk_t.device.type}"
+    if getattr(getattr(config, "model_config", None), "enforce_eager", False):
+        return None, "no CUDA graphs: enforce-eager"
+    graph_mode = getattr(comp, "cudagraph_mode", None)
+    if graph_mode is not None and getattr(graph_mode, "name", "") == "NONE":
+        return None, "no CUDA graphs: cudagraph_mode NONE"
+    return list(getattr(comp, "cudagraph_capture_sizes", None) or []), ""
+
+
+def _prewarm(layer, plan: LayerPlan) -> str:
+    import fusedq
+    from fusedq.vllm_hook import prewarm_values
+
+    sizes, why = _capture_sizes(layer)
+    if sizes is None:
+        return f"none [{why}]"
+    weight = plan.mx_weight if plan.mx_weight is not None else layer.W_UK_T
+    out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
+    ms = prewarm_values(sizes, plan.num_heads, plan.weight_format, out_dtype, layer.W_UK_T.device)
+    fusedq.prewarm(weight, ms, out_dtype=out_dtype)
+    if not ms:
+        return f"none [no capture size in the fused range; sizes {sizes[:4]}…]"
+    return ",".join(map(str, ms))
+
+
+def setup_layer(layer) -> None:
+    """After vLLM processed the layer's weights: plan, prewarm, report (auto mode never
+    raises; ``FUSEDQ_MLA_QUERY=1`` raises ``FusedqRequiredError`` with the reason)."""
+    name = getattr(layer, "layer_name", type(layer).__name__)
+    required = mode() == "1"
+    try:
+        plan, note = plan_layer(layer)
+        prewarmed = _prewarm(layer, plan) if plan is not None else ""
+    except Exception as exc:  # a hook must never take the server down in auto mode
+        if required:
+            raise
+        plan, note = None, f"setup of {name} failed: {type(exc).__name__}: {exc}"
+    layer.__dict__[PLAN_ATTR] = plan
+    if plan is None:
+        reason = f"layer {name}: {note}"
+        _report.once(disabled_line(reason), warn=True) or logger.warning(
+            "fusedq: fused MLA query not used for layer %s: %s", name, note
+        )
+        if required:
+            raise FusedqRequiredError(f"{ENV}=1 but the fused MLA query cannot run: {reason}")
+        return
+    if note:
+        logger.info("fusedq: layer %s: %s", name, note)
+    if not _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed)):
+        first = _report.first or ""
+        if "enabled" not in first or f"heads={plan.num_heads}," not in first:
+            logger.info("fusedq: fused MLA query also enabled for layer %s", name)
+
+
+# --- the decode-step hook ------------------------------------------------------------------
+
+
+def decode_query_hook(layer, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention):
+    """Called by the patched forward_impl in place of its query block: the finished query,
+    or ``None`` to run vLLM's block unchanged."""
+    plan = layer.__dict__.get(PLAN_ATTR)
+    if plan is None or qrep_decode:
+        return None
+    from fusedq.vllm_hook import decode_query
+
+    if fp8_attention and layer.impl.supports_quant_query_input:
+        out_dtype, q_scale = torch.float8_e4m3fn, layer._q_scale
+    else:
+        out_dtype, q_scale = torch.bfloat16, None
+    weight = plan.mx_weight if plan.mx_weight is not None else layer.W_UK_T
+    query = decode_query(mqa_q_nope, weight, mqa_q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    if query is not None and not _first_use.is_set():
+        _first_use.set()
+        # Proof in the log that the hot path runs the fused op, not just that it was set up.
+        logger.info(
+            "fusedq: first fused MLA decode query (layer %s, M=%d, out=%s)",
+            layer.layer_name, query.shape[0], str(out_dtype).removeprefix("torch."),
+        )  # fmt: skip
+    return query
+
+
+# --- the entry point -----------------------------------------------------------------------
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point (runs in every vLLM process)."""
+    try:
+        current = mode()
+    except ValueError as exc:
+        logger.warning(disabled_line(str(exc)))
+        return
+    if current == "0":
+        return
+    if _installed:
+        return  # vLLM may load plugins more than once per process
+    try:
+        patch = check_vllm()
+    except Exception as exc:
+        reason = f"{exc}" if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        if current == "1":
+            raise FusedqRequiredError(f"{ENV}=1 but vLLM cannot be patched: {reason}") from exc
+        logger.warning(disabled_line(reason))
+        return
+    apply(patch)
+    logger.debug("fusedq: patched %s.MLAAttention (forward_impl, weight processing)", MLA_MODULE)

@@ -1,0 +1,602 @@
+"""The vLLM plugin: the hook function, the MXFP8 cut, the version guard, the patched
+``forward_impl`` on a stand-in layer, and (slow, e2e) real ``vllm serve`` runs of the tiny
+model on CPU.
+
+Without CUDA the fused kernel runs in Triton's interpreter (conftest sets
+``TRITON_INTERPRET=1``), so every fused call here takes about a second: the parameter grids
+are picked to cover heads, odd M, pitched output, E4M3 and MXFP8 without repeating work
+that ``test_api.py`` already does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from fusedq_cases import E4M3, Q_SCALE, TOLERANCES, assert_matches, poison
+
+import fusedq
+from fusedq import vllm_hook
+from fusedq.vllm_hook import decode_query, mxfp8_w_uk_t, staged_decode_query
+
+P, R, L, V = 192, 64, 512, 128
+
+
+def kv_b_proj_weight(h: int, gen: torch.Generator) -> torch.Tensor:
+    """A bf16 kv_b_proj weight, [H * (P + V), L] as vLLM's ColumnParallelLinear holds it."""
+    return (torch.randn(h * (P + V), L, generator=gen) * 0.05).to(torch.bfloat16)
+
+
+def vllm_w_uk_t(weight: torch.Tensor, h: int) -> torch.Tensor:
+    """W_UK_T exactly as MLAAttention.process_weights_after_loading builds it: a strided view."""
+    w_uk, _ = weight.T.view(L, h, P + V).split([P, V], dim=-1)
+    return w_uk.permute(1, 2, 0)
+
+
+def vllm_q(m: int, h: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mqa_q_nope in vLLM's (N, B, P) transposed layout, mqa_q_pe) sliced from one q."""
+    q = torch.randn(m, h, P + R, generator=gen).to(torch.bfloat16)
+    q_nope, q_pe = q.split([P, R], dim=-1)
+    return q_nope.transpose(0, 1), q_pe
+
+
+def as_query(staged) -> torch.Tensor:
+    return torch.cat(staged, dim=-1) if isinstance(staged, tuple) else staged
+
+
+# --- the hook function -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "h,m,out_dtype,pitched",
+    [
+        (8, 1, torch.bfloat16, False),
+        (11, 3, torch.bfloat16, True),
+        (16, 17, torch.bfloat16, False),
+        (8, 32, E4M3, False),
+        (16, 2, E4M3, True),
+    ],
+)
+def test_decode_query_matches_vllm_staged_path(h, m, out_dtype, pitched):
+    gen = torch.Generator().manual_seed(h * 100 + m)
+    w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen), h)
+    assert not w_uk_t.is_contiguous()
+    q_nope, q_pe = vllm_q(m, h, gen)
+    q_scale = torch.tensor(Q_SCALE) if out_dtype == E4M3 else None
+    out = None
+    if pitched:  # a workspace slice: rows and heads pitched wider than [M, H, 576]
+        out = poison(torch.empty(m, h + 1, 640, dtype=out_dtype))[:, :h, : L + R]
+    got = decode_query(q_nope, w_uk_t, q_pe, out_dtype=out_dtype, q_scale=q_scale, out=out)
+    assert got is not None and got.shape == (m, h, L + R) and got.dtype == out_dtype
+    if out is None:
+        assert got.is_contiguous()
+    else:
+        assert got.data_ptr() == out.data_ptr()
+    vllm_ref = as_query(staged_decode_query(q_nope, w_uk_t, q_pe, q_scale=q_scale))
+    assert_matches(got, vllm_ref, "bf16")
+    fusedq_ref = fusedq.staged_mla_query(
+        q_nope.transpose(0, 1), w_uk_t, q_pe, out_dtype=out_dtype, q_scale=q_scale
+    )
+    assert_matches(got, fusedq_ref, "bf16")
+
+
+@pytest.mark.parametrize("h,m", [(4, 1), (8, 33), (12, 2)])
+def test_decode_query_declines_what_fusedq_cannot_run(h, m):
+    gen = torch.Generator().manual_seed(7)
+    w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen), h)
+    q_nope, q_pe = vllm_q(m, h, gen)
+    out = poison(torch.empty(m, h, L + R, dtype=torch.bfloat16))
+    assert decode_query(q_nope, w_uk_t, q_pe, out=out) is None
+    assert out.isnan().all(), "a declined call must not write"
+    assert not fusedq.can_implement(h, m)
+
+
+def test_prewarm_values_keep_only_fused_capture_sizes():
+    sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 512]
+    assert vllm_hook.prewarm_values(sizes, 8, "bf16", torch.bfloat16, "cpu") == [
+        1, 2, 4, 8, 16, 24, 32,
+    ]  # fmt: skip
+    assert vllm_hook.prewarm_values(sizes, 4, "bf16", torch.bfloat16, "cpu") == []
+
+
+# --- native MXFP8 --------------------------------------------------------------------------
+
+
+def mxfp8_kv_b_proj(h: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint-layout MXFP8 kv_b_proj: E4M3 [H*(P+V), L], E8M0 bytes [H*(P+V), L/32]."""
+    rows = h * (P + V)
+    values = (torch.randn(rows, L, generator=gen) * 64).clamp(-448, 448).to(E4M3)
+    scales = torch.randint(115, 125, (rows, L // 32), generator=gen, dtype=torch.uint8)
+    return values, scales
+
+
+def dequant_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    factors = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
+    return (values.float() * factors).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("scale_dtype", ["uint8", "float8_e8m0fnu"])
+def test_mxfp8_w_uk_t_is_the_n_blocked_view_of_kv_b_proj(scale_dtype):
+    h = 8
+    gen = torch.Generator().manual_seed(3)
+    values, scales = mxfp8_kv_b_proj(h, gen)
+    stored = scales.view(getattr(torch, scale_dtype))
+    wq = mxfp8_w_uk_t(values, stored, num_heads=h, v_head_dim=V)
+    assert tuple(wq.values.shape) == (h, P, L) and tuple(wq.scales.shape) == (h, P, L // 32)
+    # Views, not copies: the MXFP8 bytes are shared with kv_b_proj.
+    assert wq.values.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+    # What vLLM would have built by dequantising kv_b_proj to bf16 first (exact).
+    expected = vllm_w_uk_t(dequant_rows(values, scales), h)
+    assert torch.equal(fusedq.dequantize_mxfp8(wq), expected)
+
+
+def test_mxfp8_decode_query_matches_bf16_w_uk_t():
+    h, m = 8, 5
+    gen = torch.Generator().manual_seed(5)
+    values, scales = mxfp8_kv_b_proj(h, gen)
+    wq = mxfp8_w_uk_t(values, scales, num_heads=h, v_head_dim=V)
+    q_nope, q_pe = vllm_q(m, h, gen)
+    got = decode_query(q_nope, wq, q_pe)
+    bf16_w_uk_t = vllm_w_uk_t(dequant_rows(values, scales), h)
+    ref = as_query(staged_decode_query(q_nope, bf16_w_uk_t, q_pe))
+    # Dequantisation is exact, so MXFP8 is held to the bf16 bound (see fusedq_cases).
+    assert TOLERANCES[("mxfp8", torch.bfloat16)] == TOLERANCES[("bf16", torch.bfloat16)]
+    assert_matches(got, ref, "mxfp8")
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda w, s: (w.to(torch.bfloat16), s), "dtype"),  # dequantised at load
+        (lambda w, s: (w.t().contiguous().t(), s), "row-major"),  # column-major values
+        (lambda w, s: (w, s.reshape(-1)[: s.numel() // 2].reshape(-1, 8)), "unswizzled"),
+        (lambda w, s: (w, s.float()), "E8M0"),  # block-FP8 fp32 scales
+    ],
+)
+def test_mxfp8_w_uk_t_rejects_kernel_layouts(mutate, match):
+    values, scales = mxfp8_kv_b_proj(8, torch.Generator().manual_seed(1))
+    w, s = mutate(values, scales)
+    with pytest.raises(ValueError, match=match):
+        mxfp8_w_uk_t(w, s, num_heads=8, v_head_dim=V)
+
+
+# --- the guard and the patched forward_impl (needs vLLM, not a server) ---------------------
+
+
+@pytest.fixture
+def mla():
+    """vLLM's mla_attention module, restored to its unpatched state after the test."""
+    module = pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
+    from fusedq import vllm_plugin as vp
+
+    cls = module.MLAAttention
+    saved = {k: cls.__dict__[k] for k in ("forward_impl", "process_weights_after_loading")}
+    yield module
+    for k, v in saved.items():
+        setattr(cls, k, v)
+    if vp.PATCH_MARK in cls.__dict__:
+        delattr(cls, vp.PATCH_MARK)
+    module.__dict__.pop(vp.HOOK_NAME, None)
+    vp._installed.clear()
+    vp._first_use.clear()
+    vp._report.first = None
+
+
+@pytest.fixture
+def vp():
+    from fusedq import vllm_plugin
+
+    return vllm_plugin
+
+
+def test_guard_accepts_the_installed_vllm(mla, vp):
+    patch = vp.check_vllm()
+    assert patch.cls is mla.MLAAttention
+    assert mla.MLAAttention.forward_impl is patch.forward_impl.__wrapped__, "check only"
+    assert vp.HOOK_NAME not in mla.__dict__
+
+
+def test_guard_rejects_other_versions(mla, vp, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.1")
+    with pytest.raises(ValueError, match=r"vLLM 0\.40\.1 is outside the supported range"):
+        vp.check_vllm()
+
+
+def test_guard_rejects_a_changed_query_block(mla, vp, monkeypatch):
+    monkeypatch.setattr(vp, "KNOWN_BLOCKS", {"0.32.0": "0" * 64})
+    with pytest.raises(ValueError, match=r"query block .* differs"):
+        vp.check_vllm()
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (
+            lambda s: s.replace("mqa_q = (mqa_ql_nope, mqa_q_pe)", "mqa_q = mqa_ql_nope"),
+            "no 'mqa_q",
+        ),
+        (lambda s: s.replace("mqa_q_nope = mqa_q_nope.transpose(0, 1)", "pass"), "transpose"),
+        (lambda s: s.replace("if isinstance(mqa_q, tuple):", "if False:"), "isinstance"),
+        (
+            lambda s: s + "\n        if self.is_aiter_triton_fp4_bmm_enabled:\n            pass\n",
+            "2 lines",
+        ),
+    ],
+)
+def test_transform_names_the_missing_expectation(mla, vp, edit, match):
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(mla.MLAAttention.forward_impl))
+    vp.transform_forward_impl(source)  # the unedited source transforms
+    with pytest.raises(ValueError, match=match):
+        vp.transform_forward_impl(edit(source))
+
+
+def test_register_mode_0_touches_nothing(mla, vp, monkeypatch, caplog):
+    monkeypatch.setenv(vp.ENV, "0")
+    before = mla.MLAAttention.forward_impl
+    vp.register()
+    assert mla.MLAAttention.forward_impl is before
+    assert "fusedq" not in caplog.text
+
+
+@pytest.mark.parametrize("value", ["auto", "", "AUTO"])
+def test_register_patches_once(mla, vp, monkeypatch, value):
+    monkeypatch.setenv(vp.ENV, value)
+    original = mla.MLAAttention.forward_impl
+    vp.register()
+    patched = mla.MLAAttention.forward_impl
+    assert patched is not original and patched.__wrapped__ is original
+    assert mla.__dict__[vp.HOOK_NAME] is vp.decode_query_hook
+    vp.register()  # vLLM may call it again in the same process
+    assert mla.MLAAttention.forward_impl is patched
+
+
+def test_register_guard_failure_logs_and_leaves_vllm_untouched(mla, vp, monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv(vp.ENV, raising=False)
+    before = dict(mla.MLAAttention.__dict__)
+    vp.register()
+    assert dict(mla.MLAAttention.__dict__) == before
+    assert vp.HOOK_NAME not in mla.__dict__
+    assert "fusedq: fused MLA query disabled: vLLM 0.99.0 is outside" in caplog.text
+
+
+def test_register_required_mode_fails_on_guard(mla, vp, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setenv(vp.ENV, "1")
+    with pytest.raises(vp.FusedqRequiredError, match=r"FUSEDQ_MLA_QUERY=1 .* 0\.99\.0"):
+        vp.register()
+
+
+def test_register_rejects_unknown_mode(mla, vp, monkeypatch, caplog):
+    monkeypatch.setenv(vp.ENV, "yes")
+    before = mla.MLAAttention.forward_impl
+    vp.register()
+    assert mla.MLAAttention.forward_impl is before
+    assert "disabled: FUSEDQ_MLA_QUERY='yes' is not one of auto, 0, 1" in caplog.text
+
+
+class StandInLayer(types.SimpleNamespace):
+    """The MLAAttention attributes forward_impl's decode path and the plugin read."""
+
+
+def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator) -> StandInLayer:
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    seen: list[torch.Tensor] = []
+
+    def forward_mqa(q, kv_cache, attn_metadata, layer):
+        seen.append(torch.cat(q, dim=-1) if isinstance(q, tuple) else q)
+        return torch.zeros(seen[-1].shape[0], h, L, dtype=torch.bfloat16), None
+
+    impl = types.SimpleNamespace(
+        is_sparse=False, dcp_world_size=1, supports_quant_query_input=True,
+        forward_mqa=forward_mqa,
+    )  # fmt: skip
+    layer = StandInLayer(
+        num_heads=h, v_head_dim=V, qk_nope_head_dim=P, qk_rope_head_dim=R, kv_lora_rank=L,
+        kv_cache_dtype="fp8" if fp8 else "auto", use_pcp=False, prefill_backend=None,
+        q_pad_num_heads=None, is_aiter_triton_fp4_bmm_enabled=False,
+        is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False,
+        W_UK_T=vllm_w_uk_t(kv_b_proj_weight(h, gen), h), W_UK_T_dcp_qrep=None,
+        _q_scale=torch.tensor(Q_SCALE), impl=impl, layer_name=f"model.layers.0.h{h}",
+        kv_b_proj=types.SimpleNamespace(weight=None), _vllm_config=None,
+        _v_up_proj=lambda attn_out, out: None, seen=seen,
+    )  # fmt: skip
+    if fp8:
+        # vLLM's own op, run natively (compile_native would start inductor on CPU).
+        layer._decode_concat_quant_fp8_op = mla._DecodeConcatQuantFP8(
+            static=True, group_shape=GroupShape.PER_TENSOR, compile_native=False
+        )
+    return layer
+
+
+def run_forward_impl(forward_impl, layer, m: int, gen: torch.Generator) -> torch.Tensor:
+    h = layer.num_heads
+    q = torch.randn(m, h, P + R, generator=gen).to(torch.bfloat16)
+    meta = types.SimpleNamespace(
+        num_actual_tokens=m, num_decodes=m, num_prefills=0, num_decode_tokens=m,
+        decode=object(), prefill=None,
+    )  # fmt: skip
+    out = torch.empty(m, h * V, dtype=torch.bfloat16)
+    kv_cache = torch.empty(1, 16, L + R, dtype=torch.bfloat16)
+    forward_impl(layer, q, torch.empty(m, L), torch.empty(m, 1, R), kv_cache, meta, output=out)
+    return layer.seen[-1]
+
+
+@pytest.mark.parametrize("h,m,fp8", [(8, 2, False), (16, 5, True), (8, 33, False)])
+def test_patched_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
+    """The recompiled forward_impl on a stand-in layer: the query forward_mqa receives equals
+    the one vLLM's unpatched code builds; M=33 takes vLLM's own block (bit-identical)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    patch = vp.check_vllm()
+    vp.apply(patch)
+    with set_current_vllm_config(VllmConfig()):  # vLLM's CustomOp (the FP8 quant) wants one
+        layer = stand_in_layer(mla, h, fp8=fp8, gen=torch.Generator().manual_seed(0))
+        plan, note = vp.plan_layer(layer)
+        assert plan is not None, note
+        layer.__dict__[vp.PLAN_ATTR] = plan
+        got = run_forward_impl(patch.forward_impl, layer, m, torch.Generator().manual_seed(m))
+        ref = run_forward_impl(
+            patch.forward_impl.__wrapped__, layer, m, torch.Generator().manual_seed(m)
+        )
+    assert got.dtype == (E4M3 if fp8 else torch.bfloat16) and got.shape == (m, h, L + R)
+    if m > 32:
+        assert torch.equal(got, ref)
+    else:
+        assert got.is_contiguous()
+        assert_matches(got, ref, "bf16")
+        assert vp._first_use.is_set()
+
+
+def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv(vp.ENV, raising=False)
+    vp.apply(vp.check_vllm())
+    caplog.set_level(logging.INFO, logger="vllm.fusedq")
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        layer = stand_in_layer(mla, 8, fp8=False, gen=gen)
+        layer.layer_name = f"model.layers.{i}.self_attn.attn"
+        vp.setup_layer(layer)
+        assert layer.__dict__[vp.PLAN_ATTR] is not None
+    lines = [r.getMessage() for r in caplog.records if "fused MLA query enabled" in r.getMessage()]
+    assert lines == [
+        "fusedq: fused MLA query enabled (heads=8, format=bf16, prewarmed M=none "
+        "[no CUDA graphs on cpu])"
+    ]
+
+
+@pytest.mark.parametrize(
+    "attrs,reason",
+    [
+        ({"num_heads": 4}, "num_heads=4 is not qualified"),
+        ({"is_amx_bmm_enabled": True}, "AMX"),
+        ({"q_pad_num_heads": 16}, "pads query heads"),
+        ({"is_aiter_triton_fp8_bmm_enabled": True}, "aiter"),
+    ],
+)
+def test_setup_layer_falls_back_and_says_why(mla, vp, monkeypatch, caplog, attrs, reason):
+    monkeypatch.delenv(vp.ENV, raising=False)
+    vp.apply(vp.check_vllm())
+    layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
+    for k, v in attrs.items():
+        setattr(layer, k, v)
+    vp.setup_layer(layer)
+    assert layer.__dict__[vp.PLAN_ATTR] is None
+    assert re.search(
+        rf"fusedq: fused MLA query disabled: layer {layer.layer_name}: .*{reason}", caplog.text
+    )
+    monkeypatch.setenv(vp.ENV, "1")
+    with pytest.raises(vp.FusedqRequiredError, match=reason):
+        vp.setup_layer(layer)
+
+
+# --- end to end: real vllm serve on the tiny model (CPU) ----------------------------------
+
+PROMPT = [5, 17, 99, 123, 7, 300, 42, 8, 1000, 64, 11, 512]
+MAX_TOKENS = 16
+# Greedy tokens must match the staged run exactly; when bf16 rounding (fp32 accumulation
+# order in the kernel vs torch.bmm) flips a near-tie, the tokens after it legitimately
+# diverge, so the fallback check is on the first divergent step's chosen-token logprobs:
+# both runs' top-1 logprobs there must agree within this many nats (a tie, not a bug).
+LOGPROB_TOL = 0.02
+ENABLED = "fusedq: fused MLA query enabled ("
+DISABLED = "fusedq: fused MLA query disabled: "
+FIRST_USE = "fusedq: first fused MLA decode query"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(workdir: Path, env: dict[str, str], *, tp: int = 1, expect_ready: bool = True):
+    """Start ``vllm serve`` on the tiny model (loopback only), yield (port, log path), stop it
+    (SIGTERM to its process group, SIGKILL after 20 s)."""
+    from orchestrator.tinymodel import build_tiny_model
+
+    model = build_tiny_model()
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "FUSEDQ_MLA_QUERY", "VLLM_PLUGINS")
+    }
+    full_env.update(
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0-1",
+        VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
+        TMPDIR=str(workdir),
+    )
+    full_env.update(env)
+    vllm_bin = Path(sys.executable).with_name("vllm")
+    argv = [
+        str(vllm_bin), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096",
+        "--tensor-parallel-size", str(tp), "--max-num-seqs", "4",
+    ]  # fmt: skip
+    log = workdir / "server.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            argv, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        if expect_ready:
+            _wait_ready(proc, port, log)
+        else:
+            proc.wait(timeout=600)
+        yield port, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise AssertionError(f"vllm serve not ready after {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def greedy(port: int) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their logprobs for the fixed prompt."""
+    import httpx
+
+    models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+    body = {
+        "model": models["data"][0]["id"], "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+        "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }  # fmt: skip
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600)
+    reply.raise_for_status()
+    lp = reply.json()["choices"][0]["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    return ids, lp["token_logprobs"]
+
+
+def log_lines(log: Path, needle: str) -> list[str]:
+    return [ln for ln in log.read_text(errors="replace").splitlines() if needle in ln]
+
+
+def worker_pids(lines: list[str]) -> set[str]:
+    return {m.group(1) for ln in lines if (m := re.search(r"pid=(\d+)\)", ln))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launch per configuration, shared by the e2e tests: plain vLLM (plugin not loaded),
+    FUSEDQ_MLA_QUERY=0, and the plugin in auto mode with the kernel in Triton's interpreter."""
+    pytest.importorskip("vllm")
+    base = tmp_path_factory.mktemp("vllm-e2e")
+    results = {}
+    configs = {
+        "plain": {"VLLM_PLUGINS": ""},
+        "off": {"FUSEDQ_MLA_QUERY": "0"},
+        "fused": {"TRITON_INTERPRET": "1"},
+    }
+    for name, env in configs.items():
+        with vllm_server(base / name, env) as (port, log):
+            results[name] = (greedy(port), log)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_e2e_off_is_plain_vllm(runs):
+    (plain_ids, plain_lp), plain_log = runs["plain"]
+    (off_ids, off_lp), off_log = runs["off"]
+    assert off_ids == plain_ids and off_lp == plain_lp
+    assert not log_lines(off_log, "fusedq")
+    assert not log_lines(plain_log, "fusedq")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_e2e_fused_matches_staged(runs):
+    (staged_ids, staged_lp), _ = runs["plain"]
+    (fused_ids, fused_lp), log = runs["fused"]
+    enabled = log_lines(log, ENABLED)
+    assert len(enabled) == 1, enabled
+    assert "heads=8, format=bf16, prewarmed M=none [no CUDA graphs on cpu]" in enabled[0]
+    assert len(log_lines(log, FIRST_USE)) == 1, "the fused op never ran in the decode step"
+    assert not log_lines(log, DISABLED)
+    if fused_ids != staged_ids:
+        first = next(
+            i for i, (a, b) in enumerate(zip(fused_ids, staged_ids, strict=True)) if a != b
+        )
+        assert abs(fused_lp[first] - staged_lp[first]) <= LOGPROB_TOL, (
+            first,
+            fused_ids,
+            staged_ids,
+        )
+        assert fused_ids[:first] == staged_ids[:first]
+    else:
+        torch.testing.assert_close(
+            torch.tensor(fused_lp), torch.tensor(staged_lp), atol=LOGPROB_TOL, rtol=0
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_e2e_tp2_unsupported_heads_fall_back_per_worker(tmp_path):
+    """TP2 on the 8-head model: 4 heads per rank is not qualified. Auto mode serves with the
+    staged path and each of the two workers says why, once."""
+    pytest.importorskip("vllm")
+    env = {"TRITON_INTERPRET": "1"}
+    with vllm_server(tmp_path / "tp2", env, tp=2) as (port, log):
+        ids, _ = greedy(port)
+    assert len(ids) == MAX_TOKENS
+    lines = log_lines(log, DISABLED)
+    assert len(lines) == 2 and len(worker_pids(lines)) == 2, lines
+    assert all("num_heads=4 is not qualified" in ln for ln in lines)
+    assert not log_lines(log, ENABLED) and not log_lines(log, FIRST_USE)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_e2e_required_mode_refuses_unsupported_heads(tmp_path):
+    pytest.importorskip("vllm")
+    env = {"TRITON_INTERPRET": "1", "FUSEDQ_MLA_QUERY": "1"}
+    with vllm_server(tmp_path / "tp2-required", env, tp=2, expect_ready=False) as (_, log):
+        text = log.read_text(errors="replace")
+    assert "FusedqRequiredError" in text
+    assert re.search(r"FUSEDQ_MLA_QUERY=1 but the fused MLA query cannot run: .*num_heads=4", text)
