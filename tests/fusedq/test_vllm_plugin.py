@@ -109,6 +109,16 @@ def test_prewarm_values_keep_only_fused_capture_sizes():
     assert vllm_hook.prewarm_values(sizes, 4, "bf16", torch.bfloat16, "cpu") == []
 
 
+def test_plugin_and_hook_import_without_vllm():
+    """The GPU tests drive these modules on a machine without vLLM: importing them (and
+    reading the hook) must not import vLLM; only register() does."""
+    code = (
+        "import sys, fusedq.vllm_plugin, fusedq.vllm_hook; "
+        "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 # --- native MXFP8 --------------------------------------------------------------------------
 
 

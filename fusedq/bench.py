@@ -1,0 +1,452 @@
+"""``fusedq-bench``: the fused kernel against vLLM's staged path, in CUDA-graph replay.
+
+For each (format, H, M) three graphs are captured, each holding one call per layer with the
+weights rotated over enough layers to exceed ``--l2-factor`` x L2 (so every call reads its
+weight from HBM, as in a real forward pass):
+
+- ``fused``: ``mla_query_projection`` (one launch per layer);
+- ``staged``: what vLLM runs today: ``torch.bmm`` on the strided ``W_UK_T`` view, then
+  ``torch.cat`` with ``q_pe`` (BF16 out), or ``bmm`` + vLLM's concat-and-quantise kernel
+  (E4M3 out); the staged baseline of MXFP8 is the BF16 staged path;
+- ``copy``: a device copy of exactly the weight bytes of each layer, the physical anchor.
+
+Replays are interleaved ABBA-style, each timed with CUDA events; the figure is the median
+replay divided by the number of layers. ``--sweep`` times launch-config variants of the
+fused kernel instead, to pick the heuristic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+FORMATS = ("bf16", "mxfp8", "e4m3")
+# H200 L2 is 60 MB; rotating over 2x that keeps every layer's weight out of L2.
+DEFAULT_L2_MB = 60.0
+# Targets of issue 2 (fused / staged, fused / copy), per format.
+TARGETS = {"bf16": (0.40, 1.3), "mxfp8": (0.35, None), "e4m3": (None, None)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    heads: tuple[int, ...] = (8, 11, 16)
+    ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    formats: tuple[str, ...] = FORMATS
+    samples: int = 1000
+    warmup: int = 20
+    l2_mb: float = DEFAULT_L2_MB
+    l2_factor: float = 2.0
+    q_scale: float = 0.02
+    sweep: bool = False
+    sweep_block_n: tuple[int, ...] = (16, 32, 64)
+    sweep_warps: tuple[int, ...] = (2, 4, 8)
+    commit: str | None = None
+
+
+def _layers(bytes_per_layer: int, opts: Options) -> int:
+    return max(2, math.ceil(opts.l2_factor * opts.l2_mb * 1e6 / bytes_per_layer))
+
+
+def abba_order(names: Sequence[str], samples: int) -> list[str]:
+    """Forward order on even samples, reversed on odd ones (A B C, C B A, ...)."""
+    order: list[str] = []
+    for i in range(samples):
+        order.extend(names if i % 2 == 0 else reversed(names))
+    return order
+
+
+def time_graphs(graphs: dict, samples: int, warmup: int) -> dict[str, list[float]]:
+    """Replay every graph ``samples`` times, ABBA-interleaved; ms per replay, per graph."""
+    import torch
+
+    names = list(graphs)
+    for name in abba_order(names, warmup):
+        graphs[name].replay()
+    torch.cuda.synchronize()
+    order = abba_order(names, samples)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order
+    ]
+    for name, (start, end) in zip(order, events, strict=True):
+        start.record()
+        graphs[name].replay()
+        end.record()
+    torch.cuda.synchronize()
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for name, (start, end) in zip(order, events, strict=True):
+        out[name].append(start.elapsed_time(end))
+    return out
+
+
+def _capture(fn: Callable[[], None]):
+    import torch
+
+    fn()  # eager warm-up: allocator pools, cuBLAS handles, kernel compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _concat_quant_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(ql_ptr, pe_ptr, out_ptr, qs_ptr, H, s_qm, s_qh, s_pm, s_ph, s_om, s_oh):
+        # One program per (token, head) row, as vLLM's concat-and-quantise decode op does.
+        row = tl.program_id(0)
+        m = row // H
+        h = row % H
+        qs = tl.load(qs_ptr)
+        offs = tl.arange(0, 512)
+        x = tl.load(ql_ptr + m * s_qm + h * s_qh + offs).to(tl.float32)
+        x = tl.minimum(tl.maximum(x / qs, -448.0), 448.0)
+        tl.store(out_ptr + m * s_om + h * s_oh + offs, x.to(out_ptr.dtype.element_ty))
+        offs_r = tl.arange(0, 64)
+        r = tl.load(pe_ptr + m * s_pm + h * s_ph + offs_r).to(tl.float32)
+        r = tl.minimum(tl.maximum(r / qs, -448.0), 448.0)
+        tl.store(out_ptr + m * s_om + h * s_oh + 512 + offs_r, r.to(out_ptr.dtype.element_ty))
+
+    return kernel
+
+
+_CONCAT_QUANT = None
+
+
+def staged_vllm(q_nope, w, q_pe, q_scale=None):
+    """vLLM's decode query path: bmm on the W_UK_T view, then cat (or concat+quant)."""
+    import torch
+
+    ql_nope = torch.bmm(q_nope.transpose(0, 1), w).transpose(0, 1)
+    if q_scale is None:
+        return torch.cat([ql_nope, q_pe], dim=-1)
+    global _CONCAT_QUANT
+    if _CONCAT_QUANT is None:
+        _CONCAT_QUANT = _concat_quant_kernel()
+    m, h, _ = q_nope.shape
+    out = torch.empty(m, h, 576, dtype=torch.float8_e4m3fn, device=q_nope.device)
+    _CONCAT_QUANT[(m * h,)](
+        ql_nope, q_pe, out, q_scale, h,
+        ql_nope.stride(0), ql_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+    return out
+
+
+@dataclasses.dataclass
+class Layers:
+    """Per-layer weights (rotated) and the shared activations of one (format, H, M)."""
+
+    staged_w: list
+    fused_w: list
+    copy_src: list
+    copy_dst: list
+    q_nope: object
+    q_pe: object
+    out: object
+    q_scale: object
+    out_dtype: object
+    weight_bytes: int
+
+
+def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
+    import torch
+
+    import fusedq
+
+    dev = torch.device("cuda")
+    bf16_bytes = h * 192 * 512 * 2
+    fused_bytes = h * 192 * 512 + h * 192 * 16 if fmt == "mxfp8" else bf16_bytes
+    n_layers = _layers(min(bf16_bytes, fused_bytes), opts)
+    staged_w, fused_w, copy_src, copy_dst = [], [], [], []
+    for _ in range(n_layers):
+        # vLLM's W_UK_T: kv_b_proj.weight.T viewed [H, P+V, L], sliced to the P rows.
+        base = torch.randn(h, 192 + 256, 512, device=dev, dtype=torch.bfloat16) * 0.05
+        w = base[:, :192, :]
+        staged_w.append(w)
+        fused_w.append(fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w)
+        copy_src.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
+        copy_dst.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
+    q = torch.randn(m, h, 256, device=dev, dtype=torch.bfloat16)
+    out_dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
+    q_scale = torch.tensor([opts.q_scale], device=dev) if fmt == "e4m3" else None
+    out = torch.empty(m, h, 576, device=dev, dtype=out_dtype)
+    return Layers(
+        staged_w, fused_w, copy_src, copy_dst, q[..., :192], q[..., 192:], out, q_scale,
+        out_dtype, fused_bytes,
+    )  # fmt: skip
+
+
+def _fused_fn(lay: Layers, config=None) -> Callable[[], None]:
+    import fusedq
+    from fusedq.kernels import triton_mla_query as kernel
+
+    def fn() -> None:
+        for w in lay.fused_w:
+            if config is None:
+                fusedq.mla_query_projection(
+                    lay.q_nope, w, lay.q_pe, out=lay.out, out_dtype=lay.out_dtype,
+                    q_scale=lay.q_scale, backend="triton",
+                )  # fmt: skip
+            else:
+                values, scales = (w.values, w.scales) if hasattr(w, "scales") else (w, None)
+                kernel.launch(
+                    lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config
+                )
+
+    return fn
+
+
+def _staged_fn(lay: Layers) -> Callable[[], None]:
+    def fn() -> None:
+        for w in lay.staged_w:
+            staged_vllm(lay.q_nope, w, lay.q_pe, lay.q_scale)
+
+    return fn
+
+
+def _copy_fn(lay: Layers) -> Callable[[], None]:
+    def fn() -> None:
+        for src, dst in zip(lay.copy_src, lay.copy_dst, strict=True):
+            dst.copy_(src)
+
+    return fn
+
+
+def _max_error(lay: Layers) -> float:
+    """Max |fused - staged| of the last layer's output, after the timed replays."""
+    import fusedq
+
+    ref = fusedq.staged_mla_query(
+        lay.q_nope, lay.fused_w[-1], lay.q_pe, out_dtype=lay.out_dtype, q_scale=lay.q_scale
+    )
+    return float((lay.out.float() - ref.float()).abs().max())
+
+
+def _median_us(ms: list[float], n_layers: int) -> float:
+    return statistics.median(ms) * 1000.0 / n_layers
+
+
+def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
+    import torch
+
+    lay = build_layers(fmt, h, m, opts)
+    n = len(lay.fused_w)
+    graphs = {
+        "fused": _capture(_fused_fn(lay)),
+        "staged": _capture(_staged_fn(lay)),
+        "copy": _capture(_copy_fn(lay)),
+    }
+    times = time_graphs(graphs, opts.samples, opts.warmup)
+    row = {"format": fmt, "H": h, "M": m, "layers": n, "weight_bytes": lay.weight_bytes}
+    for name, ms in times.items():
+        row[f"{name}_us"] = _median_us(ms, n)
+        row[f"{name}_p10_us"] = statistics.quantiles(ms, n=10)[0] * 1000.0 / n
+        row[f"{name}_p90_us"] = statistics.quantiles(ms, n=10)[-1] * 1000.0 / n
+    row["fused_over_staged"] = row["fused_us"] / row["staged_us"]
+    row["fused_over_copy"] = row["fused_us"] / row["copy_us"]
+    row["max_abs_err_vs_staged"] = _max_error(lay)
+    del graphs, lay
+    torch.cuda.empty_cache()
+    return row
+
+
+def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
+    import torch
+
+    from fusedq.kernels.triton_mla_query import LaunchConfig
+
+    lay = build_layers(fmt, h, m, opts)
+    n = len(lay.fused_w)
+    block_m = max(16, 1 << (m - 1).bit_length())
+    configs = {
+        f"bn{bn}_w{nw}": LaunchConfig(block_m=block_m, block_n=bn, num_warps=nw)
+        for bn in opts.sweep_block_n
+        for nw in opts.sweep_warps
+    }
+    graphs = {name: _capture(_fused_fn(lay, cfg)) for name, cfg in configs.items()}
+    graphs["staged"] = _capture(_staged_fn(lay))
+    times = time_graphs(graphs, opts.samples, opts.warmup)
+    rows = []
+    for name, ms in times.items():
+        cfg = configs.get(name)
+        rows.append(
+            {
+                "format": fmt, "H": h, "M": m, "variant": name,
+                "config": dataclasses.asdict(cfg) if cfg else None,
+                "us": _median_us(ms, n),
+            }
+        )  # fmt: skip
+    del graphs, lay
+    torch.cuda.empty_cache()
+    return rows
+
+
+def environment(commit: str | None) -> dict:
+    import platform
+
+    import torch
+    import triton
+
+    import fusedq
+
+    env = {
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "gpu": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "fusedq": fusedq.__version__,
+        "python": platform.python_version(),
+        "commit": commit or _git_commit(),
+    }
+    try:
+        query = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,driver_version"
+        res = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )  # fmt: skip
+        env["nvidia_smi"] = dict(
+            zip(query.split(","), res.stdout.strip().split(", "), strict=False)
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        env["nvidia_smi"] = f"unavailable: {exc}"
+    return env
+
+
+def _git_commit() -> str:
+    try:
+        res = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        )
+        return res.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of benchmark rows, with the targets each row meets."""
+    head = (
+        "| format | H | M | fused µs | staged µs | copy µs | fused/staged | fused/copy | target |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['format']} | {r['H']} | {r['M']} | error: {r['error']} |")
+            continue
+        lines.append(
+            f"| {r['format']} | {r['H']} | {r['M']} | {r['fused_us']:.2f} | {r['staged_us']:.2f} "
+            f"| {r['copy_us']:.2f} | {r['fused_over_staged']:.2f} | {r['fused_over_copy']:.2f} "
+            f"| {verdict(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict(row: dict) -> str:
+    max_staged, max_copy = TARGETS[row["format"]]
+    parts = []
+    if max_staged is not None:
+        ok = row["fused_over_staged"] <= max_staged
+        parts.append(f"{'ok' if ok else 'MISS'} <={max_staged}x staged")
+    if max_copy is not None:
+        ok = row["fused_over_copy"] <= max_copy
+        parts.append(f"{'ok' if ok else 'MISS'} <={max_copy}x copy")
+    return ", ".join(parts) or "-"
+
+
+def run(opts: Options) -> dict:
+    """Run the benchmark (or the sweep) and return every figure."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("fusedq-bench needs a CUDA GPU")
+    result = {"environment": environment(opts.commit), "options": dataclasses.asdict(opts)}
+    rows: list[dict] = []
+    for fmt in opts.formats:
+        for h in opts.heads:
+            for m in opts.ms:
+                t0 = time.time()
+                try:
+                    new = _one(fmt, h, m, opts, t0)
+                except Exception as exc:  # one broken shape must not lose the others
+                    print(f"{fmt} H={h} M={m}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                    new = [{"format": fmt, "H": h, "M": m, "error": repr(exc)}]
+                rows.extend(new)
+    result["sweep" if opts.sweep else "rows"] = rows
+    return result
+
+
+def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
+    if opts.sweep:
+        new = sweep_shape(fmt, h, m, opts)
+        best = min((r for r in new if r["config"]), key=lambda r: r["us"])
+        staged = next(r for r in new if r["variant"] == "staged")
+        print(
+            f"sweep {fmt} H={h} M={m}: best {best['variant']} {best['us']:.2f} µs, "
+            f"staged {staged['us']:.2f} µs; "
+            + " ".join(f"{r['variant']}={r['us']:.2f}" for r in new),
+            flush=True,
+        )
+    else:
+        new = [bench_shape(fmt, h, m, opts)]
+        r = new[0]
+        print(
+            f"{fmt} H={h} M={m} L={r['layers']}: fused {r['fused_us']:.2f} µs, "
+            f"staged {r['staged_us']:.2f} µs, copy {r['copy_us']:.2f} µs, "
+            f"ratio {r['fused_over_staged']:.3f} / {r['fused_over_copy']:.3f}, "
+            f"err {r['max_abs_err_vs_staged']:.3g} ({time.time() - t0:.1f} s)",
+            flush=True,
+        )
+    return new
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
+    p = argparse.ArgumentParser(prog="fusedq-bench", description=__doc__.split("\n")[0])
+    p.add_argument("--heads", type=int, nargs="+", default=list(Options.heads))
+    p.add_argument("--m", type=int, nargs="+", default=list(Options.ms), dest="ms")
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--samples", type=int, default=Options.samples, help="timed replays per graph")
+    p.add_argument("--warmup", type=int, default=Options.warmup)
+    p.add_argument("--l2-mb", type=float, default=DEFAULT_L2_MB)
+    p.add_argument("--l2-factor", type=float, default=2.0)
+    p.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
+    p.add_argument("--sweep-block-n", type=int, nargs="+", default=list(Options.sweep_block_n))
+    p.add_argument("--sweep-warps", type=int, nargs="+", default=list(Options.sweep_warps))
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    p.add_argument("--json", default=None, help="write every figure to this path")
+    a = p.parse_args(argv)
+    opts = Options(
+        heads=tuple(a.heads), ms=tuple(a.ms), formats=tuple(a.formats), samples=a.samples,
+        warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, sweep=a.sweep,
+        sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps), commit=a.commit,
+    )  # fmt: skip
+    return opts, a.json
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts, json_path = parse_args(argv)
+    result = run(opts)
+    if not opts.sweep:
+        print(format_table(result["rows"]))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Kernel backends, one module each (Triton first)."""

@@ -1,0 +1,482 @@
+"""Triton kernel for the fused MLA decode query projection.
+
+One launch computes, for every token ``m`` and head ``h``::
+
+    out[m, h, :512]    = q_nope[m, h, :192] @ W[h, :192, :512]   (BF16 or E4M3 out)
+    out[m, h, 512:576] = q_pe[m, h, :64]
+
+The work is latency bound (a few MB of weights, ~2 µs budget), so the grid spreads the
+weight read over ``heads x N-tiles`` CTAs, every CTA issues all of its loads before its
+first ``tl.dot``, and the RoPE copy rides along in the first N-tile CTA of each head.
+
+Specialisation is under host control: every integer argument is ``do_not_specialize`` and
+no pointer is specialised on alignment, so the compiled variant depends only on
+``KernelKey`` (constexprs + dtypes). Alignment comes back as ``tl.multiple_of`` hints
+behind constexpr flags that the host computes. ``prewarm`` walks those keys; a launch
+under CUDA-graph capture whose key was never compiled raises instead of compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+# Problem constants of GLM-5 / DeepSeek MLA: qk_nope, kv_lora_rank, qk_rope.
+HEAD_K = 192
+HEAD_N = 512
+ROPE = 64
+OUT_WIDTH = HEAD_N + ROPE
+# E4M3 (OCP, "fn") largest finite value; the output is clamped to it.
+E4M3_MAX = 448.0
+# MX block size along N (OCP MX spec: one E8M0 scale per 32 elements).
+MX_BLOCK = 32
+
+# K=192 is not a power of two; three unrolled 64-wide chunks cover it exactly.
+BLOCK_K = 64
+# tl.dot needs at least 16 rows, so small M is padded with masks to 16 (one MMA tile).
+MIN_BLOCK_M = 16
+# 32-wide N tiles give heads*16 CTAs (128 at H=8): enough to cover the H200's 132 SMs once.
+DEFAULT_BLOCK_N = 32
+# Four warps map a [16|32, 32] accumulator onto mma.sync without idle warps at M<=16.
+DEFAULT_NUM_WARPS = 4
+# There is no K loop to pipeline (all chunks are unrolled and loaded up front).
+DEFAULT_NUM_STAGES = 1
+# The interpreter pays per program, not per element: one program per head keeps CPU CI fast.
+INTERPRET_BLOCK_N = 512
+# 16-byte vectors: what tl.multiple_of promises when the host says a tensor is aligned.
+ALIGN_BYTES = 16
+
+# Weight layouts the kernel distinguishes at compile time (which axis has unit stride).
+W_GENERIC, W_UNIT_N, W_UNIT_K = 0, 1, 2
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Block sizes and launch options of one compiled variant."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = DEFAULT_NUM_WARPS
+    num_stages: int = DEFAULT_NUM_STAGES
+
+    @classmethod
+    def for_problem(cls, num_heads: int, m: int, weight_format: str = "bf16") -> LaunchConfig:
+        """The heuristic choice for ``m`` tokens of ``num_heads`` heads."""
+        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
+        if interpreting():
+            return cls(block_m=max(block_m, 32), block_n=INTERPRET_BLOCK_N)
+        return cls(block_m=block_m, block_n=DEFAULT_BLOCK_N)
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (16, 32, 64, 128, 256, 512):
+            raise ValueError(f"block_n={self.block_n} must be a power of two in [16, 512]")
+        if self.block_m < MIN_BLOCK_M or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m={self.block_m} must be a power of two >= {MIN_BLOCK_M}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """Everything that selects a compiled variant (Triton's own cache key is a function of it)."""
+
+    config: LaunchConfig
+    weight_format: str  # "bf16" | "mxfp8"
+    out_fp8: bool
+    w_layout: int
+    w_aligned: bool
+    io_aligned: bool
+    device_index: int
+
+
+_compiled: set[KernelKey] = set()
+_compiled_lock = threading.Lock()
+
+
+def compiled_keys() -> frozenset[KernelKey]:
+    """Keys compiled (or, under the interpreter, registered) in this process."""
+    with _compiled_lock:
+        return frozenset(_compiled)
+
+
+def _weight_layout(stride_k: int, stride_n: int) -> int:
+    if stride_n == 1:
+        return W_UNIT_N
+    if stride_k == 1:
+        return W_UNIT_K
+    return W_GENERIC
+
+
+def _aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    vec = ALIGN_BYTES // t.element_size()
+    return t.data_ptr() % ALIGN_BYTES == 0 and all(s % vec == 0 for s in strides)
+
+
+def weight_traits(values: torch.Tensor) -> tuple[int, bool]:
+    """(layout, aligned) of a [H, 192, 512] weight tensor, as the kernel key needs them."""
+    _, s_k, s_n = values.stride()
+    layout = _weight_layout(s_k, s_n)
+    non_unit = tuple(s for s in values.stride() if s != 1)
+    # Only the unit-stride axis can be vectorised, and only when all other strides keep
+    # every row on a 16-byte boundary.
+    return layout, layout != W_GENERIC and _aligned(values, non_unit)
+
+
+def io_aligned(q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether q_nope, q_pe and out rows all start on 16-byte boundaries."""
+    return all(_aligned(t, t.stride()[:2]) for t in (q_nope, q_pe, out))
+
+
+@triton.jit
+def _round_mantissa(x, DROP: tl.constexpr):
+    # Round fp32 to nearest even at 2^DROP ulps (integer ops, so the interpreter agrees with
+    # the GPU, whose conversions round to nearest even while the interpreter truncates).
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)
+    return ((bits >> DROP) << DROP).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_bf16(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        x = _round_mantissa(x, 16)
+    return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _to_e4m3(x, q_scale, out_ty: tl.constexpr, INTERPRET: tl.constexpr):
+    y = tl.math.div_rn(x, q_scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if INTERPRET:
+        # Normal E4M3 keeps 3 of fp32's 23 mantissa bits; below 2^-6 the grid is 2^-9
+        # (subnormals), where adding and removing 2^14 rounds to nearest even.
+        sub = (tl.abs(y) + 16384.0) - 16384.0
+        sub = tl.where(y < 0, -sub, sub)
+        y = tl.where(tl.abs(y) < 0.015625, sub, _round_mantissa(y, 20))
+    return y.to(out_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _load_weight_chunk(
+    w_ptr,
+    ws_ptr,
+    offs_k,
+    offs_n,
+    pid_n,
+    stride_wk,
+    stride_wn,
+    stride_sk,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    W_LAYOUT: tl.constexpr,
+    W_ALIGNED: tl.constexpr,
+    MXFP8: tl.constexpr,
+):
+    if W_LAYOUT == 1:
+        ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :]
+    elif W_LAYOUT == 2:
+        ptrs = w_ptr + offs_k[:, None] + offs_n[None, :] * stride_wn
+    else:
+        ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    if W_ALIGNED:
+        ptrs = tl.multiple_of(ptrs, [16, 16])
+    w = tl.load(ptrs)
+    if MXFP8:
+        if BLOCK_N <= 32:
+            # One scale per K row for the whole tile: a [BLOCK_K] load, broadcast along N.
+            s = tl.load(ws_ptr + offs_k * stride_sk + ((pid_n * BLOCK_N) // 32) * stride_sn)
+            s = s.to(tl.int32)[:, None]
+        else:
+            s = tl.load(ws_ptr + offs_k[:, None] * stride_sk + (offs_n[None, :] // 32) * stride_sn)
+            s = s.to(tl.int32)
+        # 2^(s-127) built from the exponent bits (exact); byte 0 is the subnormal 2^-127.
+        scale = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+        # e4m3 * 2^k has at most 4 significant bits, so the bf16 rounding below is exact.
+        w = (w.to(tl.float32) * scale).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    return w
+
+
+@triton.jit(
+    do_not_specialize=[
+        "M",
+        "stride_qm",
+        "stride_qh",
+        "stride_pm",
+        "stride_ph",
+        "stride_wh",
+        "stride_wk",
+        "stride_wn",
+        "stride_sh",
+        "stride_sk",
+        "stride_sn",
+        "stride_om",
+        "stride_oh",
+    ],
+    do_not_specialize_on_alignment=["q_ptr", "qpe_ptr", "w_ptr", "ws_ptr", "out_ptr", "qs_ptr"],
+)
+def _mla_query_kernel(
+    q_ptr,
+    qpe_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    qs_ptr,
+    M,
+    stride_qm,
+    stride_qh,
+    stride_pm,
+    stride_ph,
+    stride_wh,
+    stride_wk,
+    stride_wn,
+    stride_sh,
+    stride_sk,
+    stride_sn,
+    stride_om,
+    stride_oh,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_LAYOUT: tl.constexpr,
+    W_ALIGNED: tl.constexpr,
+    IO_ALIGNED: tl.constexpr,
+    MXFP8: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+
+    # Weight first: it is the only HBM traffic, everything else is L2-resident.
+    w_head = w_ptr + h.to(tl.int64) * stride_wh
+    ws_head = ws_ptr + h.to(tl.int64) * stride_sh
+    w0 = _load_weight_chunk(
+        w_head, ws_head, offs_k, offs_n, pid_n, stride_wk, stride_wn, stride_sk, stride_sn,
+        BLOCK_N, W_LAYOUT, W_ALIGNED, MXFP8,
+    )  # fmt: skip
+    w1 = _load_weight_chunk(
+        w_head + BLOCK_K * stride_wk, ws_head + BLOCK_K * stride_sk, offs_k, offs_n, pid_n,
+        stride_wk, stride_wn, stride_sk, stride_sn, BLOCK_N, W_LAYOUT, W_ALIGNED, MXFP8,
+    )  # fmt: skip
+    w2 = _load_weight_chunk(
+        w_head + 2 * BLOCK_K * stride_wk, ws_head + 2 * BLOCK_K * stride_sk, offs_k, offs_n,
+        pid_n, stride_wk, stride_wn, stride_sk, stride_sn, BLOCK_N, W_LAYOUT, W_ALIGNED, MXFP8,
+    )  # fmt: skip
+
+    q_rows = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + h * stride_qh + offs_k[None, :]
+    if IO_ALIGNED:
+        q_rows = tl.multiple_of(q_rows, [16, 16])
+    q0 = tl.load(q_rows, mask=m_mask[:, None], other=0.0)
+    q1 = tl.load(q_rows + BLOCK_K, mask=m_mask[:, None], other=0.0)
+    q2 = tl.load(q_rows + 2 * BLOCK_K, mask=m_mask[:, None], other=0.0)
+
+    if OUT_FP8:
+        q_scale = tl.load(qs_ptr)
+
+    if pid_n == 0:
+        # The RoPE half is a plain copy (quantised for E4M3); one CTA per head does it.
+        offs_r = tl.arange(0, R)
+        pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
+        pe_ptrs = pe_ptrs + offs_r[None, :]
+        pe_out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
+        pe_out = pe_out + N + offs_r[None, :]
+        if IO_ALIGNED:
+            pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
+            pe_out = tl.multiple_of(pe_out, [16, 16])
+        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
+        if OUT_FP8:
+            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(pe_out, pe, mask=m_mask[:, None])
+
+    if INTERPRET:
+        # The interpreter multiplies raw bf16 bit patterns in some versions: go through fp32.
+        acc = tl.dot(q0.to(tl.float32), w0.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(q1.to(tl.float32), w1.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(q2.to(tl.float32), w2.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(q0, w0)
+        acc = tl.dot(q1, w1, acc)
+        acc = tl.dot(q2, w2, acc)
+
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
+    o_ptrs = o_ptrs + offs_n[None, :]
+    if IO_ALIGNED:
+        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+    if OUT_FP8:
+        # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
+        y = _to_bf16(acc, INTERPRET).to(tl.float32)
+        tl.store(
+            o_ptrs, _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None]
+        )
+    else:
+        tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
+
+
+def kernel_key(
+    values: torch.Tensor,
+    m: int,
+    *,
+    weight_format: str,
+    out_fp8: bool,
+    io_is_aligned: bool,
+    config: LaunchConfig | None = None,
+) -> KernelKey:
+    """The key a launch with these operands compiles under."""
+    num_heads = values.shape[0]
+    layout, w_is_aligned = weight_traits(values)
+    return KernelKey(
+        config=config or LaunchConfig.for_problem(num_heads, m, weight_format),
+        weight_format=weight_format,
+        out_fp8=out_fp8,
+        w_layout=layout,
+        w_aligned=w_is_aligned,
+        io_aligned=io_is_aligned,
+        device_index=values.device.index if values.device.type == "cuda" else -1,
+    )
+
+
+def launch(
+    q_nope: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    out: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    *,
+    config: LaunchConfig | None = None,
+) -> KernelKey:
+    """Launch the kernel on validated operands; returns the key it ran under.
+
+    Raises ``RuntimeError`` when called under CUDA-graph capture with a key that was never
+    compiled (call ``fusedq.prewarm`` before capturing).
+    """
+    m, num_heads, _ = q_nope.shape
+    weight_format = "mxfp8" if scales is not None else "bf16"
+    out_fp8 = out.dtype == torch.float8_e4m3fn
+    key = kernel_key(
+        values,
+        m,
+        weight_format=weight_format,
+        out_fp8=out_fp8,
+        io_is_aligned=io_aligned(q_nope, q_pe, out),
+        config=config,
+    )
+    with _compiled_lock:
+        known = key in _compiled
+    if not known and out.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fusedq: kernel variant {key} is not compiled and the current stream is capturing "
+            "a CUDA graph; compiling now would break the capture. Call "
+            "fusedq.prewarm(weight, m_values, out_dtype=...) for every M the graph uses "
+            "before capturing."
+        )
+    if m == 0:
+        return key
+    cfg = key.config
+    # Unused pointer arguments still need a tensor; the weight is always valid memory.
+    ws = scales if scales is not None else values
+    qs = q_scale if q_scale is not None else values
+    s_sh, s_sk, s_sn = ws.stride()
+    grid = (HEAD_N // cfg.block_n, num_heads)
+    _mla_query_kernel[grid](
+        q_nope,
+        q_pe,
+        values,
+        ws,
+        out,
+        qs,
+        m,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        *values.stride(),
+        s_sh,
+        s_sk,
+        s_sn,
+        out.stride(0),
+        out.stride(1),
+        K=HEAD_K,
+        N=HEAD_N,
+        R=ROPE,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=BLOCK_K,
+        W_LAYOUT=key.w_layout,
+        W_ALIGNED=key.w_aligned,
+        IO_ALIGNED=key.io_aligned,
+        MXFP8=scales is not None,
+        OUT_FP8=out_fp8,
+        INTERPRET=interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if not known:
+        with _compiled_lock:
+            _compiled.add(key)
+    return key
+
+
+def register_interpreted(key: KernelKey) -> bool:
+    """Record a key without compiling (the interpreter has nothing to compile)."""
+    with _compiled_lock:
+        new = key not in _compiled
+        _compiled.add(key)
+    return new
+
+
+def _operands(m: int, num_heads: int, device: torch.device, out_dtype, aligned: bool):
+    # One element of lead-in misaligns every row start: the io_aligned=False variant.
+    lead = 0 if aligned else 1
+    q = torch.zeros(lead + m * num_heads * (HEAD_K + ROPE), dtype=torch.bfloat16, device=device)
+    q = q[lead:].view(m, num_heads, HEAD_K + ROPE)
+    out = torch.empty(lead + m * num_heads * OUT_WIDTH, dtype=out_dtype, device=device)
+    return q[..., :HEAD_K], q[..., HEAD_K:], out[lead:].view(m, num_heads, OUT_WIDTH)
+
+
+def prewarm(
+    values: torch.Tensor, scales: torch.Tensor | None, m: int, out_dtype: torch.dtype
+) -> int:
+    """Compile the variants a launch with ``m`` tokens on this weight can need (rows of q and
+    out aligned or not); returns how many were new."""
+    num_heads = values.shape[0]
+    out_fp8 = out_dtype == torch.float8_e4m3fn
+    q_scale = torch.ones(1, dtype=torch.float32, device=values.device) if out_fp8 else None
+    new = 0
+    for aligned in (True, False):
+        key = kernel_key(
+            values,
+            m,
+            weight_format="bf16" if scales is None else "mxfp8",
+            out_fp8=out_fp8,
+            io_is_aligned=aligned,
+        )
+        if key in compiled_keys():
+            continue
+        if interpreting():
+            new += register_interpreted(key)
+            continue
+        q_nope, q_pe, out = _operands(m, num_heads, values.device, out_dtype, aligned)
+        launched = launch(q_nope, values, scales, q_pe, out, q_scale)
+        assert launched == key, (launched, key)
+        new += 1
+    return new

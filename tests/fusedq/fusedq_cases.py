@@ -1,0 +1,88 @@
+"""Operand builders and comparisons shared by the fusedq tests."""
+
+from __future__ import annotations
+
+import torch
+
+import fusedq
+
+K, N, R = 192, 512, 64
+E4M3 = torch.float8_e4m3fn
+# Picks q_scale so that the largest outputs (|x| ~ 3) exceed 448 and exercise the clamp.
+Q_SCALE = 0.005
+# Weights of magnitude ~0.05 keep the outputs O(1), like a trained W_UK_T.
+W_SCALE = 0.05
+
+# (weight format, out dtype) -> (atol, rtol) for the 512-wide part against the staged path.
+# The RoPE part is compared bit-exactly and is not in this table.
+TOLERANCES = {
+    # Both paths accumulate exact bf16 products in fp32, only in a different order; after the
+    # final bf16 rounding they differ by at most one bf16 ulp (<= 2^-7 relative). The atol
+    # covers cancellation near zero, where fp32 order effects (~192 * 2^-24 * sum|q*w|)
+    # are not relative to the result.
+    ("bf16", torch.bfloat16): (2**-10, 2**-7),
+    # Dequantising E4M3 * 2^k to bf16 is exact, and the staged path runs on the dequantised
+    # weight, so MXFP8 is held to exactly the bf16 bound.
+    ("mxfp8", torch.bfloat16): (2**-10, 2**-7),
+    # A one-ulp bf16 difference can move the quotient across an E4M3 rounding boundary: one
+    # E4M3 ulp is <= 2^-3 relative for normals and 2^-9 absolute for subnormals.
+    ("bf16", E4M3): (2**-9, 2**-3),
+    ("mxfp8", E4M3): (2**-9, 2**-3),
+}
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (0x7F in E4M3, 0x7FC0 in bf16) so unwritten elements fail comparison."""
+    if t.dtype == E4M3:
+        t.view(torch.uint8).fill_(0x7F)
+    else:
+        t.fill_(float("nan"))
+    return t
+
+
+def make_weight(h: int, layout: str, device, gen: torch.Generator) -> torch.Tensor:
+    """A bf16 [h, 192, 512] weight in one of the layouts vLLM and friends produce."""
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen) * W_SCALE).to(torch.bfloat16).to(device)
+
+    if layout == "vllm":
+        # kv_b_proj.weight.T viewed (L, H, P+V) then W_UK.permute(1, 2, 0): unit stride on N,
+        # head stride spans the V rows too.
+        return rnd(h, K + 256, N)[:, :K, :]
+    if layout == "unit_k":
+        # W_UK [L, H, P].permute(1, 2, 0): unit stride along the 192 axis.
+        return rnd(N, h, K).permute(1, 2, 0)
+    if layout == "generic":
+        # No unit stride at all.
+        return rnd(h, K, 2 * N)[..., ::2]
+    if layout == "contiguous":
+        return rnd(h, K, N)
+    raise ValueError(layout)
+
+
+def make_q(m: int, h: int, device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_nope and q_pe as slices of one [m, h, 256] q, as vLLM hands them over."""
+    q = torch.randn(m, h, K + R, generator=gen).to(torch.bfloat16).to(device)
+    return q[..., :K], q[..., K:]
+
+
+def make_out(m: int, h: int, dtype, device, pitched: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, backing buffer): pitched outputs sit inside a wider, poisoned workspace."""
+    width, heads = (640, h + 1) if pitched else (N + R, h)
+    buf = poison(torch.empty(m, heads, width, dtype=dtype, device=device))
+    return buf[:, :h, : N + R], buf
+
+
+def weight_for(fmt: str, w: torch.Tensor):
+    return fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, fmt: str) -> None:
+    """512-wide part within the tolerance table, RoPE part bit-exact, nothing left unwritten."""
+    atol, rtol = TOLERANCES[(fmt, out.dtype)]
+    torch.testing.assert_close(
+        out[..., :N].float(), ref[..., :N].float(), atol=atol, rtol=rtol, equal_nan=False
+    )
+    bits = torch.uint8 if out.dtype == E4M3 else torch.int16
+    assert torch.equal(out[..., N:].contiguous().view(bits), ref[..., N:].contiguous().view(bits))

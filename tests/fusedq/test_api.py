@@ -1,0 +1,254 @@
+"""mla_query_projection against the staged reference, and its argument checking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fusedq_cases import (
+    E4M3,
+    Q_SCALE,
+    assert_matches,
+    make_out,
+    make_q,
+    make_weight,
+    poison,
+    weight_for,
+)
+
+import fusedq
+
+HEADS = (8, 11, 16)
+MS = (1, 2, 3, 7, 16, 17, 31, 32)
+RECIPES = [("bf16", torch.bfloat16), ("mxfp8", torch.bfloat16), ("bf16", E4M3), ("mxfp8", E4M3)]
+
+
+def _run_both(q_nope, weight, q_pe, out, out_dtype, device):
+    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
+    got = fusedq.mla_query_projection(
+        q_nope, weight, q_pe, out=out, out_dtype=out_dtype, q_scale=q_scale, backend="triton"
+    )
+    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    return got, ref
+
+
+@pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("h", HEADS)
+def test_matches_staged(h, m, fmt, out_dtype, device):
+    gen = torch.Generator().manual_seed(1000 * h + m)
+    w = make_weight(h, "vllm", device, gen)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    # Alternate plain and pitched outputs across the grid: both are covered at every H.
+    out, buf = make_out(m, h, out_dtype, device, pitched=m % 2 == 1)
+    got, ref = _run_both(q_nope, weight_for(fmt, w), q_pe, out, out_dtype, device)
+    assert got.data_ptr() == out.data_ptr()
+    assert_matches(out, ref, fmt)
+    if buf.shape != out.shape:
+        # The pitch padding of the workspace is never written.
+        pad = torch.cat([buf[:, h:].flatten(), buf[:, :h, 576:].flatten()]).float()
+        assert torch.isnan(pad).all()
+
+
+@pytest.mark.parametrize("layout", ["vllm", "unit_k", "generic", "contiguous"])
+@pytest.mark.parametrize("fmt,out_dtype", RECIPES[:3], ids=lambda v: str(v).replace("torch.", ""))
+def test_weight_layouts(layout, fmt, out_dtype, device):
+    gen = torch.Generator().manual_seed(7)
+    h, m = 11, 5
+    w = make_weight(h, layout, device, gen)
+    weight = weight_for(fmt, w)
+    if fmt == "mxfp8" and layout != "contiguous":
+        # MXFP8 values in the same strided layout as the bf16 weight.
+        values = torch.empty_strided(w.shape, w.stride(), dtype=E4M3, device=device)
+        values.copy_(weight.values)
+        weight = fusedq.MXFP8Weight(values, weight.scales)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out, _ = make_out(m, h, out_dtype, device, pitched=True)
+    _, ref = _run_both(q_nope, weight, q_pe, out, out_dtype, device)
+    assert_matches(out, ref, fmt)
+
+
+def test_separate_q_tensors_and_allocated_out(device):
+    gen = torch.Generator().manual_seed(3)
+    h, m = 8, 4
+    w = make_weight(h, "contiguous", device, gen)
+    q_nope = torch.randn(m, h, 192, generator=gen).bfloat16().to(device)
+    # q_pe with a head-major layout: unit last stride, nothing else contiguous.
+    q_pe = torch.randn(h, m, 64, generator=gen).bfloat16().to(device).transpose(0, 1)
+    got = fusedq.mla_query_projection(q_nope, w, q_pe, backend="triton")
+    ref = fusedq.staged_mla_query(q_nope, w, q_pe)
+    assert got.shape == (m, h, 576) and got.dtype == torch.bfloat16
+    assert_matches(got, ref, "bf16")
+
+
+def test_auto_falls_back_to_staged_for_unqualified_heads(device):
+    gen = torch.Generator().manual_seed(4)
+    h, m = 4, 2
+    w = make_weight(h, "vllm", device, gen)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    assert not fusedq.can_implement(h, m, device=device)
+    got = fusedq.mla_query_projection(q_nope, w, q_pe)
+    ref = fusedq.staged_mla_query(q_nope, w, q_pe)
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="num_heads=4"):
+        fusedq.mla_query_projection(q_nope, w, q_pe, backend="triton")
+
+
+def test_auto_falls_back_for_large_m(device):
+    gen = torch.Generator().manual_seed(5)
+    h, m = 8, 33
+    w = make_weight(h, "vllm", device, gen)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    got = fusedq.mla_query_projection(q_nope, w, q_pe)
+    assert torch.equal(got, fusedq.staged_mla_query(q_nope, w, q_pe))
+    with pytest.raises(ValueError, match="max_m=33"):
+        fusedq.mla_query_projection(q_nope, w, q_pe, backend="triton")
+
+
+def test_staged_backend_is_the_reference(device):
+    gen = torch.Generator().manual_seed(6)
+    w = make_weight(8, "vllm", device, gen)
+    q_nope, q_pe = make_q(3, 8, device, gen)
+    got = fusedq.mla_query_projection(q_nope, w, q_pe, backend="staged")
+    assert torch.equal(got, fusedq.staged_mla_query(q_nope, w, q_pe))
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: ValueError naming the argument, and `out` untouched.
+
+
+def _good(device, out_dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(11)
+    h, m = 8, 3
+    q = torch.randn(m, h, 256, generator=gen).bfloat16().to(device)
+    kwargs = {"out_dtype": out_dtype, "backend": "auto"}
+    if out_dtype == E4M3:
+        kwargs["q_scale"] = torch.tensor([Q_SCALE], device=device)
+    kwargs["out"] = poison(torch.empty(m, h, 576, dtype=out_dtype, device=device))
+    args = [q[..., :192], make_weight(h, "vllm", device, gen), q[..., 192:]]
+    return args, kwargs
+
+
+def _mutations(device):
+    """(case id, argument name the error must mention, mutate(args, kwargs))."""
+
+    def set_arg(i, fn):
+        def mutate(args, kwargs):
+            args[i] = fn(args[i])
+
+        return mutate
+
+    def set_kw(name, fn):
+        def mutate(args, kwargs):
+            kwargs[name] = fn(kwargs.get(name))
+
+        return mutate
+
+    def overlap_q(args, kwargs):
+        buf = torch.empty(3, 8, 576 + 256, dtype=torch.bfloat16, device=device)
+        kwargs["out"] = poison(buf[..., :576])
+        args[0] = buf[..., 576 : 576 + 192]
+        args[0].copy_(torch.randn(3, 8, 192))
+
+    def overlap_w(args, kwargs):
+        buf = torch.zeros(8 * 192 * 512 + 3 * 8 * 576, dtype=torch.bfloat16, device=device)
+        args[1] = buf[: 8 * 192 * 512].view(8, 192, 512)
+        kwargs["out"] = poison(buf[8 * 192 * 512 - 576 :][: 3 * 8 * 576].view(3, 8, 576))
+
+    return [
+        ("q_nope_dtype", "q_nope", set_arg(0, lambda t: t.float())),
+        ("q_nope_shape", "q_nope", set_arg(0, lambda t: t[..., :128])),
+        ("q_nope_2d", "q_nope", set_arg(0, lambda t: t[:, 0])),
+        (
+            "q_nope_stride",
+            "q_nope",
+            set_arg(0, lambda t: t.transpose(0, 2).contiguous().transpose(0, 2)),
+        ),
+        ("q_nope_type", "q_nope", set_arg(0, lambda t: t.tolist())),
+        ("q_pe_dtype", "q_pe", set_arg(2, lambda t: t.half())),
+        ("q_pe_shape", "q_pe", set_arg(2, lambda t: t[:2])),
+        (
+            "q_pe_stride",
+            "q_pe",
+            set_arg(2, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+        ),
+        ("weight_dtype", "weight", set_arg(1, lambda t: t.half())),
+        ("weight_shape", "weight", set_arg(1, lambda t: t[:, :128])),
+        ("weight_heads", "weight", set_arg(1, lambda t: t[:4])),
+        ("weight_type", "weight", set_arg(1, lambda t: "W_UK_T")),
+        ("out_dtype_arg", "out_dtype", set_kw("out_dtype", lambda _: torch.float16)),
+        ("out_dtype_mismatch", "out", set_kw("out", lambda t: t.float())),
+        ("out_shape", "out", set_kw("out", lambda t: t[..., :512])),
+        (
+            "out_stride",
+            "out",
+            set_kw("out", lambda t: t.transpose(0, 2).contiguous().transpose(0, 2)),
+        ),
+        (
+            "q_scale_superfluous",
+            "q_scale",
+            set_kw("q_scale", lambda _: torch.ones(1, device=device)),
+        ),
+        ("backend", "backend", set_kw("backend", lambda _: "cutlass")),
+        ("out_overlaps_q", "q_nope", overlap_q),
+        ("out_overlaps_weight", "weight", overlap_w),
+    ]
+
+
+BAD_CASES = [name for name, _, _ in _mutations(torch.device("cpu"))]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_raises_and_leaves_out_untouched(case, device):
+    arg, mutate = {name: (arg, fn) for name, arg, fn in _mutations(device)}[case]
+    args, kwargs = _good(device)
+    mutate(args, kwargs)
+    out = kwargs["out"]
+    before = out.clone()
+    with pytest.raises(ValueError, match=arg):
+        fusedq.mla_query_projection(*args, **kwargs)
+    if out.element_size() <= 2:
+        assert torch.equal(_bits(out), _bits(before))
+    else:
+        assert torch.equal(out.isnan(), before.isnan())
+
+
+@pytest.mark.parametrize(
+    "q_scale,match",
+    [
+        (None, "required"),
+        ("float64", "float32"),
+        ("two", "one-element"),
+        ("list", "not a tensor"),
+    ],
+)
+def test_e4m3_q_scale_checked(q_scale, match, device):
+    args, kwargs = _good(device, E4M3)
+    kwargs["q_scale"] = {
+        None: None,
+        "float64": torch.ones(1, dtype=torch.float64, device=device),
+        "two": torch.ones(2, device=device),
+        "list": [1.0],
+    }[q_scale]
+    out = kwargs["out"]
+    before = out.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match="q_scale") as info:
+        fusedq.mla_query_projection(*args, **kwargs)
+    assert match in str(info.value)
+    assert torch.equal(out.view(torch.uint8), before)
+
+
+def test_wrong_device_named():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device type (CUDA) to mismatch against")
+    args, kwargs = _good(torch.device("cuda"))
+    args[2] = args[2].cpu()
+    with pytest.raises(ValueError, match="q_pe: device"):
+        fusedq.mla_query_projection(*args, **kwargs)
+    args, kwargs = _good(torch.device("cuda"))
+    kwargs["out"] = kwargs["out"].cpu()
+    with pytest.raises(ValueError, match="out: device"):
+        fusedq.mla_query_projection(*args, **kwargs)
