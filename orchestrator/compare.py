@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.report import _md_table
-from orchestrator.store import MANIFEST, RESULTS, RunStore
+from orchestrator.store import MANIFEST, RunStore
 
 DEFAULT_THRESHOLD_PCT = 3.0
 # Severities that break a case or a node (signatures.yaml): new ones fail a comparison.
@@ -56,8 +56,7 @@ def open_run(path: str | Path) -> RunStore:
     for key in ("run_id", "cases", "matrix"):
         if key not in manifest:
             raise CompareError(f"{manifest_path}: manifest has no {key!r}")
-    if not (root / RESULTS).is_file():
-        raise CompareError(f"{root}: not a run directory (missing {RESULTS})")
+    # No results.jsonl is a run that stopped before its first case finished: it has no rows.
     return RunStore(root)
 
 

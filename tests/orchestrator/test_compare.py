@@ -197,3 +197,11 @@ def test_cli_exit_2_with_one_line_naming_the_problem(tmp_path, pair, what):
     [line] = out.stderr.splitlines()
     assert line.startswith("orchestrator: ")
     assert ("threshold" in line) if what == "bad-threshold" else (str(bad) in line)
+
+
+def test_run_stopped_before_its_first_case_compares_as_empty(pair):
+    base, cand = pair
+    (cand / "results.jsonl").unlink()
+    cmp = compare_runs(base, cand)
+    assert cmp.ok and not cmp.rows and len(cmp.only_in_base) == 10
+    assert "No case is in both runs." in cmp.to_markdown()
