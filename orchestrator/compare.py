@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.report import _md_table
+from orchestrator.report import _fmt, _md_table
 from orchestrator.store import MANIFEST, RunStore
 
 DEFAULT_THRESHOLD_PCT = 3.0
@@ -249,16 +249,12 @@ class Comparison:
         return "\n".join(out).rstrip() + "\n"
 
 
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:+.2f}%"
 
 
 def _delta_cells(d: MetricDelta) -> list[str]:
-    return [_num(d.base), _num(d.cand), _pct(d.delta_pct)]
+    return [_fmt(d.base), _fmt(d.cand), _pct(d.delta_pct)]
 
 
 def _finding_line(f: FindingChange) -> str:
