@@ -192,7 +192,7 @@ def test_chromium_detector_sees_script_errors(tmp_path):
     assert _SCRIPT_ERROR_RE.search(out.stderr), out.stderr[-2000:]
 
 
-def test_html_opens_in_headless_chromium(tmp_path, nightly_like, record_property):
+def test_html_opens_in_headless_chromium(tmp_path, nightly_like):
     exe = _chromium()
     store, history, cmp = nightly_like
     page_path = write_html(store, history=history, comparison=cmp)
@@ -209,7 +209,6 @@ def test_html_opens_in_headless_chromium(tmp_path, nightly_like, record_property
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(shot, ARTIFACT)
-    record_property("screenshot", str(ARTIFACT))  # named in pytest's own --junitxml output
 
     dom = _run_chromium(exe, tmp_path / "profile", "--dump-dom", page_path.as_uri())
     assert dom.returncode == 0, dom.stderr[-2000:]
