@@ -120,7 +120,7 @@ def run(
 def report(
     run_dir: Path = typer.Argument(..., help="A run directory (logs/<run-id>)."),
 ) -> None:
-    """Rebuild report.md and report.json of a run and print the Markdown."""
+    """Rebuild report.md, report.json, report.html and junit.xml of a run; print the Markdown."""
     from orchestrator.report import write_reports
     from orchestrator.store import RunStore, StoreError
 
@@ -130,6 +130,67 @@ def report(
     except StoreError as exc:
         raise _fail(str(exc)) from None
     typer.echo((store.root / "report.md").read_text())
+
+
+@app.command()
+def compare(
+    base: Path = typer.Argument(..., help="The baseline run directory."),
+    cand: Path = typer.Argument(..., help="The candidate run directory."),
+    threshold_pct: float = typer.Option(
+        3.0, "--threshold-pct", help="A drop in aggregate tok/s over this is a regression."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+) -> None:
+    """Compare CAND with BASE: exit 0 unchanged, 1 regression or new fatal finding, 2 bad input."""
+    import json
+
+    from orchestrator.compare import CompareError, compare_runs
+
+    try:
+        result = compare_runs(base, cand, threshold_pct=threshold_pct)
+    except CompareError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(json.dumps(result.to_dict(), indent=2) if json_out else result.to_markdown())
+    if not result.ok:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
+def nightly(
+    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    history: Path = typer.Option(
+        ..., "--history", help="Directory of earlier runs; the new run goes there too."
+    ),
+    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    threshold_pct: float = typer.Option(
+        3.0, "--threshold-pct", help="A drop in aggregate tok/s over this is a regression."
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+    ),
+) -> None:
+    """Run a matrix, compare with the last good run in --history, write the reports.
+
+    Exit 0 when every case passed and nothing regressed, 1 on a failed case, a regression or
+    a new fatal finding, 2 on bad input (nothing launched).
+    """
+    from orchestrator.launch import LaunchError
+    from orchestrator.matrix import MatrixError
+    from orchestrator.nightly import run_nightly
+    from orchestrator.store import StoreError
+
+    try:
+        result = run_nightly(
+            matrix, history, sets=sets, threshold_pct=threshold_pct, ray_address=ray_address
+        )
+    except (MatrixError, StoreError, LaunchError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        typer.echo("orchestrator: interrupted; finished cases are kept", err=True)
+        raise typer.Exit(130) from None
+    for line in result.summary_lines():
+        typer.echo(line)
+    raise typer.Exit(result.exit_code)
 
 
 @app.command()

@@ -268,3 +268,9 @@ def write_reports(store: RunStore, overhead: dict[str, float] | None = None) -> 
         overhead = json.loads(saved.read_text())
     write_text_atomic(store.root / "report.md", render_markdown(store, overhead))
     write_json_atomic(store.root / "report.json", render_json(store, overhead))
+    # Imported here: both modules build on this one's tables, a top-level import would cycle.
+    from orchestrator.html_report import write_html
+    from orchestrator.junit import write_junit
+
+    write_html(store)
+    write_junit(store)
