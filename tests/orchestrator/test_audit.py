@@ -667,3 +667,23 @@ def test_audit_module_imports_no_heavy_packages():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_crlf_lines_and_ray_prefix_with_ip(tmp_path):
+    raw = b"INFO a\r\n(RayWorkerWrapper pid=4009, ip=10.0.0.3) [rank1]:[E ProcessGroupNCCL.cpp:1] NCCL error: unhandled system error\r\n"
+    (f,) = _audit(_write(tmp_path, raw)).findings
+    assert (f.signature, f.rank, f.line) == ("nccl-unhandled-error", "RayWorkerWrapper", 2)
+
+
+def test_rotations_sort_naturally(tmp_path):
+    for n in (10, 2, 1):
+        (tmp_path / f"server.log.{n}").write_text("INFO\n")
+    (tmp_path / "server.log").write_text("INFO\n")
+    names = [p.name for p in audit.collect_log_files([tmp_path])]
+    assert names == ["server.log", "server.log.1", "server.log.2", "server.log.10"]
+
+
+def test_iter_findings_by_severity():
+    result = _audit(FIXTURES / "debug_traceback.log")
+    assert list(audit.iter_findings(result, "fatal")) == []
+    assert len(list(audit.iter_findings(result))) == 1
