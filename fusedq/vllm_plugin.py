@@ -32,6 +32,7 @@ import logging
 import os
 import textwrap
 import threading
+import weakref
 
 import torch
 
@@ -85,6 +86,8 @@ LAYER_ATTRS = (
 HOOK_NAME = "_fusedq_decode_query"
 PATCH_MARK = "_fusedq_patched"
 PLAN_ATTR = "_fusedq_plan"
+SNAPSHOT_ATTR = "_fusedq_mxfp8_w_uk"
+E8M0_DTYPES = tuple({torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)})
 
 logger = logging.getLogger("vllm.fusedq")  # under vLLM's logger: its handler and format
 
@@ -240,6 +243,7 @@ class Patch:
     cls: type
     forward_impl: object  # the new function
     process_weights: object  # the original process_weights_after_loading
+    init: object  # the original __init__
 
 
 def check_vllm() -> Patch:
@@ -261,7 +265,7 @@ def check_vllm() -> Patch:
         raise ValueError(f"{MLA_MODULE}.MLAAttention is missing")
     if cls.__dict__.get(PATCH_MARK):
         raise ValueError("MLAAttention is already patched in this process")
-    for name in ("forward_impl", "process_weights_after_loading"):
+    for name in ("__init__", "forward_impl", "process_weights_after_loading"):
         if not inspect.isfunction(cls.__dict__.get(name)):
             raise ValueError(f"MLAAttention.{name} is not a plain function")
     original = cls.__dict__["forward_impl"]
@@ -303,7 +307,9 @@ def check_vllm() -> Patch:
     new.__module__ = original.__module__
     new.__doc__ = original.__doc__
     new.__wrapped__ = original
-    return Patch(module, cls, new, cls.__dict__["process_weights_after_loading"])
+    return Patch(
+        module, cls, new, cls.__dict__["process_weights_after_loading"], cls.__dict__["__init__"]
+    )
 
 
 def apply(patch: Patch) -> None:
@@ -316,8 +322,16 @@ def apply(patch: Patch) -> None:
         setup_layer(self)
         return result
 
+    original_init = patch.init
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        watch_kv_b_proj(self)
+
     _installed["forward_impl"] = patch.forward_impl
     setattr(patch.module, HOOK_NAME, decode_query_hook)
+    patch.cls.__init__ = __init__
     patch.cls.process_weights_after_loading = process_weights_after_loading
     patch.cls.forward_impl = patch.forward_impl
     setattr(patch.cls, PATCH_MARK, True)
@@ -346,18 +360,79 @@ def _fp8_query(layer) -> bool:
     )
 
 
+def _mxfp8_parts(kv_b_proj) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weight, weight_scale) when kv_b_proj holds E4M3 values with E8M0 scales."""
+    weight = getattr(kv_b_proj, "weight", None)
+    scale = getattr(kv_b_proj, "weight_scale", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn:
+        return None
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in E8M0_DTYPES:
+        return None  # block-FP8 (fp32 scales) or unquantised: not MXFP8
+    return weight.data, scale.data
+
+
+def watch_kv_b_proj(layer) -> None:
+    """For an MXFP8 kv_b_proj: copy its W_UK part before vLLM's MXFP8 linear kernel
+    post-processes it (swizzled scales, transposed or repacked values, bf16 at load).
+
+    vLLM runs every quant method's ``process_weights_after_loading`` before any attention
+    layer's, so by the time the plan is made the checkpoint layout is gone; this wraps the
+    kv_b_proj's quant-method instance to take the copy just before. The copy is the
+    ``[H, 192, 512]`` E4M3 values and ``[H, 192, 16]`` scales (~0.5 of the bf16 W_UK_T).
+    """
+    kv_b_proj = getattr(layer, "kv_b_proj", None)
+    quant_method = getattr(kv_b_proj, "quant_method", None)
+    if quant_method is None or _mxfp8_parts(kv_b_proj) is None:
+        return
+    dims = {
+        "num_heads": layer.num_heads,
+        "qk_nope_head_dim": layer.qk_nope_head_dim,
+        "v_head_dim": layer.v_head_dim,
+        "kv_lora_rank": layer.kv_lora_rank,
+    }
+    target = weakref.ref(kv_b_proj)
+    original = quant_method.process_weights_after_loading
+
+    def process_weights_after_loading(module, *args, **kwargs):
+        if module is target():
+            snapshot_mxfp8_w_uk(module, **dims)
+        return original(module, *args, **kwargs)
+
+    quant_method.process_weights_after_loading = process_weights_after_loading
+
+
+def snapshot_mxfp8_w_uk(kv_b_proj, **dims) -> None:
+    """Store a copy of the checkpoint-layout MXFP8 W_UK_T on kv_b_proj (if it has one)."""
+    from fusedq.mxfp8 import MXFP8Weight
+    from fusedq.vllm_hook import mxfp8_w_uk_t
+
+    parts = _mxfp8_parts(kv_b_proj)
+    if parts is None:
+        return
+    try:
+        view = mxfp8_w_uk_t(*parts, **dims)
+    except ValueError as exc:
+        logger.debug("fusedq: no MXFP8 W_UK snapshot: %s", exc)
+        return
+    kv_b_proj.__dict__[SNAPSHOT_ATTR] = MXFP8Weight(
+        view.values.contiguous(), view.scales.contiguous()
+    )
+
+
 def _native_mxfp8(layer):
-    """An MXFP8Weight from kv_b_proj when it holds checkpoint-layout MXFP8, else
-    ``(None, note)``."""
+    """The layer's W_UK_T as an MXFP8Weight when kv_b_proj is MXFP8: the snapshot taken
+    before vLLM's kernel post-processed it, else the current tensors if still in checkpoint
+    layout; ``(None, note)`` when it is MXFP8 but in neither."""
     from fusedq.vllm_hook import mxfp8_w_uk_t
 
     kv_b_proj = layer.kv_b_proj
-    weight = getattr(kv_b_proj, "weight", None)
-    scale = getattr(kv_b_proj, "weight_scale", None)
-    if weight is None or weight.dtype != torch.float8_e4m3fn or scale is None:
+    snapshot = kv_b_proj.__dict__.get(SNAPSHOT_ATTR)
+    if snapshot is not None:
+        return snapshot, None
+    parts = _mxfp8_parts(kv_b_proj)
+    if parts is None:
         return None, None
-    if scale.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
-        return None, None  # block-FP8 (fp32 scales), not MXFP8
+    weight, scale = parts
     try:
         return (
             mxfp8_w_uk_t(

@@ -190,7 +190,9 @@ def mla():
     from fusedq import vllm_plugin as vp
 
     cls = module.MLAAttention
-    saved = {k: cls.__dict__[k] for k in ("forward_impl", "process_weights_after_loading")}
+    saved = {
+        k: cls.__dict__[k] for k in ("__init__", "forward_impl", "process_weights_after_loading")
+    }
     yield module
     for k, v in saved.items():
         setattr(cls, k, v)
@@ -434,6 +436,9 @@ LOGPROB_TOL = 0.02
 ENABLED = "fusedq: fused MLA query enabled ("
 DISABLED = "fusedq: fused MLA query disabled: "
 FIRST_USE = "fusedq: first fused MLA decode query"
+# Three launches share the first test's setup; each takes 25-35 s on an idle 2-core machine
+# (minutes when it is busy), and the interpreted fused decode ~1 s per layer and step.
+E2E_TIMEOUT_S = 1800
 
 
 def _free_port() -> int:
@@ -551,6 +556,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(E2E_TIMEOUT_S)
 def test_e2e_off_is_plain_vllm(runs):
     (plain_ids, plain_lp), plain_log = runs["plain"]
     (off_ids, off_lp), off_log = runs["off"]
@@ -561,6 +567,7 @@ def test_e2e_off_is_plain_vllm(runs):
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(E2E_TIMEOUT_S)
 def test_e2e_fused_matches_staged(runs):
     (staged_ids, staged_lp), _ = runs["plain"]
     (fused_ids, fused_lp), log = runs["fused"]
@@ -587,6 +594,7 @@ def test_e2e_fused_matches_staged(runs):
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(E2E_TIMEOUT_S)
 def test_e2e_tp2_unsupported_heads_fall_back_per_worker(tmp_path):
     """TP2 on the 8-head model: 4 heads per rank is not qualified. Auto mode serves with the
     staged path and each of the two workers says why, once."""
@@ -603,6 +611,7 @@ def test_e2e_tp2_unsupported_heads_fall_back_per_worker(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(E2E_TIMEOUT_S)
 def test_e2e_required_mode_refuses_unsupported_heads(tmp_path):
     pytest.importorskip("vllm")
     env = {"TRITON_INTERPRET": "1", "FUSEDQ_MLA_QUERY": "1"}
@@ -610,3 +619,43 @@ def test_e2e_required_mode_refuses_unsupported_heads(tmp_path):
         text = log.read_text(errors="replace")
     assert "FusedqRequiredError" in text
     assert re.search(r"FUSEDQ_MLA_QUERY=1 but the fused MLA query cannot run: .*num_heads=4", text)
+
+
+class FakeLinear:
+    """kv_b_proj as vLLM's MXFP8 linear holds it: weight, weight_scale, quant_method."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        self.weight = values
+        self.weight_scale = scales
+        self.quant_method = types.SimpleNamespace(process_weights_after_loading=self.swizzle)
+
+    @staticmethod
+    def swizzle(module) -> None:
+        # What a GEMM kernel's post-processing does: values column-major, scales re-tiled.
+        module.weight = module.weight.t().contiguous().t()
+        module.weight_scale = module.weight_scale.reshape(-1, 128, 4).transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["snapshot", "no-snapshot"])
+def test_mxfp8_kv_b_proj_survives_kernel_post_processing(mla, vp, watched):
+    """With the watch installed (as the patched __init__ does), the plan gets the
+    checkpoint-layout MXFP8 W_UK even after the kernel re-laid kv_b_proj out; without it,
+    the plan falls back to bf16 W_UK and says why."""
+    h = 8
+    gen = torch.Generator().manual_seed(4)
+    values, scales = mxfp8_kv_b_proj(h, gen)
+    layer = stand_in_layer(mla, h, fp8=False, gen=gen)
+    layer.kv_b_proj = FakeLinear(values.clone(), scales.clone())
+    if watched:
+        vp.watch_kv_b_proj(layer)
+    layer.kv_b_proj.quant_method.process_weights_after_loading(layer.kv_b_proj)  # vLLM's loop 1
+    assert layer.kv_b_proj.weight_scale.shape != scales.shape
+    plan, note = vp.plan_layer(layer)
+    assert plan is not None
+    if watched:
+        assert plan.weight_format == "mxfp8" and not note
+        expected = vllm_w_uk_t(dequant_rows(values, scales), h)
+        assert torch.equal(fusedq.dequantize_mxfp8(plan.mx_weight), expected)
+    else:
+        assert plan.weight_format == "bf16" and plan.mx_weight is None
+        assert "kept in its GEMM kernel's layout" in note
