@@ -14,7 +14,8 @@ plain ``torch.bmm`` branches, then the concat or ``_decode_concat_quant_fp8_op``
 under ``if mqa_q is None:`` after a call to ``_fusedq_decode_query``, which returns the
 finished ``[B, N, 576]`` query or ``None``. ``None`` runs vLLM's block byte for byte.
 ``process_weights_after_loading`` is wrapped to decide per layer, prewarm the CUDA-graph
-sizes and log one line per worker process.
+sizes and log one line per worker process; ``__init__`` is wrapped to snapshot an MXFP8
+``kv_b_proj``'s W_UK before vLLM's MXFP8 linear kernel re-lays it out.
 
 The version guard refuses to patch unless the vLLM version is in the tested range and the
 block's text hashes to a known value; it then logs ``fusedq: fused MLA query disabled:
@@ -165,13 +166,7 @@ def transform_forward_impl(source: str) -> PatchedSource:
     stripped = [ln.strip() for ln in lines]
 
     def find(text: str, start: int) -> int:
-        hits = [
-            i
-            for i in range(start, len(lines))
-            if stripped[i] == text
-            or (stripped[i].startswith(text) and text.endswith(("(", ":")) is False and False)
-        ]
-        return hits[0] if hits else -1
+        return next((i for i in range(start, len(lines)) if stripped[i] == text), -1)
 
     pos = 0
     for anchor in BEFORE_BLOCK:
@@ -347,6 +342,7 @@ class LayerPlan:
     num_heads: int
     weight_format: str
     mx_weight: object | None
+    required: bool = False  # FUSEDQ_MLA_QUERY=1: a failing fused call raises
 
 
 def _fp8_query(layer) -> bool:
@@ -538,12 +534,13 @@ def setup_layer(layer) -> None:
         if required:
             raise
         plan, note = None, f"setup of {name} failed: {type(exc).__name__}: {exc}"
+    if plan is not None and required:
+        plan = dataclasses.replace(plan, required=True)
     layer.__dict__[PLAN_ATTR] = plan
     if plan is None:
         reason = f"layer {name}: {note}"
-        _report.once(disabled_line(reason), warn=True) or logger.warning(
-            "fusedq: fused MLA query not used for layer %s: %s", name, note
-        )
+        if not _report.once(disabled_line(reason), warn=True):
+            logger.warning("fusedq: fused MLA query not used for layer %s: %s", name, note)
         if required:
             raise FusedqRequiredError(f"{ENV}=1 but the fused MLA query cannot run: {reason}")
         return
@@ -571,7 +568,19 @@ def decode_query_hook(layer, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention):
     else:
         out_dtype, q_scale = torch.bfloat16, None
     weight = plan.mx_weight if plan.mx_weight is not None else layer.W_UK_T
-    query = decode_query(mqa_q_nope, weight, mqa_q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    try:
+        query = decode_query(mqa_q_nope, weight, mqa_q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    except Exception as exc:
+        if plan.required:
+            raise
+        # Auto mode never takes the server down: this layer goes back to vLLM's block.
+        layer.__dict__[PLAN_ATTR] = None
+        logger.warning(
+            "fusedq: fused MLA query failed in layer %s (%s: %s); the layer uses vLLM's "
+            "staged path from now on",
+            layer.layer_name, type(exc).__name__, exc,
+        )  # fmt: skip
+        return None
     if query is not None and not _first_use.is_set():
         _first_use.set()
         # Proof in the log that the hot path runs the fused op, not just that it was set up.
@@ -599,7 +608,7 @@ def register() -> None:
     try:
         patch = check_vllm()
     except Exception as exc:
-        reason = f"{exc}" if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         if current == "1":
             raise FusedqRequiredError(f"{ENV}=1 but vLLM cannot be patched: {reason}") from exc
         logger.warning(disabled_line(reason))

@@ -424,6 +424,22 @@ def test_setup_layer_falls_back_and_says_why(mla, vp, monkeypatch, caplog, attrs
         vp.setup_layer(layer)
 
 
+@pytest.mark.parametrize("required", [False, True], ids=["auto", "required"])
+def test_hook_failure_falls_back_in_auto_mode_and_raises_when_required(mla, vp, required):
+    h = 8
+    gen = torch.Generator().manual_seed(0)
+    layer = stand_in_layer(mla, h, fp8=False, gen=gen)
+    layer.__dict__[vp.PLAN_ATTR] = vp.LayerPlan(h, "bf16", None, required=required)
+    layer.W_UK_T = layer.W_UK_T.float()  # a weight fusedq rejects (ValueError naming it)
+    q_nope, q_pe = vllm_q(2, h, gen)
+    if required:
+        with pytest.raises(ValueError, match="weight"):
+            vp.decode_query_hook(layer, q_nope, q_pe, False, False)
+    else:
+        assert vp.decode_query_hook(layer, q_nope, q_pe, False, False) is None
+        assert layer.__dict__[vp.PLAN_ATTR] is None, "the layer stays on vLLM's path"
+
+
 # --- end to end: real vllm serve on the tiny model (CPU) ----------------------------------
 
 PROMPT = [5, 17, 99, 123, 7, 300, 42, 8, 1000, 64, 11, 512]
