@@ -9,13 +9,14 @@ be searched, and a summary sentence in the style of the validation write-ups.
 Imports are stdlib + PyYAML only: ``orchestrator audit`` must answer fast and run on
 machines without torch, ray or vllm.
 
-Scanning strategy (see docs/audit.md for the measured figures): logs are read in large
-blocks; a literal-substring prefilter (the catalogue's ``needles``) picks the few lines
-worth a regex, either with ``bytes.find`` per needle or, where GNU grep exists, with one
-``grep -F`` per block (Aho-Corasick in C, one pass for all needles). Only candidate lines
-are decoded, stripped of ANSI codes, split at carriage returns and matched against the
-signatures whose needles they hold (see _Scanner._match_signatures for why not one
-combined alternation).
+Scanning strategy (docs/audit.md has the measured figures): only lines holding one of the
+catalogue's literal ``needles`` are ever decoded and matched. Where GNU grep exists, a plain
+file is mmapped and one ``grep -a -o -b -n -E '<needle alternation>'`` (plus ``wc -l``) names
+the candidate lines, so clean stretches never enter Python; gzip streams and the kernel log
+go through grep block by block on stdin. Without grep, each 8 MiB block is swept once per
+needle with ``bytes.find``. A candidate line is decoded (invalid UTF-8 replaced), stripped
+of ANSI codes, split at carriage returns and tested against the signatures whose needles
+it holds (see _Scanner._match_signatures for why not one combined alternation).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ _TRACEBACK_CONT_RE = re.compile(
     r"^(?:During handling of the above exception|The above exception was the direct cause)"
 )
 # Worker process prefixes, for expectations that must hold on every worker.
-_WORKER_LABEL_RE = re.compile(rb"Worker(?:_[A-Za-z0-9_]+| rank=\d+) pid=")
+_WORKER_SUFFIX = rb"(_[A-Za-z0-9_]+| rank=\d+) pid="
 _DMESG_TS_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:[,.](\d+))?([+-]\d\d:?\d\d|Z)?")
 _UNPRINTABLE_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -447,6 +448,7 @@ class FileSearched:
     bytes: int
     compressed: bool = False
     suppressed: dict[str, int] = field(default_factory=dict)  # findings beyond the cap
+    error: str | None = None  # why the scan stopped early (a truncated .gz)
 
 
 @dataclass
@@ -795,6 +797,7 @@ class _Scanner:
         self.expectations = [_ExpectationState(e, _compile_expectation(e)) for e in expectations]
         self.want_workers = any(e.ranks is None for e in expectations)
         self.workers: set[str] = set()
+        self._worker_suffixes: set[bytes] = set()
         self.needles = catalogue.needles
 
     # -- streams ------------------------------------------------------------------
@@ -868,9 +871,10 @@ class _Scanner:
         st = _FileState(name, FileSearched(path=name, lines=0, bytes=0, compressed=compressed))
         finder = self.prefilter.block_finder()
         carry = b""
-        while True:
-            chunk = raw.read(BLOCK_BYTES)
-            if not chunk:
+        error: BaseException | None = None
+        for chunk in _read_chunks(raw):
+            if isinstance(chunk, BaseException):
+                error = chunk  # scan what arrived before a truncated gzip member ended
                 break
             st.searched.bytes += len(chunk)
             buf = carry + chunk if carry else chunk
@@ -885,13 +889,30 @@ class _Scanner:
         if carry:
             self._scan_block(st, carry + b"\n", finder, st.searched.bytes - len(carry))
         self._finish(st)
+        if error is not None:
+            st.searched.error = f"could not read to the end: {error}"
         return st.searched
 
     def _collect_workers(self, data: bytes | mmap.mmap) -> None:
-        for m in _WORKER_LABEL_RE.finditer(data):
+        """Distinct worker labels in ``data``.
+
+        Nearly every line of a TP8 log carries a worker prefix: one Python step per match
+        would cost seconds per GB, so the regex is rebuilt to skip the labels already
+        known and each search runs in C until a new label turns up (≤ one per rank).
+        """
+        pos = 0
+        while True:
+            known = sorted(self._worker_suffixes)
+            skip = b"(?!(?:" + b"|".join(map(re.escape, known)) + b") pid=)" if known else b""
+            m = re.compile(b"Worker" + skip + _WORKER_SUFFIX).search(data, pos)
+            if m is None:
+                return
+            suffix = m.group(1)
+            self._worker_suffixes.add(suffix)
             lp = data.rfind(b"(", max(0, m.start() - 32), m.start())
             if lp >= 0:
                 self.workers.add(data[lp + 1 : m.end() - 5].decode(errors="replace"))
+            pos = m.start()
 
     def _finish(self, st: _FileState) -> None:
         for label, tb in list(st.tracebacks.items()):
@@ -1200,6 +1221,34 @@ def collect_log_files(paths: Iterable[Path | str]) -> list[Path]:
     return list(unique.values())
 
 
+def _read_chunks(raw: IO[bytes]) -> Iterator[bytes | BaseException]:
+    """~BLOCK_BYTES chunks; a read error is yielded after the data that preceded it.
+
+    ``read1`` (gzip) returns what one decompression step produced, so a truncated ``.gz``
+    still hands over everything before the damage; plain ``read`` would raise and lose it.
+    """
+    read = getattr(raw, "read1", raw.read)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        try:
+            piece = read(BLOCK_BYTES - size)
+        except (OSError, EOFError) as exc:
+            if parts:
+                yield b"".join(parts)
+            yield exc
+            return
+        if not piece:
+            break
+        parts.append(piece)
+        size += len(piece)
+        if size >= BLOCK_BYTES:
+            yield b"".join(parts)
+            parts, size = [], 0
+    if parts:
+        yield b"".join(parts)
+
+
 def _open_log(path: Path) -> tuple[IO[bytes], bool]:
     """Open by content, not name: a rotated ``.1`` may be gzip, a ``.gz`` may be plain."""
     fh = open(path, "rb")  # noqa: SIM115 - returned to the caller, closed there
@@ -1422,8 +1471,11 @@ def audit_logs(
     )
     for path in files:
         try:
-            searched.files.append(scanner.scan_file(path))
-        except (OSError, EOFError) as exc:  # a truncated .gz still yields what it held
+            sf = scanner.scan_file(path)
+        except OSError as exc:  # unreadable (permissions, vanished): say so, scan the rest
+            sf = FileSearched(path=str(path), lines=0, bytes=0, error=f"could not read: {exc}")
+        searched.files.append(sf)
+        if sf.error:
             scanner.findings.append(
                 Finding(
                     file=str(path),
@@ -1432,7 +1484,9 @@ def audit_logs(
                     signature="unreadable-log",
                     severity="warning",
                     category="unreadable",
-                    text=f"could not read to the end: {exc}",
+                    text=sf.error,
+                    meaning="Part of this log could not be read, so it was not fully audited.",
+                    action="Check the file (a truncated .gz from a rotation cut short, permissions).",
                 )
             )
     expect_results = scanner.expectation_results()

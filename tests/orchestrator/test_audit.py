@@ -687,3 +687,28 @@ def test_iter_findings_by_severity():
     result = _audit(FIXTURES / "debug_traceback.log")
     assert list(audit.iter_findings(result, "fatal")) == []
     assert len(list(audit.iter_findings(result))) == 1
+
+
+def test_truncated_gzip_keeps_what_it_held_and_says_so(tmp_path):
+    data = gzip.compress(
+        b"INFO a\nRuntimeError: CUDA error: misaligned address\n" + b"INFO pad\n" * 50000
+    )
+    p = tmp_path / "server.log.2.gz"
+    p.write_bytes(data[: len(data) // 2])
+    result = _audit(p)
+    sigs = [f.signature for f in result.findings]
+    assert sigs == ["cuda-misaligned-address", "unreadable-log"]
+    assert "could not read to the end" in result.findings[-1].text
+
+
+def test_expectation_workers_from_a_long_tp8_log(tmp_path):
+    lines = [f"(Worker_TP{i % 8} pid={100 + i % 8}) INFO step {i}\n" for i in range(80_000)]
+    lines += [f"(Worker_TP{r} pid={100 + r}) INFO {FUSEDQ}\n" for r in range(8) if r != 5]
+    p = _write(tmp_path, "".join(lines))
+    for kind in PREFILTERS:
+        result = _audit(
+            p, prefilter=kind, expectations=[Expectation(FUSEDQ, None, "fused-query warmup")]
+        )
+        (er,) = result.searched.expectations
+        assert er.expected == [f"Worker_TP{r}" for r in range(8)]
+        assert er.missing == ["Worker_TP5"]
