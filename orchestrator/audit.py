@@ -605,8 +605,9 @@ def _python_candidates(block: bytes, needles: Sequence[bytes]) -> list[int]:
     return sorted(starts)
 
 
+@lru_cache(maxsize=1)
 def _grep_binary() -> str | None:
-    """GNU grep, if present: its -F matcher tests every needle in one pass."""
+    """GNU grep, if present: it tests every needle in one pass, in C."""
     path = shutil.which("grep")
     if path is None:
         return None
@@ -698,23 +699,33 @@ class Prefilter:
         return lambda _off, block: _grep_block(grep, needles, block)
 
 
-def _count_lines(path: Path, mm: mmap.mmap) -> int:
-    """Newlines in the file (+1 for a last line without one): ``wc -l`` on another core."""
-    n = None
+def _start_wc(path: Path) -> subprocess.Popen[bytes] | None:
+    """``wc -l`` started beside grep: counting newlines in C, on the other core."""
     wc = shutil.which("wc")
+    if wc is None:
+        return None
+    return subprocess.Popen(
+        [wc, "-l", "--", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=_C_LOCALE,
+    )
+
+
+def _count_lines(wc: subprocess.Popen[bytes] | None, mm: mmap.mmap) -> int:
+    """Newlines in the file (+1 for a last line without one)."""
+    n = None
     if wc is not None:
-        out = subprocess.run(
-            [wc, "-l", "--", str(path)], capture_output=True, env=_C_LOCALE, check=False
-        )
-        head = out.stdout.split(b" ", 1)[0].strip()
-        n = int(head) if out.returncode == 0 and head.isdigit() else None
+        out, _ = wc.communicate()
+        head = out.split(b" ", 1)[0].strip()
+        n = int(head) if wc.returncode == 0 and head.isdigit() else None
     if n is None:
         n = sum(mm[i : i + BLOCK_BYTES].count(b"\n") for i in range(0, len(mm), BLOCK_BYTES))
     return n + (0 if mm[-1:] == b"\n" else 1)
 
 
 def make_prefilter(catalogue: Catalogue, kind: str | None = None) -> Prefilter:
-    """The candidate-line finder: ``grep`` (GNU grep -F) when available, else ``python``."""
+    """The candidate-line finder: ``grep`` (GNU grep) when available, else ``python``."""
     kind = kind or os.environ.get(PREFILTER_ENV) or "auto"
     if kind not in ("auto", "python", "grep"):
         raise AuditInputError(f"{PREFILTER_ENV}={kind!r} is not one of auto, python, grep")
@@ -818,6 +829,7 @@ class _Scanner:
         """
         st = _FileState(name, FileSearched(path=name, lines=0, bytes=len(mm)))
         assert self.prefilter.grep is not None
+        wc = _start_wc(path)
         proc = subprocess.Popen(
             [
                 *_grep_argv(self.prefilter.grep, self.prefilter.needles, numbered=True),
@@ -854,15 +866,20 @@ class _Scanner:
                     pos, line_no = end + 1, line_no + 1
                     if not st.tracebacks or pos >= n:
                         break
+        except BaseException:
+            if wc is not None:
+                wc.kill()
+                wc.wait()
+            raise
         finally:
             if proc.poll() is None:
-                proc.kill()
+                proc.kill()  # stdout is drained (or we failed): its exit status adds nothing
             _, err = proc.communicate()
         if proc.returncode not in (0, 1, -9):
             raise RuntimeError(
                 f"grep prefilter failed on {path}: {err.decode(errors='replace').strip()}"
             )
-        st.base = _count_lines(path, mm)
+        st.base = _count_lines(wc, mm)
         self._finish(st)
         return st.searched
 
