@@ -118,6 +118,7 @@ class _Report:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.first: str | None = None  # the line logged, once
+        self.seen: set[tuple] = set()  # outcomes already told (later layers repeat them)
 
     def once(self, line: str, *, warn: bool = False) -> bool:
         with self.lock:
@@ -126,6 +127,13 @@ class _Report:
             self.first = line
         (logger.warning if warn else logger.info)(line)
         return True
+
+    def new(self, outcome: tuple) -> bool:
+        """Whether this outcome is news in this process (and remember it)."""
+        with self.lock:
+            fresh = outcome not in self.seen
+            self.seen.add(outcome)
+        return fresh
 
 
 _report = _Report()
@@ -539,17 +547,21 @@ def setup_layer(layer) -> None:
     layer.__dict__[PLAN_ATTR] = plan
     if plan is None:
         reason = f"layer {name}: {note}"
-        if not _report.once(disabled_line(reason), warn=True):
+        first = _report.once(disabled_line(reason), warn=True)
+        if _report.new(("disabled", note)) and not first:
+            # A layer that differs from the first one (e.g. an MTP draft layer) says so.
             logger.warning("fusedq: fused MLA query not used for layer %s: %s", name, note)
         if required:
             raise FusedqRequiredError(f"{ENV}=1 but the fused MLA query cannot run: {reason}")
         return
     if note:
         logger.info("fusedq: layer %s: %s", name, note)
-    if not _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed)):
-        first = _report.first or ""
-        if "enabled" not in first or f"heads={plan.num_heads}," not in first:
-            logger.info("fusedq: fused MLA query also enabled for layer %s", name)
+    first = _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed))
+    if _report.new(("enabled", plan.num_heads, plan.weight_format)) and not first:
+        logger.info(
+            "fusedq: fused MLA query also enabled for layer %s (heads=%d, format=%s)",
+            name, plan.num_heads, plan.weight_format,
+        )  # fmt: skip
 
 
 # --- the decode-step hook ------------------------------------------------------------------
@@ -573,12 +585,13 @@ def decode_query_hook(layer, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention):
     except Exception as exc:
         if plan.required:
             raise
-        # Auto mode never takes the server down: this layer goes back to vLLM's block.
+        # Auto mode never takes the server down: this layer goes back to vLLM's block. The
+        # traceback is logged on purpose: a log audit should see that the fused path broke.
         layer.__dict__[PLAN_ATTR] = None
         logger.warning(
             "fusedq: fused MLA query failed in layer %s (%s: %s); the layer uses vLLM's "
             "staged path from now on",
-            layer.layer_name, type(exc).__name__, exc,
+            layer.layer_name, type(exc).__name__, exc, exc_info=True,
         )  # fmt: skip
         return None
     if query is not None and not _first_use.is_set():

@@ -202,6 +202,7 @@ def mla():
     vp._installed.clear()
     vp._first_use.clear()
     vp._report.first = None
+    vp._report.seen.clear()
 
 
 @pytest.fixture
@@ -397,6 +398,26 @@ def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
         "fusedq: fused MLA query enabled (heads=8, format=bf16, prewarmed M=none "
         "[no CUDA graphs on cpu])"
     ]
+
+
+def test_setup_layer_tells_a_differing_layer_once(mla, vp, monkeypatch, caplog):
+    """Two qualified layers and two that are not (say, a draft model's): one enabled line,
+    one line for the differing outcome, never a second "disabled:" line."""
+    import logging
+
+    monkeypatch.delenv(vp.ENV, raising=False)
+    vp.apply(vp.check_vllm())
+    caplog.set_level(logging.INFO, logger="vllm.fusedq")
+    gen = torch.Generator().manual_seed(0)
+    for i, heads in enumerate((8, 8, 4, 4)):
+        layer = stand_in_layer(mla, 8, fp8=False, gen=gen)
+        layer.num_heads, layer.layer_name = heads, f"model.layers.{i}.self_attn.attn"
+        vp.setup_layer(layer)
+    messages = [r.getMessage() for r in caplog.records if r.name == "vllm.fusedq"]
+    assert len([m for m in messages if "fused MLA query enabled" in m]) == 1
+    assert not [m for m in messages if "fused MLA query disabled" in m]
+    differing = [m for m in messages if "not used for layer" in m]
+    assert len(differing) == 1 and "model.layers.2" in differing[0], messages
 
 
 @pytest.mark.parametrize(
