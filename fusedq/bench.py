@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,9 @@ class Options:
     q_scale: float = 0.02
     sweep: bool = False
     sweep_block_n: tuple[int, ...] = (16, 32, 64)
-    sweep_warps: tuple[int, ...] = (2, 4, 8)
+    sweep_warps: tuple[int, ...] = (4, 8)
+    sweep_block_k: tuple[int, ...] = (64, 256)
+    sweep_pdl: tuple[int, ...] = (0,)
     commit: str | None = None
 
 
@@ -270,9 +273,13 @@ def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
     n = len(lay.fused_w)
     block_m = max(16, 1 << (m - 1).bit_length())
     configs = {
-        f"bn{bn}_w{nw}": LaunchConfig(block_m=block_m, block_n=bn, num_warps=nw)
+        f"bn{bn}_w{nw}_k{bk}{'_pdl' if pdl else ''}": LaunchConfig(
+            block_m=block_m, block_n=bn, num_warps=nw, block_k=bk, pdl=bool(pdl)
+        )
         for bn in opts.sweep_block_n
         for nw in opts.sweep_warps
+        for bk in opts.sweep_block_k
+        for pdl in opts.sweep_pdl
     }
     graphs = {name: _capture(_fused_fn(lay, cfg)) for name, cfg in configs.items()}
     graphs["staged"] = _capture(_staged_fn(lay))
@@ -311,6 +318,7 @@ def environment(commit: str | None) -> dict:
         "fusedq": fusedq.__version__,
         "python": platform.python_version(),
         "commit": commit or _git_commit(),
+        "FUSEDQ_PDL": os.environ.get("FUSEDQ_PDL", "0"),
     }
     try:
         query = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,driver_version"
@@ -425,13 +433,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
     p.add_argument("--sweep-block-n", type=int, nargs="+", default=list(Options.sweep_block_n))
     p.add_argument("--sweep-warps", type=int, nargs="+", default=list(Options.sweep_warps))
+    p.add_argument("--sweep-block-k", type=int, nargs="+", default=list(Options.sweep_block_k))
+    p.add_argument("--sweep-pdl", type=int, nargs="+", default=list(Options.sweep_pdl))
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--json", default=None, help="write every figure to this path")
     a = p.parse_args(argv)
     opts = Options(
         heads=tuple(a.heads), ms=tuple(a.ms), formats=tuple(a.formats), samples=a.samples,
         warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, sweep=a.sweep,
-        sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps), commit=a.commit,
+        sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
+        sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl), commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

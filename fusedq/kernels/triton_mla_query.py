@@ -19,11 +19,20 @@ under CUDA-graph capture whose key was never compiled raises instead of compilin
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (griddepcontrol); Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
+    HAS_PDL = False
 
 # Problem constants of GLM-5 / DeepSeek MLA: qk_nope, kv_lora_rank, qk_rope.
 HEAD_K = 192
@@ -37,6 +46,8 @@ MX_BLOCK = 32
 
 # K=192 is not a power of two; three unrolled 64-wide chunks cover it exactly.
 BLOCK_K = 64
+# ...or one 256-wide chunk masked down to 192: one shared-memory staging instead of three.
+SINGLE_BLOCK_K = 256
 # tl.dot needs at least 16 rows, so small M is padded with masks to 16 (one MMA tile).
 MIN_BLOCK_M = 16
 # 32-wide N tiles give heads*16 CTAs (128 at H=8): enough to cover the H200's 132 SMs once.
@@ -50,6 +61,10 @@ INTERPRET_BLOCK_N = 512
 # 16-byte vectors: what tl.multiple_of promises when the host says a tensor is aligned.
 ALIGN_BYTES = 16
 
+# FUSEDQ_PDL=1 launches with programmatic dependent launch (see LaunchConfig.pdl). Off by
+# default: it only pays where the previous kernel lets dependents start early.
+PDL_ENV = "FUSEDQ_PDL"
+
 # Weight layouts the kernel distinguishes at compile time (which axis has unit stride).
 W_GENERIC, W_UNIT_N, W_UNIT_K = 0, 1, 2
 
@@ -59,9 +74,24 @@ def interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Measured on one H200 (fusedq-bench --sweep, CUDA-graph replay, weights past L2):
+# (weight format, E4M3 out, block_m) -> {heads: (block_n, num_warps, block_k)}.
+# BF16: 3 K chunks win (one 256-wide staging tile costs more than it saves); more heads want
+# wider N tiles (fewer, fuller CTAs). MXFP8: one 256-wide chunk, because Triton re-lays-out
+# each fp8 tile right after its load (three chunks would mean three serial waits).
+TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
+    ("bf16", False, 16): {8: (32, 8, 64), 11: (64, 8, 64), 16: (64, 8, 64)},
+    ("bf16", False, 32): {8: (32, 4, 64), 11: (64, 4, 64), 16: (64, 4, 64)},
+    ("bf16", True, 16): {8: (32, 8, 64), 11: (32, 8, 64), 16: (32, 8, 64)},
+    ("bf16", True, 32): {8: (32, 8, 256), 11: (64, 8, 256), 16: (64, 8, 256)},
+    ("mxfp8", False, 16): {h: (32, 4, 256) for h in (8, 11, 16)},
+    ("mxfp8", False, 32): {h: (32, 4, 256) for h in (8, 11, 16)},
+    ("mxfp8", True, 16): {h: (32, 4, 256) for h in (8, 11, 16)},
+    ("mxfp8", True, 32): {h: (32, 4, 256) for h in (8, 11, 16)},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +102,33 @@ class LaunchConfig:
     block_n: int
     num_warps: int = DEFAULT_NUM_WARPS
     num_stages: int = DEFAULT_NUM_STAGES
+    block_k: int = BLOCK_K
+    # Programmatic dependent launch: the weight loads (which depend on no earlier kernel) are
+    # issued before griddepcontrol.wait, so they overlap the previous kernel's tail.
+    pdl: bool = False
 
     @classmethod
-    def for_problem(cls, num_heads: int, m: int, weight_format: str = "bf16") -> LaunchConfig:
-        """The heuristic choice for ``m`` tokens of ``num_heads`` heads."""
+    def for_problem(
+        cls, num_heads: int, m: int, weight_format: str = "bf16", out_fp8: bool = False
+    ) -> LaunchConfig:
+        """The heuristic choice for ``m`` tokens of ``num_heads`` heads (see ``TUNED``)."""
         block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
         if interpreting():
-            return cls(block_m=max(block_m, 32), block_n=INTERPRET_BLOCK_N)
-        return cls(block_m=block_m, block_n=DEFAULT_BLOCK_N)
+            return cls(block_m=block_m, block_n=INTERPRET_BLOCK_N, block_k=SINGLE_BLOCK_K)
+        tuned = TUNED.get((weight_format, out_fp8, block_m), {})
+        block_n, num_warps, block_k = tuned.get(
+            num_heads, (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, BLOCK_K)
+        )
+        pdl = HAS_PDL and os.environ.get(PDL_ENV, "0") == "1"
+        return cls(block_m, block_n, num_warps=num_warps, block_k=block_k, pdl=pdl)
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128, 256, 512):
             raise ValueError(f"block_n={self.block_n} must be a power of two in [16, 512]")
+        if self.pdl and not HAS_PDL:
+            raise ValueError("pdl=True needs Triton's griddepcontrol support (Triton >= 3.3)")
+        if self.block_k not in (BLOCK_K, SINGLE_BLOCK_K):
+            raise ValueError(f"block_k={self.block_k} must be {BLOCK_K} or {SINGLE_BLOCK_K}")
         if self.block_m < MIN_BLOCK_M or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m={self.block_m} must be a power of two >= {MIN_BLOCK_M}")
 
@@ -169,21 +214,10 @@ def _to_e4m3(x, q_scale, out_ty: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_weight_chunk(
-    w_ptr,
-    ws_ptr,
-    offs_k,
-    offs_n,
-    pid_n,
-    stride_wk,
-    stride_wn,
-    stride_sk,
-    stride_sn,
-    BLOCK_N: tl.constexpr,
-    W_LAYOUT: tl.constexpr,
-    W_ALIGNED: tl.constexpr,
-    MXFP8: tl.constexpr,
-):
+def _load_w(
+    w_ptr, offs_k, offs_n, k_mask, stride_wk, stride_wn,
+    W_LAYOUT: tl.constexpr, W_ALIGNED: tl.constexpr, K_MASKED: tl.constexpr,
+):  # fmt: skip
     if W_LAYOUT == 1:
         ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :]
     elif W_LAYOUT == 2:
@@ -192,20 +226,65 @@ def _load_weight_chunk(
         ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     if W_ALIGNED:
         ptrs = tl.multiple_of(ptrs, [16, 16])
-    w = tl.load(ptrs)
-    if MXFP8:
-        if BLOCK_N <= 32:
-            # One scale per K row for the whole tile: a [BLOCK_K] load, broadcast along N.
-            s = tl.load(ws_ptr + offs_k * stride_sk + ((pid_n * BLOCK_N) // 32) * stride_sn)
-            s = s.to(tl.int32)[:, None]
-        else:
-            s = tl.load(ws_ptr + offs_k[:, None] * stride_sk + (offs_n[None, :] // 32) * stride_sn)
-            s = s.to(tl.int32)
-        # 2^(s-127) built from the exponent bits (exact); byte 0 is the subnormal 2^-127.
-        scale = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
-        # e4m3 * 2^k has at most 4 significant bits, so the bf16 rounding below is exact.
-        w = (w.to(tl.float32) * scale).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    if K_MASKED:  # noqa: SIM108
+        w = tl.load(ptrs, mask=k_mask[:, None], other=0.0)
+    else:
+        w = tl.load(ptrs)
     return w
+
+
+@triton.jit
+def _load_scales(
+    ws_ptr, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn,
+    BLOCK_N: tl.constexpr, K_MASKED: tl.constexpr,
+):  # fmt: skip
+    if BLOCK_N <= 32:
+        # One scale per K row for the whole tile: a [BLOCK_K] load, broadcast along N.
+        ptrs = ws_ptr + offs_k * stride_sk + ((pid_n * BLOCK_N) // 32) * stride_sn
+        if K_MASKED:  # noqa: SIM108 (constexpr branches read clearer than IfExp in Triton)
+            s = tl.load(ptrs, mask=k_mask, other=127)
+        else:
+            s = tl.load(ptrs)
+        s = s.to(tl.int32)[:, None]
+    else:
+        ptrs = ws_ptr + offs_k[:, None] * stride_sk + (offs_n[None, :] // 32) * stride_sn
+        if K_MASKED:  # noqa: SIM108
+            s = tl.load(ptrs, mask=k_mask[:, None], other=127)
+        else:
+            s = tl.load(ptrs)
+        s = s.to(tl.int32)
+    return s
+
+
+@triton.jit
+def _dequant(raw, s, INTERPRET: tl.constexpr):
+    # 2^(s-127) built from the exponent bits (exact); byte 0 is the subnormal 2^-127.
+    scale = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+    # e4m3 * 2^k has at most 4 significant bits, so this bf16 rounding is exact.
+    return _to_bf16(raw.to(tl.float32) * scale, INTERPRET)
+
+
+@triton.jit
+def _load_q(q_rows, m_mask, k_mask, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
+    if SINGLE:
+        q0 = tl.load(q_rows, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        q1 = q0
+        q2 = q0
+    else:
+        q0 = tl.load(q_rows, mask=m_mask[:, None], other=0.0)
+        q1 = tl.load(q_rows + BLOCK_K, mask=m_mask[:, None], other=0.0)
+        q2 = tl.load(q_rows + 2 * BLOCK_K, mask=m_mask[:, None], other=0.0)
+    return q0, q1, q2
+
+
+@triton.jit
+def _dot(q, w, acc, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        # The interpreter multiplies raw bf16 bit patterns in some versions: go through fp32.
+        acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(q, w, acc)
+    return acc
 
 
 @triton.jit(
@@ -258,6 +337,7 @@ def _mla_query_kernel(
     MXFP8: tl.constexpr,
     OUT_FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -265,30 +345,59 @@ def _mla_query_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
+    k_mask = offs_k < K
+    # BLOCK_K == K / 3: three exact chunks. BLOCK_K >= K: one chunk padded with masks
+    # (fewer layout round trips through shared memory, 25% idle MMA work).
+    SINGLE: tl.constexpr = BLOCK_K >= K
 
-    # Weight first: it is the only HBM traffic, everything else is L2-resident.
+    # Every global load is issued before the first use of any loaded value, so the CTA pays
+    # one memory round trip. Triton converts the layout of fp8 tiles right after their load,
+    # which waits for the data: so the small L2-resident loads go first and the weight last
+    # (and MXFP8 wants the single-chunk variant, whose one weight load is the last load).
     w_head = w_ptr + h.to(tl.int64) * stride_wh
     ws_head = ws_ptr + h.to(tl.int64) * stride_sh
-    w0 = _load_weight_chunk(
-        w_head, ws_head, offs_k, offs_n, pid_n, stride_wk, stride_wn, stride_sk, stride_sn,
-        BLOCK_N, W_LAYOUT, W_ALIGNED, MXFP8,
-    )  # fmt: skip
-    w1 = _load_weight_chunk(
-        w_head + BLOCK_K * stride_wk, ws_head + BLOCK_K * stride_sk, offs_k, offs_n, pid_n,
-        stride_wk, stride_wn, stride_sk, stride_sn, BLOCK_N, W_LAYOUT, W_ALIGNED, MXFP8,
-    )  # fmt: skip
-    w2 = _load_weight_chunk(
-        w_head + 2 * BLOCK_K * stride_wk, ws_head + 2 * BLOCK_K * stride_sk, offs_k, offs_n,
-        pid_n, stride_wk, stride_wn, stride_sk, stride_sn, BLOCK_N, W_LAYOUT, W_ALIGNED, MXFP8,
-    )  # fmt: skip
-
     q_rows = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + h * stride_qh + offs_k[None, :]
     if IO_ALIGNED:
         q_rows = tl.multiple_of(q_rows, [16, 16])
-    q0 = tl.load(q_rows, mask=m_mask[:, None], other=0.0)
-    q1 = tl.load(q_rows + BLOCK_K, mask=m_mask[:, None], other=0.0)
-    q2 = tl.load(q_rows + 2 * BLOCK_K, mask=m_mask[:, None], other=0.0)
-
+    if not USE_PDL:
+        q0, q1, q2 = _load_q(q_rows, m_mask, k_mask, BLOCK_K, SINGLE)
+    if SINGLE:
+        if MXFP8:
+            s0 = _load_scales(
+                ws_head, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn, BLOCK_N, True
+            )
+        w0 = _load_w(
+            w_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, True
+        )
+    else:
+        if MXFP8:
+            s0 = _load_scales(
+                ws_head, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn, BLOCK_N, False
+            )
+            s1 = _load_scales(
+                ws_head + BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk,
+                stride_sn, BLOCK_N, False,
+            )  # fmt: skip
+            s2 = _load_scales(
+                ws_head + 2 * BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk,
+                stride_sn, BLOCK_N, False,
+            )  # fmt: skip
+        w1_head = w_head + BLOCK_K * stride_wk
+        w2_head = w_head + 2 * BLOCK_K * stride_wk
+        w0 = _load_w(
+            w_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
+        )
+        w1 = _load_w(
+            w1_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
+        )
+        w2 = _load_w(
+            w2_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
+        )
+    if USE_PDL:
+        # Weights depend on no earlier kernel; q, q_pe, q_scale and out may (RAW and WAR).
+        gdc_wait()
+        gdc_launch_dependents()
+        q0, q1, q2 = _load_q(q_rows, m_mask, k_mask, BLOCK_K, SINGLE)
     if OUT_FP8:
         q_scale = tl.load(qs_ptr)
 
@@ -302,20 +411,27 @@ def _mla_query_kernel(
         if IO_ALIGNED:
             pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
             pe_out = tl.multiple_of(pe_out, [16, 16])
-        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
         if OUT_FP8:
+            # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
+            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
             pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET)
+        else:
+            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
         tl.store(pe_out, pe, mask=m_mask[:, None])
 
-    if INTERPRET:
-        # The interpreter multiplies raw bf16 bit patterns in some versions: go through fp32.
-        acc = tl.dot(q0.to(tl.float32), w0.to(tl.float32), input_precision="ieee")
-        acc = tl.dot(q1.to(tl.float32), w1.to(tl.float32), acc, input_precision="ieee")
-        acc = tl.dot(q2.to(tl.float32), w2.to(tl.float32), acc, input_precision="ieee")
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SINGLE:
+        if MXFP8:
+            w0 = _dequant(w0, s0, INTERPRET)
+        acc = _dot(q0, w0, acc, INTERPRET)
     else:
-        acc = tl.dot(q0, w0)
-        acc = tl.dot(q1, w1, acc)
-        acc = tl.dot(q2, w2, acc)
+        if MXFP8:
+            w0 = _dequant(w0, s0, INTERPRET)
+            w1 = _dequant(w1, s1, INTERPRET)
+            w2 = _dequant(w2, s2, INTERPRET)
+        acc = _dot(q0, w0, acc, INTERPRET)
+        acc = _dot(q1, w1, acc, INTERPRET)
+        acc = _dot(q2, w2, acc, INTERPRET)
 
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
     o_ptrs = o_ptrs + offs_n[None, :]
@@ -324,6 +440,8 @@ def _mla_query_kernel(
     if OUT_FP8:
         # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
         y = _to_bf16(acc, INTERPRET).to(tl.float32)
+        # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
+        y = tl.where(m_mask[:, None], y, 1.0)
         tl.store(
             o_ptrs, _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None]
         )
@@ -344,7 +462,7 @@ def kernel_key(
     num_heads = values.shape[0]
     layout, w_is_aligned = weight_traits(values)
     return KernelKey(
-        config=config or LaunchConfig.for_problem(num_heads, m, weight_format),
+        config=config or LaunchConfig.for_problem(num_heads, m, weight_format, out_fp8),
         weight_format=weight_format,
         out_fp8=out_fp8,
         w_layout=layout,
@@ -420,15 +538,17 @@ def launch(
         R=ROPE,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=cfg.block_k,
         W_LAYOUT=key.w_layout,
         W_ALIGNED=key.w_aligned,
         IO_ALIGNED=key.io_aligned,
         MXFP8=scales is not None,
         OUT_FP8=out_fp8,
         INTERPRET=interpreting(),
+        USE_PDL=cfg.pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if cfg.pdl else {}),
     )
     if not known:
         with _compiled_lock:

@@ -20,6 +20,20 @@ import fusedq
 HEADS = (8, 11, 16)
 MS = (1, 2, 3, 7, 16, 17, 31, 32)
 RECIPES = [("bf16", torch.bfloat16), ("mxfp8", torch.bfloat16), ("bf16", E4M3), ("mxfp8", E4M3)]
+# The interpreter needs ~1 s per call, so on CPU two recipes that between them cover both
+# weight formats and both output dtypes run the whole H x M grid and the other two a
+# subset (one M per block-M bucket plus the largest); on a GPU every recipe runs it all.
+FULL_GRID_ON_CPU = {("bf16", torch.bfloat16), ("mxfp8", E4M3)}
+CPU_SUBSET_MS = (1, 17, 32)
+
+
+def _grid():
+    for fmt, out_dtype in RECIPES:
+        full = torch.cuda.is_available() or (fmt, out_dtype) in FULL_GRID_ON_CPU
+        for h in HEADS:
+            for m in MS if full else CPU_SUBSET_MS:
+                name = str(out_dtype).replace("torch.", "")
+                yield pytest.param(h, m, fmt, out_dtype, id=f"H{h}-M{m}-{fmt}-{name}")
 
 
 def _run_both(q_nope, weight, q_pe, out, out_dtype, device):
@@ -31,9 +45,7 @@ def _run_both(q_nope, weight, q_pe, out, out_dtype, device):
     return got, ref
 
 
-@pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("h", HEADS)
+@pytest.mark.parametrize("h,m,fmt,out_dtype", list(_grid()))
 def test_matches_staged(h, m, fmt, out_dtype, device):
     gen = torch.Generator().manual_seed(1000 * h + m)
     w = make_weight(h, "vllm", device, gen)
@@ -252,3 +264,26 @@ def test_wrong_device_named():
     kwargs["out"] = kwargs["out"].cpu()
     with pytest.raises(ValueError, match="out: device"):
         fusedq.mla_query_projection(*args, **kwargs)
+
+
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("block_k", [64, 256])
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_launch_configs(pdl, block_k, block_n, fmt, out_dtype, device):
+    """Every K chunking and N tile the heuristic may pick, whatever this machine picks."""
+    from fusedq.kernels import triton_mla_query as kernel
+
+    gen = torch.Generator().manual_seed(block_k + block_n)
+    # One head is enough here (the launcher has no head gate) and keeps the interpreter fast.
+    h, m = 1, 3
+    w = make_weight(h, "vllm", device, gen)
+    weight = weight_for(fmt, w)
+    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out, _ = make_out(m, h, out_dtype, device, pitched=False)
+    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
+    config = kernel.LaunchConfig(block_m=16, block_n=block_n, block_k=block_k, pdl=pdl)
+    kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
+    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    assert_matches(out, ref, fmt)

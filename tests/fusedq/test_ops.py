@@ -120,3 +120,37 @@ def test_staged_path_captures(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fusedq.staged_mla_query(q_nope, w, q_pe))
+
+
+@pytest.mark.gpu
+def test_pdl_chain_in_a_graph_replays_correctly():
+    """Back-to-back PDL launches (weights prefetched before griddepcontrol.wait) in a graph,
+    the second reading what the first wrote into q: the wait must order them."""
+    if not kernel.HAS_PDL:
+        pytest.skip("this Triton has no griddepcontrol")
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(9)
+    h, m = 16, 4
+    w = make_weight(h, "vllm", device, gen)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out1 = torch.empty(m, h, 576, dtype=torch.bfloat16, device=device)
+    out2 = torch.empty_like(out1)
+    config = kernel.LaunchConfig(block_m=16, block_n=32, pdl=True)
+
+    def chain():
+        kernel.launch(q_nope, w, None, q_pe, out1, None, config=config)
+        # The second call's q is the first call's output: a true dependency.
+        kernel.launch(out1[..., :192], w, None, out1[..., 512:], out2, None, config=config)
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    q_nope.copy_(torch.randn(m, h, 192, generator=gen).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    ref1 = fusedq.staged_mla_query(q_nope, w, q_pe)
+    assert_matches(out1, ref1, "bf16")
+    ref2 = fusedq.staged_mla_query(out1[..., :192], w, out1[..., 512:])
+    assert_matches(out2, ref2, "bf16")
