@@ -68,7 +68,7 @@ AFTER_BLOCK = (
 )
 # forward_impl locals the inserted call passes on.
 HOOK_LOCALS = ("mqa_q_nope", "mqa_q_pe", "qrep_decode", "fp8_attention", "mqa_q")
-# MLAAttention attributes the hook reads (besides the weight, checked per layer).
+# MLAAttention attributes the plan and the hook read (instance attributes: checked per layer).
 LAYER_ATTRS = (
     "is_amx_bmm_enabled",
     "is_aiter_triton_fp4_bmm_enabled",
@@ -83,6 +83,7 @@ LAYER_ATTRS = (
     "kv_b_proj",
     "impl",
     "layer_name",
+    "_q_scale",
 )
 HOOK_NAME = "_fusedq_decode_query"
 PATCH_MARK = "_fusedq_patched"
@@ -457,6 +458,9 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     """Whether the fused op serves this layer: ``(plan, note)`` or ``(None, reason)``."""
     import fusedq
 
+    missing = [a for a in LAYER_ATTRS if not hasattr(layer, a)]
+    if missing:
+        return None, f"{type(layer).__name__} lacks the attributes {missing} the hook reads"
     if getattr(layer, "is_amx_bmm_enabled", False):
         return None, "AMX BMM decode path (its own packed W_UK)"
     if getattr(layer, "is_aiter_triton_fp4_bmm_enabled", False) or getattr(

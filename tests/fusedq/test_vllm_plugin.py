@@ -445,6 +445,14 @@ def test_setup_layer_falls_back_and_says_why(mla, vp, monkeypatch, caplog, attrs
         vp.setup_layer(layer)
 
 
+def test_plan_refuses_a_layer_without_the_attributes_it_reads(mla, vp):
+    vp.apply(vp.check_vllm())
+    layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
+    del layer._q_scale
+    plan, reason = vp.plan_layer(layer)
+    assert plan is None and "lacks the attributes ['_q_scale']" in reason
+
+
 @pytest.mark.parametrize("required", [False, True], ids=["auto", "required"])
 def test_hook_failure_falls_back_in_auto_mode_and_raises_when_required(mla, vp, required):
     h = 8
