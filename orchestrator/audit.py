@@ -165,7 +165,7 @@ class Signature:
         meaning = self.meaning
         for value in fields.values():
             if value in self.names:
-                meaning = f"{meaning} {value}: {self.names[value]}."
+                meaning = f"{meaning} {self.category} {value}: {self.names[value]}."
                 break
         return severity, fields, meaning
 
