@@ -46,10 +46,6 @@ def weight_format(weight: Weight) -> str:
     return "mxfp8" if isinstance(weight, MXFP8Weight) else "bf16"
 
 
-def _weight_device(weight: Weight) -> torch.device:
-    return weight.device
-
-
 def qualifies(num_heads: int, m: int, fmt: str, out_dtype: torch.dtype, device) -> bool:
     """``fusedq.can_implement`` for one decode step, cached per argument tuple."""
     key = (num_heads, m, fmt, out_dtype, torch.device(device))
@@ -133,7 +129,13 @@ def staged_decode_query(
     return cat.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
 
 
-def prewarm_values(capture_sizes: Iterable[int], num_heads: int, fmt: str, out_dtype, device):
+def prewarm_values(
+    capture_sizes: Iterable[int],
+    num_heads: int,
+    fmt: str,
+    out_dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[int]:
     """The CUDA-graph capture sizes the fused kernel will serve (the Ms to prewarm), sorted."""
     return sorted(
         {int(m) for m in capture_sizes if qualifies(num_heads, int(m), fmt, out_dtype, device)}
