@@ -527,6 +527,9 @@ class AuditResult:
     findings: list[Finding]
     searched: Searched
     verdict: Verdict
+    # Findings logged after the orchestrator began stopping the server that are known
+    # consequences of the stop itself (see SHUTDOWN_NOISE); kept and shown, never counted.
+    discounted: list[Finding] = field(default_factory=list)
 
     @property
     def root_cause(self) -> Finding | None:
@@ -544,6 +547,7 @@ class AuditResult:
             "verdict": {**asdict(self.verdict), "text": str(self.verdict)},
             "summary": self.summary_sentence(),
             "findings": [f.to_dict() for f in self.findings],
+            "discounted": [f.to_dict() for f in self.discounted],
             "searched": {**asdict(self.searched), "lines": self.searched.lines},
         }
 
@@ -1471,12 +1475,17 @@ def audit_logs(
     prefilter: str | None = None,
     kernel_runner: Runner | None = None,
     gpu_runner: Runner | None = None,
+    stopped_at: Mapping[str, int] | None = None,
 ) -> AuditResult:
     """Audit one scope (a case): its logs, the kernel log since ``since``, the GPU state.
 
     ``paths`` may name files (any name; gzip detected by content) and directories
     (walked for ``*.log``/``*.out``/``*.err``/``*.txt`` and their rotated / .gz forms).
     ``prefilter`` ("grep", "python") and the runners exist for tests and benchmarks.
+    ``stopped_at`` maps a log path to the first line written after the orchestrator began
+    stopping that server: findings from there on whose signature is in SHUTDOWN_NOISE are
+    moved to ``discounted`` (vLLM logs an EngineDeadError traceback whenever SIGTERM aborts
+    its engine); hardware and memory faults are never discounted.
     Raises AuditInputError for a missing path or an invalid expectation pattern.
     """
     cat = catalogue or load_catalogue()
@@ -1531,7 +1540,35 @@ def audit_logs(
         if not er.met:
             findings.append(_expectation_finding(er))
     searched.expectations = expect_results
-    return AuditResult(findings, searched, _verdict(findings, searched))
+    discounted: list[Finding] = []
+    if stopped_at:
+        limits = {str(Path(k)): v for k, v in stopped_at.items()}
+        kept = []
+        for f in findings:
+            limit = limits.get(str(Path(f.file)))
+            if (
+                limit is not None
+                and f.line is not None
+                and f.line >= limit
+                and f.signature in SHUTDOWN_NOISE
+            ):
+                f.root_cause = False
+                f.fields["discounted"] = "logged after the orchestrator stopped the server"
+                discounted.append(f)
+            else:
+                kept.append(f)
+        findings = kept
+        if not any(f.root_cause for f in findings):
+            for f in findings:
+                if f.signature == "python-traceback":
+                    f.root_cause = True
+                    break
+    return AuditResult(findings, searched, _verdict(findings, searched), discounted)
+
+
+# What vLLM logs because it was told to stop (SIGTERM aborts the engine: the API server's output
+# handler then raises EngineDeadError with a traceback). Only these may be discounted after a stop.
+SHUTDOWN_NOISE = frozenset({"python-traceback", "vllm-engine-dead"})
 
 
 def _expectation_finding(er: ExpectationResult) -> Finding:

@@ -170,6 +170,14 @@ def _vocab_size(model_path: str) -> int:
     return int(data.get("vocab_size") or data.get("text_config", {}).get("vocab_size") or 1000)
 
 
+def _line_count(path: Path) -> int:
+    try:
+        with path.open("rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except OSError:
+        return 0
+
+
 class CaseFailed(Exception):
     """A case that could not be measured; the message is the reason in the report."""
 
@@ -196,6 +204,7 @@ def run_case(
     workloads: dict[str, Any] = {}
     status, reason = "passed", None
     handle = None
+    stop_line = 0
     short_tmp: Path | None = None
     try:
         model_path = _model_path(case, matrix, log)
@@ -272,6 +281,7 @@ def run_case(
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
     finally:
         if handle is not None:
+            stop_line = _line_count(server_log) + 1
             t = time.monotonic()
             code = launcher.stop(handle)
             timings["stop_s"] = time.monotonic() - t
@@ -297,6 +307,7 @@ def run_case(
         since=started,
         expectations=expectations,
         include_kernel_log=matrix.audit.kernel_log,
+        stopped_at={str(server_log): stop_line} if stop_line else None,
     )
     timings["audit_s"] = time.monotonic() - t
     audit_dict = audit.to_dict()
