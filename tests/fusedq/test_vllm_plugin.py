@@ -621,7 +621,10 @@ def test_e2e_fused_matches_staged(runs):
     assert "heads=8, format=bf16, prewarmed M=none [no CUDA graphs on cpu]" in enabled[0]
     assert len(log_lines(log, FIRST_USE)) == 1, "the fused op never ran in the decode step"
     assert not log_lines(log, DISABLED)
-    if fused_ids != staged_ids:
+    same = fused_ids == staged_ids
+    print(f"greedy ids {'identical' if same else 'differ'}: fused {fused_ids} staged {staged_ids}")
+    print(f"logprobs fused {fused_lp}\nlogprobs staged {staged_lp}")
+    if not same:
         first = next(
             i for i, (a, b) in enumerate(zip(fused_ids, staged_ids, strict=True)) if a != b
         )
