@@ -12,7 +12,7 @@ How it hooks (see docs/vllm-plugin.md): ``MLAAttention.forward_impl`` is recompi
 own source with one change — the query-side block (the ROCm-aiter / AMX / padded-heads /
 plain ``torch.bmm`` branches, then the concat or ``_decode_concat_quant_fp8_op``) is nested
 under ``if mqa_q is None:`` after a call to ``_fusedq_decode_query``, which returns the
-finished ``[B, N, 576]`` query or ``None``. ``None`` runs vLLM's block byte for byte.
+finished ``[B, N, 576]`` query or ``None``. ``None`` runs vLLM's block as shipped.
 ``process_weights_after_loading`` is wrapped to decide per layer, prewarm the CUDA-graph
 sizes and log one line per worker process; ``__init__`` is wrapped to snapshot an MXFP8
 ``kv_b_proj``'s W_UK before vLLM's MXFP8 linear kernel re-lays it out.
