@@ -224,6 +224,23 @@ def mean_of_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- client
 
 
+def request_body(model: str, prompt: list[int], output_tokens: int) -> dict[str, Any]:
+    """The JSON body of one streamed completion with an exact output length."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_tokens,
+        "min_tokens": output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Per-chunk token ids (vLLM >= 0.10.2); older servers ignore the field and each
+        # chunk then counts as one token, with usage giving the exact total.
+        "return_token_ids": True,
+    }
+
+
 async def _one_request(
     client: httpx.AsyncClient,
     model: str,
@@ -233,19 +250,7 @@ async def _one_request(
     timeout_s: float,
     on_tokens: Callable[[int], None],
 ) -> None:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": rec.requested_output_tokens,
-        "min_tokens": rec.requested_output_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # Per-chunk token ids (vLLM >= 0.10.2); older servers ignore the field and each
-        # chunk then counts as one token, with usage giving the exact total.
-        "return_token_ids": True,
-    }
+    body = request_body(model, prompt, rec.requested_output_tokens)
     counted = 0
     usage: dict[str, Any] | None = None
 
