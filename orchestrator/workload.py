@@ -127,17 +127,32 @@ class WorkloadResult:
     records: list[dict[str, Any]]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe summary: each repeat's metrics, their mean, totals, first errors."""
+        """JSON-safe summary: each repeat's metrics, their mean, totals, first errors.
+
+        Undefined figures (a percentile of no values) are None, not NaN, so strict JSON
+        readers accept the summary."""
         errors = [r["error"] for r in self.records if r["error"]]
-        return {
-            "name": self.params.name,
-            "params": asdict(self.params),
-            "repeats": self.repeats,
-            "mean": mean_of_repeats(self.repeats),
-            "requests": len(self.records),
-            "errors": len(errors),
-            "error_samples": errors[:5],
-        }
+        return _nan_to_none(
+            {
+                "name": self.params.name,
+                "params": asdict(self.params),
+                "repeats": self.repeats,
+                "mean": mean_of_repeats(self.repeats),
+                "requests": len(self.records),
+                "errors": len(errors),
+                "error_samples": errors[:5],
+            }
+        )
+
+
+def _nan_to_none(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_nan_to_none(v) for v in obj]
+    return obj
 
 
 # --------------------------------------------------------------------------- prompts
@@ -290,14 +305,19 @@ async def _one_request(
         rec.end_s = time.monotonic() - t0
     except asyncio.TimeoutError:  # not the builtin before Python 3.11
         rec.error = f"request timed out after {timeout_s:.0f} s"
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+    except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as exc:
+        # ValueError covers malformed JSON; KeyError/TypeError an unexpected chunk shape.
         rec.error = f"{type(exc).__name__}: {exc}"[:500]
     if rec.end_s is None:
         rec.end_s = time.monotonic() - t0
     if rec.error is not None:
         return
-    rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
-    rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
+    try:
+        rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
+        rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
+    except (KeyError, TypeError, ValueError) as exc:
+        rec.error = f"malformed usage {usage!r}: {exc}"[:500]
+        return
     # The exact-length contract: a mismatch means the numbers describe another workload.
     problems = []
     if rec.prompt_tokens != rec.requested_prompt_tokens:

@@ -218,6 +218,9 @@ def test_connection_refused_is_recorded() -> None:
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     d = wl.run_workload(url, "m", wl.WorkloadParams("w", 1, 1), vocab_size=2048).to_dict()
     assert d["errors"] == 1 and "ConnectError" in d["error_samples"][0]
+    # No latency figure exists: None rather than NaN, so strict JSON readers accept it.
+    assert d["repeats"][0]["ttft_ms"]["p50"] is None
+    json.dumps(d, allow_nan=False)
 
 
 def test_server_death_aborts_within_a_second(
