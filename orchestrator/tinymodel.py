@@ -4,7 +4,7 @@ The smoke matrix needs a real MLA model that the CPU build of vLLM can serve on 
 2-core machine with no hub access. This module makes one locally, deterministically:
 the MLA geometry of the real models (kv_lora_rank 512 + rope 64 = 576, the only latent
 width the CPU MLA backends accept; qk_nope 192 as in GLM-5), shrunk everywhere else,
-plus one MTP layer so speculative decoding can be exercised. ~19 MB in bf16.
+plus one MTP layer so speculative decoding can be exercised. ~18 MB in bf16.
 
 Heavy imports (torch, transformers, tokenizers, safetensors) stay inside the functions
 so importing the orchestrator stays fast.
