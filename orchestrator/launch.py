@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata as md
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +44,36 @@ def package_dir(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise LaunchError(f"package {name!r} is not importable from {sys.executable}")
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def write_dist_info(stage: Path, name: str) -> Path | None:
+    """A metadata-only ``<name>-<version>.dist-info`` carrying the package's entry points.
+
+    Ray's ``py_modules`` makes a package importable on the workers but not *installed*: vLLM
+    finds plugins through ``importlib.metadata`` entry points, so the shipped fusedq would be
+    invisible to it on a node without fusedq installed. This directory, shipped as one more
+    ``py_modules`` entry, puts the driver's entry points (and version) on the workers' path.
+    """
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        return None
+    version = dist.version
+    info = stage / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    eps = dist.read_text("entry_points.txt") or ""
+    (info / "entry_points.txt").write_text(eps)
+    (info / "INSTALLER").write_text("orchestrator (ray py_modules)\n")
+    return info
+
+
+def _dist_location(name: str) -> str | None:
+    """Where importlib.metadata finds a distribution (the shipped dist-info wins on PYTHONPATH)."""
+    try:
+        return str(md.distribution(name).locate_file(""))
+    except md.PackageNotFoundError:
+        return None
 
 
 def tree_fingerprint(root: Path) -> str:
@@ -96,6 +129,10 @@ class _ServerActor:
             "fusedq_fingerprint": tree_fingerprint(fusedq_dir) if fusedq_dir else None,
             "pythonpath": os.environ.get("PYTHONPATH", ""),
             "python": sys.executable,
+            "fusedq_metadata_from": _dist_location("fusedq"),
+            "vllm_plugins": sorted(
+                f"{ep.name}={ep.value}" for ep in md.entry_points(group="vllm.general_plugins")
+            ),
         }
 
     def free_port(self, host: str) -> int:
@@ -159,6 +196,7 @@ class Launcher:
         self.cluster: dict[str, Any] = {}
         self._ray: Any = None
         self._actor_cls: Any = None
+        self._stage: Path | None = None
 
     # -- connection --------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
@@ -173,10 +211,14 @@ class Launcher:
 
         self._ray = ray
         py_modules = []
+        self._stage = Path(tempfile.mkdtemp(prefix="orch-ship-"))
         for name in self.runtime_packages:
             pdir = package_dir(name)
             self.driver_fingerprints[name] = tree_fingerprint(pdir)
             py_modules.append(str(pdir))
+            info = write_dist_info(self._stage, name)
+            if info is not None:
+                py_modules.append(str(info))
         runtime_env: dict[str, Any] = {"py_modules": py_modules} if py_modules else {}
         kwargs: dict[str, Any] = {
             "runtime_env": runtime_env,
@@ -204,6 +246,8 @@ class Launcher:
         self.stop_all()
         if self._ray is not None and self._ray.is_initialized():
             self._ray.shutdown()
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
 
     def _describe_cluster(self) -> dict[str, Any]:
         ray = self._ray

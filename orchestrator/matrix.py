@@ -173,6 +173,9 @@ class WorkloadSpec(_Strict):
 
 class VariantSpec(_EnvArgs):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    expect: list[ExpectSpec] = Field(
+        default_factory=list, description="Lines only this variant's servers must log."
+    )
 
 
 class TimeoutSpec(_Strict):
@@ -206,6 +209,9 @@ class AuditSpec(_Strict):
 
 class RaySpec(_Strict):
     address: str | None = Field(None, description="Join this cluster; default: a local Ray.")
+
+
+VariantSpec.model_rebuild()
 
 
 class Matrix(_Strict):

@@ -300,7 +300,7 @@ def run_case(
     t = time.monotonic()
     expectations = [
         Expectation(pattern=e.pattern, ranks=None, description=e.description or e.pattern)
-        for e in matrix.audit.expect
+        for e in [*matrix.audit.expect, *case.variant.expect]
     ]
     audit = audit_logs(
         [server_log] if server_log.exists() else [],

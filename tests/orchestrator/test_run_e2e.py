@@ -125,6 +125,11 @@ def test_run_directory_holds_everything(smoke_run):
         # The server ran on the node Ray placed it on and ran the driver's fusedq.
         assert r["server"]["fusedq_fingerprint"] == manifest["fusedq_fingerprint"]
         assert r["server"]["node_ip"] == "127.0.0.1"
+        # ...and vLLM found the plugin through the dist-info shipped beside it, not the venv.
+        assert "py_modules_files" in r["server"]["fusedq_metadata_from"]
+        assert "fusedq=fusedq.vllm_plugin:register" in r["server"]["vllm_plugins"]
+        (expectation,) = r["audit"]["searched"]["expectations"]
+        assert expectation["occurrences"] >= 1 and not expectation["missing"], expectation
 
 
 def test_report_has_the_seed_table(smoke_run):
