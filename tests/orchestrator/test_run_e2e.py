@@ -44,7 +44,11 @@ def _server_processes() -> set[int]:
     pids = set()
     for line in out.splitlines():
         pid, _, args = line.strip().partition(" ")
-        if (" serve " in f" {args} " and "vllm" in args) or "raylet" in args or "gcs_server" in args:
+        if (
+            (" serve " in f" {args} " and "vllm" in args)
+            or "raylet" in args
+            or "gcs_server" in args
+        ):
             pids.add(int(pid))
     return pids
 

@@ -42,7 +42,7 @@ def test_create_refuses_existing_and_open_needs_manifest(tmp_path):
     store = RunStore.create(tmp_path, "run1")
     with pytest.raises(StoreError, match="--resume run1"):
         RunStore.create(tmp_path, "run1")
-    with pytest.raises(StoreError, match="missing manifest.json"):
+    with pytest.raises(StoreError, match=r"missing manifest\.json"):
         RunStore.open(tmp_path, "run1")
     store.write_manifest({"run_id": "run1", "cases": []})
     assert RunStore.open(tmp_path, "run1").manifest()["run_id"] == "run1"
@@ -83,7 +83,12 @@ def test_secrets_never_reach_the_manifest(tmp_path):
         secrets=("my-private-token-value",),
     )
     text = (store.root / "manifest.json").read_text()
-    for secret in ("hf_abcdefghijklmnopqrstuvwxyz", "s3cret-value", "pa55", "my-private-token-value"):
+    for secret in (
+        "hf_abcdefghijklmnopqrstuvwxyz",
+        "s3cret-value",
+        "pa55",
+        "my-private-token-value",
+    ):
         assert secret not in text
     data = json.loads(text)
     assert data["env"]["VLLM_X"] == "1"
