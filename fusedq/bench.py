@@ -50,6 +50,10 @@ class Options:
     sweep_warps: tuple[int, ...] = (4, 8)
     sweep_block_k: tuple[int, ...] = (64, 256)
     sweep_pdl: tuple[int, ...] = (0,)
+    # Register-path (no tl.dot) variants "BLOCK_N:WARPS", for M <= 8, BF16 out; and those
+    # of them to time with PDL as well.
+    sweep_fma: tuple[str, ...] = ()
+    sweep_fma_pdl: tuple[str, ...] = ()
     commit: str | None = None
 
 
@@ -264,13 +268,13 @@ def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
     return row
 
 
-def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
-    import torch
+def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
+    """Launch configs to time for one shape: the tl.dot grid, the tl.dot path's current
+    choice (``dot``), the default choice (``auto``), and the register-path variants."""
+    from fusedq.kernels.triton_mla_query import FMA_BLOCK_MS, LaunchConfig
 
-    from fusedq.kernels.triton_mla_query import LaunchConfig
-
-    lay = build_layers(fmt, h, m, opts)
-    n = len(lay.fused_w)
+    weight_format = "mxfp8" if fmt == "mxfp8" else "bf16"
+    out_fp8 = fmt == "e4m3"
     block_m = max(16, 1 << (m - 1).bit_length())
     configs = {
         f"bn{bn}_w{nw}_k{bk}{'_pdl' if pdl else ''}": LaunchConfig(
@@ -281,9 +285,35 @@ def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
         for bk in opts.sweep_block_k
         for pdl in opts.sweep_pdl
     }
+    configs["dot"] = LaunchConfig.for_problem(h, m, weight_format, out_fp8, allow_fma=False)
+    configs["auto"] = LaunchConfig.for_problem(h, m, weight_format, out_fp8)
+    fma_m = 1 << (m - 1).bit_length()
+    if fma_m in FMA_BLOCK_MS and not out_fp8:
+        for spec, pdl in [(v, False) for v in opts.sweep_fma] + [
+            (v, True) for v in opts.sweep_fma_pdl
+        ]:
+            bn, nw = (int(x) for x in spec.split(":"))
+            configs[f"fma_bn{bn}_w{nw}{'_pdl' if pdl else ''}"] = LaunchConfig(
+                block_m=fma_m, block_n=bn, num_warps=nw, pdl=pdl, fma=True
+            )
+    return configs
+
+
+def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
+    import torch
+
+    lay = build_layers(fmt, h, m, opts)
+    n = len(lay.fused_w)
+    configs = sweep_configs(fmt, h, m, opts)
     graphs = {name: _capture(_fused_fn(lay, cfg)) for name, cfg in configs.items()}
     graphs["staged"] = _capture(_staged_fn(lay))
     times = time_graphs(graphs, opts.samples, opts.warmup)
+    errors = {}
+    for name in configs:  # every variant's output, checked against the staged path
+        lay.out.fill_(float("nan") if lay.out.dtype == torch.bfloat16 else 0)
+        graphs[name].replay()
+        torch.cuda.synchronize()
+        errors[name] = _max_error(lay)
     rows = []
     for name, ms in times.items():
         cfg = configs.get(name)
@@ -292,6 +322,7 @@ def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
                 "format": fmt, "H": h, "M": m, "variant": name,
                 "config": dataclasses.asdict(cfg) if cfg else None,
                 "us": _median_us(ms, n),
+                "max_abs_err_vs_staged": errors.get(name),
             }
         )  # fmt: skip
     del graphs, lay
@@ -405,7 +436,11 @@ def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
         print(
             f"sweep {fmt} H={h} M={m}: best {best['variant']} {best['us']:.2f} µs, "
             f"staged {staged['us']:.2f} µs; "
-            + " ".join(f"{r['variant']}={r['us']:.2f}" for r in new),
+            + " ".join(
+                f"{r['variant']}={r['us']:.2f}"
+                + (f"(err {r['max_abs_err_vs_staged']:.2g})" if r["config"] else "")
+                for r in new
+            ),
             flush=True,
         )
     else:
@@ -431,10 +466,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--l2-mb", type=float, default=DEFAULT_L2_MB)
     p.add_argument("--l2-factor", type=float, default=2.0)
     p.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
-    p.add_argument("--sweep-block-n", type=int, nargs="+", default=list(Options.sweep_block_n))
+    p.add_argument("--sweep-block-n", type=int, nargs="*", default=list(Options.sweep_block_n))
     p.add_argument("--sweep-warps", type=int, nargs="+", default=list(Options.sweep_warps))
     p.add_argument("--sweep-block-k", type=int, nargs="+", default=list(Options.sweep_block_k))
     p.add_argument("--sweep-pdl", type=int, nargs="+", default=list(Options.sweep_pdl))
+    p.add_argument("--sweep-fma", nargs="*", default=[], help="register-path BLOCK_N:WARPS")
+    p.add_argument("--sweep-fma-pdl", nargs="*", default=[], help="the same, with PDL")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--json", default=None, help="write every figure to this path")
     a = p.parse_args(argv)
@@ -442,7 +479,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         heads=tuple(a.heads), ms=tuple(a.ms), formats=tuple(a.formats), samples=a.samples,
         warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, sweep=a.sweep,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
-        sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl), commit=a.commit,
+        sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
+        sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl), commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

@@ -58,6 +58,9 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 1
 # The interpreter pays per program, not per element: one program per head keeps CPU CI fast.
 INTERPRET_BLOCK_N = 512
+# The register (FMA) path: no tl.dot, so no shared-memory staging of the MMA operands and no
+# padding of M to 16. Rows are unrolled (BLOCK_M in FMA_BLOCK_MS), so it serves small M only.
+FMA_BLOCK_MS = (1, 2, 4, 8)
 # 16-byte vectors: what tl.multiple_of promises when the host says a tensor is aligned.
 ALIGN_BYTES = 16
 
@@ -94,6 +97,17 @@ TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
 }
 
 
+# Register (FMA) path, where it measured faster than tl.dot (fusedq-bench --sweep --sweep-fma):
+# (weight format, block_m) -> {heads: (block_n, num_warps)}. BF16 output only (E4M3 output
+# was not measured with it). Shapes without an entry use the tl.dot path above.
+FMA_TUNED: dict[tuple[str, int], dict[int, tuple[int, int]]] = {
+    ("bf16", 1): {8: (32, 4), 11: (64, 4), 16: (32, 4)},
+    ("bf16", 2): {11: (16, 1)},
+    ("mxfp8", 1): {8: (32, 4), 11: (32, 4), 16: (32, 4)},
+    ("mxfp8", 2): {8: (16, 1), 11: (16, 1), 16: (16, 1)},
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """Block sizes and launch options of one compiled variant."""
@@ -106,20 +120,37 @@ class LaunchConfig:
     # Programmatic dependent launch: the weight loads (which depend on no earlier kernel) are
     # issued before griddepcontrol.wait, so they overlap the previous kernel's tail.
     pdl: bool = False
+    # Register path (no tl.dot): block_m rows unrolled, K in three 64-wide chunks.
+    fma: bool = False
 
     @classmethod
     def for_problem(
-        cls, num_heads: int, m: int, weight_format: str = "bf16", out_fp8: bool = False
+        cls,
+        num_heads: int,
+        m: int,
+        weight_format: str = "bf16",
+        out_fp8: bool = False,
+        *,
+        allow_fma: bool = True,
     ) -> LaunchConfig:
-        """The heuristic choice for ``m`` tokens of ``num_heads`` heads (see ``TUNED``)."""
-        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(max(m, 1)))
+        """The heuristic choice for ``m`` tokens of ``num_heads`` heads (see ``TUNED`` and
+        ``FMA_TUNED``); ``allow_fma=False`` gives the tl.dot path's choice."""
+        pdl = HAS_PDL and os.environ.get(PDL_ENV, "0") == "1"
+        fma_m = triton.next_power_of_2(max(m, 1))
+        fma = FMA_TUNED.get((weight_format, fma_m), {}) if allow_fma and not out_fp8 else {}
         if interpreting():
+            if fma:  # the GPU takes the register path here: so does the interpreter
+                return cls(block_m=fma_m, block_n=INTERPRET_BLOCK_N, num_warps=1, fma=True)
+            block_m = max(MIN_BLOCK_M, fma_m)
             return cls(block_m=block_m, block_n=INTERPRET_BLOCK_N, block_k=SINGLE_BLOCK_K)
+        if num_heads in fma:
+            block_n, num_warps = fma[num_heads]
+            return cls(fma_m, block_n, num_warps=num_warps, pdl=pdl, fma=True)
+        block_m = max(MIN_BLOCK_M, fma_m)
         tuned = TUNED.get((weight_format, out_fp8, block_m), {})
         block_n, num_warps, block_k = tuned.get(
             num_heads, (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, BLOCK_K)
         )
-        pdl = HAS_PDL and os.environ.get(PDL_ENV, "0") == "1"
         return cls(block_m, block_n, num_warps=num_warps, block_k=block_k, pdl=pdl)
 
     def __post_init__(self) -> None:
@@ -129,7 +160,13 @@ class LaunchConfig:
             raise ValueError("pdl=True needs Triton's griddepcontrol support (Triton >= 3.3)")
         if self.block_k not in (BLOCK_K, SINGLE_BLOCK_K):
             raise ValueError(f"block_k={self.block_k} must be {BLOCK_K} or {SINGLE_BLOCK_K}")
-        if self.block_m < MIN_BLOCK_M or self.block_m & (self.block_m - 1):
+        if self.fma:
+            if self.block_m not in FMA_BLOCK_MS or self.block_k != BLOCK_K:
+                raise ValueError(
+                    f"fma: block_m={self.block_m} must be in {FMA_BLOCK_MS} and "
+                    f"block_k={self.block_k} must be {BLOCK_K}"
+                )
+        elif self.block_m < MIN_BLOCK_M or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m={self.block_m} must be a power of two >= {MIN_BLOCK_M}")
 
 
@@ -449,6 +486,218 @@ def _mla_query_kernel(
         tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
 
 
+@triton.jit
+def _fma_weight(raw, s, MXFP8: tl.constexpr):
+    # The weight chunk in fp32, in the layout it was loaded in (no conversion).
+    if MXFP8:
+        # 2^(s-127) from the exponent bits (byte 0 is the subnormal 2^-127); e4m3 x 2^k is
+        # exact in fp32, so this equals the staged path's dequantised bf16 weight.
+        scale = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+        w = raw.to(tl.float32) * scale
+    else:
+        w = raw.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _fma_load_q(q_head, m, M, stride_qm, offs_k, BLOCK_K: tl.constexpr, IO_ALIGNED: tl.constexpr):
+    # Row m of q_nope as three [BLOCK_K, 1] chunks (zeros past M): K along dim 0, as in the
+    # weight tile, so that the product broadcasts along N.
+    row = q_head + m * stride_qm.to(tl.int64) + offs_k[:, None]
+    if IO_ALIGNED:
+        row = tl.multiple_of(row, [16, 1])
+    valid = offs_k[:, None] * 0 + m < M  # a tensor mask (the interpreter rejects a bool)
+    q0 = tl.load(row, mask=valid, other=0.0)
+    q1 = tl.load(row + BLOCK_K, mask=valid, other=0.0)
+    q2 = tl.load(row + 2 * BLOCK_K, mask=valid, other=0.0)
+    return q0, q1, q2
+
+
+@triton.jit
+def _fma_f32(q0, q1, q2):
+    return q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32)
+
+
+@triton.jit
+def _fma_row(q0, q1, q2, w0, w1, w2, acc, m, offs_m):
+    # acc[m, n] = sum_k q[m, k] w[k, n]: exact bf16 x bf16 (or dequantised e4m3) products,
+    # fp32 sums, as the MMA computes them.
+    p = q0 * w0
+    p += q1 * w1
+    p += q2 * w2
+    row = tl.sum(p, axis=0)
+    return tl.where(offs_m[:, None] == m, row[None, :], acc)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "M",
+        "stride_qm",
+        "stride_qh",
+        "stride_pm",
+        "stride_ph",
+        "stride_wh",
+        "stride_wk",
+        "stride_wn",
+        "stride_sh",
+        "stride_sk",
+        "stride_sn",
+        "stride_om",
+        "stride_oh",
+    ],
+    do_not_specialize_on_alignment=["q_ptr", "qpe_ptr", "w_ptr", "ws_ptr", "out_ptr", "qs_ptr"],
+)
+def _mla_query_fma_kernel(
+    q_ptr,
+    qpe_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    qs_ptr,
+    M,
+    stride_qm,
+    stride_qh,
+    stride_pm,
+    stride_ph,
+    stride_wh,
+    stride_wk,
+    stride_wn,
+    stride_sh,
+    stride_sk,
+    stride_sn,
+    stride_om,
+    stride_oh,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_LAYOUT: tl.constexpr,
+    W_ALIGNED: tl.constexpr,
+    IO_ALIGNED: tl.constexpr,
+    MXFP8: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # The register path: the weight tile stays in the registers it is loaded into (threads
+    # along its unit-stride axis), each of the BLOCK_M (<= 8) rows is a broadcast multiply and
+    # a reduction over K. No tl.dot, so no shared-memory staging and no padding of M to 16.
+    # BF16 output only (the launcher refuses E4M3 out on this path).
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask = offs_k < K
+    w_head = w_ptr + h.to(tl.int64) * stride_wh
+    ws_head = ws_ptr + h.to(tl.int64) * stride_sh
+    q_head = q_ptr + h.to(tl.int64) * stride_qh
+    out_head = out_ptr + h.to(tl.int64) * stride_oh
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+
+    # Every load is issued before any loaded value is used: q rows, scales, weights.
+    if not USE_PDL:
+        qa0, qa1, qa2 = _fma_load_q(q_head, 0, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+        if BLOCK_M > 1:
+            qb0, qb1, qb2 = _fma_load_q(q_head, 1, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+        if BLOCK_M > 2:
+            qc0, qc1, qc2 = _fma_load_q(q_head, 2, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qd0, qd1, qd2 = _fma_load_q(q_head, 3, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+        if BLOCK_M > 4:
+            qe0, qe1, qe2 = _fma_load_q(q_head, 4, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qf0, qf1, qf2 = _fma_load_q(q_head, 5, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qg0, qg1, qg2 = _fma_load_q(q_head, 6, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qh0, qh1, qh2 = _fma_load_q(q_head, 7, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+    if MXFP8:
+        s0 = _load_scales(
+            ws_head, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn, BLOCK_N, False
+        )
+        s1 = _load_scales(
+            ws_head + BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn,
+            BLOCK_N, False,
+        )  # fmt: skip
+        s2 = _load_scales(
+            ws_head + 2 * BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk,
+            stride_sn, BLOCK_N, False,
+        )  # fmt: skip
+    else:
+        s0 = 0
+        s1 = 0
+        s2 = 0
+    r0 = _load_w(w_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False)
+    r1 = _load_w(
+        w_head + BLOCK_K * stride_wk, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT,
+        W_ALIGNED, False,
+    )  # fmt: skip
+    r2 = _load_w(
+        w_head + 2 * BLOCK_K * stride_wk, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT,
+        W_ALIGNED, False,
+    )  # fmt: skip
+    if USE_PDL:
+        # Weights depend on no earlier kernel; q, q_pe and out may (RAW and WAR).
+        gdc_wait()
+        gdc_launch_dependents()
+        qa0, qa1, qa2 = _fma_load_q(q_head, 0, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+        if BLOCK_M > 1:
+            qb0, qb1, qb2 = _fma_load_q(q_head, 1, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+        if BLOCK_M > 2:
+            qc0, qc1, qc2 = _fma_load_q(q_head, 2, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qd0, qd1, qd2 = _fma_load_q(q_head, 3, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+        if BLOCK_M > 4:
+            qe0, qe1, qe2 = _fma_load_q(q_head, 4, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qf0, qf1, qf2 = _fma_load_q(q_head, 5, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qg0, qg1, qg2 = _fma_load_q(q_head, 6, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+            qh0, qh1, qh2 = _fma_load_q(q_head, 7, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+
+    if pid_n == 0:
+        # The RoPE half is a plain copy; one CTA per head does it.
+        offs_r = tl.arange(0, R)
+        pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
+        pe_ptrs = pe_ptrs + offs_r[None, :]
+        pe_out = out_head + offs_m[:, None].to(tl.int64) * stride_om + N + offs_r[None, :]
+        if IO_ALIGNED:
+            pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
+            pe_out = tl.multiple_of(pe_out, [16, 16])
+        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
+        tl.store(pe_out, pe, mask=m_mask[:, None])
+
+    # q in fp32, all rows, before the first use of the weights.
+    qa0, qa1, qa2 = _fma_f32(qa0, qa1, qa2)
+    if BLOCK_M > 1:
+        qb0, qb1, qb2 = _fma_f32(qb0, qb1, qb2)
+    if BLOCK_M > 2:
+        qc0, qc1, qc2 = _fma_f32(qc0, qc1, qc2)
+        qd0, qd1, qd2 = _fma_f32(qd0, qd1, qd2)
+    if BLOCK_M > 4:
+        qe0, qe1, qe2 = _fma_f32(qe0, qe1, qe2)
+        qf0, qf1, qf2 = _fma_f32(qf0, qf1, qf2)
+        qg0, qg1, qg2 = _fma_f32(qg0, qg1, qg2)
+        qh0, qh1, qh2 = _fma_f32(qh0, qh1, qh2)
+    w0 = _fma_weight(r0, s0, MXFP8)
+    w1 = _fma_weight(r1, s1, MXFP8)
+    w2 = _fma_weight(r2, s2, MXFP8)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _fma_row(qa0, qa1, qa2, w0, w1, w2, acc, 0, offs_m)
+    if BLOCK_M > 1:
+        acc = _fma_row(qb0, qb1, qb2, w0, w1, w2, acc, 1, offs_m)
+    if BLOCK_M > 2:
+        acc = _fma_row(qc0, qc1, qc2, w0, w1, w2, acc, 2, offs_m)
+        acc = _fma_row(qd0, qd1, qd2, w0, w1, w2, acc, 3, offs_m)
+    if BLOCK_M > 4:
+        acc = _fma_row(qe0, qe1, qe2, w0, w1, w2, acc, 4, offs_m)
+        acc = _fma_row(qf0, qf1, qf2, w0, w1, w2, acc, 5, offs_m)
+        acc = _fma_row(qg0, qg1, qg2, w0, w1, w2, acc, 6, offs_m)
+        acc = _fma_row(qh0, qh1, qh2, w0, w1, w2, acc, 7, offs_m)
+    # One store of all rows (one layout conversion of the result, not one per row).
+    o_ptrs = out_head + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if IO_ALIGNED:
+        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+    tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
+
+
 def kernel_key(
     values: torch.Tensor,
     m: int,
@@ -514,8 +763,11 @@ def launch(
     ws = scales if scales is not None else values
     qs = q_scale if q_scale is not None else values
     s_sh, s_sk, s_sn = ws.stride()
+    if cfg.fma and out_fp8:
+        raise ValueError("fusedq: the register (fma) path writes BF16 output only")
     grid = (HEAD_N // cfg.block_n, num_heads)
-    _mla_query_kernel[grid](
+    kernel_fn = _mla_query_fma_kernel if cfg.fma else _mla_query_kernel
+    kernel_fn[grid](
         q_nope,
         q_pe,
         values,
