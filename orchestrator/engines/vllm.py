@@ -7,6 +7,7 @@ module is cheap to import on the CLI path and inside Ray actors alike.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import json
 import os
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,6 +45,8 @@ _RUN_DIR_ENV = {
     "TMPDIR": "tmp",
 }
 
+# 107 bytes of sun_path, minus "ipc://", "/", a 36-character uuid and some headroom.
+_MAX_TMPDIR_LEN = 60
 _POLL_S = 0.25  # between readiness probes
 _PROBE_TIMEOUT_S = 0.4  # per HTTP probe: keeps alive() checks at least every 0.5 s
 _LOG_TAIL_LINES = 25
@@ -150,6 +154,11 @@ def serve_env(
         env["VLLM_HOST_IP"] = host
     for key, sub in _RUN_DIR_ENV.items():
         env[key] = str(run_dir / sub)
+    if len(env["TMPDIR"]) > _MAX_TMPDIR_LEN:
+        # vLLM binds ZeroMQ IPC sockets at TMPDIR/<uuid4>; a socket path holds at most 107
+        # bytes, so a deep run directory gets a short stand-in named after it instead.
+        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
+        env["TMPDIR"] = str(Path(tempfile.gettempdir()) / f"orch-{digest}")
     env["PYTHONUNBUFFERED"] = "1"  # the log file is the only live view of the server
     # No usage reporting from test servers (and no network to send it to anyway).
     env["VLLM_NO_USAGE_STATS"] = "1"

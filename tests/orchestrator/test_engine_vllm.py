@@ -111,11 +111,24 @@ def test_env_loopback_and_run_dirs(tmp_path: Path) -> None:
     env = eng.serve_env({"PATH": "/bin"}, host="127.0.0.1", run_dir=tmp_path, extra={"A": "1"})
     assert env["PATH"] == "/bin"
     assert env["VLLM_HOST_IP"] == "127.0.0.1"
-    for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR"):
+    for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
         assert Path(env[key]).parent == tmp_path
+    assert env["TMPDIR"] == str(
+        eng.serve_env({}, host="127.0.0.1", run_dir=tmp_path, extra={})["TMPDIR"]
+    )
     assert env["PYTHONUNBUFFERED"] == "1"
     assert env["A"] == "1"
     assert not any(tmp_path.iterdir()), "serve_env must not create anything"
+
+
+def test_env_tmpdir_stays_short_enough_for_ipc_sockets(tmp_path: Path) -> None:
+    short = eng.serve_env({}, host="127.0.0.1", run_dir=Path("/r/run1/c"), extra={})
+    assert short["TMPDIR"] == "/r/run1/c/tmp"
+    deep = tmp_path / ("d" * 80)
+    env = eng.serve_env({}, host="127.0.0.1", run_dir=deep, extra={})
+    # vLLM's socket path is TMPDIR + "/" + a 36-char uuid, and must fit 107 bytes with ipc://.
+    assert len("ipc://" + env["TMPDIR"] + "/" + "u" * 36) <= 107
+    assert env["TMPDIR"] == eng.serve_env({}, host="127.0.0.1", run_dir=deep, extra={})["TMPDIR"]
 
 
 def test_env_localhost_and_wildcard(tmp_path: Path) -> None:
@@ -331,7 +344,7 @@ def test_real_server_serves_and_stops_clean(tiny_model: str, tmp_path: Path) -> 
     assert _group_members(proc.pid) == []
     for pid in members:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
-    assert (tmp_path / "tmp").is_dir()  # TMPDIR was created and used by the run
+    assert Path(env["TMPDIR"]).is_dir()  # TMPDIR was created and used by the run
 
 
 @pytest.mark.slow
