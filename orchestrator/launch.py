@@ -15,10 +15,12 @@ import contextlib
 import hashlib
 import importlib.metadata as md
 import importlib.util
+import json
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -112,12 +114,6 @@ class _ServerActor:
     def node_info(self) -> dict[str, Any]:
         import ray
 
-        spec = importlib.util.find_spec("fusedq")
-        fusedq_dir = (
-            Path(next(iter(spec.submodule_search_locations)))
-            if spec and spec.submodule_search_locations
-            else None
-        )
         return {
             "hostname": socket.gethostname(),
             "node_ip": ray.util.get_node_ip_address(),
@@ -125,14 +121,9 @@ class _ServerActor:
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "fusedq_path": str(fusedq_dir) if fusedq_dir else None,
-            "fusedq_fingerprint": tree_fingerprint(fusedq_dir) if fusedq_dir else None,
             "pythonpath": os.environ.get("PYTHONPATH", ""),
             "python": sys.executable,
-            "fusedq_metadata_from": _dist_location("fusedq"),
-            "vllm_plugins": sorted(
-                f"{ep.name}={ep.value}" for ep in md.entry_points(group="vllm.general_plugins")
-            ),
+            **_probe_server_view(),
         }
 
     def free_port(self, host: str) -> int:
@@ -184,7 +175,9 @@ class Launcher:
         matrix: Matrix,
         *,
         ray_address: str | None = None,
-        runtime_packages: Sequence[str] = ("fusedq",),
+        # fusedq is what the servers must run; orchestrator holds the server actor's own code,
+        # which Ray loads by reference on every worker.
+        runtime_packages: Sequence[str] = ("fusedq", "orchestrator"),
         log: Any = print,
     ) -> None:
         self.matrix = matrix
@@ -321,6 +314,12 @@ class Launcher:
         except Exception as exc:
             self.release(handle)
             raise LaunchError(f"{case.case_id}: server actor did not start: {exc}") from None
+        if "probe_error" in handle.info:
+            self.release(handle)
+            raise LaunchError(
+                f"{case.case_id}: the node cannot import what the server needs: "
+                f"{handle.info['probe_error'].splitlines()[-1]}"
+            )
         for name, fp in self.driver_fingerprints.items():
             if name == "fusedq" and handle.info.get("fusedq_fingerprint") != fp:
                 self.release(handle)
@@ -415,6 +414,38 @@ class Launcher:
     def stop_all(self) -> None:
         for handle in list(self.handles):
             self.stop(handle, grace_s=10.0)
+
+
+_PROBE = """
+import importlib.metadata as md, importlib.util, json
+from pathlib import Path
+from orchestrator.launch import _dist_location, tree_fingerprint
+spec = importlib.util.find_spec("fusedq")
+d = Path(next(iter(spec.submodule_search_locations))) if spec else None
+print(json.dumps({
+    "fusedq_path": str(d) if d else None,
+    "fusedq_fingerprint": tree_fingerprint(d) if d else None,
+    "fusedq_metadata_from": _dist_location("fusedq"),
+    "vllm_plugins": sorted(f"{e.name}={e.value}" for e in md.entry_points(group="vllm.general_plugins")),
+}))
+"""
+
+
+def _probe_server_view() -> dict[str, Any]:
+    """What a server process started by this actor will import: probed in a child with the
+    same interpreter and environment, from a neutral directory (the actor's own sys.path may
+    hold the driver's working directory, which the server's does not)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tempfile.gettempdir(),
+        env=dict(os.environ),
+    )
+    if out.returncode != 0:
+        return {"probe_error": out.stderr.strip()[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _is_local_ip(ip: str) -> bool:

@@ -262,7 +262,8 @@ def probe_version(python: str | None = None) -> str:
 
 def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
     """Start the server in its own session (so its process group can be stopped whole),
-    stdout and stderr appended to `log_path`."""
+    stdout and stderr appended to `log_path`, working directory the log's directory (so
+    nothing in the caller's directory, e.g. a source checkout, shadows installed packages)."""
     for key in _RUN_DIR_ENV:
         if env.get(key):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
@@ -277,6 +278,7 @@ def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) ->
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            cwd=log_path.parent,
         )
 
 
