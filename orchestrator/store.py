@@ -41,24 +41,8 @@ def new_run_id(matrix_name: str, now: dt.datetime | None = None) -> str:
     return f"{matrix_name}-{now.strftime('%Y%m%d-%H%M%S')}"
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON via a temp file and rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same directory and rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -71,6 +55,10 @@ def write_text_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
