@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import getpass
 import importlib.metadata as md
-import json
 import os
 import platform
 import shutil
@@ -161,13 +160,13 @@ def _model_path(case: Case, matrix: Matrix, log: Callable[[str], None]) -> str:
 
 
 def _vocab_size(model_path: str) -> int:
-    cfg = Path(model_path) / "config.json"
+    from orchestrator.tinymodel import vocab_size
+
     try:
-        data = json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError):
+        return vocab_size(model_path)
+    except (OSError, ValueError, KeyError, TypeError):
         # A remote or hub model: ids below 1000 exist in every tokenizer worth serving.
         return 1000
-    return int(data.get("vocab_size") or data.get("text_config", {}).get("vocab_size") or 1000)
 
 
 def _line_count(path: Path) -> int:

@@ -117,12 +117,17 @@ def vocab_size(model_path: str | Path) -> int:
     embedding beyond the tokenizer, so both bounds matter.
     """
     path = Path(model_path)
-    n = int(json.loads((path / "config.json").read_text())["vocab_size"])
+    cfg = json.loads((path / "config.json").read_text())
+    # Multimodal checkpoints keep the language model's vocab under text_config.
+    n = int(cfg.get("vocab_size") or cfg.get("text_config", {})["vocab_size"])
     tok = path / "tokenizer.json"
     if tok.is_file():
         data = json.loads(tok.read_text())
-        ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data["added_tokens"]]
-        n = min(n, max(ids) + 1)
+        vocab = data.get("model", {}).get("vocab") or {}
+        ids = list(vocab.values() if isinstance(vocab, dict) else [])
+        ids += [t["id"] for t in data.get("added_tokens", [])]
+        if ids:
+            n = min(n, max(ids) + 1)
     return n
 
 
