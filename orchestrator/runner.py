@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -226,11 +225,10 @@ def run_case(
             )
 
         env = serve_env({}, host=matrix.host, run_dir=cdir, extra=case.env_dict)
-        if "TMPDIR" not in case.env_dict:
-            # vLLM binds ZeroMQ IPC sockets under TMPDIR and a socket path holds at most 107
-            # bytes: a run directory is too deep, so each case gets a short private temp dir.
-            short_tmp = Path(tempfile.mkdtemp(prefix="orch-"))
-            env["TMPDIR"] = str(short_tmp)
+        if "TMPDIR" not in case.env_dict and not Path(env["TMPDIR"]).is_relative_to(cdir):
+            # serve_env gave this deep case directory a short TMPDIR stand-in (vLLM's IPC
+            # socket paths are capped at 107 bytes); it is ours to remove after the case.
+            short_tmp = Path(env["TMPDIR"])
         t = time.monotonic()
         launcher.start(handle, argv_for, env, server_log)
         row["server"]["argv"] = redact_argv(handle.info["argv"])
