@@ -79,10 +79,27 @@ def smoke_run(tmp_path_factory):
     }
 
 
+def _why_cases_failed(run_dir: Path) -> str:
+    """Each failed case's reason and the tail of its server log: what a red CI needs to show."""
+    parts = []
+    results = run_dir / "results.jsonl"
+    for line in results.read_text().splitlines() if results.exists() else []:
+        row = json.loads(line)
+        if row["status"] == "passed":
+            continue
+        parts.append(f"{row['case_id']}: {row['status']}: {row.get('reason')}")
+        log = run_dir / "cases" / row["case_id"].replace("/", "__") / "server.log"
+        if log.exists():
+            parts.append("\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+    return "\n".join(parts)
+
+
 def test_every_case_passes_with_throughput(smoke_run):
     for step in ("first", "rest"):
         out = smoke_run[step]
-        assert out.returncode == 0, f"{step}:\n{out.stdout}\n{out.stderr[-4000:]}"
+        assert out.returncode == 0, (
+            f"{step}:\n{out.stdout}\n{out.stderr[-4000:]}\n{_why_cases_failed(smoke_run['dir'])}"
+        )
     rows = [json.loads(x) for x in (smoke_run["dir"] / "results.jsonl").read_text().splitlines()]
     assert [r["case_id"] for r in rows] == [
         "tiny-mla/tp1-dcp1-mtp0/default",
