@@ -112,6 +112,9 @@ def run(
     if summary.skipped:
         typer.echo(f"skipped {len(summary.skipped)} finished case(s) (resume)")
     if summary.failed:
+        # Named with the reason even under --quiet: an unattended log must say what failed.
+        for row in summary.failed:
+            typer.echo(f"FAILED {row.get('case_id')}: {row.get('reason')}", err=True)
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
         raise typer.Exit(EXIT_FINDINGS)
 

@@ -34,6 +34,10 @@ from orchestrator.matrix import Case, Matrix
 # Ray's default object store takes 30% of RAM; the orchestrator moves only small dicts through it,
 # and every GiB it holds is a GiB a CPU vLLM server cannot have.
 LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024
+# Process watch: one poll waits this long for the actor's answer...
+POLL_TIMEOUT_S = 5.0
+# ...and an actor silent this long (a hung or partitioned node) counts as a dead server.
+UNREACHABLE_S = 60.0
 
 
 class LaunchError(RuntimeError):
@@ -98,6 +102,8 @@ class ServerHandle:
     actor: Any
     placement_group: Any
     info: dict[str, Any] = field(default_factory=dict)
+    # When the actor last answered a poll: a slow answer is not a death (see Launcher.alive).
+    last_answer: float = field(default_factory=time.monotonic)
 
     @property
     def base_url(self) -> str:
@@ -353,15 +359,25 @@ class Launcher:
         )
 
     def alive(self, handle: ServerHandle) -> bool:
-        """Process watch: False as soon as the server process (or its actor) is gone."""
+        """Process watch: False as soon as the server process (or its actor) is gone.
+
+        An exit or a dead actor answers at once. A poll that merely times out is not a death:
+        on a loaded node (a 2-core CI machine while vLLM imports torch) the actor can take
+        seconds to answer, and calling that an exit failed healthy cases. Only an actor that
+        has not answered for UNREACHABLE_S counts as gone.
+        """
         try:
-            return self._ray.get(handle.actor.poll.remote(), timeout=5) is None
-        except Exception:
+            code = self._ray.get(handle.actor.poll.remote(), timeout=POLL_TIMEOUT_S)
+        except self._ray.exceptions.GetTimeoutError:
+            return time.monotonic() - handle.last_answer < UNREACHABLE_S
+        except Exception:  # RayActorError, node died, ...
             return False
+        handle.last_answer = time.monotonic()
+        return code is None
 
     def exit_code(self, handle: ServerHandle) -> int | None:
         try:
-            return self._ray.get(handle.actor.poll.remote(), timeout=5)
+            return self._ray.get(handle.actor.poll.remote(), timeout=POLL_TIMEOUT_S)
         except Exception:
             return None
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.matrix import Case, Matrix, expand, load_matrix
-from orchestrator.redact import redact_argv, secret_values
+from orchestrator.redact import redact, redact_argv, secret_values
 from orchestrator.store import RunStore, new_run_id, write_json_atomic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -448,7 +448,8 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
             view.start()
             for case in todo:
                 view.begin(case.case_id)
-                row = run_case(case, matrix, launcher, store, log, view)
+                # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
+                row = redact(run_case(case, matrix, launcher, store, log, view), secrets)
                 store.append_result(row, secrets)
                 summary.results.append(row)
                 t = row.get("timings", {})
