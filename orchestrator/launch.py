@@ -185,8 +185,12 @@ class Launcher:
         # which Ray loads by reference on every worker.
         runtime_packages: Sequence[str] = ("fusedq", "orchestrator"),
         log: Any = print,
+        local_gpus: int | None = None,
     ) -> None:
         self.matrix = matrix
+        # GPUs a local Ray declares (None: Ray counts them). Declaring some on a machine without
+        # any lets placement and CUDA_VISIBLE_DEVICES bookkeeping be tested on CPU.
+        self.local_gpus = local_gpus
         self.ray_address = ray_address or matrix.ray.address or os.environ.get("RAY_ADDRESS")
         self.runtime_packages = list(runtime_packages)
         self.log = log
@@ -230,6 +234,8 @@ class Launcher:
         else:
             # Embedded local Ray on loopback: nothing listens beyond this machine.
             kwargs.update(object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+            if self.local_gpus is not None:
+                kwargs["num_gpus"] = self.local_gpus
         t0 = time.monotonic()
         try:
             ray.init(**kwargs)
