@@ -12,6 +12,23 @@ import torch
 from fusedq.kernels.triton_mla_query import E4M3_MAX, HEAD_N
 from fusedq.mxfp8 import dequantize_parts
 
+# (weight format, out dtype) -> (atol, rtol) for the 512-wide part against the staged path.
+# The RoPE part is compared bit-exactly and is not in this table.
+TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
+    # Both paths accumulate exact bf16 products in fp32, only in a different order; after the
+    # final bf16 rounding they differ by at most one bf16 ulp (<= 2^-7 relative). The atol
+    # covers cancellation near zero, where fp32 order effects (~192 * 2^-24 * sum|q*w|)
+    # are not relative to the result.
+    ("bf16", torch.bfloat16): (2**-10, 2**-7),
+    # Dequantising E4M3 * 2^k to bf16 is exact, and the staged path runs on the dequantised
+    # weight, so MXFP8 is held to exactly the bf16 bound.
+    ("mxfp8", torch.bfloat16): (2**-10, 2**-7),
+    # A one-ulp bf16 difference can move the quotient across an E4M3 rounding boundary: one
+    # E4M3 ulp is <= 2^-3 relative for normals and 2^-9 absolute for subnormals.
+    ("bf16", torch.float8_e4m3fn): (2**-9, 2**-3),
+    ("mxfp8", torch.float8_e4m3fn): (2**-9, 2**-3),
+}
+
 
 def quantize_e4m3(x: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
     """``clamp(x / q_scale, ±448)`` in E4M3, computed in fp32 (vLLM's static FP8 quant)."""

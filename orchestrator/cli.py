@@ -212,6 +212,54 @@ def audit(
     raise typer.Exit(cli_audit(paths, json_out=json_out, since=since))
 
 
+@app.command("gpu-check")
+def gpu_check(
+    tp: str = typer.Option("1,2,4,8", "--tp", help="Bundle sizes to place, e.g. 1,2,4,8."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Output directory (default logs/gpu-check-<UTC time>)."
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+    ),
+    tests: Path | None = typer.Option(
+        None, "--tests", help="Run these fusedq GPU tests in every bundle (tests/fusedq)."
+    ),
+    bench: bool = typer.Option(True, "--bench/--no-bench", help="Run fusedq-bench per bundle."),
+    bench_samples: int = typer.Option(300, "--bench-samples", min=10),
+    heads: int = typer.Option(64, "--heads", help="The model's attention heads."),
+    local_gpus: int | None = typer.Option(None, "--local-gpus", hidden=True),
+    allow_cpu: bool = typer.Option(False, "--allow-cpu", hidden=True),
+) -> None:
+    """Check GPU placement, fusedq on every rank and the DCP query gather; exit 0 when all hold."""
+    from orchestrator.gpucheck import (
+        GpuCheckError,
+        GpuCheckOptions,
+        default_out_dir,
+        parse_tps,
+        run_gpu_check,
+    )
+    from orchestrator.launch import LaunchError
+
+    try:
+        opts = GpuCheckOptions(
+            out_dir=out or default_out_dir(),
+            tps=parse_tps(tp),
+            heads=heads,
+            ray_address=ray_address,
+            tests=tests,
+            bench=bench and not allow_cpu,
+            bench_samples=bench_samples,
+            local_gpus=local_gpus,
+            allow_cpu=allow_cpu,
+            log=lambda m: typer.echo(m, err=True),
+        )
+        result = run_gpu_check(opts)
+    except (GpuCheckError, LaunchError) as exc:
+        raise _fail(str(exc)) from None
+    typer.echo((opts.out_dir / "gpu-check.md").read_text())
+    raise typer.Exit(EXIT_OK if result["ok"] else EXIT_FINDINGS)
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="orchestrator")

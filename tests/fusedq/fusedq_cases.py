@@ -13,22 +13,9 @@ Q_SCALE = 0.005
 # Weights of magnitude ~0.05 keep the outputs O(1), like a trained W_UK_T.
 W_SCALE = 0.05
 
-# (weight format, out dtype) -> (atol, rtol) for the 512-wide part against the staged path.
-# The RoPE part is compared bit-exactly and is not in this table.
-TOLERANCES = {
-    # Both paths accumulate exact bf16 products in fp32, only in a different order; after the
-    # final bf16 rounding they differ by at most one bf16 ulp (<= 2^-7 relative). The atol
-    # covers cancellation near zero, where fp32 order effects (~192 * 2^-24 * sum|q*w|)
-    # are not relative to the result.
-    ("bf16", torch.bfloat16): (2**-10, 2**-7),
-    # Dequantising E4M3 * 2^k to bf16 is exact, and the staged path runs on the dequantised
-    # weight, so MXFP8 is held to exactly the bf16 bound.
-    ("mxfp8", torch.bfloat16): (2**-10, 2**-7),
-    # A one-ulp bf16 difference can move the quotient across an E4M3 rounding boundary: one
-    # E4M3 ulp is <= 2^-3 relative for normals and 2^-9 absolute for subnormals.
-    ("bf16", E4M3): (2**-9, 2**-3),
-    ("mxfp8", E4M3): (2**-9, 2**-3),
-}
+# The tolerance table (fusedq.reference.TOLERANCES) is shared with `orchestrator gpu-check`'s
+# DCP comparison, so it lives in the package; each entry's justification is there.
+TOLERANCES = fusedq.reference.TOLERANCES
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
