@@ -137,6 +137,9 @@ class _ServerActor:
 
         return free_port(host)
 
+    def missing_paths(self, paths: list[str]) -> list[str]:
+        return [p for p in paths if not os.path.exists(p)]
+
     def start(self, argv: list[str], env_overrides: dict[str, str], log_path: str) -> int:
         from orchestrator.engines.vllm import start_server
 
@@ -363,6 +366,10 @@ class Launcher:
         handle.info["server_pid"] = ray.get(
             handle.actor.start.remote(argv, dict(env), str(log_path)), timeout=60
         )
+
+    def missing_paths(self, handle: ServerHandle, paths: Sequence[str]) -> list[str]:
+        """Which of `paths` do not exist on the node the server will run on."""
+        return self._ray.get(handle.actor.missing_paths.remote(list(paths)), timeout=60)
 
     def alive(self, handle: ServerHandle) -> bool:
         """Process watch: False as soon as the server process (or its actor) is gone.
