@@ -11,7 +11,14 @@ weight from HBM, as in a real forward pass):
 - ``copy``: a device copy of exactly the weight bytes of each layer, the physical anchor.
 
 Replays are interleaved ABBA-style, each timed with CUDA events; the figure is the median
-replay divided by the number of layers. ``--sweep`` times launch-config variants of the
+replay divided by the number of layers.
+
+``--chain`` puts each call where vLLM has it: after the ``q_b_proj`` GEMM that writes ``q``
+and an elementwise KV-cache write (``concat_and_cache_mla``'s shape), neither of which lets
+dependents start early. A fourth graph holds only those predecessors, and every figure is
+the increment over it: what the query step adds to a decode layer. It also times the fused
+kernel with programmatic dependent launch (``fused_pdl``), so PDL is judged behind the
+kernels it would really follow, not behind itself. ``--sweep`` times launch-config variants of the
 fused kernel instead, to pick the heuristic.
 """
 
@@ -45,6 +52,7 @@ class Options:
     l2_mb: float = DEFAULT_L2_MB
     l2_factor: float = 2.0
     q_scale: float = 0.02
+    chain: bool = False
     sweep: bool = False
     sweep_block_n: tuple[int, ...] = (16, 32, 64)
     sweep_warps: tuple[int, ...] = (4, 8)
@@ -244,26 +252,127 @@ def _median_us(ms: list[float], n_layers: int) -> float:
     return statistics.median(ms) * 1000.0 / n_layers
 
 
+# --chain: vLLM's q_lora_rank (DeepSeek-V3 / GLM-5): q_b_proj maps 1536 -> H * 256.
+Q_LORA_RANK = 1536
+
+
+@dataclasses.dataclass
+class Producers:
+    """The predecessors' operands, shared by every chained graph of one shape.
+
+    Held by ``bench_shape`` until its graphs are gone: a graph records raw addresses, and a
+    tensor freed after capture would hand its memory to the next allocation.
+    """
+
+    q2d: object
+    q_c: object
+    w_qb: object
+    kv_new: object
+    kv_row: object
+
+
+def _producers(lay: Layers) -> Producers:
+    import torch
+
+    m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
+    dev = lay.q_nope.device
+    q = lay.q_nope._base if lay.q_nope._base is not None else lay.q_nope
+    return Producers(
+        q2d=q.view(m, h * 256),
+        q_c=torch.randn(m, Q_LORA_RANK, device=dev, dtype=torch.bfloat16),
+        w_qb=torch.randn(Q_LORA_RANK, h * 256, device=dev, dtype=torch.bfloat16) * 0.02,
+        kv_new=torch.randn(m, 576, device=dev, dtype=torch.bfloat16),
+        kv_row=torch.empty(m, 576, device=dev, dtype=torch.bfloat16),
+    )
+
+
+def _chained(
+    lay: Layers, prod: Producers, step: Callable[[int], None] | None
+) -> Callable[[], None]:
+    """Per layer: the q_b_proj GEMM writing q, a KV-cache row write, then `step(layer)`."""
+    import torch
+
+    def fn() -> None:
+        for i in range(len(lay.fused_w)):
+            torch.mm(prod.q_c, prod.w_qb, out=prod.q2d)
+            prod.kv_row.copy_(prod.kv_new)
+            if step is not None:
+                step(i)
+
+    return fn
+
+
+def _steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
+    """One layer's call of each timed path (fused, staged, copy, and fused with PDL)."""
+    import torch
+
+    import fusedq
+    from fusedq.kernels import triton_mla_query as kernel
+
+    m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
+    cfg = kernel.LaunchConfig.for_problem(
+        h, m, "mxfp8" if fmt == "mxfp8" else "bf16", lay.out_dtype == torch.float8_e4m3fn
+    )
+    pdl = dataclasses.replace(cfg, pdl=True) if kernel.HAS_PDL else None
+
+    def fused(i: int) -> None:
+        fusedq.mla_query_projection(
+            lay.q_nope, lay.fused_w[i], lay.q_pe, out=lay.out, out_dtype=lay.out_dtype,
+            q_scale=lay.q_scale, backend="triton",
+        )  # fmt: skip
+
+    def launch_with(config: object) -> Callable[[int], None]:
+        def step(i: int) -> None:
+            w = lay.fused_w[i]
+            values, scales = (w.values, w.scales) if hasattr(w, "scales") else (w, None)
+            kernel.launch(lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config)
+
+        return step
+
+    steps = {
+        "fused": fused,
+        "staged": lambda i: staged_vllm(lay.q_nope, lay.staged_w[i], lay.q_pe, lay.q_scale),
+        "copy": lambda i: lay.copy_dst[i].copy_(lay.copy_src[i]),
+    }
+    if pdl is not None:
+        steps["fused_pdl"] = launch_with(pdl)
+    return steps
+
+
 def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
     import torch
 
     lay = build_layers(fmt, h, m, opts)
     n = len(lay.fused_w)
-    graphs = {
-        "fused": _capture(_fused_fn(lay)),
-        "staged": _capture(_staged_fn(lay)),
-        "copy": _capture(_copy_fn(lay)),
-    }
+    prod = _producers(lay) if opts.chain else None
+    if prod is not None:
+        graphs = {"chain": _capture(_chained(lay, prod, None))}
+        for name, step in _steps(lay, fmt).items():
+            graphs[name] = _capture(_chained(lay, prod, step))
+    else:
+        graphs = {
+            "fused": _capture(_fused_fn(lay)),
+            "staged": _capture(_staged_fn(lay)),
+            "copy": _capture(_copy_fn(lay)),
+        }
     times = time_graphs(graphs, opts.samples, opts.warmup)
     row = {"format": fmt, "H": h, "M": m, "layers": n, "weight_bytes": lay.weight_bytes}
     for name, ms in times.items():
         row[f"{name}_us"] = _median_us(ms, n)
         row[f"{name}_p10_us"] = statistics.quantiles(ms, n=10)[0] * 1000.0 / n
         row[f"{name}_p90_us"] = statistics.quantiles(ms, n=10)[-1] * 1000.0 / n
+    if opts.chain:
+        # Increments over the predecessors alone: what the query step adds to the layer.
+        row["chained"] = True
+        for name in ("fused", "staged", "copy", "fused_pdl"):
+            if f"{name}_us" in row:
+                row[f"{name}_us"] -= row["chain_us"]
+        if "fused_pdl_us" in row:
+            row["fused_pdl_over_staged"] = row["fused_pdl_us"] / row["staged_us"]
     row["fused_over_staged"] = row["fused_us"] / row["staged_us"]
     row["fused_over_copy"] = row["fused_us"] / row["copy_us"]
     row["max_abs_err_vs_staged"] = _max_error(lay)
-    del graphs, lay
+    del graphs, lay, prod
     torch.cuda.empty_cache()
     return row
 
@@ -450,7 +559,12 @@ def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
             f"{fmt} H={h} M={m} L={r['layers']}: fused {r['fused_us']:.2f} µs, "
             f"staged {r['staged_us']:.2f} µs, copy {r['copy_us']:.2f} µs, "
             f"ratio {r['fused_over_staged']:.3f} / {r['fused_over_copy']:.3f}, "
-            f"err {r['max_abs_err_vs_staged']:.3g} ({time.time() - t0:.1f} s)",
+            + (
+                f"PDL {r['fused_pdl_us']:.2f} µs ({r['fused_pdl_over_staged']:.3f}), "
+                if "fused_pdl_us" in r
+                else ""
+            )
+            + f"err {r['max_abs_err_vs_staged']:.3g} ({time.time() - t0:.1f} s)",
             flush=True,
         )
     return new
@@ -465,6 +579,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--warmup", type=int, default=Options.warmup)
     p.add_argument("--l2-mb", type=float, default=DEFAULT_L2_MB)
     p.add_argument("--l2-factor", type=float, default=2.0)
+    p.add_argument("--chain", action="store_true", help="time each call behind vLLM's predecessors")
     p.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
     p.add_argument("--sweep-block-n", type=int, nargs="*", default=list(Options.sweep_block_n))
     p.add_argument("--sweep-warps", type=int, nargs="+", default=list(Options.sweep_warps))
@@ -477,7 +592,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     a = p.parse_args(argv)
     opts = Options(
         heads=tuple(a.heads), ms=tuple(a.ms), formats=tuple(a.formats), samples=a.samples,
-        warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, sweep=a.sweep,
+        warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, chain=a.chain, sweep=a.sweep,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl), commit=a.commit,
