@@ -407,14 +407,22 @@ class Launcher:
                 f.write(chunk)
                 offset += len(chunk)
 
-    def stop(self, handle: ServerHandle, grace_s: float = 15.0) -> int | None:
-        """Stop the server's process group (SIGTERM, then SIGKILL) and free its placement."""
+    def stop(
+        self, handle: ServerHandle, grace_s: float = 15.0, log_dest: Path | None = None
+    ) -> int | None:
+        """Stop the server's process group (SIGTERM, then SIGKILL), copy its log to
+        `log_dest` while the actor that reads it still lives, and free its placement."""
         code = None
         try:
             code = self._ray.get(handle.actor.stop.remote(grace_s), timeout=grace_s + 30)
             handle.info["stopped"] = True
         except Exception as exc:
             self.log(f"warning: stopping {handle.case.case_id}: {exc}")
+        if log_dest is not None and handle.info.get("server_pid"):
+            try:
+                self.fetch_log(handle, log_dest)
+            except Exception as exc:
+                self.log(f"warning: fetching the server log of {handle.case.case_id}: {exc}")
         self.release(handle)
         return code
 
