@@ -46,12 +46,27 @@ _ERROR_BACKOFF_S = 0.5  # a duration-mode user that failed waits, so errors cann
 _PERCENTILES = (50, 90, 99)
 
 
-class ServerDiedError(RuntimeError):
-    """The server stopped during a workload; `records` holds what finished before."""
+class WorkloadAborted(RuntimeError):
+    """A workload stopped before it finished; `records` holds what finished before and
+    `noticed_at` (epoch seconds) when the client gave up."""
 
     def __init__(self, message: str, records: list[dict[str, Any]] | None = None) -> None:
         super().__init__(message)
         self.records = records or []
+        self.noticed_at = time.time()
+
+
+class ServerDiedError(WorkloadAborted):
+    """The server process stopped during a workload (the process watch saw it go)."""
+
+
+class WorkloadTimeoutError(WorkloadAborted):
+    """A request ran past the request timeout, or the case past its deadline.
+
+    One timed-out request ends the workload: a server that does not answer within the
+    limit is hung or broken, and waiting the limit again for every remaining request
+    would cost the night, not the case.
+    """
 
 
 @dataclass(frozen=True)
@@ -264,7 +279,8 @@ async def _one_request(
     t0: float,
     timeout_s: float,
     on_tokens: Callable[[int], None],
-) -> None:
+) -> bool:
+    """Run one request into `rec`; True when it ran past `timeout_s`."""
     body = request_body(model, prompt, rec.requested_output_tokens)
     counted = 0
     usage: dict[str, Any] | None = None
@@ -300,18 +316,23 @@ async def _one_request(
                     counted += n
                     on_tokens(n)
 
+    timed_out = False
     try:
         await asyncio.wait_for(stream(), timeout_s)
         rec.end_s = time.monotonic() - t0
     except asyncio.TimeoutError:  # not the builtin before Python 3.11
         rec.error = f"request timed out after {timeout_s:.0f} s"
+        timed_out = True
+    except httpx.TimeoutException as exc:  # httpx's read/connect timeouts may fire first
+        rec.error = f"{type(exc).__name__}: no answer within the time limit"
+        timed_out = True
     except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as exc:
         # ValueError covers malformed JSON; KeyError/TypeError an unexpected chunk shape.
         rec.error = f"{type(exc).__name__}: {exc}"[:500]
     if rec.end_s is None:
         rec.end_s = time.monotonic() - t0
     if rec.error is not None:
-        return
+        return timed_out
     try:
         rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
         rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
@@ -328,6 +349,7 @@ async def _one_request(
         problems.append("no token streamed")
     if problems:
         rec.error = "; ".join(problems)
+    return False
 
 
 async def _run_repeat(
@@ -341,6 +363,7 @@ async def _run_repeat(
     timeout_s: float,
     alive: Callable[[], bool] | None,
     progress: Callable[[dict[str, Any]], None] | None,
+    deadline: float | None = None,
 ) -> list[RequestRecord]:
     records: list[RequestRecord] = []
     total = params.total_requests
@@ -400,41 +423,55 @@ async def _run_repeat(
                 requested_output_tokens=params.output_tokens,
             )
             records.append(rec)
-            await _one_request(client, model, prompt, rec, t0, timeout_s, count)
+            timed_out = await _one_request(client, model, prompt, rec, t0, timeout_s, count)
             report()
+            if timed_out:
+                raise WorkloadTimeoutError(
+                    f"request {i} of workload {params.name!r} (repeat {repeat + 1}) got no "
+                    f"complete answer within the request timeout ({timeout_s:.0f} s)"
+                )
             if rec.error and params.duration_s is not None:
                 await asyncio.sleep(_ERROR_BACKOFF_S)
+
+    def where() -> str:
+        done = sum(1 for r in records if r.end_s is not None and r.error is None)
+        return f"workload {params.name!r} (repeat {repeat + 1}, {done} requests done)"
 
     async def monitor() -> None:
         last = time.monotonic()
         while True:
             await asyncio.sleep(_MONITOR_S)
             if alive is not None and not await asyncio.to_thread(alive):
-                raise ServerDiedError(
-                    f"server died during workload {params.name!r} (repeat {repeat + 1}, "
-                    f"{sum(1 for r in records if r.end_s is not None)} requests done)"
-                )
+                raise ServerDiedError(f"server died during {where()}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkloadTimeoutError(f"case deadline passed during {where()}")
             if time.monotonic() - last >= _PROGRESS_EVERY_S:
                 last = time.monotonic()
                 report()
 
-    users = asyncio.gather(*(user(u) for u in range(params.concurrency)))
+    users = [asyncio.ensure_future(user(u)) for u in range(params.concurrency)]
     watch = asyncio.ensure_future(monitor())
     try:
-        done, _ = await asyncio.wait({users, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch in done:
-            users.cancel()
-            exc = watch.exception()
-            assert exc is not None  # monitor only ends by raising
-            if isinstance(exc, ServerDiedError):
-                exc.records = [asdict(r) for r in records]
-            raise exc
-        users.result()
+        pending: set[asyncio.Future[None]] = {*users, watch}
+        while not all(u.done() for u in users):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                # The monitor only ends by raising; a user ends by raising on a timeout.
+                exc = task.exception()
+                if exc is None:
+                    continue
+                if isinstance(exc, WorkloadAborted):
+                    exc.records = [asdict(r) for r in records]
+                raise exc
     finally:
-        watch.cancel()
-        if not users.done():
-            users.cancel()
-        await asyncio.gather(users, watch, return_exceptions=True)
+        # Every other user stops too: its numbers would describe a broken server.
+        for task in (*users, watch):
+            task.cancel()
+        await asyncio.gather(*users, watch, return_exceptions=True)
+    if alive is not None and not await asyncio.to_thread(alive):
+        # Requests fail faster than the watch polls (a killed server's connections reset and
+        # new ones are refused at once): errors from a dead server are not a measurement.
+        raise ServerDiedError(f"server died during {where()}", [asdict(r) for r in records])
     report()
     return records
 
@@ -449,6 +486,8 @@ async def arun_workload(
     request_timeout_s: float = 600.0,
     alive: Callable[[], bool] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    deadline: float | None = None,
+    api_key: str | None = None,
 ) -> WorkloadResult:
     """The async form of `run_workload`, for callers that already run an event loop."""
     # One connection per user; trust_env=False keeps proxy variables from routing
@@ -457,8 +496,13 @@ async def arun_workload(
     timeout = httpx.Timeout(request_timeout_s, connect=30.0)
     repeats: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(
-        base_url=base_url.rstrip("/"), limits=limits, timeout=timeout, trust_env=False
+        base_url=base_url.rstrip("/"),
+        limits=limits,
+        timeout=timeout,
+        trust_env=False,
+        headers=headers,
     ) as client:
         for r in range(params.repeats):
             recs = [
@@ -473,6 +517,7 @@ async def arun_workload(
                     timeout_s=request_timeout_s,
                     alive=alive,
                     progress=progress,
+                    deadline=deadline,
                 )
             ]
             records += recs
@@ -490,10 +535,14 @@ def run_workload(
     request_timeout_s: float = 600.0,
     alive: Callable[[], bool] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    deadline: float | None = None,
+    api_key: str | None = None,
 ) -> WorkloadResult:
     """Run `params` against a ready server; each repeat is measured separately.
 
-    Raises ServerDiedError within about a second of `alive()` turning False.
+    Raises ServerDiedError within about a second of `alive()` turning False, and
+    WorkloadTimeoutError when a request runs past `request_timeout_s` or the clock passes
+    `deadline` (time.monotonic()). `api_key` is sent as a bearer token.
     """
     return asyncio.run(
         arun_workload(
@@ -505,5 +554,7 @@ def run_workload(
             request_timeout_s=request_timeout_s,
             alive=alive,
             progress=progress,
+            deadline=deadline,
+            api_key=api_key,
         )
     )

@@ -50,6 +50,8 @@ _MAX_TMPDIR_LEN = 60
 _POLL_S = 0.25  # between readiness probes
 _PROBE_TIMEOUT_S = 0.4  # per HTTP probe: keeps alive() checks at least every 0.5 s
 _LOG_TAIL_LINES = 25
+# What Python prints when the server's socket bind loses the race for its port (errno 98).
+_PORT_CLASH = "Address already in use"
 
 
 class ServerStartError(RuntimeError):
@@ -175,6 +177,43 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def api_key(args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """A key a server started with these args and env accepts (`--api-key`, which vLLM
+    lets win over `VLLM_API_KEY`; it takes one or more keys, any of them works), or None
+    when it serves without one."""
+    key = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if _flag_name(name) != "--api-key":
+            continue
+        if eq:
+            key = value
+        elif i + 1 < len(args):
+            key = args[i + 1]
+    return key or env.get("VLLM_API_KEY") or None
+
+
+def auth_headers(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def describe_exit(code: int | None) -> str:
+    """`exited with code 3`, `killed by SIGKILL`, or `exited` when the code is unknown."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def is_port_clash(log_tail: str) -> bool:
+    """Whether a start-up failure was the server losing its port to another process."""
+    return _PORT_CLASH in log_tail
+
+
 def _log_tail(log_path: Path | None, lines: int = _LOG_TAIL_LINES) -> str:
     if log_path is None:
         return ""
@@ -195,21 +234,24 @@ def wait_ready(
     alive: Callable[[], bool],
     log_path: Path | None = None,
     returncode: Callable[[], int | None] | None = None,
+    api_key: str | None = None,
 ) -> float:
     """Block until `/health` and `/v1/models` answer 200; return the seconds waited.
 
     `alive()` is checked before every probe (at least every 0.5 s), so a server that
     died is reported at once instead of after the timeout. `returncode`, when given,
-    names the exit code in the error.
+    names the exit code in the error. `api_key` is sent to `/v1/models`, which a server
+    started with `--api-key` guards.
     """
     base = base_url.rstrip("/")
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    with httpx.Client(timeout=_PROBE_TIMEOUT_S, trust_env=False) as client:
+    with httpx.Client(
+        timeout=_PROBE_TIMEOUT_S, trust_env=False, headers=auth_headers(api_key)
+    ) as client:
         while True:
             if not alive():
-                code = returncode() if returncode is not None else None
-                how = f"exited with code {code}" if code is not None else "exited"
+                how = describe_exit(returncode() if returncode is not None else None)
                 raise ServerStartError(
                     f"server process {how} after {time.monotonic() - t0:.1f} s, before it was ready",
                     _log_tail(log_path),
@@ -318,9 +360,12 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
     """
     pgid = proc.pid  # start_new_session made the server its group's leader
     strays = [p for p in _descendants(proc.pid) if _pgid(p) not in (pgid, None)]
-    _signal_group(pgid, signal.SIGTERM)
-    for pid in strays:
-        _kill(pid, signal.SIGTERM)
+    # SIGCONT after SIGTERM: a stopped (SIGSTOPped, hung in a debugger) server would keep
+    # the TERM pending and cost the whole grace period before the SIGKILL.
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        _signal_group(pgid, sig)
+        for pid in strays:
+            _kill(pid, sig)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         proc.poll()
