@@ -75,10 +75,17 @@ def run(
         [], "--only", help="Run only cases whose id contains this (repeatable)."
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
+    kill_leftovers: bool = typer.Option(
+        False,
+        "--kill-leftovers",
+        help="Stop processes of crashed runs first (a resumed run otherwise refuses to "
+        "start while its own are left).",
+    ),
 ) -> None:
     """Run a matrix: place, start, measure, stop and audit every case; write the reports.
 
-    Exit 0 when every case passed, 1 when a case failed, 2 on bad input (nothing launched).
+    Exit 0 when every case passed, 1 when a case failed, 2 on bad input or when processes
+    of a crashed attempt of the resumed run still run (nothing launched).
     """
     from orchestrator.launch import LaunchError
     from orchestrator.matrix import MatrixError
@@ -96,6 +103,7 @@ def run(
         sets=sets,
         only=only,
         progress=not quiet,
+        kill_leftovers=kill_leftovers,
     )
     try:
         summary = run_matrix(matrix, options)

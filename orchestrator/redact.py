@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 REDACTED = "***"
@@ -81,3 +85,47 @@ def redact(obj: Any, secrets: tuple[str, ...] = ()) -> Any:
 def secret_values(env: Mapping[str, str]) -> tuple[str, ...]:
     """Values of secret-named variables, to scrub wherever they appear verbatim."""
     return tuple(v for k, v in env.items() if is_secret_name(k) and v)
+
+
+def secret_args(argv: Iterable[str]) -> tuple[str, ...]:
+    """Values given to secret-named options (`--api-key X`, `--hf-token=X`)."""
+    values: list[str] = []
+    take_next = False
+    for arg in argv:
+        if take_next:
+            values.append(arg)
+            take_next = False
+        elif arg.startswith("-") and is_secret_name(arg.split("=", 1)[0]):
+            if "=" in arg:
+                values.append(arg.split("=", 1)[1])
+            else:
+                take_next = True
+    return tuple(v for v in values if v)
+
+
+def redact_file(path: Path, secrets: tuple[str, ...] = ()) -> bool:
+    """Redact a log in place, line by line (logs can be large), replacing it atomically.
+
+    Lines keep their count and order, so line numbers recorded before (the audit's
+    stop line) stay valid. Bytes that are not UTF-8 survive unchanged. Returns whether
+    anything was redacted; an unchanged file is left untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    changed = False
+    try:
+        with path.open("rb") as src, os.fdopen(fd, "wb") as dst:
+            for raw in src:
+                line = raw.decode("utf-8", errors="surrogateescape")
+                clean = redact_text(line, secrets)
+                changed |= clean != line
+                dst.write(clean.encode("utf-8", errors="surrogateescape"))
+            dst.flush()
+            os.fsync(dst.fileno())
+        if changed:
+            os.chmod(tmp, path.stat().st_mode & 0o7777)  # mkstemp made it 0600
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return changed

@@ -20,16 +20,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.matrix import Case, Matrix, expand, load_matrix
-from orchestrator.redact import redact, redact_argv, secret_values
+from orchestrator.redact import (
+    redact,
+    redact_argv,
+    redact_file,
+    redact_text,
+    secret_args,
+    secret_values,
+)
 from orchestrator.store import RunStore, new_run_id, write_json_atomic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# A port the OS called free can be taken before vLLM binds it (seconds later, after its
+# imports); that race costs a retry on a new port, not the case. Three lost races in a row
+# are not a race, and fail the case.
+PORT_ATTEMPTS = 3
 
 
 def _now() -> str:
@@ -104,6 +116,7 @@ class RunOptions:
     sets: Sequence[str] = ()
     only: Sequence[str] = ()  # case-id substrings; empty = all
     progress: bool = True
+    kill_leftovers: bool = False  # stop processes of crashed runs instead of refusing/warning
 
 
 @dataclass
@@ -119,14 +132,16 @@ class RunSummary:
 
 
 class _Log:
-    """The driver's own log: to the run directory always, to stderr when asked."""
+    """The driver's own log: to the run directory always, to stderr when asked; redacted,
+    since its lines quote server log tails and argv."""
 
-    def __init__(self, path: Path, echo: bool) -> None:
+    def __init__(self, path: Path, echo: bool, secrets: tuple[str, ...] = ()) -> None:
         self.path = path
         self.echo = echo
+        self.secrets = secrets
 
     def __call__(self, msg: str) -> None:
-        line = f"{_now()} {msg}"
+        line = f"{_now()} {redact_text(msg, self.secrets)}"
         with self.path.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
         if self.echo:
@@ -155,7 +170,42 @@ def _model_path(case: Case, matrix: Matrix, log: Callable[[str], None]) -> str:
         path = build_tiny_model(mtp=case.model.has_mtp)
         log(f"built-in model {case.model.path} at {path} ({time.monotonic() - t0:.1f} s)")
         return str(path)
-    return case.model.path
+    path = case.model.path
+    if not os.path.isabs(path) and Path(path).exists():
+        # The server runs in its case directory, where a path relative to here means nothing.
+        return str(Path(path).resolve())
+    return path
+
+
+def _is_local_path(path: str) -> bool:
+    """A filesystem path rather than a hub id (`org/name`), as vLLM would be given it."""
+    return os.path.isabs(path) or path.startswith(("./", "../"))
+
+
+def matrix_secrets(matrix: Matrix, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """Every secret value a run could write: secret-named variables of the driver's
+    environment and of every env block of the matrix, and values of secret-named args
+    (`--api-key X`), so they are scrubbed even where they appear without their name."""
+    blocks = [matrix.engine, *matrix.models, *matrix.topologies, *matrix.variants]
+    values = list(secret_values(environ))
+    for block in blocks:
+        values += secret_values(block.env)
+        values += secret_args(block.args)
+    return tuple(dict.fromkeys(values))
+
+
+def _set_aside(server_log: Path, secrets: tuple[str, ...]) -> Path | None:
+    """Move an earlier attempt's log (a lost port race, or a run killed mid-case) out of
+    the audited name, redacted: a crashed orchestrator never redacted it, and its
+    tracebacks belong to that attempt, not to the one about to be audited."""
+    if not server_log.exists():
+        return None
+    n = 1
+    while (dest := server_log.with_name(f"server-attempt{n}.log")).exists():
+        n += 1
+    redact_file(server_log, secrets)
+    os.replace(server_log, dest)
+    return dest
 
 
 def _vocab_size(model_path: str) -> int:
@@ -187,14 +237,35 @@ def run_case(
     store: RunStore,
     log: Callable[[str], None],
     progress: Any,
+    secrets: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Place, start, measure, stop and audit one case; always return a result row."""
+    """Place, start, measure, stop and audit one case; always return a result row.
+
+    `secrets` are scrubbed from the server log once the server has stopped, before the
+    audit reads it, and from the audit record.
+    """
     from orchestrator.audit import Expectation, audit_logs
-    from orchestrator.engines.vllm import ServerStartError, serve_argv, serve_env, wait_ready
-    from orchestrator.workload import ServerDiedError, run_workload
+    from orchestrator.engines.vllm import (
+        ServerStartError,
+        api_key,
+        describe_exit,
+        is_port_clash,
+        serve_argv,
+        serve_env,
+        wait_ready,
+    )
+    from orchestrator.workload import (
+        ServerDiedError,
+        WorkloadAborted,
+        WorkloadTimeoutError,
+        run_workload,
+    )
 
     cdir = store.case_dir(case.slug)
     server_log = cdir / "server.log"
+    earlier = _set_aside(server_log, secrets)
+    if earlier is not None:
+        log(f"{case.case_id}: the log of an earlier attempt is kept as {earlier.name}")
     started = dt.datetime.now(dt.timezone.utc)
     t_case = time.monotonic()
     timings: dict[str, float] = {}
@@ -206,10 +277,6 @@ def run_case(
     short_tmp: Path | None = None
     try:
         model_path = _model_path(case, matrix, log)
-        t = time.monotonic()
-        handle = launcher.place(case, matrix.timeouts.placement_s)
-        timings["placement_s"] = time.monotonic() - t
-        row["server"] = {k: v for k, v in handle.info.items() if k != "pythonpath"}
 
         def argv_for(port: int) -> list[str]:
             return serve_argv(
@@ -229,19 +296,50 @@ def run_case(
             # serve_env gave this deep case directory a short TMPDIR stand-in (vLLM's IPC
             # socket paths are capped at 107 bytes); it is ours to remove after the case.
             short_tmp = Path(env["TMPDIR"])
-        t = time.monotonic()
-        launcher.start(handle, argv_for, env, server_log)
-        row["server"]["argv"] = redact_argv(handle.info["argv"])
-        row["server"]["port"] = handle.info["port"]
-        log(f"{case.case_id}: starting on {handle.info['node_ip']} port {handle.info['port']}")
-        progress.update(case.case_id, "starting")
-        waited = wait_ready(
-            handle.base_url,
-            timeout_s=matrix.timeouts.ready_s,
-            alive=lambda: launcher.alive(handle),
-            log_path=server_log,
-            returncode=lambda: launcher.exit_code(handle),
-        )
+        # The mark a later run finds a leftover of this one by (orchestrator.leftovers).
+        env.update(run_env(store.run_id, case.case_id))
+        key = api_key(case.args, env)
+        clashes: list[int] = []
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            t = time.monotonic()
+            handle = launcher.place(case, matrix.timeouts.placement_s)
+            timings["placement_s"] = timings.get("placement_s", 0.0) + time.monotonic() - t
+            row["server"] = {k: v for k, v in handle.info.items() if k != "pythonpath"}
+            if _is_local_path(model_path) and launcher.missing_paths(handle, [model_path]):
+                raise CaseFailed(
+                    f"model path {model_path} does not exist on node {handle.info['node_ip']} "
+                    f"({handle.info.get('hostname')})"
+                )
+            t = time.monotonic()
+            launcher.start(handle, argv_for, env, server_log)
+            row["server"]["argv"] = redact_argv(handle.info["argv"])
+            row["server"]["port"] = handle.info["port"]
+            log(f"{case.case_id}: starting on {handle.info['node_ip']} port {handle.info['port']}")
+            progress.update(case.case_id, "starting")
+            try:
+                waited = wait_ready(
+                    handle.base_url,
+                    timeout_s=matrix.timeouts.ready_s,
+                    alive=lambda h=handle: launcher.alive(h),
+                    log_path=server_log,
+                    returncode=lambda h=handle: launcher.exit_code(h),
+                    api_key=key,
+                )
+            except ServerStartError as exc:
+                if attempt == PORT_ATTEMPTS or not is_port_clash(exc.log_tail):
+                    raise
+                clashes.append(handle.info["port"])
+                log(
+                    f"{case.case_id}: port {handle.info['port']} was taken by another process "
+                    "before the server bound it; starting again on a new port"
+                )
+                launcher.stop(handle, log_dest=server_log)
+                handle = None
+                _set_aside(server_log, secrets)
+                continue
+            break
+        if clashes:
+            row["server"]["port_clashes"] = clashes
         timings["startup_s"] = time.monotonic() - t
         log(f"{case.case_id}: ready after {waited:.1f} s")
         vocab = _vocab_size(model_path)
@@ -251,16 +349,23 @@ def run_case(
                 raise CaseFailed(f"case timeout ({matrix.timeouts.case_s:.0f} s) before {wl.name}")
             progress.update(case.case_id, f"{wl.name}")
             t = time.monotonic()
-            result = run_workload(
-                handle.base_url,
-                case.model.served_name or case.model.label,
-                _workload_params(wl),
-                vocab_size=vocab,
-                seed=matrix.seed,
-                request_timeout_s=matrix.timeouts.request_s,
-                alive=lambda: launcher.alive(handle),
-                progress=lambda p, _n=wl.name: progress.update(case.case_id, _n, p),
-            )
+            try:
+                result = run_workload(
+                    handle.base_url,
+                    case.model.served_name or case.model.label,
+                    _workload_params(wl),
+                    vocab_size=vocab,
+                    seed=matrix.seed,
+                    request_timeout_s=matrix.timeouts.request_s,
+                    alive=lambda: launcher.alive(handle),
+                    progress=lambda p, _n=wl.name: progress.update(case.case_id, _n, p),
+                    deadline=deadline,
+                    api_key=key,
+                )
+            except WorkloadAborted as exc:
+                # What finished before the fault is evidence; keep it beside the log.
+                store.write_records(case.slug, wl.name, exc.records)
+                raise
             timings[f"workload_{wl.name}_s"] = time.monotonic() - t
             summary = result.to_dict()
             workloads[wl.name] = summary
@@ -270,7 +375,15 @@ def run_case(
                 f"{case.case_id}: {wl.name}: {mean.get('aggregate_tok_s', 0):.2f} tok/s aggregate, "
                 f"{mean.get('per_user_tok_s', 0):.2f} per user, errors {summary.get('errors', 0)}"
             )
-    except (ServerStartError, ServerDiedError, CaseFailed) as exc:
+    except ServerDiedError as exc:
+        # When the watch saw it go: a test (and a reader) can hold it against the kill time.
+        row.setdefault("server", {})["died_noticed_at"] = round(exc.noticed_at, 3)
+        code = launcher.exit_code(handle) if handle is not None else None
+        status, reason = "failed", f"{exc}: server process {describe_exit(code)}"
+    except WorkloadTimeoutError as exc:
+        limits = f"request_s={matrix.timeouts.request_s:g}, case_s={matrix.timeouts.case_s:g}"
+        status, reason = "failed", f"{exc} (timeouts: {limits})"
+    except (ServerStartError, CaseFailed) as exc:
         status, reason = "failed", str(exc)
     except (
         Exception
@@ -280,13 +393,13 @@ def run_case(
         if handle is not None:
             stop_line = _line_count(server_log) + 1
             t = time.monotonic()
-            code = launcher.stop(handle)
+            code = launcher.stop(handle, log_dest=server_log)
             timings["stop_s"] = time.monotonic() - t
             row.setdefault("server", {})["exit_code"] = code
-            try:
-                launcher.fetch_log(handle, server_log)
-            except Exception as exc:
-                log(f"{case.case_id}: could not fetch server log: {exc}")
+        if server_log.exists():
+            # The server wrote its log itself, secrets included (a wrapper's env dump, a
+            # library echoing its token); now that it has stopped, nothing appends to it.
+            redact_file(server_log, secrets)
         if short_tmp is not None:
             shutil.rmtree(short_tmp, ignore_errors=True)
     if status == "failed":
@@ -307,7 +420,7 @@ def run_case(
         stopped_at={str(server_log): stop_line} if stop_line else None,
     )
     timings["audit_s"] = time.monotonic() - t
-    audit_dict = audit.to_dict()
+    audit_dict = redact(audit.to_dict(), secrets)
     write_json_atomic(cdir / "audit.json", audit_dict)
     fatal = [f for f in audit.findings if f.severity in ("fatal", "quarantine-node")]
     if fatal and status == "passed":
@@ -377,6 +490,59 @@ def _manifest(
     }
 
 
+class LeftoverError(ValueError):
+    """Processes a crashed attempt of this run left behind still run; nothing was started."""
+
+
+def _pids(leftovers: Sequence[Leftover]) -> str:
+    return " ".join(str(p.pid) for p in leftovers)
+
+
+def handle_leftovers(
+    run_id: str, *, resuming: bool, kill: bool, log: Callable[[str], None]
+) -> list[Leftover]:
+    """Find processes of runs whose orchestrator is gone (see orchestrator.leftovers).
+
+    With `kill`, stop them all. Otherwise a resumed run refuses to start while its own
+    earlier attempt's processes run (they hold the memory and GPUs its cases need, and
+    the user should decide what happens to them), and any run warns about other runs'
+    leftovers: on a shared machine they may be another user's business, but this run
+    must say why it may be short of memory. Returns what was found.
+    """
+    found = find_leftovers()
+    if not found:
+        return found
+    listing = "\n".join(f"  {p.describe()}" for p in found)
+
+    def warn(msg: str) -> None:
+        log(msg)
+        print(f"orchestrator: {msg}", file=sys.stderr, flush=True)
+
+    if kill:
+        stuck = stop_leftovers(found)
+        warn(
+            f"stopped {len(found) - len(stuck)} leftover process(es) of crashed runs "
+            f"(--kill-leftovers):\n{listing}"
+        )
+        if stuck:
+            raise LeftoverError(f"could not stop leftover process(es) {_pids(stuck)}")
+        return found
+    own = [p for p in found if resuming and p.run_id == run_id]
+    if own:
+        raise LeftoverError(
+            f"run {run_id}: {len(own)} process(es) of an earlier attempt of this run are "
+            f"still running, and the orchestrator that started them is gone:\n{listing}\n"
+            f"stop them (kill {_pids(found)}; they may need kill -CONT too) "
+            "or resume with --kill-leftovers"
+        )
+    warn(
+        f"warning: {len(found)} process(es) of crashed runs are still running; they may hold "
+        f"memory or GPUs this run needs:\n{listing}\n"
+        f"stop them (kill {_pids(found)}) or pass --kill-leftovers"
+    )
+    return found
+
+
 def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     """Run (or resume) a matrix and write its reports.
 
@@ -393,8 +559,9 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     selected = [c for c in cases if not options.only or any(s in c.case_id for s in options.only)]
     if not selected:
         raise ValueError(f"{matrix_path}: --only {list(options.only)} matches no case")
-    secrets = secret_values({**os.environ, **matrix.engine.env})
+    secrets = matrix_secrets(matrix)
     store = _open_for_resume(options, cases, matrix_path) if options.resume else None
+    run_id = store.run_id if store is not None else options.run_id or new_run_id(matrix.name)
 
     pending: list[str] = []  # log lines from before the run directory exists
     log_target: list[_Log] = []
@@ -404,6 +571,18 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
             log_target[0](msg)
         else:
             pending.append(msg)
+
+    try:
+        handle_leftovers(run_id, resuming=store is not None, kill=options.kill_leftovers, log=log)
+    except LeftoverError:
+        if store is not None:
+            store.unlock()
+        raise
+    # The local Ray's daemons and workers inherit the driver's environment: marked with the
+    # run, they are found as leftovers too if this process dies without stopping them.
+    marks = run_env(run_id)
+    saved_env = {k: os.environ.get(k) for k in marks}
+    os.environ.update(marks)
 
     view = ProgressView(total=len(selected), enabled=options.progress)
     measured = 0.0
@@ -421,7 +600,6 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
         with Launcher(matrix, ray_address=options.ray_address, log=log) as launcher:
             launcher.check_capacity()
             if store is None:
-                run_id = options.run_id or new_run_id(matrix.name)
                 store = RunStore.create(options.logs_dir, run_id)
                 store.lock()
                 store.write_manifest(
@@ -432,7 +610,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 resume = _manifest(store, matrix_path, matrix, cases, options, launcher)
                 manifest["resumes"] = [*manifest.get("resumes", []), resume]
                 store.write_manifest(manifest, secrets)
-            log_target.append(_Log(store.root / "orchestrator.log", echo=False))
+            log_target.append(_Log(store.root / "orchestrator.log", echo=False, secrets=secrets))
             for line in pending:
                 log(line)
             done = store.finished_case_ids(include_failed=not options.retry_failed)
@@ -449,7 +627,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
             for case in todo:
                 view.begin(case.case_id)
                 # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
-                row = redact(run_case(case, matrix, launcher, store, log, view), secrets)
+                row = redact(run_case(case, matrix, launcher, store, log, view, secrets), secrets)
                 store.append_result(row, secrets)
                 summary.results.append(row)
                 t = row.get("timings", {})
@@ -463,6 +641,11 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous_term)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         view.stop()
         if store is not None and summary is not None:
             total = time.monotonic() - t_run
