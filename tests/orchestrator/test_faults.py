@@ -1,0 +1,406 @@
+"""Fault injection against real `vllm serve` processes (CPU build) placed through a real local
+Ray: a server that exits during start-up, one SIGKILLed and one SIGSTOPped mid-measurement, a
+port taken between choosing it and binding it, a missing model path, and the orchestrator
+itself SIGKILLed mid-matrix and resumed. Nothing of vLLM or Ray is mocked.
+
+One matrix holds the server faults as variants of one topology (the fault is picked by the
+variant's env), so one orchestrator run covers them: CI time is dominated by vLLM start-ups.
+Faults are injected by a stand-in `vllm` (engine.vllm_bin) that execs the real one after
+arranging its fault, so the process the orchestrator watches is the real server.
+
+Every process the test causes carries FAULTS_TEST_MARK in its environment (inherited from the
+orchestrator through Ray to the servers), which counts leaks precisely on a machine where other
+jobs start and stop vLLM servers of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+MARK = uuid.uuid4().hex
+# Secrets that match no built-in pattern (no sk-/hf_ prefix): only the run's knowledge of its
+# secret values can redact them.
+API_KEY = f"apikey{uuid.uuid4().hex}"
+HF_TOKEN = f"tok{uuid.uuid4().hex}"
+CASE = "tiny-mla/tp1-dcp1-mtp0/{}"
+REQUEST_S = 15
+
+WRAPPER = """#!{python}
+# Stand-in for `vllm`: arranges the fault its FAULT variable names, then execs the real vllm
+# (same pid, so the orchestrator watches the real server).
+import json, os, signal, socket, sys, time
+
+REAL = {real!r}
+fault = os.environ.get("FAULT", "")
+args = sys.argv[1:]
+# Secrets in the server log, as a library that echoes its environment would leave them.
+print(f"fault-wrapper: {{fault}} HF_TOKEN={{os.environ.get('HF_TOKEN')}} argv {{args}}",
+      file=sys.stderr, flush=True)
+
+
+def after_first_request(sig):
+    # A forked watcher signals the server once a completion is being answered (uvicorn logs
+    # the access line when the streamed response starts): the fault lands mid-measurement.
+    server = os.getpid()
+    if os.fork():
+        return
+    offset, tail = 0, b""
+    while True:
+        time.sleep(0.05)
+        try:
+            with open("server.log", "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            continue
+        offset += len(chunk)
+        if b"POST /v1/completions" in tail + chunk:
+            break
+        tail = (tail + chunk)[-64:]
+    at = time.time()
+    os.kill(server, sig)
+    with open("fault-injected.json", "w") as f:
+        json.dump({{"signal": int(sig), "at": at, "pid": server}}, f)
+    os._exit(0)
+
+
+if fault == "exit3":
+    print("fault-wrapper: exiting with code 3 during start-up", file=sys.stderr, flush=True)
+    sys.exit(3)
+if fault == "kill":
+    after_first_request(signal.SIGKILL)
+if fault == "stop":
+    after_first_request(signal.SIGSTOP)
+if fault == "clash" and not os.path.exists("clash-injected"):
+    # Another process takes the port after the orchestrator chose it: the race a free-port
+    # scheme cannot close, since vLLM binds seconds later, after its imports.
+    open("clash-injected", "w").close()
+    port = int(args[args.index("--port") + 1])
+    r, w = os.pipe()
+    if os.fork() == 0:
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        os.write(w, b"1")
+        while True:
+            time.sleep(3600)
+    os.read(r, 1)
+    with open("clash-port", "w") as f:
+        f.write(str(port))
+os.execv(REAL, [REAL, *args])
+"""
+
+MATRIX = """
+name: faults
+models:
+  - label: tiny-mla
+    path: builtin:tiny-mla
+    num_heads: 8
+engine:
+  vllm_bin: {wrapper}
+  args: [--enforce-eager, --attention-backend=CPU_MLA, --max-model-len=4096, --max-num-seqs=8,
+         --api-key={api_key}]
+  env: {{VLLM_CPU_KVCACHE_SPACE: "2", HF_TOKEN: {hf_token}}}
+resources: {{accelerator: cpu, cpus_per_rank: 1}}
+topologies: [{{tp: 1, mtp: [0]}}]
+workloads: [{{name: ctx0, prompt_tokens: 1, output_tokens: 16, requests: 2}}]
+variants:
+  - {{name: exit3, env: {{FAULT: exit3}}}}
+  - {{name: killed, env: {{FAULT: kill}}}}
+  - {{name: clash, env: {{FAULT: clash}}}}
+  - {{name: hang, env: {{FAULT: stop}}}}
+timeouts: {{placement_s: 120, ready_s: 900, request_s: {request_s}, case_s: 1500}}
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "FAULTS_TEST_MARK": MARK}
+
+
+def _orchestrator(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VENV_BIN / "orchestrator"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env=_env(),
+    )
+
+
+def _marked() -> dict[int, dict[str, str]]:
+    """Processes this test caused: pid -> their ORCHESTRATOR_* variables and cmdline."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        items = dict(i.split(b"=", 1) for i in raw.split(b"\0") if b"=" in i)
+        if items.get(b"FAULTS_TEST_MARK") == MARK.encode():
+            env = {k.decode(): v.decode() for k, v in items.items() if k.startswith(b"ORCH")}
+            found[int(entry.name)] = {**env, "cmdline": cmd}
+    return found
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"orchestrator exited ({proc.returncode}) before {what}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _at_least_two(pids: list[int]) -> list[int]:
+    return pids if len(pids) >= 2 else []
+
+
+def _rows(run_dir: Path) -> dict[str, dict]:
+    rows = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    return {r["case_id"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """The whole scenario, once: run 1 (killed during its last case), a new run with a missing
+    model while run 1's server is left over, a refused resume, a resume that stops the leftovers."""
+    t0 = time.monotonic()
+    tmp = tmp_path_factory.mktemp("faults")
+    logs = tmp / "logs"
+    wrapper = tmp / "vllm-faulty"
+    wrapper.write_text(WRAPPER.format(python=sys.executable, real=str(VENV_BIN / "vllm")))
+    wrapper.chmod(0o755)
+    matrix = tmp / "faults.yaml"
+    matrix.write_text(
+        MATRIX.format(wrapper=wrapper, api_key=API_KEY, hf_token=HF_TOKEN, request_s=REQUEST_S)
+    )
+    run_dir = logs / "faults"
+    out: dict = {"dir": run_dir, "logs": logs}
+
+    # Run 1: every fault variant; SIGKILL the orchestrator once the last case's server runs.
+    with (tmp / "run1.out").open("w") as o, (tmp / "run1.err").open("w") as e:
+        run1 = subprocess.Popen(
+            [str(VENV_BIN / "orchestrator"), "run", str(matrix), "--logs-dir", str(logs),
+             "--run-id", "faults", "--quiet"],
+            stdout=o, stderr=e, cwd=REPO, env=_env(),
+        )  # fmt: skip
+        try:
+            hang_case = CASE.format("hang")
+            log = run_dir / "orchestrator.log"
+            _wait_for(
+                lambda: log.exists() and f"{hang_case}: starting" in log.read_text(),
+                1200, "the last case to start", run1,
+            )  # fmt: skip
+            # The server and a child of its own (here the fault injector's watcher; in a real
+            # crash vLLM's engine core): what a dead driver's Ray does not clean up.
+            servers = _wait_for(
+                lambda: _at_least_two([p for p, v in _marked().items() if v.get("ORCHESTRATOR_CASE") == hang_case]),
+                60, "the last case's server and its child", run1,
+            )  # fmt: skip
+            out["results_at_kill"] = (run_dir / "results.jsonl").read_bytes()
+            os.kill(run1.pid, signal.SIGKILL)
+            run1.wait(timeout=30)
+        finally:
+            if run1.poll() is None:
+                run1.kill()
+    out["run1_code"] = run1.returncode
+    out["left_servers"] = servers
+    out["run1_err"] = (tmp / "run1.err").read_text()
+    time.sleep(2)  # let Ray's reaper act on the dead driver before leftovers are counted
+    out["left_after_kill"] = _marked()
+
+    # A new run while run 1's server is left over: a missing model path fails its case clearly.
+    t = time.monotonic()
+    out["missing"] = _orchestrator(
+        "run", str(matrix), "--logs-dir", str(logs), "--run-id", "missing", "--quiet",
+        "--only", "clash", "--set", "models[0].path=/nonexistent/checkpoint",
+    )  # fmt: skip
+    out["missing_s"] = time.monotonic() - t
+    # Resuming run 1 refuses while its own leftovers run...
+    out["refused"] = _orchestrator(
+        "run", str(matrix), "--logs-dir", str(logs), "--resume", "faults", "--quiet"
+    )
+    out["results_after_refusal"] = (run_dir / "results.jsonl").read_bytes()
+    # ...and completes with --kill-leftovers.
+    out["resumed"] = _orchestrator(
+        "run", str(matrix), "--logs-dir", str(logs), "--resume", "faults", "--quiet",
+        "--kill-leftovers",
+    )  # fmt: skip
+    out["marked_after"] = _marked()
+    out["wall_s"] = time.monotonic() - t0
+    print(f"\nfault scenario wall time: {out['wall_s']:.0f} s", file=sys.stderr)
+    return out
+
+
+def _explain(out: subprocess.CompletedProcess[str]) -> str:
+    return f"rc={out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+
+
+def test_run_was_killed_mid_matrix_with_three_cases_finished(faults):
+    assert faults["run1_code"] == -signal.SIGKILL
+    rows = faults["results_at_kill"].decode().splitlines()
+    assert [json.loads(r)["case_id"] for r in rows] == [
+        CASE.format(v) for v in ("exit3", "killed", "clash")
+    ], faults["run1_err"][-3000:]
+
+
+def test_server_exiting_during_startup_fails_its_case_with_the_exit_code(faults):
+    row = _rows(faults["dir"])[CASE.format("exit3")]
+    assert row["status"] == "failed"
+    assert "exited with code 3" in row["reason"] and "before it was ready" in row["reason"]
+    assert "exiting with code 3 during start-up" in row["reason"]  # the log tail is quoted
+
+
+def test_sigkill_mid_measurement_is_noticed_within_5_s(faults):
+    row = _rows(faults["dir"])[CASE.format("killed")]
+    injected = json.loads(
+        (
+            faults["dir"] / "cases" / row["case_id"].replace("/", "__") / "fault-injected.json"
+        ).read_text()
+    )
+    assert injected["signal"] == signal.SIGKILL
+    assert row["status"] == "failed"
+    assert "server died during workload 'ctx0'" in row["reason"], row["reason"]
+    assert "killed by SIGKILL" in row["reason"], row["reason"]
+    assert row["server"]["exit_code"] == -signal.SIGKILL
+    delay = row["server"]["died_noticed_at"] - injected["at"]
+    assert 0 <= delay < 5, delay
+    # The audit ran on the dead server's log and is part of the row and the case directory.
+    assert row["audit"]["searched"]["files"], row["audit"]["searched"]
+    case_dir = faults["dir"] / "cases" / row["case_id"].replace("/", "__")
+    assert json.loads((case_dir / "audit.json").read_text())["verdict"] == row["audit"]["verdict"]
+
+
+def test_a_port_taken_before_the_server_binds_it_costs_a_retry_not_the_case(faults):
+    row = _rows(faults["dir"])[CASE.format("clash")]
+    assert row["status"] == "passed", row["reason"]
+    case_dir = faults["dir"] / "cases" / row["case_id"].replace("/", "__")
+    taken = int((case_dir / "clash-port").read_text())
+    assert row["server"]["port_clashes"] == [taken]
+    assert row["server"]["port"] != taken
+    assert "Address already in use" in (case_dir / "server-attempt1.log").read_text()
+    assert row["workloads"]["ctx0"]["mean"]["aggregate_tok_s"] > 0 and row["errors"] == 0
+    # The first attempt's traceback is kept aside, not audited as this server's fault.
+    assert row["audit"]["verdict"]["status"] == "clean", row["audit"]["verdict"]
+
+
+def test_a_hung_server_fails_by_request_timeout_and_is_stopped(faults):
+    assert faults["resumed"].returncode == 1, _explain(faults["resumed"])
+    row = _rows(faults["dir"])[CASE.format("hang")]
+    case_dir = faults["dir"] / "cases" / row["case_id"].replace("/", "__")
+    assert json.loads((case_dir / "fault-injected.json").read_text())["signal"] == signal.SIGSTOP
+    assert row["status"] == "failed"
+    assert f"within the request timeout ({REQUEST_S} s)" in row["reason"], row["reason"]
+    # Stopped within the grace period (SIGCONT lets the stopped server act on SIGTERM).
+    assert row["timings"]["stop_s"] < 30, row["timings"]
+    assert not [p for p, v in faults["marked_after"].items() if v.get("ORCHESTRATOR_CASE")]
+
+
+def test_missing_model_path_fails_clearly_without_starting_vllm(faults):
+    out = faults["missing"]
+    assert out.returncode == 1, _explain(out)
+    row = _rows(faults["logs"] / "missing")[CASE.format("clash")]
+    assert row["reason"] == (
+        "model path /nonexistent/checkpoint does not exist on node 127.0.0.1 "
+        f"({os.uname().nodename})"
+    )
+    assert f"FAILED {CASE.format('clash')}: model path /nonexistent/checkpoint" in out.stderr
+    case_dir = faults["logs"] / "missing" / "cases" / row["case_id"].replace("/", "__")
+    assert not (case_dir / "server.log").exists()
+
+
+def _named(stderr: str) -> dict[int, str]:
+    """The processes of run `faults` an orchestrator's leftover report names: pid -> case."""
+    return {
+        int(pid): case for pid, case in re.findall(r"pid (\d+) \[run faults, ([^]]*)\]", stderr)
+    }
+
+
+def _check_named(stderr: str, faults: dict) -> None:
+    named = _named(stderr)
+    # Only processes of the killed run (Ray's agents survive their driver's SIGKILL too)...
+    assert set(named) <= set(faults["left_after_kill"]), (named, faults["left_after_kill"])
+    # ...and among them processes of the case that was running. (Which ones depends on how
+    # far Ray's own cleanup got: its workers notice the dead raylet and take their direct
+    # children along, seconds later; the server's children stay.)
+    hang = f"case {CASE.format('hang')}"
+    assert {p for p, c in named.items() if c == hang} & set(faults["left_servers"]), stderr
+
+
+def test_leftovers_of_another_run_are_reported_not_touched(faults):
+    err = faults["missing"].stderr
+    assert "process(es) of crashed runs are still running" in err, err[-3000:]
+    _check_named(err, faults)
+
+
+def test_resume_refuses_while_its_own_leftovers_run(faults):
+    out = faults["refused"]
+    assert out.returncode == 2, _explain(out)
+    assert "process(es) of an earlier attempt of this run are still running" in out.stderr
+    assert "--kill-leftovers" in out.stderr
+    _check_named(out.stderr, faults)
+    assert faults["results_after_refusal"] == faults["results_at_kill"]
+
+
+def test_resume_with_kill_leftovers_completes_without_loss_or_duplicates(faults):
+    out = faults["resumed"]
+    assert "leftover process(es) of crashed runs (--kill-leftovers)" in out.stderr, _explain(out)
+    _check_named(out.stderr, faults)
+    assert "skipped 3 finished case(s)" in out.stdout
+    data = (faults["dir"] / "results.jsonl").read_bytes()
+    assert data.startswith(faults["results_at_kill"])  # finished rows kept, byte for byte
+    ids = [json.loads(x)["case_id"] for x in data.decode().splitlines()]
+    assert ids == [CASE.format(v) for v in ("exit3", "killed", "clash", "hang")]
+    manifest = json.loads((faults["dir"] / "manifest.json").read_text())
+    assert len(manifest["resumes"]) == 1  # the refused attempt changed nothing
+    # The killed attempt's log is kept aside (and was redacted: see the secrets test).
+    hang_dir = faults["dir"] / "cases" / CASE.format("hang").replace("/", "__")
+    assert "fault-wrapper: stop" in (hang_dir / "server-attempt1.log").read_text()
+
+
+def test_no_process_is_left_behind(faults):
+    assert faults["left_after_kill"], (
+        "the killed run left nothing: the leftover tests prove nothing"
+    )
+    assert not faults["marked_after"], faults["marked_after"]
+
+
+def test_secrets_are_written_nowhere(faults):
+    secrets = (API_KEY.encode(), HF_TOKEN.encode())
+    written = [p for d in (faults["dir"], faults["logs"] / "missing") for p in d.rglob("*")]
+    files = [p for p in written if p.is_file()]
+    names = {p.name for p in files}
+    for expected in ("server.log", "server-attempt1.log", "orchestrator.log", "report.md",
+                     "report.html", "report.json", "junit.xml", "results.jsonl", "manifest.json",
+                     "audit.json"):  # fmt: skip
+        assert expected in names, expected
+    leaks = [str(p) for p in files if any(s in p.read_bytes() for s in secrets)]
+    assert not leaks
+    for key in ("missing", "refused", "resumed"):
+        assert not any(s.decode() in faults[key].stdout + faults[key].stderr for s in secrets)
+    # The raw logs did hold them (the wrapper printed the token): redaction did the work.
+    clash_dir = faults["dir"] / "cases" / CASE.format("clash").replace("/", "__")
+    assert "HF_TOKEN=*** " in (clash_dir / "server.log").read_text()
+    manifest = json.loads((faults["dir"] / "manifest.json").read_text())
+    assert "--api-key=***" in manifest["matrix_text"] and "HF_TOKEN: ***" in manifest["matrix_text"]
