@@ -117,7 +117,8 @@ engine:
   env: {{VLLM_CPU_KVCACHE_SPACE: "2", HF_TOKEN: {hf_token}}}
 resources: {{accelerator: cpu, cpus_per_rank: 1}}
 topologies: [{{tp: 1, mtp: [0]}}]
-workloads: [{{name: ctx0, prompt_tokens: 1, output_tokens: 16, requests: 2}}]
+# ~1 s of streaming on an idle machine: the window in which the injected faults must land.
+workloads: [{{name: ctx0, prompt_tokens: 1, output_tokens: 32, requests: 3}}]
 variants:
   - {{name: exit3, env: {{FAULT: exit3}}}}
   - {{name: killed, env: {{FAULT: kill}}}}
