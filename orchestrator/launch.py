@@ -40,6 +40,9 @@ POLL_TIMEOUT_S = 5.0
 UNREACHABLE_S = 60.0
 
 
+_STAGE_PREFIX = "orch-ship-"
+
+
 class LaunchError(RuntimeError):
     """Placement or start-up of a server failed; the message says which case and why."""
 
@@ -217,7 +220,9 @@ class Launcher:
 
         self._ray = ray
         py_modules = []
-        self._stage = Path(tempfile.mkdtemp(prefix="orch-ship-"))
+        # Named with the pid, so a later run can remove what a SIGKILLed one left behind.
+        self._stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE_PREFIX}{os.getpid()}-"))
+        _remove_stale_stages(self._stage.parent)
         for name in self.runtime_packages:
             pdir = package_dir(name)
             self.driver_fingerprints[name] = tree_fingerprint(pdir)
@@ -483,6 +488,21 @@ def _probe_server_view() -> dict[str, Any]:
     if out.returncode != 0:
         return {"probe_error": out.stderr.strip()[-2000:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _remove_stale_stages(tmp: Path) -> None:
+    """Remove staging directories whose orchestrator no longer runs (a SIGKILL skips
+    __exit__); a live pid's directory is kept, even if the pid was recycled."""
+    for stage in tmp.glob(f"{_STAGE_PREFIX}*-*"):
+        pid = stage.name[len(_STAGE_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stage, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
 
 
 def _is_local_ip(ip: str) -> bool:

@@ -135,3 +135,19 @@ def test_run_matrix_refuses_before_launching_anything(spawn, tmp_path: Path) -> 
 def _ray_initialized() -> bool:
     ray = sys.modules.get("ray")
     return bool(ray and ray.is_initialized())
+
+
+def test_staging_directories_of_dead_orchestrators_are_removed(tmp_path: Path) -> None:
+    """A SIGKILLed orchestrator skips Launcher.__exit__; the next run removes its py_modules
+    staging directory, and never a live one's."""
+    from orchestrator.launch import _remove_stale_stages
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"orch-ship-{dead.pid}-abc"
+    live = tmp_path / f"orch-ship-{os.getpid()}-def"
+    other = tmp_path / "orch-ship-notapid-x"
+    for d in (stale, live, other):
+        (d / "fusedq-1.0.dist-info").mkdir(parents=True)
+    _remove_stale_stages(tmp_path)
+    assert not stale.exists() and live.exists() and other.exists()
