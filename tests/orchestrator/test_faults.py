@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -226,6 +227,7 @@ def faults(tmp_path_factory):
             if run1.poll() is None:
                 run1.kill()
     out["run1_code"] = run1.returncode
+    out["run1_pid"] = run1.pid
     out["left_servers"] = servers
     out["run1_err"] = (tmp / "run1.err").read_text()
     time.sleep(2)  # let Ray's reaper act on the dead driver before leftovers are counted
@@ -385,6 +387,8 @@ def test_no_process_is_left_behind(faults):
         "the killed run left nothing: the leftover tests prove nothing"
     )
     assert not faults["marked_after"], faults["marked_after"]
+    # Nor a file: the killed driver's py_modules staging directory went with the next run.
+    assert not list(Path(tempfile.gettempdir()).glob(f"orch-ship-{faults['run1_pid']}-*"))
 
 
 def test_secrets_are_written_nowhere(faults):
