@@ -235,11 +235,10 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
                 _wait_all(launcher, handles, opts.round_timeout_s)
             finally:
                 for h in handles:
-                    h.info["exit_code"] = launcher.stop(h, grace_s=5.0)
-                    try:
-                        launcher.fetch_log(h, out / f"tp{tp}-{h.case.variant.name}.log")
-                    except Exception as exc:
-                        opts.log(f"could not fetch {h.case.case_id}'s log: {exc}")
+                    # stop() copies a remote node's log while the actor that reads it lives.
+                    h.info["exit_code"] = launcher.stop(
+                        h, grace_s=5.0, log_dest=out / f"tp{tp}-{h.case.variant.name}.log"
+                    )
             cuda = not opts.allow_cpu
             for h in handles:
                 rnd["bundles"].append(_bundle_entry(h, tp, out))
