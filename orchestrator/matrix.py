@@ -230,6 +230,14 @@ class Matrix(_Strict):
         "127.0.0.1", description="Address servers bind; loopback unless you need more."
     )
     max_mtp: int = Field(8, ge=0, description="Sanity bound on speculative tokens.")
+    warmup_requests: int = Field(
+        1,
+        ge=0,
+        le=100,
+        description="Unmeasured requests sent to each server once ready: a fresh server's "
+        "first request pays one-time costs (worker warm-up, lazy allocations) that are not "
+        "throughput.",
+    )
     seed: int = 0
 
 

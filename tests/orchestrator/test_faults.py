@@ -126,6 +126,8 @@ variants:
   - {{name: clash, env: {{FAULT: clash}}}}
   - {{name: hang, env: {{FAULT: stop}}}}
 timeouts: {{placement_s: 120, ready_s: 900, request_s: {request_s}, case_s: 1500}}
+# The faults land on the first completion request: that must be a measured one.
+warmup_requests: 0
 """
 
 

@@ -116,6 +116,8 @@ def test_every_case_passes_with_throughput(smoke_run):
             assert mean["per_user_tok_s"] >= mean["aggregate_tok_s"] * 0.5
         assert r["audit"]["verdict"]["status"] == "clean", r["audit"]["verdict"]
         assert r["timings"]["startup_s"] > 0
+        # One unmeasured request warmed the server before the workloads (matrix default).
+        assert r["warmup"] == {"requests": 1, "errors": 0} and r["timings"]["warmup_s"] > 0
 
 
 def test_resume_skips_finished_cases_without_duplicates(smoke_run):
