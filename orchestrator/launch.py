@@ -132,8 +132,10 @@ class _ServerActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pythonpath": os.environ.get("PYTHONPATH", ""),
             "python": sys.executable,
-            **_probe_server_view(),
         }
+
+    def probe(self) -> dict[str, Any]:
+        return _probe_server_view()
 
     def free_port(self, host: str) -> int:
         from orchestrator.engines.vllm import free_port
@@ -206,6 +208,7 @@ class Launcher:
         self._ray: Any = None
         self._actor_cls: Any = None
         self._stage: Path | None = None
+        self._probed: dict[str, dict[str, Any]] = {}
 
     # -- connection --------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
@@ -331,6 +334,13 @@ class Launcher:
         self.handles.append(handle)
         try:
             handle.info = ray.get(actor.node_info.remote(), timeout=timeout_s)
+            # What a server there will import (fusedq's path and fingerprint, vLLM's plugins):
+            # the same for every actor of this job on one node (same runtime env, same
+            # py_modules), so it is probed once per node (~0.8 s a placement saved).
+            node = handle.info["node_id"]
+            if node not in self._probed:
+                self._probed[node] = ray.get(actor.probe.remote(), timeout=timeout_s)
+            handle.info.update(self._probed[node])
         except Exception as exc:
             self.release(handle)
             raise LaunchError(f"{case.case_id}: server actor did not start: {exc}") from None
