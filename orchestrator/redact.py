@@ -6,7 +6,7 @@ import contextlib
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,23 +41,31 @@ def redact_text(text: str, secrets: tuple[str, ...] = ()) -> str:
     return text
 
 
+def _secret_options(argv: Iterable[str]) -> Iterator[tuple[str, str | None]]:
+    """Each argument with the secret it carries: the value of a secret-named option, whether
+    given as the next argument (`--api-key X`: X carries X) or inline (`--hf-token=X`)."""
+    take_next = False
+    for arg in argv:
+        if take_next:
+            take_next = False
+            yield arg, arg
+        elif arg.startswith("-") and is_secret_name(arg.split("=", 1)[0]):
+            take_next = "=" not in arg
+            yield arg, (arg.split("=", 1)[1] if "=" in arg else None)
+        else:
+            yield arg, None
+
+
 def redact_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
     """Redact the value following a secret-named option (`--api-key X`) and `--x-token=X`."""
     out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
+    for arg, secret in _secret_options(argv):
+        if secret is None:
+            out.append(redact_text(arg))
+        elif secret == arg:
             out.append(REDACTED)
-            hide_next = False
-            continue
-        if arg.startswith("-") and is_secret_name(arg.split("=", 1)[0]):
-            if "=" in arg:
-                out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(redact_text(arg))
+        else:
+            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
     return out
 
 
@@ -89,18 +97,7 @@ def secret_values(env: Mapping[str, str]) -> tuple[str, ...]:
 
 def secret_args(argv: Iterable[str]) -> tuple[str, ...]:
     """Values given to secret-named options (`--api-key X`, `--hf-token=X`)."""
-    values: list[str] = []
-    take_next = False
-    for arg in argv:
-        if take_next:
-            values.append(arg)
-            take_next = False
-        elif arg.startswith("-") and is_secret_name(arg.split("=", 1)[0]):
-            if "=" in arg:
-                values.append(arg.split("=", 1)[1])
-            else:
-                take_next = True
-    return tuple(v for v in values if v)
+    return tuple(secret for _, secret in _secret_options(argv) if secret)
 
 
 def redact_file(path: Path, secrets: tuple[str, ...] = ()) -> bool:
