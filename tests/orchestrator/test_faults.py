@@ -27,11 +27,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from orch_cli import REPO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
 MARK = uuid.uuid4().hex
 # Secrets that match no built-in pattern (no sk-/hf_ prefix): only the run's knowledge of its
 # secret values can redact them.
@@ -136,14 +135,7 @@ def _env() -> dict[str, str]:
 
 
 def _orchestrator(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(VENV_BIN / "orchestrator"), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-        env=_env(),
-    )
+    return run_cli(*args, timeout=timeout, env={"FAULTS_TEST_MARK": MARK})
 
 
 def _marked() -> dict[int, dict[str, str]]:

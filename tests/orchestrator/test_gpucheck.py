@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from orch_cli import run_cli
 
 from orchestrator.gpucheck import (
     GpuCheckError,
@@ -24,9 +23,6 @@ from orchestrator.gpucheck import (
     render_markdown,
 )
 from orchestrator.gpucheck_worker import MARKER
-
-REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
 
 
 def _bundle(name, visible, ids, node="10.0.0.1", count=None, gpu_ids=None):
@@ -117,13 +113,7 @@ def test_markdown_says_failed_and_why():
 
 
 def _gpu_check(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(VENV_BIN / "orchestrator"), "gpu-check", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-    )
+    return run_cli("gpu-check", *args, timeout=timeout)
 
 
 def test_bad_input_exits_2_and_launches_nothing(tmp_path):

@@ -7,18 +7,15 @@ The workloads are shrunk with --set (CI time); the topology axes are the smoke m
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from orch_cli import VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
 SMALL = [
     "workloads[0].output_tokens=16",
     "workloads[1].prompt_tokens=256",
@@ -27,15 +24,7 @@ SMALL = [
 
 
 def _orchestrator(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [str(VENV_BIN / "orchestrator"), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-        env=env,
-    )
+    return run_cli(*args, timeout=timeout)
 
 
 def _server_processes() -> set[int]:
