@@ -360,7 +360,9 @@ def run_case(
                 ),
                 vocab_size=vocab,
                 seed=matrix.seed,
-                request_timeout_s=matrix.timeouts.request_s,
+                # The one-time costs it absorbs belong to start-up, so it gets start-up's
+                # patience: a first request on a fresh CI machine outlasted a 15 s request_s.
+                request_timeout_s=max(matrix.timeouts.request_s, matrix.timeouts.ready_s),
                 alive=lambda: launcher.alive(handle),
                 deadline=t_case + matrix.timeouts.case_s,
                 api_key=key,
