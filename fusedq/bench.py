@@ -202,38 +202,39 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
     )  # fmt: skip
 
 
-def _fused_fn(lay: Layers, config=None) -> Callable[[], None]:
+def _fused_step(lay: Layers, config=None) -> Callable[[int], None]:
+    """Layer i's fused call: the public op, or the kernel launched with ``config``."""
     import fusedq
     from fusedq.kernels import triton_mla_query as kernel
 
+    def step(i: int) -> None:
+        w = lay.fused_w[i]
+        if config is None:
+            fusedq.mla_query_projection(
+                lay.q_nope, w, lay.q_pe, out=lay.out, out_dtype=lay.out_dtype,
+                q_scale=lay.q_scale, backend="triton",
+            )  # fmt: skip
+        else:
+            values, scales = (w.values, w.scales) if hasattr(w, "scales") else (w, None)
+            kernel.launch(lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config)
+
+    return step
+
+
+def _staged_step(lay: Layers) -> Callable[[int], None]:
+    return lambda i: staged_vllm(lay.q_nope, lay.staged_w[i], lay.q_pe, lay.q_scale)
+
+
+def _copy_step(lay: Layers) -> Callable[[int], None]:
+    return lambda i: lay.copy_dst[i].copy_(lay.copy_src[i])
+
+
+def _every_layer(lay: Layers, step: Callable[[int], None]) -> Callable[[], None]:
+    """What one graph holds: `step` for every layer, in order."""
+
     def fn() -> None:
-        for w in lay.fused_w:
-            if config is None:
-                fusedq.mla_query_projection(
-                    lay.q_nope, w, lay.q_pe, out=lay.out, out_dtype=lay.out_dtype,
-                    q_scale=lay.q_scale, backend="triton",
-                )  # fmt: skip
-            else:
-                values, scales = (w.values, w.scales) if hasattr(w, "scales") else (w, None)
-                kernel.launch(
-                    lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config
-                )
-
-    return fn
-
-
-def _staged_fn(lay: Layers) -> Callable[[], None]:
-    def fn() -> None:
-        for w in lay.staged_w:
-            staged_vllm(lay.q_nope, w, lay.q_pe, lay.q_scale)
-
-    return fn
-
-
-def _copy_fn(lay: Layers) -> Callable[[], None]:
-    def fn() -> None:
-        for src, dst in zip(lay.copy_src, lay.copy_dst, strict=True):
-            dst.copy_(src)
+        for i in range(len(lay.fused_w)):
+            step(i)
 
     return fn
 
@@ -292,50 +293,28 @@ def _chained(
     """Per layer: the q_b_proj GEMM writing q, a KV-cache row write, then `step(layer)`."""
     import torch
 
-    def fn() -> None:
-        for i in range(len(lay.fused_w)):
-            torch.mm(prod.q_c, prod.w_qb, out=prod.q2d)
-            prod.kv_row.copy_(prod.kv_new)
-            if step is not None:
-                step(i)
+    def chained(i: int) -> None:
+        torch.mm(prod.q_c, prod.w_qb, out=prod.q2d)
+        prod.kv_row.copy_(prod.kv_new)
+        if step is not None:
+            step(i)
 
-    return fn
+    return _every_layer(lay, chained)
 
 
-def _steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
-    """One layer's call of each timed path (fused, staged, copy, and fused with PDL)."""
+def _steps(lay: Layers, fmt: str, *, pdl: bool) -> dict[str, Callable[[int], None]]:
+    """One layer's call of each timed path: fused, staged, copy (and fused with PDL)."""
     import torch
 
-    import fusedq
     from fusedq.kernels import triton_mla_query as kernel
 
-    m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
-    cfg = kernel.LaunchConfig.for_problem(
-        h, m, "mxfp8" if fmt == "mxfp8" else "bf16", lay.out_dtype == torch.float8_e4m3fn
-    )
-    pdl = dataclasses.replace(cfg, pdl=True) if kernel.HAS_PDL else None
-
-    def fused(i: int) -> None:
-        fusedq.mla_query_projection(
-            lay.q_nope, lay.fused_w[i], lay.q_pe, out=lay.out, out_dtype=lay.out_dtype,
-            q_scale=lay.q_scale, backend="triton",
-        )  # fmt: skip
-
-    def launch_with(config: object) -> Callable[[int], None]:
-        def step(i: int) -> None:
-            w = lay.fused_w[i]
-            values, scales = (w.values, w.scales) if hasattr(w, "scales") else (w, None)
-            kernel.launch(lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config)
-
-        return step
-
-    steps = {
-        "fused": fused,
-        "staged": lambda i: staged_vllm(lay.q_nope, lay.staged_w[i], lay.q_pe, lay.q_scale),
-        "copy": lambda i: lay.copy_dst[i].copy_(lay.copy_src[i]),
-    }
-    if pdl is not None:
-        steps["fused_pdl"] = launch_with(pdl)
+    steps = {"fused": _fused_step(lay), "staged": _staged_step(lay), "copy": _copy_step(lay)}
+    if pdl and kernel.HAS_PDL:
+        m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
+        cfg = kernel.LaunchConfig.for_problem(
+            h, m, "mxfp8" if fmt == "mxfp8" else "bf16", lay.out_dtype == torch.float8_e4m3fn
+        )
+        steps["fused_pdl"] = _fused_step(lay, dataclasses.replace(cfg, pdl=True))
     return steps
 
 
@@ -347,13 +326,12 @@ def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
     prod = _producers(lay) if opts.chain else None
     if prod is not None:
         graphs = {"chain": _capture(_chained(lay, prod, None))}
-        for name, step in _steps(lay, fmt).items():
+        for name, step in _steps(lay, fmt, pdl=True).items():
             graphs[name] = _capture(_chained(lay, prod, step))
     else:
         graphs = {
-            "fused": _capture(_fused_fn(lay)),
-            "staged": _capture(_staged_fn(lay)),
-            "copy": _capture(_copy_fn(lay)),
+            name: _capture(_every_layer(lay, step))
+            for name, step in _steps(lay, fmt, pdl=False).items()
         }
     times = time_graphs(graphs, opts.samples, opts.warmup)
     row = {"format": fmt, "H": h, "M": m, "layers": n, "weight_bytes": lay.weight_bytes}
@@ -414,8 +392,10 @@ def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
     lay = build_layers(fmt, h, m, opts)
     n = len(lay.fused_w)
     configs = sweep_configs(fmt, h, m, opts)
-    graphs = {name: _capture(_fused_fn(lay, cfg)) for name, cfg in configs.items()}
-    graphs["staged"] = _capture(_staged_fn(lay))
+    graphs = {
+        name: _capture(_every_layer(lay, _fused_step(lay, cfg))) for name, cfg in configs.items()
+    }
+    graphs["staged"] = _capture(_every_layer(lay, _staged_step(lay)))
     times = time_graphs(graphs, opts.samples, opts.warmup)
     errors = {}
     for name in configs:  # every variant's output, checked against the staged path
