@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -96,20 +95,6 @@ def _round_matrix(tp: int, bundles: int, heads: int, host: str) -> Any:
     return parse_matrix(yaml.safe_dump(doc), f"gpu-check tp{tp}")
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def parse_worker_log(text: str) -> dict[str, Any] | None:
     """The worker's result: the last ``GPUCHECK-RESULT {json}`` line of its log."""
     for line in reversed(text.splitlines()):
@@ -169,6 +154,7 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
     from orchestrator.audit import audit_logs
     from orchestrator.launch import Launcher, LaunchError
     from orchestrator.matrix import expand
+    from orchestrator.runner import git_commit
     from orchestrator.store import write_json_atomic, write_text_atomic
 
     tps = sorted(set(opts.tps))
@@ -181,7 +167,7 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
         raise GpuCheckError(f"--out: {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc)
-    commit = _git_commit()
+    commit = git_commit()["commit"]
     result: dict[str, Any] = {
         "started_at": started.isoformat(timespec="seconds"),
         "commit": commit,
