@@ -20,6 +20,13 @@ the increment over it: what the query step adds to a decode layer. It also times
 kernel with programmatic dependent launch (``fused_pdl``), so PDL is judged behind the
 kernels it would really follow, not behind itself. ``--sweep`` times launch-config variants of the
 fused kernel instead, to pick the heuristic.
+
+``--floors`` adds, in the same ABBA set, what no single-launch version of the operation can
+beat in this harness: ``empty`` (a kernel node that stores one word per CTA and loads nothing:
+the graph's per-launch cost) and ``read`` (one launch that only reads the layer's weight bytes,
+contiguous, 16-byte vectors, every load issued before any use; the fastest of three tile sizes
+``read_w{1024,2048,4096}``, each timed). ``read / staged`` is the lowest fused/staged ratio any
+one-launch kernel could show, since the fused kernel must at least read those bytes.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class Options:
     # of them to time with PDL as well.
     sweep_fma: tuple[str, ...] = ()
     sweep_fma_pdl: tuple[str, ...] = ()
+    floors: bool = False
     commit: str | None = None
 
 
@@ -158,6 +166,54 @@ def staged_vllm(q_nope, w, q_pe, q_scale=None):
     return out
 
 
+# --floors: int32 words per CTA of the read-only kernel (pow2; the grid follows from it).
+FLOOR_READ_WORDS = (1024, 2048, 4096)
+FLOOR_EMPTY_CTAS = 128
+_FLOOR_KERNELS = None
+
+
+def _floor_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(src_ptr, sink_ptr, n_words, WORDS: tl.constexpr):
+        # Every load of the CTA issued at once (one DRAM round trip), then folded into one
+        # word so the loads cannot be dropped; n_words is specialised as a multiple of 16,
+        # so the masked loads stay 16 bytes wide.
+        pid = tl.program_id(0)
+        offs = pid * WORDS + tl.arange(0, WORDS)
+        x = tl.load(src_ptr + offs, mask=offs < n_words, other=0)
+        tl.store(sink_ptr + pid, tl.sum(x, axis=0))
+
+    @triton.jit
+    def empty_kernel(sink_ptr):
+        tl.store(sink_ptr + tl.program_id(0), tl.program_id(0))
+
+    return read_kernel, empty_kernel
+
+
+def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
+    """The floor kernels for each layer: the empty node, and the read-only kernel per tile."""
+    import torch
+
+    global _FLOOR_KERNELS
+    if _FLOOR_KERNELS is None:
+        _FLOOR_KERNELS = _floor_kernels()
+    read_kernel, empty_kernel = _FLOOR_KERNELS
+    words = [src.view(torch.int32) for src in lay.copy_src]
+    n_words = words[0].numel()
+    sink = lay.floor_sink
+
+    def read(block: int) -> Callable[[int], None]:
+        grid = (-(-n_words // block),)
+        return lambda i: read_kernel[grid](words[i], sink, n_words, WORDS=block, num_warps=4)
+
+    steps = {f"read_w{w}": read(w) for w in FLOOR_READ_WORDS}
+    steps["empty"] = lambda i: empty_kernel[(FLOOR_EMPTY_CTAS,)](sink, num_warps=4)
+    return steps
+
+
 @dataclasses.dataclass
 class Layers:
     """Per-layer weights (rotated) and the shared activations of one (format, H, M)."""
@@ -172,6 +228,7 @@ class Layers:
     q_scale: object
     out_dtype: object
     weight_bytes: int
+    floor_sink: object = None
 
 
 def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
@@ -196,9 +253,14 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
     out_dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
     q_scale = torch.tensor([opts.q_scale], device=dev) if fmt == "e4m3" else None
     out = torch.empty(m, h, 576, device=dev, dtype=out_dtype)
+    # Random bytes for the floor kernels too: never time on zeros.
+    for src in copy_src:
+        src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, device=dev))
+    ctas = -(-fused_bytes // (4 * min(FLOOR_READ_WORDS)))
+    sink = torch.empty(max(FLOOR_EMPTY_CTAS, ctas), dtype=torch.int32, device=dev)
     return Layers(
         staged_w, fused_w, copy_src, copy_dst, q[..., :192], q[..., 192:], out, q_scale,
-        out_dtype, fused_bytes,
+        out_dtype, fused_bytes, sink,
     )  # fmt: skip
 
 
@@ -302,8 +364,11 @@ def _chained(
     return _every_layer(lay, chained)
 
 
-def _steps(lay: Layers, fmt: str, *, pdl: bool) -> dict[str, Callable[[int], None]]:
-    """One layer's call of each timed path: fused, staged, copy (and fused with PDL)."""
+def _steps(
+    lay: Layers, fmt: str, *, pdl: bool, floors: bool = False
+) -> dict[str, Callable[[int], None]]:
+    """One layer's call of each timed path: fused, staged, copy (and fused with PDL, and
+    the floor kernels)."""
     import torch
 
     from fusedq.kernels import triton_mla_query as kernel
@@ -315,6 +380,8 @@ def _steps(lay: Layers, fmt: str, *, pdl: bool) -> dict[str, Callable[[int], Non
             h, m, "mxfp8" if fmt == "mxfp8" else "bf16", lay.out_dtype == torch.float8_e4m3fn
         )
         steps["fused_pdl"] = _fused_step(lay, dataclasses.replace(cfg, pdl=True))
+    if floors:
+        steps.update(_floor_steps(lay))
     return steps
 
 
@@ -326,12 +393,12 @@ def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
     prod = _producers(lay) if opts.chain else None
     if prod is not None:
         graphs = {"chain": _capture(_chained(lay, prod, None))}
-        for name, step in _steps(lay, fmt, pdl=True).items():
+        for name, step in _steps(lay, fmt, pdl=True, floors=opts.floors).items():
             graphs[name] = _capture(_chained(lay, prod, step))
     else:
         graphs = {
             name: _capture(_every_layer(lay, step))
-            for name, step in _steps(lay, fmt, pdl=False).items()
+            for name, step in _steps(lay, fmt, pdl=False, floors=opts.floors).items()
         }
     times = time_graphs(graphs, opts.samples, opts.warmup)
     row = {"format": fmt, "H": h, "M": m, "layers": n, "weight_bytes": lay.weight_bytes}
@@ -342,17 +409,30 @@ def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
     if opts.chain:
         # Increments over the predecessors alone: what the query step adds to the layer.
         row["chained"] = True
-        for name in ("fused", "staged", "copy", "fused_pdl"):
-            if f"{name}_us" in row:
+        for name in times:
+            if name != "chain":
                 row[f"{name}_us"] -= row["chain_us"]
         if "fused_pdl_us" in row:
             row["fused_pdl_over_staged"] = row["fused_pdl_us"] / row["staged_us"]
     row["fused_over_staged"] = row["fused_us"] / row["staged_us"]
     row["fused_over_copy"] = row["fused_us"] / row["copy_us"]
+    if opts.floors:
+        add_floor_ratios(row)
     row["max_abs_err_vs_staged"] = _max_error(lay)
     del graphs, lay, prod
     torch.cuda.empty_cache()
     return row
+
+
+def add_floor_ratios(row: dict) -> None:
+    """``read_us``: the fastest read-only variant; and the floors as fractions of staged."""
+    reads = {f"read_w{w}": row[f"read_w{w}_us"] for w in FLOOR_READ_WORDS}
+    best = min(reads, key=reads.get)
+    row["read_us"] = reads[best]
+    row["read_variant"] = best
+    row["read_over_staged"] = row["read_us"] / row["staged_us"]
+    row["empty_over_staged"] = row["empty_us"] / row["staged_us"]
+    row["fused_over_read"] = row["fused_us"] / row["read_us"]
 
 
 def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
@@ -466,19 +546,29 @@ def _git_commit() -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of benchmark rows, with the targets each row meets."""
+    floors = any("read_us" in r for r in rows)
+    extra = " empty µs | read µs | read/staged |" if floors else ""
     head = (
-        "| format | H | M | fused µs | staged µs | copy µs | fused/staged | fused/copy | target |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        "| format | H | M | fused µs | staged µs | copy µs | fused/staged | fused/copy |"
+        + extra
+        + " target |\n|"
+        + "---|" * (9 + 3 * floors)
     )
     lines = [head]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['format']} | {r['H']} | {r['M']} | error: {r['error']} |")
             continue
+        cells = (
+            f" {r['empty_us']:.2f} | {r['read_us']:.2f} | {r['read_over_staged']:.2f} |"
+            if "read_us" in r
+            else " - | - | - |" * floors
+        )
         lines.append(
             f"| {r['format']} | {r['H']} | {r['M']} | {r['fused_us']:.2f} | {r['staged_us']:.2f} "
-            f"| {r['copy_us']:.2f} | {r['fused_over_staged']:.2f} | {r['fused_over_copy']:.2f} "
-            f"| {verdict(r)} |"
+            f"| {r['copy_us']:.2f} | {r['fused_over_staged']:.2f} | {r['fused_over_copy']:.2f} |"
+            + cells
+            + f" {verdict(r)} |"
         )
     return "\n".join(lines)
 
@@ -544,6 +634,12 @@ def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
                 if "fused_pdl_us" in r
                 else ""
             )
+            + (
+                f"floors: read {r['read_us']:.2f} µs ({r['read_over_staged']:.3f}), "
+                f"empty {r['empty_us']:.2f} µs, "
+                if "read_us" in r
+                else ""
+            )
             + f"err {r['max_abs_err_vs_staged']:.3g} ({time.time() - t0:.1f} s)",
             flush=True,
         )
@@ -561,6 +657,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--l2-factor", type=float, default=2.0)
     p.add_argument("--chain", action="store_true", help="time each call behind vLLM's predecessors")
     p.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
+    p.add_argument(
+        "--floors", action="store_true", help="also time an empty and a read-only kernel per layer"
+    )
     p.add_argument("--sweep-block-n", type=int, nargs="*", default=list(Options.sweep_block_n))
     p.add_argument("--sweep-warps", type=int, nargs="+", default=list(Options.sweep_warps))
     p.add_argument("--sweep-block-k", type=int, nargs="+", default=list(Options.sweep_block_k))
@@ -573,6 +672,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     opts = Options(
         heads=tuple(a.heads), ms=tuple(a.ms), formats=tuple(a.formats), samples=a.samples,
         warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, chain=a.chain, sweep=a.sweep,
+        floors=a.floors,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl), commit=a.commit,

@@ -33,11 +33,66 @@ def test_verdict_and_table_state_the_targets():
     assert "error: boom" in table
 
 
+def _floor_layers(device, n_bytes: int, layers: int = 2) -> bench.Layers:
+    import torch
+
+    srcs = [
+        torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, device=device) for _ in range(layers)
+    ]
+    sink = torch.full(
+        (n_bytes // 4096 + bench.FLOOR_EMPTY_CTAS,), -1, dtype=torch.int32, device=device
+    )
+    return bench.Layers([], [None] * layers, srcs, [], None, None, None, None, None, n_bytes, sink)
+
+
+def test_floor_kernels_read_every_byte_and_store_per_cta(device):
+    # The read-only floor must really read all the bytes (its CTA sums cover the buffer),
+    # and the empty node must store one word per CTA; run here through the interpreter.
+    import torch
+
+    n_bytes = 8 * 192 * 528  # the MXFP8 layer size at H=8: not a multiple of any tile
+    lay = _floor_layers(device, n_bytes)
+    steps = bench._floor_steps(lay)
+    assert set(steps) == {f"read_w{w}" for w in bench.FLOOR_READ_WORDS} | {"empty"}
+    words = lay.copy_src[1].view(torch.int32).to(torch.int64)
+    for w in bench.FLOOR_READ_WORDS:
+        lay.floor_sink.fill_(-1)
+        steps[f"read_w{w}"](1)
+        ctas = -(-words.numel() // w)
+        padded = torch.nn.functional.pad(words, (0, ctas * w - words.numel()))
+        want = padded.view(ctas, w).sum(1)
+        want = ((want + 2**31) % 2**32 - 2**31).to(torch.int32)  # int32 wrap-around, as the kernel
+        assert torch.equal(lay.floor_sink[:ctas].cpu(), want.cpu()), w
+    lay.floor_sink.fill_(-1)
+    steps["empty"](0)
+    got = lay.floor_sink[: bench.FLOOR_EMPTY_CTAS].cpu()
+    assert torch.equal(got, torch.arange(bench.FLOOR_EMPTY_CTAS, dtype=torch.int32))
+
+
+def test_floor_ratios_take_the_fastest_read():
+    row = {"staged_us": 5.0, "fused_us": 2.5, "empty_us": 1.0}
+    row.update({"read_w1024_us": 2.2, "read_w2048_us": 2.0, "read_w4096_us": 2.1})
+    row["read_w2048_p10_us"] = 0.1  # quantiles are not candidates
+    bench.add_floor_ratios(row)
+    assert row["read_us"] == 2.0 and row["read_variant"] == "read_w2048"
+    assert row["read_over_staged"] == 0.4 and row["empty_over_staged"] == 0.2
+    assert row["fused_over_read"] == 1.25
+    base = {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.5, "staged_us": 5.0, "copy_us": 2.0,
+            "fused_over_staged": 0.5, "fused_over_copy": 1.25}  # fmt: skip
+    table = bench.format_table([{**base, **row}, base]).splitlines()
+    assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 13
+    assert "| 1.00 | 2.00 | 0.40 |" in table[2] and "| - | - | - |" in table[3]
+    assert bench.parse_args(["--floors"])[0].floors
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("chain", [False, True])
 def test_one_shape_is_measured_and_correct(chain):
-    opts = bench.Options(samples=20, warmup=2, chain=chain, l2_factor=0.1)
+    opts = bench.Options(samples=20, warmup=2, chain=chain, l2_factor=0.1, floors=True)
     row = bench.bench_shape("bf16", 8, 4, opts)
     assert row["fused_us"] > 0 and row["staged_us"] > 0
+    assert row["read_us"] == min(row[f"read_w{w}_us"] for w in bench.FLOOR_READ_WORDS)
+    if not chain:  # (chained figures are increments over the predecessors: no sign promised)
+        assert row["empty_us"] > 0 and row["read_us"] > 0
     assert row["max_abs_err_vs_staged"] < 0.05
     assert ("fused_pdl_us" in row) == chain
