@@ -24,8 +24,8 @@ fused kernel instead, to pick the heuristic.
 ``--floors`` adds, in the same ABBA set, what no single-launch version of the operation can
 beat in this harness: ``empty`` (a kernel node that stores one word per CTA and loads nothing:
 the graph's per-launch cost) and ``read`` (one launch that only reads the layer's weight bytes,
-contiguous, 16-byte vectors, every load issued before any use; the fastest of three tile sizes
-``read_w{1024,2048,4096}``, each timed). ``read / staged`` is the lowest fused/staged ratio any
+contiguous, 16-byte vectors, every load issued before any use; the fastest of five tile sizes
+``read_w{256,...,4096}``, each timed). ``read / staged`` is the lowest fused/staged ratio any
 one-launch kernel could show, since the fused kernel must at least read those bytes.
 """
 
@@ -167,7 +167,7 @@ def staged_vllm(q_nope, w, q_pe, q_scale=None):
 
 
 # --floors: int32 words per CTA of the read-only kernel (pow2; the grid follows from it).
-FLOOR_READ_WORDS = (1024, 2048, 4096)
+FLOOR_READ_WORDS = (256, 512, 1024, 2048, 4096)
 FLOOR_EMPTY_CTAS = 128
 _FLOOR_KERNELS = None
 

@@ -40,7 +40,10 @@ def _floor_layers(device, n_bytes: int, layers: int = 2) -> bench.Layers:
         torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, device=device) for _ in range(layers)
     ]
     sink = torch.full(
-        (n_bytes // 4096 + bench.FLOOR_EMPTY_CTAS,), -1, dtype=torch.int32, device=device
+        (n_bytes // 4 // min(bench.FLOOR_READ_WORDS) + bench.FLOOR_EMPTY_CTAS,),
+        -1,
+        dtype=torch.int32,
+        device=device,
     )
     return bench.Layers([], [None] * layers, srcs, [], None, None, None, None, None, n_bytes, sink)
 
@@ -71,7 +74,8 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
 
 def test_floor_ratios_take_the_fastest_read():
     row = {"staged_us": 5.0, "fused_us": 2.5, "empty_us": 1.0}
-    row.update({"read_w1024_us": 2.2, "read_w2048_us": 2.0, "read_w4096_us": 2.1})
+    row.update({f"read_w{w}_us": 2.2 + w / 1e4 for w in bench.FLOOR_READ_WORDS})
+    row["read_w2048_us"] = 2.0
     row["read_w2048_p10_us"] = 0.1  # quantiles are not candidates
     bench.add_floor_ratios(row)
     assert row["read_us"] == 2.0 and row["read_variant"] == "read_w2048"
