@@ -535,13 +535,19 @@ def environment(commit: str | None) -> dict:
 
 
 def _git_commit() -> str:
+    """HEAD, with "+dirty" when tracked files differ from it: a copied tree (the device
+    machine's, for one) can carry a stale .git, and the figures must not claim its HEAD."""
     try:
-        res = subprocess.run(
+        head = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        )
-        return res.stdout.strip()
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def format_table(rows: list[dict]) -> str:
