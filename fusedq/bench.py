@@ -65,7 +65,7 @@ class Options:
     sweep_warps: tuple[int, ...] = (4, 8)
     sweep_block_k: tuple[int, ...] = (64, 256)
     sweep_pdl: tuple[int, ...] = (0,)
-    # Register-path (no tl.dot) variants "BLOCK_N:WARPS", for M <= 8, BF16 out; and those
+    # Register-path (no tl.dot) variants "BLOCK_N:WARPS", for M <= 8, any output; and those
     # of them to time with PDL as well.
     sweep_fma: tuple[str, ...] = ()
     sweep_fma_pdl: tuple[str, ...] = ()
@@ -455,7 +455,7 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
     configs["dot"] = LaunchConfig.for_problem(h, m, weight_format, out_fp8, allow_fma=False)
     configs["auto"] = LaunchConfig.for_problem(h, m, weight_format, out_fp8)
     fma_m = 1 << (m - 1).bit_length()
-    if fma_m in FMA_BLOCK_MS and not out_fp8:
+    if fma_m in FMA_BLOCK_MS:
         for spec, pdl in [(v, False) for v in opts.sweep_fma] + [
             (v, True) for v in opts.sweep_fma_pdl
         ]:

@@ -98,13 +98,13 @@ TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
 
 
 # Register (FMA) path, where it measured faster than tl.dot (fusedq-bench --sweep --sweep-fma):
-# (weight format, block_m) -> {heads: (block_n, num_warps)}. BF16 output only (E4M3 output
-# was not measured with it). Shapes without an entry use the tl.dot path above.
-FMA_TUNED: dict[tuple[str, int], dict[int, tuple[int, int]]] = {
-    ("bf16", 1): {8: (32, 4), 11: (64, 4), 16: (32, 4)},
-    ("bf16", 2): {11: (16, 1)},
-    ("mxfp8", 1): {8: (32, 4), 11: (32, 4), 16: (32, 4)},
-    ("mxfp8", 2): {8: (16, 1), 11: (16, 1), 16: (16, 1)},
+# (weight format, E4M3 out, block_m) -> {heads: (block_n, num_warps)}. Shapes without an
+# entry use the tl.dot path above.
+FMA_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int]]] = {
+    ("bf16", False, 1): {8: (32, 4), 11: (64, 4), 16: (32, 4)},
+    ("bf16", False, 2): {11: (16, 1)},
+    ("mxfp8", False, 1): {8: (32, 4), 11: (32, 4), 16: (32, 4)},
+    ("mxfp8", False, 2): {8: (16, 1), 11: (16, 1), 16: (16, 1)},
 }
 
 
@@ -137,7 +137,7 @@ class LaunchConfig:
         ``FMA_TUNED``); ``allow_fma=False`` gives the tl.dot path's choice."""
         pdl = HAS_PDL and os.environ.get(PDL_ENV, "0") == "1"
         fma_m = triton.next_power_of_2(max(m, 1))
-        fma = FMA_TUNED.get((weight_format, fma_m), {}) if allow_fma and not out_fp8 else {}
+        fma = FMA_TUNED.get((weight_format, out_fp8, fma_m), {}) if allow_fma else {}
         if interpreting():
             if fma:  # the GPU takes the register path here: so does the interpreter
                 return cls(block_m=fma_m, block_n=INTERPRET_BLOCK_N, num_warps=1, fma=True)
@@ -315,6 +315,58 @@ def _load_q(q_rows, m_mask, k_mask, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr)
 
 
 @triton.jit
+def _load_q_scale(qs_ptr, OUT_FP8: tl.constexpr):
+    if OUT_FP8:  # noqa: SIM108 (constexpr branches read clearer than IfExp in Triton)
+        q_scale = tl.load(qs_ptr)
+    else:
+        q_scale = 1.0  # unused: BF16 output is not scaled
+    return q_scale
+
+
+@triton.jit
+def _copy_rope(
+    qpe_ptr, out_head, h, offs_m, m_mask, stride_pm, stride_ph, stride_om, q_scale,
+    N: tl.constexpr, R: tl.constexpr, IO_ALIGNED: tl.constexpr, OUT_FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # The RoPE part is a plain copy (quantised for E4M3) into out[:, h, N:N+R].
+    offs_r = tl.arange(0, R)
+    pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
+    pe_ptrs = pe_ptrs + offs_r[None, :]
+    pe_out = out_head + offs_m[:, None].to(tl.int64) * stride_om + N + offs_r[None, :]
+    if IO_ALIGNED:
+        pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
+        pe_out = tl.multiple_of(pe_out, [16, 16])
+    if OUT_FP8:
+        # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
+        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
+        pe = _to_e4m3(pe.to(tl.float32), q_scale, out_head.dtype.element_ty, INTERPRET)
+    else:
+        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
+    tl.store(pe_out, pe, mask=m_mask[:, None])
+
+
+@triton.jit
+def _store_out(
+    out_head, acc, offs_m, offs_n, m_mask, stride_om, q_scale,
+    IO_ALIGNED: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # out[:, h, offs_n] from the fp32 accumulator: bf16, or E4M3 of the bf16-rounded value.
+    o_ptrs = out_head + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if IO_ALIGNED:
+        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+    if OUT_FP8:
+        # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
+        y = _to_bf16(acc, INTERPRET).to(tl.float32)
+        # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
+        y = tl.where(m_mask[:, None], y, 1.0)
+        y = _to_e4m3(y, q_scale, out_head.dtype.element_ty, INTERPRET)
+    else:
+        y = _to_bf16(acc, INTERPRET)
+    tl.store(o_ptrs, y, mask=m_mask[:, None])
+
+
+@triton.jit
 def _dot(q, w, acc, INTERPRET: tl.constexpr):
     if INTERPRET:
         # The interpreter multiplies raw bf16 bit patterns in some versions: go through fp32.
@@ -435,26 +487,14 @@ def _mla_query_kernel(
         gdc_wait()
         gdc_launch_dependents()
         q0, q1, q2 = _load_q(q_rows, m_mask, k_mask, BLOCK_K, SINGLE)
-    if OUT_FP8:
-        q_scale = tl.load(qs_ptr)
+    q_scale = _load_q_scale(qs_ptr, OUT_FP8)
+    out_head = out_ptr + h.to(tl.int64) * stride_oh
 
-    if pid_n == 0:
-        # The RoPE half is a plain copy (quantised for E4M3); one CTA per head does it.
-        offs_r = tl.arange(0, R)
-        pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
-        pe_ptrs = pe_ptrs + offs_r[None, :]
-        pe_out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
-        pe_out = pe_out + N + offs_r[None, :]
-        if IO_ALIGNED:
-            pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
-            pe_out = tl.multiple_of(pe_out, [16, 16])
-        if OUT_FP8:
-            # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
-            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
-            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET)
-        else:
-            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
-        tl.store(pe_out, pe, mask=m_mask[:, None])
+    if pid_n == 0:  # one CTA per head copies the RoPE part
+        _copy_rope(
+            qpe_ptr, out_head, h, offs_m, m_mask, stride_pm, stride_ph, stride_om, q_scale,
+            N, R, IO_ALIGNED, OUT_FP8, INTERPRET,
+        )  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SINGLE:
@@ -470,20 +510,9 @@ def _mla_query_kernel(
         acc = _dot(q1, w1, acc, INTERPRET)
         acc = _dot(q2, w2, acc, INTERPRET)
 
-    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
-    o_ptrs = o_ptrs + offs_n[None, :]
-    if IO_ALIGNED:
-        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-    if OUT_FP8:
-        # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
-        y = _to_bf16(acc, INTERPRET).to(tl.float32)
-        # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
-        y = tl.where(m_mask[:, None], y, 1.0)
-        tl.store(
-            o_ptrs, _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None]
-        )
-    else:
-        tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
+    _store_out(
+        out_head, acc, offs_m, offs_n, m_mask, stride_om, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET
+    )
 
 
 @triton.jit
@@ -584,7 +613,6 @@ def _mla_query_fma_kernel(
     # The register path: the weight tile stays in the registers it is loaded into (threads
     # along its unit-stride axis), each of the BLOCK_M (<= 8) rows is a broadcast multiply and
     # a reduction over K. No tl.dot, so no shared-memory staging and no padding of M to 16.
-    # BF16 output only (the launcher refuses E4M3 out on this path).
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
@@ -651,18 +679,13 @@ def _mla_query_fma_kernel(
             qf0, qf1, qf2 = _fma_load_q(q_head, 5, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
             qg0, qg1, qg2 = _fma_load_q(q_head, 6, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
             qh0, qh1, qh2 = _fma_load_q(q_head, 7, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+    q_scale = _load_q_scale(qs_ptr, OUT_FP8)
 
-    if pid_n == 0:
-        # The RoPE half is a plain copy; one CTA per head does it.
-        offs_r = tl.arange(0, R)
-        pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
-        pe_ptrs = pe_ptrs + offs_r[None, :]
-        pe_out = out_head + offs_m[:, None].to(tl.int64) * stride_om + N + offs_r[None, :]
-        if IO_ALIGNED:
-            pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
-            pe_out = tl.multiple_of(pe_out, [16, 16])
-        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
-        tl.store(pe_out, pe, mask=m_mask[:, None])
+    if pid_n == 0:  # one CTA per head copies the RoPE part
+        _copy_rope(
+            qpe_ptr, out_head, h, offs_m, m_mask, stride_pm, stride_ph, stride_om, q_scale,
+            N, R, IO_ALIGNED, OUT_FP8, INTERPRET,
+        )  # fmt: skip
 
     # q in fp32, all rows, before the first use of the weights.
     qa0, qa1, qa2 = _fma_f32(qa0, qa1, qa2)
@@ -692,10 +715,9 @@ def _mla_query_fma_kernel(
         acc = _fma_row(qg0, qg1, qg2, w0, w1, w2, acc, 6, offs_m)
         acc = _fma_row(qh0, qh1, qh2, w0, w1, w2, acc, 7, offs_m)
     # One store of all rows (one layout conversion of the result, not one per row).
-    o_ptrs = out_head + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    if IO_ALIGNED:
-        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-    tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
+    _store_out(
+        out_head, acc, offs_m, offs_n, m_mask, stride_om, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET
+    )
 
 
 def kernel_key(
@@ -763,8 +785,6 @@ def launch(
     ws = scales if scales is not None else values
     qs = q_scale if q_scale is not None else values
     s_sh, s_sk, s_sn = ws.stride()
-    if cfg.fma and out_fp8:
-        raise ValueError("fusedq: the register (fma) path writes BF16 output only")
     grid = (HEAD_N // cfg.block_n, num_heads)
     kernel_fn = _mla_query_fma_kernel if cfg.fma else _mla_query_kernel
     kernel_fn[grid](

@@ -287,3 +287,26 @@ def test_launch_configs(pdl, block_k, block_n, fmt, out_dtype, device):
     kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
     ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
     assert_matches(out, ref, fmt)
+
+
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("block_m,m", [(1, 1), (2, 2), (4, 3), (8, 7)])
+@pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_register_path_configs(pdl, block_m, m, fmt, out_dtype, device):
+    """The register (no tl.dot) path for every row count it unrolls and every recipe, E4M3
+    output included, on a pitched out with padding rows (m < block_m) masked."""
+    from fusedq.kernels import triton_mla_query as kernel
+
+    gen = torch.Generator().manual_seed(100 + block_m)
+    h = 2  # two heads: the per-head offsets of q, q_pe and out are exercised
+    w = make_weight(h, "vllm", device, gen)
+    weight = weight_for(fmt, w)
+    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out, _ = make_out(m, h, out_dtype, device, pitched=True)
+    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
+    # BLOCK_N 16 with one warp on the GPU (the interpreter's layouts do not depend on it).
+    config = kernel.LaunchConfig(block_m=block_m, block_n=16, num_warps=1, pdl=pdl, fma=True)
+    kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
+    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    assert_matches(out, ref, fmt)
