@@ -45,9 +45,11 @@ def vllm_w_uk_t(weight: torch.Tensor, h: int) -> torch.Tensor:
     return w_uk.permute(1, 2, 0)
 
 
-def vllm_q(m: int, h: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def vllm_q(
+    m: int, h: int, gen: torch.Generator, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mqa_q_nope in vLLM's (N, B, P) transposed layout, mqa_q_pe) sliced from one q."""
-    q = torch.randn(m, h, P + R, generator=gen).to(torch.bfloat16)
+    q = torch.randn(m, h, P + R, generator=gen).to(device, torch.bfloat16)
     q_nope, q_pe = q.split([P, R], dim=-1)
     return q_nope.transpose(0, 1), q_pe
 
@@ -69,15 +71,15 @@ def as_query(staged) -> torch.Tensor:
         (16, 2, E4M3, True),
     ],
 )
-def test_decode_query_matches_vllm_staged_path(h, m, out_dtype, pitched):
+def test_decode_query_matches_vllm_staged_path(h, m, out_dtype, pitched, device):
     gen = torch.Generator().manual_seed(h * 100 + m)
-    w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen), h)
+    w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen).to(device), h)
     assert not w_uk_t.is_contiguous()
-    q_nope, q_pe = vllm_q(m, h, gen)
-    q_scale = torch.tensor(Q_SCALE) if out_dtype == E4M3 else None
+    q_nope, q_pe = vllm_q(m, h, gen, device)
+    q_scale = torch.tensor(Q_SCALE, device=device) if out_dtype == E4M3 else None
     out = None
     if pitched:  # a workspace slice: rows and heads pitched wider than [M, H, 576]
-        out = poison(torch.empty(m, h + 1, 640, dtype=out_dtype))[:, :h, : L + R]
+        out = poison(torch.empty(m, h + 1, 640, dtype=out_dtype, device=device))[:, :h, : L + R]
     got = decode_query(q_nope, w_uk_t, q_pe, out_dtype=out_dtype, q_scale=q_scale, out=out)
     assert got is not None and got.shape == (m, h, L + R) and got.dtype == out_dtype
     if out is None:
@@ -93,11 +95,11 @@ def test_decode_query_matches_vllm_staged_path(h, m, out_dtype, pitched):
 
 
 @pytest.mark.parametrize("h,m", [(4, 1), (8, 33), (12, 2)])
-def test_decode_query_declines_what_fusedq_cannot_run(h, m):
+def test_decode_query_declines_what_fusedq_cannot_run(h, m, device):
     gen = torch.Generator().manual_seed(7)
-    w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen), h)
-    q_nope, q_pe = vllm_q(m, h, gen)
-    out = poison(torch.empty(m, h, L + R, dtype=torch.bfloat16))
+    w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen).to(device), h)
+    q_nope, q_pe = vllm_q(m, h, gen, device)
+    out = poison(torch.empty(m, h, L + R, dtype=torch.bfloat16, device=device))
     assert decode_query(q_nope, w_uk_t, q_pe, out=out) is None
     assert out.isnan().all(), "a declined call must not write"
     assert not fusedq.can_implement(h, m)
@@ -152,12 +154,12 @@ def test_mxfp8_w_uk_t_is_the_n_blocked_view_of_kv_b_proj(scale_dtype):
     assert torch.equal(fusedq.dequantize_mxfp8(wq), expected)
 
 
-def test_mxfp8_decode_query_matches_bf16_w_uk_t():
+def test_mxfp8_decode_query_matches_bf16_w_uk_t(device):
     h, m = 8, 5
     gen = torch.Generator().manual_seed(5)
-    values, scales = mxfp8_kv_b_proj(h, gen)
+    values, scales = (t.to(device) for t in mxfp8_kv_b_proj(h, gen))
     wq = mxfp8_w_uk_t(values, scales, num_heads=h, v_head_dim=V)
-    q_nope, q_pe = vllm_q(m, h, gen)
+    q_nope, q_pe = vllm_q(m, h, gen, device)
     got = decode_query(q_nope, wq, q_pe)
     bf16_w_uk_t = vllm_w_uk_t(dequant_rows(values, scales), h)
     ref = as_query(staged_decode_query(q_nope, bf16_w_uk_t, q_pe))
