@@ -330,22 +330,25 @@ def _load_q_scale(qs_ptr, OUT_FP8: tl.constexpr):
 
 @triton.jit
 def _copy_rope(
-    qpe_ptr, out_head, h, offs_m, m_mask, stride_pm, stride_ph, stride_om, q_scale,
+    qpe_ptr, out_rows, h, offs_m, m_mask, stride_pm, stride_ph, q_scale,
     N: tl.constexpr, R: tl.constexpr, IO_ALIGNED: tl.constexpr, OUT_FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    # The RoPE part is a plain copy (quantised for E4M3) into out[:, h, N:N+R].
+    # The RoPE part is a plain copy (quantised for E4M3) into out[:, h, N:N+R]; out_rows is
+    # [BLOCK_M, 1], the caller's address of out[m, h, 0]. Each kernel forms it as it did
+    # before these helpers: with one int64 head base formed early, the dot kernel's BLOCK_M=32
+    # variants ran 3.6-3.8 % slower on the H200 (Triton 3.6); as now, within +-2 %.
     offs_r = tl.arange(0, R)
     pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
     pe_ptrs = pe_ptrs + offs_r[None, :]
-    pe_out = out_head + offs_m[:, None].to(tl.int64) * stride_om + N + offs_r[None, :]
+    pe_out = out_rows + N + offs_r[None, :]
     if IO_ALIGNED:
         pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
         pe_out = tl.multiple_of(pe_out, [16, 16])
     if OUT_FP8:
         # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
         pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
-        pe = _to_e4m3(pe.to(tl.float32), q_scale, out_head.dtype.element_ty, INTERPRET)
+        pe = _to_e4m3(pe.to(tl.float32), q_scale, out_rows.dtype.element_ty, INTERPRET)
     else:
         pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
     tl.store(pe_out, pe, mask=m_mask[:, None])
@@ -353,11 +356,11 @@ def _copy_rope(
 
 @triton.jit
 def _store_out(
-    out_head, acc, offs_m, offs_n, m_mask, stride_om, q_scale,
+    out_rows, acc, offs_n, m_mask, q_scale,
     IO_ALIGNED: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # out[:, h, offs_n] from the fp32 accumulator: bf16, or E4M3 of the bf16-rounded value.
-    o_ptrs = out_head + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    o_ptrs = out_rows + offs_n[None, :]
     if IO_ALIGNED:
         o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
     if OUT_FP8:
@@ -365,7 +368,7 @@ def _store_out(
         y = _to_bf16(acc, INTERPRET).to(tl.float32)
         # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
         y = tl.where(m_mask[:, None], y, 1.0)
-        y = _to_e4m3(y, q_scale, out_head.dtype.element_ty, INTERPRET)
+        y = _to_e4m3(y, q_scale, out_rows.dtype.element_ty, INTERPRET)
     else:
         y = _to_bf16(acc, INTERPRET)
     tl.store(o_ptrs, y, mask=m_mask[:, None])
@@ -493,11 +496,11 @@ def _mla_query_kernel(
         gdc_launch_dependents()
         q0, q1, q2 = _load_q(q_rows, m_mask, k_mask, BLOCK_K, SINGLE)
     q_scale = _load_q_scale(qs_ptr, OUT_FP8)
-    out_head = out_ptr + h.to(tl.int64) * stride_oh
 
     if pid_n == 0:  # one CTA per head copies the RoPE part
+        out_rows = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
         _copy_rope(
-            qpe_ptr, out_head, h, offs_m, m_mask, stride_pm, stride_ph, stride_om, q_scale,
+            qpe_ptr, out_rows, h, offs_m, m_mask, stride_pm, stride_ph, q_scale,
             N, R, IO_ALIGNED, OUT_FP8, INTERPRET,
         )  # fmt: skip
 
@@ -515,9 +518,8 @@ def _mla_query_kernel(
         acc = _dot(q1, w1, acc, INTERPRET)
         acc = _dot(q2, w2, acc, INTERPRET)
 
-    _store_out(
-        out_head, acc, offs_m, offs_n, m_mask, stride_om, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET
-    )
+    out_rows = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
+    _store_out(out_rows, acc, offs_n, m_mask, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET)
 
 
 @triton.jit
@@ -687,8 +689,9 @@ def _mla_query_fma_kernel(
     q_scale = _load_q_scale(qs_ptr, OUT_FP8)
 
     if pid_n == 0:  # one CTA per head copies the RoPE part
+        out_rows = out_head + offs_m[:, None].to(tl.int64) * stride_om
         _copy_rope(
-            qpe_ptr, out_head, h, offs_m, m_mask, stride_pm, stride_ph, stride_om, q_scale,
+            qpe_ptr, out_rows, h, offs_m, m_mask, stride_pm, stride_ph, q_scale,
             N, R, IO_ALIGNED, OUT_FP8, INTERPRET,
         )  # fmt: skip
 
@@ -720,9 +723,8 @@ def _mla_query_fma_kernel(
         acc = _fma_row(qg0, qg1, qg2, w0, w1, w2, acc, 6, offs_m)
         acc = _fma_row(qh0, qh1, qh2, w0, w1, w2, acc, 7, offs_m)
     # One store of all rows (one layout conversion of the result, not one per row).
-    _store_out(
-        out_head, acc, offs_m, offs_n, m_mask, stride_om, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET
-    )
+    out_rows = out_head + offs_m[:, None].to(tl.int64) * stride_om
+    _store_out(out_rows, acc, offs_n, m_mask, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET)
 
 
 def kernel_key(

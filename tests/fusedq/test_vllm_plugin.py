@@ -105,12 +105,12 @@ def test_decode_query_declines_what_fusedq_cannot_run(h, m, device):
     assert not fusedq.can_implement(h, m)
 
 
-def test_prewarm_values_keep_only_fused_capture_sizes():
+def test_prewarm_values_keep_only_fused_capture_sizes(device):
     sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 512]
-    assert vllm_hook.prewarm_values(sizes, 8, "bf16", torch.bfloat16, "cpu") == [
+    assert vllm_hook.prewarm_values(sizes, 8, "bf16", torch.bfloat16, device) == [
         1, 2, 4, 8, 16, 24, 32,
     ]  # fmt: skip
-    assert vllm_hook.prewarm_values(sizes, 4, "bf16", torch.bfloat16, "cpu") == []
+    assert vllm_hook.prewarm_values(sizes, 4, "bf16", torch.bfloat16, device) == []
 
 
 def test_plugin_and_hook_import_without_vllm():
