@@ -320,61 +320,6 @@ def _load_q(q_rows, m_mask, k_mask, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr)
 
 
 @triton.jit
-def _load_q_scale(qs_ptr, OUT_FP8: tl.constexpr):
-    if OUT_FP8:  # noqa: SIM108 (constexpr branches read clearer than IfExp in Triton)
-        q_scale = tl.load(qs_ptr)
-    else:
-        q_scale = 1.0  # unused: BF16 output is not scaled
-    return q_scale
-
-
-@triton.jit
-def _copy_rope(
-    qpe_ptr, out_rows, h, offs_m, m_mask, stride_pm, stride_ph, q_scale,
-    N: tl.constexpr, R: tl.constexpr, IO_ALIGNED: tl.constexpr, OUT_FP8: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    # The RoPE part is a plain copy (quantised for E4M3) into out[:, h, N:N+R]; out_rows is
-    # [BLOCK_M, 1], the caller's address of out[m, h, 0]. Each kernel forms it as it did
-    # before these helpers: with one int64 head base formed early, the dot kernel's BLOCK_M=32
-    # variants ran 3.6-3.8 % slower on the H200 (Triton 3.6); as now, within +-2 %.
-    offs_r = tl.arange(0, R)
-    pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
-    pe_ptrs = pe_ptrs + offs_r[None, :]
-    pe_out = out_rows + N + offs_r[None, :]
-    if IO_ALIGNED:
-        pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
-        pe_out = tl.multiple_of(pe_out, [16, 16])
-    if OUT_FP8:
-        # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
-        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
-        pe = _to_e4m3(pe.to(tl.float32), q_scale, out_rows.dtype.element_ty, INTERPRET)
-    else:
-        pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
-    tl.store(pe_out, pe, mask=m_mask[:, None])
-
-
-@triton.jit
-def _store_out(
-    out_rows, acc, offs_n, m_mask, q_scale,
-    IO_ALIGNED: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    # out[:, h, offs_n] from the fp32 accumulator: bf16, or E4M3 of the bf16-rounded value.
-    o_ptrs = out_rows + offs_n[None, :]
-    if IO_ALIGNED:
-        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-    if OUT_FP8:
-        # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
-        y = _to_bf16(acc, INTERPRET).to(tl.float32)
-        # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
-        y = tl.where(m_mask[:, None], y, 1.0)
-        y = _to_e4m3(y, q_scale, out_rows.dtype.element_ty, INTERPRET)
-    else:
-        y = _to_bf16(acc, INTERPRET)
-    tl.store(o_ptrs, y, mask=m_mask[:, None])
-
-
-@triton.jit
 def _dot(q, w, acc, INTERPRET: tl.constexpr):
     if INTERPRET:
         # The interpreter multiplies raw bf16 bit patterns in some versions: go through fp32.
@@ -495,14 +440,26 @@ def _mla_query_kernel(
         gdc_wait()
         gdc_launch_dependents()
         q0, q1, q2 = _load_q(q_rows, m_mask, k_mask, BLOCK_K, SINGLE)
-    q_scale = _load_q_scale(qs_ptr, OUT_FP8)
+    if OUT_FP8:
+        q_scale = tl.load(qs_ptr)
 
-    if pid_n == 0:  # one CTA per head copies the RoPE part
-        out_rows = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
-        _copy_rope(
-            qpe_ptr, out_rows, h, offs_m, m_mask, stride_pm, stride_ph, q_scale,
-            N, R, IO_ALIGNED, OUT_FP8, INTERPRET,
-        )  # fmt: skip
+    if pid_n == 0:
+        # The RoPE half is a plain copy (quantised for E4M3); one CTA per head does it.
+        offs_r = tl.arange(0, R)
+        pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
+        pe_ptrs = pe_ptrs + offs_r[None, :]
+        pe_out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
+        pe_out = pe_out + N + offs_r[None, :]
+        if IO_ALIGNED:
+            pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
+            pe_out = tl.multiple_of(pe_out, [16, 16])
+        if OUT_FP8:
+            # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
+            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
+            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET)
+        else:
+            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
+        tl.store(pe_out, pe, mask=m_mask[:, None])
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SINGLE:
@@ -518,8 +475,20 @@ def _mla_query_kernel(
         acc = _dot(q1, w1, acc, INTERPRET)
         acc = _dot(q2, w2, acc, INTERPRET)
 
-    out_rows = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
-    _store_out(out_rows, acc, offs_n, m_mask, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET)
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
+    o_ptrs = o_ptrs + offs_n[None, :]
+    if IO_ALIGNED:
+        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+    if OUT_FP8:
+        # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
+        y = _to_bf16(acc, INTERPRET).to(tl.float32)
+        # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
+        y = tl.where(m_mask[:, None], y, 1.0)
+        tl.store(
+            o_ptrs, _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None]
+        )
+    else:
+        tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
 
 
 @triton.jit
@@ -620,6 +589,10 @@ def _mla_query_fma_kernel(
     # The register path: the weight tile stays in the registers it is loaded into (threads
     # along its unit-stride axis), each of the BLOCK_M (<= 8) rows is a broadcast multiply and
     # a reduction over K. No tl.dot, so no shared-memory staging and no padding of M to 16.
+    # The epilogues (RoPE copy, output store) repeat the tl.dot kernel's rather than share a
+    # helper: written once as helpers they cost some variants 4-12 % on the H200 (Triton 3.6
+    # compiled the moved address arithmetic differently), and the BF16 code here is kept
+    # token for token as it was measured.
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
@@ -686,14 +659,25 @@ def _mla_query_fma_kernel(
             qf0, qf1, qf2 = _fma_load_q(q_head, 5, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
             qg0, qg1, qg2 = _fma_load_q(q_head, 6, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
             qh0, qh1, qh2 = _fma_load_q(q_head, 7, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
-    q_scale = _load_q_scale(qs_ptr, OUT_FP8)
+    if OUT_FP8:
+        q_scale = tl.load(qs_ptr)
 
-    if pid_n == 0:  # one CTA per head copies the RoPE part
-        out_rows = out_head + offs_m[:, None].to(tl.int64) * stride_om
-        _copy_rope(
-            qpe_ptr, out_rows, h, offs_m, m_mask, stride_pm, stride_ph, q_scale,
-            N, R, IO_ALIGNED, OUT_FP8, INTERPRET,
-        )  # fmt: skip
+    if pid_n == 0:
+        # The RoPE half is a plain copy (quantised for E4M3); one CTA per head does it.
+        offs_r = tl.arange(0, R)
+        pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
+        pe_ptrs = pe_ptrs + offs_r[None, :]
+        pe_out = out_head + offs_m[:, None].to(tl.int64) * stride_om + N + offs_r[None, :]
+        if IO_ALIGNED:
+            pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
+            pe_out = tl.multiple_of(pe_out, [16, 16])
+        if OUT_FP8:
+            # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
+            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
+            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET)
+        else:
+            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
+        tl.store(pe_out, pe, mask=m_mask[:, None])
 
     # q in fp32, all rows, before the first use of the weights.
     qa0, qa1, qa2 = _fma_f32(qa0, qa1, qa2)
@@ -723,8 +707,18 @@ def _mla_query_fma_kernel(
         acc = _fma_row(qg0, qg1, qg2, w0, w1, w2, acc, 6, offs_m)
         acc = _fma_row(qh0, qh1, qh2, w0, w1, w2, acc, 7, offs_m)
     # One store of all rows (one layout conversion of the result, not one per row).
-    out_rows = out_head + offs_m[:, None].to(tl.int64) * stride_om
-    _store_out(out_rows, acc, offs_n, m_mask, q_scale, IO_ALIGNED, OUT_FP8, INTERPRET)
+    o_ptrs = out_head + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if IO_ALIGNED:
+        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+    if OUT_FP8:
+        # As the tl.dot kernel: bf16 rounding first (vLLM's staged path), padding rows divide 1.
+        y = _to_bf16(acc, INTERPRET).to(tl.float32)
+        y = tl.where(m_mask[:, None], y, 1.0)
+        tl.store(
+            o_ptrs, _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None]
+        )
+    else:
+        tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
 
 
 def kernel_key(
