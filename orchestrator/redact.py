@@ -12,14 +12,21 @@ from typing import Any
 
 REDACTED = "***"
 # Environment or option names whose values are secrets (HF_TOKEN, OPENAI_API_KEY, --api-key, ...).
-_SECRET_NAME = re.compile(r"(TOKEN|API[_-]?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH)", re.I)
+# "TOKEN" not followed by a letter: prompt_tokens / output_tokens / --max-tokens are counts and
+# --tokenizer a path, and redacting them emptied every results row of its token counts.
+_SECRET_NAME = re.compile(
+    r"(TOKEN(?![A-Z])|API[_-]?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH)", re.I
+)
 # user:password@ inside URLs.
 _URL_CREDS = re.compile(
     r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<creds>[^/@\s:]+(?::[^/@\s]*)?)@", re.I
 )
 # --api-key VALUE / --api-key=VALUE / Bearer VALUE / hf_xxx tokens in free text.
 _INLINE = [
-    re.compile(r"(--[A-Za-z0-9-]*(?:token|api-key|secret|password)[A-Za-z0-9-]*[= ])(\S+)", re.I),
+    re.compile(
+        r"(--[A-Za-z0-9-]*(?:token(?![A-Za-z])|api-key|secret|password)[A-Za-z0-9-]*[= ])(\S+)",
+        re.I,
+    ),
     re.compile(r"(Bearer\s+)(\S+)", re.I),
     re.compile(r"()(hf_[A-Za-z0-9]{20,})"),
     re.compile(r"()(sk-[A-Za-z0-9_-]{20,})"),

@@ -274,6 +274,7 @@ def run_case(
     workloads: dict[str, Any] = {}
     status, reason = "passed", None
     handle = None
+    exited_early: int | None = None  # the server's exit code if it went before the stop
     stop_line = 0
     short_tmp: Path | None = None
     try:
@@ -417,6 +418,11 @@ def run_case(
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
     finally:
         if handle is not None:
+            # A server that exited on its own before the stop crashed during the case, however
+            # its workloads ended (one SIGKILLed in CI answered all its requests with errors
+            # before its pid polled as gone, and was recorded as passed).
+            if status == "passed":
+                exited_early = launcher.exit_code(handle)
             stop_line = _line_count(server_log) + 1
             t = time.monotonic()
             code = launcher.stop(handle, log_dest=server_log)
@@ -428,6 +434,9 @@ def run_case(
             redact_file(server_log, secrets)
         if short_tmp is not None:
             shutil.rmtree(short_tmp, ignore_errors=True)
+    if status == "passed" and exited_early is not None:
+        status = "failed"
+        reason = f"server process {describe_exit(exited_early)} before the orchestrator stopped it"
     if status == "failed":
         log(f"{case.case_id}: FAILED: {reason}")
 

@@ -41,6 +41,7 @@ import httpx
 log = logging.getLogger(__name__)
 
 _MONITOR_S = 0.25  # how often alive() is asked and progress is reported
+_DEATH_GRACE_S = 3.0  # after failed requests: how long to watch for the server's death
 _PROGRESS_EVERY_S = 1.0
 _ERROR_BACKOFF_S = 0.5  # a duration-mode user that failed waits, so errors cannot spin
 _PERCENTILES = (50, 90, 99)
@@ -468,12 +469,26 @@ async def _run_repeat(
         for task in (*users, watch):
             task.cancel()
         await asyncio.gather(*users, watch, return_exceptions=True)
-    if alive is not None and not await asyncio.to_thread(alive):
+    if alive is not None and await _gone(alive, records):
         # Requests fail faster than the watch polls (a killed server's connections reset and
         # new ones are refused at once): errors from a dead server are not a measurement.
         raise ServerDiedError(f"server died during {where()}", [asdict(r) for r in records])
     report()
     return records
+
+
+async def _gone(alive: Callable[[], bool], records: list[RequestRecord]) -> bool:
+    """Whether the server is gone once the users are done. When a request failed, keep asking
+    for _DEATH_GRACE_S: a SIGKILLed process is not reaped until the kernel has torn it down,
+    and on a loaded CI machine its refused connections came back first (all three requests
+    failed 0.1 s after the kill while the pid still polled as running)."""
+    end = time.monotonic() + (_DEATH_GRACE_S if any(r.error for r in records) else 0.0)
+    while True:
+        if not await asyncio.to_thread(alive):
+            return True
+        if time.monotonic() >= end:
+            return False
+        await asyncio.sleep(0.1)
 
 
 async def arun_workload(

@@ -72,3 +72,25 @@ def test_set_aside_moves_and_redacts_an_earlier_attempts_log(tmp_path: Path) -> 
     assert moved == tmp_path / "server-attempt2.log"
     assert not log.exists()
     assert moved.read_text() == f"attempt 1 {REDACTED}\n"
+
+
+def test_token_counts_and_tokenizer_are_not_secrets() -> None:
+    # Every results row once lost its token counts to "***": names are secret by TOKEN not
+    # followed by a letter, so counts (tokens) and paths (tokenizer) stay.
+    from orchestrator.redact import is_secret_name, redact, redact_argv, redact_text
+
+    for name in ("prompt_tokens", "output_tokens", "max_tokens", "requested_output_tokens",
+                 "--max-tokens", "tokenizer", "--tokenizer", "aggregate_tok_s"):  # fmt: skip
+        assert not is_secret_name(name), name
+    for name in ("HF_TOKEN", "hf-token", "token", "--hf-token", "HF_TOKEN_PATH", "auth_token",
+                 "OPENAI_API_KEY", "--api-key", "DB_PASSWORD"):  # fmt: skip
+        assert is_secret_name(name), name
+    row = {"params": {"prompt_tokens": 16, "output_tokens": 32}, "env": {"HF_TOKEN": "hf_x"}}
+    assert redact(row) == {"params": {"prompt_tokens": 16, "output_tokens": 32},
+                           "env": {"HF_TOKEN": REDACTED}}  # fmt: skip
+    assert redact_text("--max-tokens 32 --tokenizer /m --hf-token abcd") == (
+        f"--max-tokens 32 --tokenizer /m --hf-token {REDACTED}"
+    )
+    assert redact_argv(["--max-tokens", "32", "--hf-token", "abcd"]) == [
+        "--max-tokens", "32", "--hf-token", REDACTED,
+    ]  # fmt: skip

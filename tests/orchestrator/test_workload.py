@@ -236,6 +236,35 @@ def test_server_death_aborts_within_a_second(
     assert len(info.value.records) == 2
 
 
+def test_failed_requests_wait_for_a_dying_server_to_be_seen() -> None:
+    # A killed server refuses connections before its pid polls as gone: requests that failed
+    # are not a measurement while the watch may still turn. Here alive() turns 0.5 s after
+    # the (refused) requests are over, and the workload still ends in ServerDiedError.
+    from orchestrator.engines.vllm import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    calls: list[float] = []
+
+    def alive() -> bool:
+        calls.append(time.monotonic())
+        return time.monotonic() < calls[0] + 0.5
+
+    t0 = time.monotonic()
+    with pytest.raises(wl.ServerDiedError, match="server died") as info:
+        wl.run_workload(
+            url, "m", wl.WorkloadParams("w", 1, 1, requests=3), vocab_size=2048, alive=alive
+        )
+    assert time.monotonic() - t0 < wl._DEATH_GRACE_S
+    assert len(info.value.records) == 3 and all(r["error"] for r in info.value.records)
+    # With a live server the same errors are measured, after the grace and no longer.
+    t0 = time.monotonic()
+    d = wl.run_workload(
+        url, "m", wl.WorkloadParams("w", 1, 1, requests=2), vocab_size=2048, alive=lambda: True
+    )
+    assert d.to_dict()["errors"] == 2
+    assert wl._DEATH_GRACE_S <= time.monotonic() - t0 < wl._DEATH_GRACE_S + 1.5
+
+
 # ---------------------------------------------------------------------------- real vLLM
 
 
