@@ -179,6 +179,12 @@ def nightly(
     ray_address: str | None = typer.Option(
         None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
     ),
+    kill_leftovers: bool = typer.Option(
+        False,
+        "--kill-leftovers",
+        help="Stop processes of crashed runs first (otherwise the night only warns that they "
+        "may hold the memory or GPUs its cases need).",
+    ),
 ) -> None:
     """Run a matrix, compare with the last good run in --history, write the reports.
 
@@ -192,7 +198,12 @@ def nightly(
 
     try:
         result = run_nightly(
-            matrix, history, sets=sets, threshold_pct=threshold_pct, ray_address=ray_address
+            matrix,
+            history,
+            sets=sets,
+            threshold_pct=threshold_pct,
+            ray_address=ray_address,
+            kill_leftovers=kill_leftovers,
         )
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None

@@ -134,6 +134,7 @@ def run_nightly(
     threshold_pct: float = DEFAULT_THRESHOLD_PCT,
     run_id: str | None = None,
     ray_address: str | None = None,
+    kill_leftovers: bool = False,
     runner: Runner | None = None,
 ) -> NightlyResult:
     """Run the matrix into `history_dir`, compare with the last good run there, write reports.
@@ -150,6 +151,9 @@ def run_nightly(
         ray_address=ray_address,
         sets=list(sets),
         progress=False,  # unattended: a live view only fills the cron log with redraws
+        # Unattended too: last night's crashed run may still hold the GPUs; by default the
+        # run only warns (see orchestrator.runner.handle_leftovers).
+        kill_leftovers=kill_leftovers,
     )
     summary = (runner or _default_runner)(Path(matrix_path), options)
     store = open_run(summary.run_dir)

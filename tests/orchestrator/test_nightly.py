@@ -67,7 +67,7 @@ def test_first_night_skips_the_comparison_and_says_so(tmp_path):
     [(matrix_path, options)] = fake.calls
     assert matrix_path == Path("matrices/seed-tp8.yaml")
     assert options.logs_dir == tmp_path / "h" and list(options.sets) == ["seed=1"]
-    assert options.progress is False
+    assert options.progress is False and options.kill_leftovers is False
     assert result.comparison is None and result.exit_code == 0
     assert "no good earlier run of matrix 'seed-tp8'" in result.skipped_reason
     assert "Comparison skipped" in (result.run_dir / "compare.md").read_text()
@@ -182,6 +182,14 @@ def test_cli_exit_codes_with_a_fake_runner(history, monkeypatch):
     out = CliRunner().invoke(app, ["nightly", "m.yaml", "--history", str(history)])
     assert out.exit_code == 0, out.output
     assert "no regression" in out.output and "report.html" in out.output
+    # --kill-leftovers reaches the run (the runner's own tests show what it does there).
+    killing = FakeRunner(run_id="night-kill")
+    monkeypatch.setattr(nightly_mod, "_default_runner", killing)
+    out = CliRunner().invoke(
+        app, ["nightly", "m.yaml", "--history", str(history), "--kill-leftovers"]
+    )
+    assert out.exit_code == 0, out.output
+    assert killing.calls[0][1].kill_leftovers is True
     regressing = FakeRunner(_only(CASE, lambda r: runs.scale(r, "ctx64k", 0.95)), "night-bad")
     monkeypatch.setattr(nightly_mod, "_default_runner", regressing)
     out = CliRunner().invoke(app, ["nightly", "m.yaml", "--history", str(history)])
