@@ -266,6 +266,21 @@ def test_wrong_device_named():
         fusedq.mla_query_projection(*args, **kwargs)
 
 
+def _launch_matches_staged(config, fmt, out_dtype, h, m, device, seed, *, pitched) -> None:
+    """kernel.launch with `config` on fresh operands, against the staged path."""
+    from fusedq.kernels import triton_mla_query as kernel
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = weight_for(fmt, make_weight(h, "vllm", device, gen))
+    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out, _ = make_out(m, h, out_dtype, device, pitched=pitched)
+    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
+    kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
+    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    assert_matches(out, ref, fmt)
+
+
 @pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("block_k", [64, 256])
 @pytest.mark.parametrize("block_n", [32, 64])
@@ -274,19 +289,9 @@ def test_launch_configs(pdl, block_k, block_n, fmt, out_dtype, device):
     """Every K chunking and N tile the heuristic may pick, whatever this machine picks."""
     from fusedq.kernels import triton_mla_query as kernel
 
-    gen = torch.Generator().manual_seed(block_k + block_n)
-    # One head is enough here (the launcher has no head gate) and keeps the interpreter fast.
-    h, m = 1, 3
-    w = make_weight(h, "vllm", device, gen)
-    weight = weight_for(fmt, w)
-    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
-    q_nope, q_pe = make_q(m, h, device, gen)
-    out, _ = make_out(m, h, out_dtype, device, pitched=False)
-    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
     config = kernel.LaunchConfig(block_m=16, block_n=block_n, block_k=block_k, pdl=pdl)
-    kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
-    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
-    assert_matches(out, ref, fmt)
+    # One head is enough here (the launcher has no head gate) and keeps the interpreter fast.
+    _launch_matches_staged(config, fmt, out_dtype, 1, 3, device, block_k + block_n, pitched=False)
 
 
 @pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
@@ -297,16 +302,7 @@ def test_register_path_configs(pdl, block_m, m, fmt, out_dtype, device):
     output included, on a pitched out with padding rows (m < block_m) masked."""
     from fusedq.kernels import triton_mla_query as kernel
 
-    gen = torch.Generator().manual_seed(100 + block_m)
-    h = 2  # two heads: the per-head offsets of q, q_pe and out are exercised
-    w = make_weight(h, "vllm", device, gen)
-    weight = weight_for(fmt, w)
-    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
-    q_nope, q_pe = make_q(m, h, device, gen)
-    out, _ = make_out(m, h, out_dtype, device, pitched=True)
-    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
     # BLOCK_N 16 with one warp on the GPU (the interpreter's layouts do not depend on it).
     config = kernel.LaunchConfig(block_m=block_m, block_n=16, num_warps=1, pdl=pdl, fma=True)
-    kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
-    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
-    assert_matches(out, ref, fmt)
+    # Two heads: the per-head offsets of q, q_pe and out are exercised.
+    _launch_matches_staged(config, fmt, out_dtype, 2, m, device, 100 + block_m, pitched=True)
