@@ -34,43 +34,101 @@ import os
 import textwrap
 import threading
 import weakref
+from collections.abc import Mapping
+from keyword import iskeyword
 
 import torch
 
 ENV = "FUSEDQ_MLA_QUERY"
 MODES = ("auto", "0", "1")
 
-# vLLM versions whose MLAAttention this plugin was written against; the block hash below is
-# the real guard, the range keeps a future vLLM with a changed *surrounding* (what the query
-# feeds into) from being patched just because the block itself stayed the same.
-VLLM_MIN = (0, 32)
-VLLM_BELOW = (0, 34)
-
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 # The query-side block of MLAAttention.forward_impl this plugin nests under its fallback:
-# from the first line to the last (inclusive), dedented. sha256 of the dedented text per
-# vLLM release it was read from; any edit to the block disables the plugin.
+# from the first line to the last (inclusive), dedented. Both lines are the same in every
+# release read so far; what sits around the block differs (see RELEASES).
 BLOCK_FIRST = "if self.is_aiter_triton_fp4_bmm_enabled:"
 BLOCK_LAST = "mqa_q = (mqa_ql_nope, mqa_q_pe)"
-KNOWN_BLOCKS = {
-    "0.32.0": "51306b400d2fc8d04e03d6e2a9c2a8aced015c078c5745064d49c4015cb35e47",
-}
-# Lines that must come before the block (the query split and vLLM's (N, B, P) transpose the
-# hook consumes) and after it (the consumers that accept a tensor query as well as a pair).
+# Lines that must come before the block in every release: the query split and vLLM's
+# (N, B, P) transpose, whose results the hook consumes.
 BEFORE_BLOCK = (
     "mqa_q_nope, mqa_q_pe = mqa_q.split(",
     "mqa_q_nope = mqa_q_nope.transpose(0, 1)",
 )
-AFTER_BLOCK = (
-    "if isinstance(mqa_q, tuple):",
-    "mqa_q = self.dcp_manager.query_gather(mqa_q)",
-    "self.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, self)",
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One vLLM release line whose ``MLAAttention.forward_impl`` this plugin was read against.
+
+    Supporting another release is a new row of this table, not a new branch of code: the
+    transform, the guard and the plan read everything release-specific from here.
+    """
+
+    name: str
+    # [min, below) on (major, minor): the block hash is the real guard; the range keeps a
+    # release whose *surroundings* changed (what the query feeds into) from being patched just
+    # because the block itself stayed the same.
+    versions: tuple[tuple[int, int], tuple[int, int]]
+    # vLLM version read -> sha256 of the dedented block; any edit disables the plugin.
+    blocks: Mapping[str, str]
+    # Consumers after the block, in order: each takes a finished tensor query as well as
+    # vLLM's (ql_nope, q_pe) pair, which is how the hook's result is handed on.
+    after: tuple[str, ...]
+    # The hook's arguments after ``self`` -- q_nope, q_pe, whether this step replicates the
+    # query for DCP (the hook then declines), fp8 attention -- as forward_impl expressions.
+    hook_args: tuple[str, str, str, str]
+    # Instance attributes of this release's MLAAttention that the plan reads besides
+    # LAYER_ATTRS (checked per layer: the class-level guard cannot see instance state).
+    layer_attrs: tuple[str, ...] = ()
+
+    @property
+    def hook_locals(self) -> tuple[str, ...]:
+        """forward_impl locals the inserted call reads or writes."""
+        return (*(a for a in self.hook_args if a.isidentifier() and not iskeyword(a)), "mqa_q")
+
+    def span(self) -> str:
+        (a, b), (c, d) = self.versions
+        return f">={a}.{b},<{c}.{d}"
+
+
+RELEASES: tuple[Release, ...] = (
+    Release(
+        name="0.32",
+        versions=((0, 32), (0, 34)),
+        blocks={"0.32.0": "51306b400d2fc8d04e03d6e2a9c2a8aced015c078c5745064d49c4015cb35e47"},
+        after=(
+            "if isinstance(mqa_q, tuple):",
+            "mqa_q = self.dcp_manager.query_gather(mqa_q)",
+            "self.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, self)",
+        ),
+        hook_args=("mqa_q_nope", "mqa_q_pe", "qrep_decode", "fp8_attention"),
+        layer_attrs=("is_amx_bmm_enabled",),
+    ),
+    # 0.26 (the newest release built for torch 2.11 + CUDA 13, the H200 image's stack): no AMX
+    # branch, the bmm writes an (N, B, L) buffer and transposes it, and DCP concatenates a
+    # pair and all-gathers after the block instead of a query_gather; there is no DCP query
+    # replication, so the hook never has to decline for it.
+    Release(
+        name="0.26",
+        versions=((0, 26), (0, 27)),
+        blocks={"0.26.0": "6c3ac941bd5e04f9b777eb7d3d4b6078a2d0992e7917b93a1c936ac87ed5c6c4"},
+        after=(
+            "if isinstance(mqa_q, tuple):",
+            "mqa_q = get_dcp_group().all_gather(mqa_q, dim=1)",
+            "self.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, self)",
+        ),
+        hook_args=("mqa_q_nope", "mqa_q_pe", "False", "fp8_attention"),
+    ),
 )
-# forward_impl locals the inserted call passes on.
-HOOK_LOCALS = ("mqa_q_nope", "mqa_q_pe", "qrep_decode", "fp8_attention", "mqa_q")
+
+
+def release_for(version: tuple[int, ...]) -> Release | None:
+    """The row whose range holds this vLLM version, or None."""
+    return next((r for r in RELEASES if r.versions[0] <= version[:2] < r.versions[1]), None)
+
+
 # MLAAttention attributes the plan and the hook read (instance attributes: checked per layer).
 LAYER_ATTRS = (
-    "is_amx_bmm_enabled",
     "is_aiter_triton_fp4_bmm_enabled",
     "is_aiter_triton_fp8_bmm_enabled",
     "q_pad_num_heads",
@@ -93,7 +151,8 @@ E8M0_DTYPES = tuple({torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)}
 
 logger = logging.getLogger("vllm.fusedq")  # under vLLM's logger: its handler and format
 
-# The forward_impl this process installed (a subclass overriding it does not run the hook).
+# The forward_impl this process installed (a subclass overriding it does not run the hook)
+# and the RELEASES row it was built from.
 _installed: dict[str, object] = {}
 _first_use = threading.Event()
 
@@ -164,8 +223,8 @@ class PatchedSource:
     indent: str
 
 
-def transform_forward_impl(source: str) -> PatchedSource:
-    """Insert the hook into forward_impl's (dedented) source.
+def transform_forward_impl(source: str, release: Release) -> PatchedSource:
+    """Insert the hook into forward_impl's (dedented) source, as ``release`` lays it out.
 
     Raises ``ValueError`` naming the first expectation that does not hold: the anchors
     before the block, the block's first and last line (once each, at the expected nesting),
@@ -197,7 +256,7 @@ def transform_forward_impl(source: str) -> PatchedSource:
     if not lines[last].startswith(indent + "    ") or lines[last].startswith(indent + "     "):
         raise ValueError(f"{BLOCK_LAST!r} is not nested one level inside the query block")
     pos = last + 1
-    for anchor in AFTER_BLOCK:
+    for anchor in release.after:
         idx = next((i for i in range(pos, len(lines)) if anchor in stripped[i]), -1)
         if idx < 0:
             raise ValueError(f"forward_impl has no {anchor!r} after the query block")
@@ -205,7 +264,7 @@ def transform_forward_impl(source: str) -> PatchedSource:
     block_lines = lines[first : last + 1]
     block = textwrap.dedent("".join(block_lines))
     hook = (
-        f"{indent}mqa_q = {HOOK_NAME}(self, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention)\n"
+        f"{indent}mqa_q = {HOOK_NAME}(self, {', '.join(release.hook_args)})\n"
         f"{indent}if mqa_q is None:\n"
     )
     nested = "".join(("    " + ln) if ln.strip() else ln for ln in block_lines)
@@ -248,6 +307,41 @@ class Patch:
     forward_impl: object  # the new function
     process_weights: object  # the original process_weights_after_loading
     init: object  # the original __init__
+    release: Release  # the RELEASES row the installed vLLM matched
+
+
+def compile_patched(
+    source: str,
+    release: Release,
+    module_globals: dict,
+    *,
+    filename: str,
+    first_line: int = 1,
+    flags: int = 0,
+):
+    """forward_impl recompiled from its dedented ``source`` with the hook inserted, in the
+    module's globals; ``ValueError`` when the source is not the one ``release`` describes."""
+    patched = transform_forward_impl(source, release)
+    digest = _block_digest(patched.block)
+    if digest not in release.blocks.values():
+        raise ValueError(
+            f"the query block of MLAAttention.forward_impl differs from the one fusedq was "
+            f"written against for vLLM {release.span()} (sha256 {digest[:12]}…)"
+        )
+    # Keep line numbers close to the file's (the hook adds two) and make tracebacks show
+    # the patched source.
+    body = "\n" * (first_line - 1) + patched.source
+    linecache.cache[filename] = (len(body), None, body.splitlines(True), filename)
+    code = compile(body, filename, "exec", flags=flags, dont_inherit=True)
+    namespace: dict = {}
+    exec(code, module_globals, namespace)
+    new = namespace["forward_impl"]
+    # A name the hook call passes that forward_impl never assigns would be a global lookup,
+    # failing at the first decode step instead of here.
+    missing = [n for n in release.hook_locals if n not in new.__code__.co_varnames]
+    if missing:
+        raise ValueError(f"MLAAttention.forward_impl has no locals {missing}")
+    return new
 
 
 def check_vllm() -> Patch:
@@ -255,12 +349,11 @@ def check_vllm() -> Patch:
 
     Touches nothing in vLLM.
     """
-    text, release = _vllm_version()
-    if not VLLM_MIN <= release[:2] < VLLM_BELOW:
-        raise ValueError(
-            f"vLLM {text} is outside the supported range "
-            f">={'.'.join(map(str, VLLM_MIN))},<{'.'.join(map(str, VLLM_BELOW))}"
-        )
+    text, version = _vllm_version()
+    release = release_for(version)
+    if release is None:
+        spans = "; ".join(r.span() for r in sorted(RELEASES, key=lambda r: r.versions))
+        raise ValueError(f"vLLM {text} is outside the supported ranges ({spans})")
     import importlib
 
     module = importlib.import_module(MLA_MODULE)
@@ -277,9 +370,6 @@ def check_vllm() -> Patch:
         raise ValueError(
             f"MLAAttention.forward_impl has closure variables {original.__code__.co_freevars}"
         )
-    missing = [n for n in HOOK_LOCALS if n not in original.__code__.co_varnames]
-    if missing:
-        raise ValueError(f"MLAAttention.forward_impl has no locals {missing}")
     if HOOK_NAME in module.__dict__:
         raise ValueError(f"{MLA_MODULE} already defines {HOOK_NAME}")
     try:
@@ -288,23 +378,15 @@ def check_vllm() -> Patch:
         raise ValueError(f"MLAAttention.forward_impl has no readable source ({exc})") from exc
     if not source.startswith("def forward_impl("):
         raise ValueError("MLAAttention.forward_impl is decorated or not a plain def")
-    patched = transform_forward_impl(source)
-    digest = _block_digest(patched.block)
-    if digest not in KNOWN_BLOCKS.values():
-        raise ValueError(
-            f"the query block of MLAAttention.forward_impl differs from the one fusedq was "
-            f"written against (sha256 {digest[:12]}…)"
-        )
     _, first_line = inspect.getsourcelines(original)
-    # Keep line numbers close to the file's (the hook adds two) and make tracebacks show
-    # the patched source.
-    filename = f"<fusedq-patched {inspect.getsourcefile(original)}>"
-    body = "\n" * (first_line - 1) + patched.source
-    linecache.cache[filename] = (len(body), None, body.splitlines(True), filename)
-    code = compile(body, filename, "exec", flags=_module_future_flags(original), dont_inherit=True)
-    namespace: dict = {}
-    exec(code, module.__dict__, namespace)
-    new = namespace["forward_impl"]
+    new = compile_patched(
+        source,
+        release,
+        module.__dict__,
+        filename=f"<fusedq-patched {inspect.getsourcefile(original)}>",
+        first_line=first_line,
+        flags=_module_future_flags(original),
+    )
     new.__defaults__ = original.__defaults__
     new.__kwdefaults__ = original.__kwdefaults__
     new.__qualname__ = original.__qualname__
@@ -312,7 +394,12 @@ def check_vllm() -> Patch:
     new.__doc__ = original.__doc__
     new.__wrapped__ = original
     return Patch(
-        module, cls, new, cls.__dict__["process_weights_after_loading"], cls.__dict__["__init__"]
+        module,
+        cls,
+        new,
+        cls.__dict__["process_weights_after_loading"],
+        cls.__dict__["__init__"],
+        release,
     )
 
 
@@ -334,6 +421,7 @@ def apply(patch: Patch) -> None:
         watch_kv_b_proj(self)
 
     _installed["forward_impl"] = patch.forward_impl
+    _installed["release"] = patch.release
     setattr(patch.module, HOOK_NAME, decode_query_hook)
     patch.cls.__init__ = __init__
     patch.cls.process_weights_after_loading = process_weights_after_loading
@@ -458,7 +546,9 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     """Whether the fused op serves this layer: ``(plan, note)`` or ``(None, reason)``."""
     import fusedq
 
-    missing = [a for a in LAYER_ATTRS if not hasattr(layer, a)]
+    release = _installed.get("release")
+    attrs = LAYER_ATTRS + (release.layer_attrs if isinstance(release, Release) else ())
+    missing = [a for a in attrs if not hasattr(layer, a)]
     if missing:
         return None, f"{type(layer).__name__} lacks the attributes {missing} the hook reads"
     if getattr(layer, "is_amx_bmm_enabled", False):

@@ -11,6 +11,7 @@ that ``test_api.py`` already does.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -232,9 +233,71 @@ def test_guard_rejects_other_versions(mla, vp, monkeypatch):
 
 
 def test_guard_rejects_a_changed_query_block(mla, vp, monkeypatch):
-    monkeypatch.setattr(vp, "KNOWN_BLOCKS", {"0.32.0": "0" * 64})
-    with pytest.raises(ValueError, match=r"query block .* differs"):
+    import dataclasses
+
+    span = re.escape(installed_release(vp).span())
+    rows = tuple(dataclasses.replace(r, blocks={"x": "0" * 64}) for r in vp.RELEASES)
+    monkeypatch.setattr(vp, "RELEASES", rows)
+    with pytest.raises(ValueError, match=rf"query block .* differs .* vLLM {span}"):
         vp.check_vllm()
+
+
+def test_releases_are_rows_that_do_not_overlap(vp):
+    spans = sorted(r.versions for r in vp.RELEASES)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
+    assert vp.release_for((0, 26, 0)).name == "0.26"
+    assert vp.release_for((0, 33, 1)).name == "0.32"
+    assert vp.release_for((0, 27, 0)) is None
+
+
+def installed_release(vp):
+    """The RELEASES row of the vLLM installed here (0.32 on CPU CI, 0.26 on the H200)."""
+    row = vp.release_for(vp._vllm_version()[1])
+    assert row is not None, "these tests run against a supported vLLM"
+    return row
+
+
+def test_guard_picks_the_row_by_version(mla, vp, monkeypatch):
+    """The installed source under the other release's row fails on that row's own anchors."""
+    import vllm
+
+    other = "0.32.0" if installed_release(vp).name == "0.26" else "0.26.0"
+    anchor = {"0.32.0": r"dcp_manager\.query_gather", "0.26.0": r"get_dcp_group\(\)\.all_gather"}
+    monkeypatch.setattr(vllm, "__version__", other)
+    with pytest.raises(ValueError, match=anchor[other]):
+        vp.check_vllm()
+
+
+# vLLM 0.26.0's forward_impl (tests/fusedq/fixtures/README.md): 0.32's module cannot import
+# 0.26's, so its source is recompiled in 0.32's module globals, which hold every name its
+# decode path reads.
+FORWARD_IMPL_026 = Path(__file__).parent / "fixtures/vllm-0.26.0-mla_attention-forward_impl.py.txt"
+
+
+def forward_impl_026(mla, vp, *, hooked: bool):
+    import textwrap
+
+    source = textwrap.dedent(FORWARD_IMPL_026.read_text())
+    release = vp.release_for((0, 26))
+    if hooked:
+        return vp.compile_patched(source, release, mla.__dict__, filename="<0.26 patched>")
+    namespace: dict = {}
+    exec(compile(source, "<0.26>", "exec"), mla.__dict__, namespace)
+    return namespace["forward_impl"]
+
+
+def test_release_026_block_is_known_and_gets_the_hook(mla, vp):
+    import textwrap
+
+    source = textwrap.dedent(FORWARD_IMPL_026.read_text())
+    patched = vp.transform_forward_impl(source, vp.release_for((0, 26)))
+    # 0.26 replicates no query for DCP: the hook is told so by a constant, not a local.
+    assert f"mqa_q = {vp.HOOK_NAME}(self, mqa_q_nope, mqa_q_pe, False, fp8_attention)" in (
+        patched.source
+    )
+    forward_impl_026(mla, vp, hooked=True)  # hash and locals hold
+    with pytest.raises(ValueError, match=r"dcp_manager\.query_gather"):
+        vp.transform_forward_impl(source, vp.release_for((0, 32)))
 
 
 @pytest.mark.parametrize(
@@ -257,9 +320,10 @@ def test_transform_names_the_missing_expectation(mla, vp, edit, match):
     import textwrap
 
     source = textwrap.dedent(inspect.getsource(mla.MLAAttention.forward_impl))
-    vp.transform_forward_impl(source)  # the unedited source transforms
+    release = installed_release(vp)
+    vp.transform_forward_impl(source, release)  # the unedited source transforms
     with pytest.raises(ValueError, match=match):
-        vp.transform_forward_impl(edit(source))
+        vp.transform_forward_impl(edit(source), release)
 
 
 def test_register_mode_0_touches_nothing(mla, vp, monkeypatch, caplog):
@@ -383,6 +447,31 @@ def test_patched_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, 
         assert got.is_contiguous()
         assert_matches(got, ref, "bf16")
         assert vp._first_use.is_set()
+
+
+@pytest.mark.parametrize("h,m,fp8", [(16, 3, False), (8, 1, True), (11, 33, False)])
+def test_patched_026_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
+    """As above for vLLM 0.26's forward_impl (its (N, B, L) bmm buffer + transpose)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    patched = forward_impl_026(mla, vp, hooked=True)
+    staged = forward_impl_026(mla, vp, hooked=False)
+    vp._installed["release"] = vp.release_for((0, 26))
+    mla.__dict__[vp.HOOK_NAME] = vp.decode_query_hook  # what apply() installs
+    with set_current_vllm_config(VllmConfig()):
+        layer = stand_in_layer(mla, h, fp8=fp8, gen=torch.Generator().manual_seed(1))
+        del layer.is_amx_bmm_enabled  # 0.26 has no AMX branch; the plan must not need it
+        plan, note = vp.plan_layer(layer)
+        assert plan is not None, note
+        layer.__dict__[vp.PLAN_ATTR] = plan
+        got = run_forward_impl(patched, layer, m, torch.Generator().manual_seed(m))
+        ref = run_forward_impl(staged, layer, m, torch.Generator().manual_seed(m))
+    assert got.dtype == (E4M3 if fp8 else torch.bfloat16) and got.shape == (m, h, L + R)
+    if m > 32:
+        assert torch.equal(got, ref)
+    else:
+        assert got.is_contiguous()
+        assert_matches(got, ref, "bf16")
 
 
 def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
