@@ -18,11 +18,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orchestrator import tinymodel
+
 # Heads per rank for which fusedq has a qualified specialisation (see fusedq.capability).
 FUSEDQ_QUALIFIED_HEADS = (8, 11, 16)
 # A model path with this prefix is built locally by orchestrator.tinymodel (the embedded default).
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-mla",)
+BUILTIN_MODELS = tuple(tinymodel.BUILTINS)
 # vLLM flags the orchestrator owns; passing them through would fight the topology axes.
 OWNED_FLAGS = (
     "--tensor-parallel-size",
@@ -90,8 +92,15 @@ class _EnvArgs(_Strict):
 
 class ModelSpec(_EnvArgs):
     label: str = Field(min_length=1, description="Name in reports, e.g. 'Luke BF16'.")
-    path: str = Field(min_length=1, description="Checkpoint path, or builtin:tiny-mla.")
-    num_heads: int = Field(gt=0, description="Total attention heads of the model.")
+    path: str = Field(
+        min_length=1, description="Checkpoint path, or builtin:tiny-mla / builtin:tiny-glm5."
+    )
+    num_heads: int = Field(
+        gt=0, description="Total attention heads of the model (a built-in model is built so)."
+    )
+    layers: int | None = Field(
+        None, gt=0, description="Built-in models only: decoder layers (default 2)."
+    )
     weight_format: str = Field("bf16", description="Label only: bf16, mxfp8, ...")
     served_name: str | None = None
     has_mtp: bool = Field(True, description="The checkpoint carries MTP layers.")
@@ -103,9 +112,28 @@ class ModelSpec(_EnvArgs):
             raise ValueError(f"unknown built-in model {v!r}; known: {list(BUILTIN_MODELS)}")
         return v
 
+    @model_validator(mode="after")
+    def _builtin_size(self) -> ModelSpec:
+        if not self.is_builtin:
+            if self.layers is not None:
+                raise ValueError(
+                    f"layers={self.layers} is for built-in models; {self.path!r} is not one"
+                )
+            return self
+        tinymodel.arch(self.builtin_name, heads=self.num_heads, layers=self.builtin_layers)
+        return self
+
     @property
     def is_builtin(self) -> bool:
         return self.path.startswith(BUILTIN_PREFIX)
+
+    @property
+    def builtin_name(self) -> str:
+        return self.path[len(BUILTIN_PREFIX) :]
+
+    @property
+    def builtin_layers(self) -> int:
+        return self.layers if self.layers is not None else tinymodel.DEFAULT_LAYERS
 
 
 class EngineSpec(_EnvArgs):
@@ -153,11 +181,20 @@ class WorkloadSpec(_Strict):
     requests: int | None = Field(None, gt=0)
     duration_s: float | None = Field(None, gt=0)
     repeats: int = Field(1, gt=0)
+    same_tokens: bool = Field(
+        False,
+        description="Record every request's greedy token ids; each variant after a topology's "
+        "first must produce the first's ids, request by request (orchestrator/tokens.py).",
+    )
 
     @model_validator(mode="after")
     def _one_mode(self) -> WorkloadSpec:
         if self.requests is not None and self.duration_s is not None:
             raise ValueError("set either requests or duration_s, not both")
+        if self.same_tokens and (self.duration_s is not None or self.concurrency != 1):
+            # Request i must be the same request in every variant, and alone in its batch:
+            # batch composition changes vLLM's numerics, which is not what this compares.
+            raise ValueError("same_tokens needs request mode (no duration_s) and concurrency 1")
         return self
 
     @property

@@ -167,7 +167,10 @@ def _model_path(case: Case, matrix: Matrix, log: Callable[[str], None]) -> str:
         from orchestrator.tinymodel import build_tiny_model
 
         t0 = time.monotonic()
-        path = build_tiny_model(mtp=case.model.has_mtp)
+        m = case.model
+        path = build_tiny_model(
+            mtp=m.has_mtp, name=m.builtin_name, heads=m.num_heads, layers=m.builtin_layers
+        )
         log(f"built-in model {case.model.path} at {path} ({time.monotonic() - t0:.1f} s)")
         return str(path)
     path = case.model.path

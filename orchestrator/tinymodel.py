@@ -1,10 +1,19 @@
-"""Build the embedded default model: a tiny, randomly initialised DeepSeek-V3 MLA checkpoint.
+"""Build the built-in models: tiny, randomly initialised DeepSeek-V3-architecture MLA checkpoints.
 
-The smoke matrix needs a real MLA model that the CPU build of vLLM can serve on a
-2-core machine with no hub access. This module makes one locally, deterministically:
-the MLA geometry of the real models (kv_lora_rank 512 + rope 64 = 576, the only latent
-width the CPU MLA backends accept; qk_nope 192 as in GLM-5), shrunk everywhere else,
-plus one MTP layer so speculative decoding can be exercised. ~18 MB in bf16.
+The matrices need real MLA models that vLLM can serve with no hub access. This module makes
+them locally, deterministically: the MLA geometry of the real models (kv_lora_rank 512 +
+rope 64 = 576, the only latent width the CPU MLA backends accept; qk_nope 192 as in GLM-5),
+shrunk everywhere else, plus one MTP layer so speculative decoding can be exercised.
+
+- ``tiny-mla`` (the embedded default, CPU): v_head 128, 8 heads, 2 layers, ~18 MB in bf16.
+- ``tiny-glm5`` (GPU): GLM-5's head geometry, v_head 256. vLLM's GPU MLA prefill backends
+  accept only known (qk_nope, rope, v) triples -- (128, 64, 128), (192, 64, 256), (64, 64,
+  128) on sm_90 -- and refuse tiny-mla's (192, 64, 128) ("No valid MLA prefill backend
+  found"); GLM-5's serves.
+
+Heads and layers are parameters (the matrix's ``num_heads`` and ``layers``), so the per-rank
+shapes of real topologies -- 16 heads = TP4 of GLM-5's 64, 11 = TP6 padded, 8 = TP8 -- can
+each be served on one GPU.
 
 Heavy imports (torch, transformers, tokenizers, safetensors) stay inside the functions
 so importing the orchestrator stays fast.
@@ -28,7 +37,8 @@ BUILDER_VERSION = 1
 CACHE_ENV = "ORCHESTRATOR_CACHE"
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")  # ids 0, 1, 2 by construction
 
-# The model's shape. MLA widths follow DESIGN.md; the rest is as small as vLLM allows.
+# The embedded default's shape (tiny-mla). MLA widths follow DESIGN.md; the rest is as small
+# as vLLM allows. The other built-ins and parameters are changes to this (see ``arch``).
 ARCH: dict[str, Any] = {
     "vocab_size": 2048,
     "hidden_size": 256,
@@ -71,24 +81,92 @@ def default_cache_dir() -> Path:
     return Path(__file__).resolve().parent.parent / ".cache" / "models"
 
 
-def model_spec(*, mtp: bool = True, seed: int = 0) -> dict[str, Any]:
-    """Everything that determines the built files; its hash names the cache directory."""
-    return {"builder": BUILDER_VERSION, "arch": ARCH, "mtp": mtp, "seed": seed}
+# Built-in model name -> what it changes in ARCH (and its directory-name stem).
+BUILTINS: dict[str, dict[str, Any]] = {
+    "tiny-mla": {"stem": "tiny-dsv3-mla", "v_head_dim": 128},
+    "tiny-glm5": {"stem": "tiny-glm5-mla", "v_head_dim": 256},
+}
+DEFAULT_HEADS = ARCH["num_attention_heads"]
+DEFAULT_LAYERS = ARCH["num_hidden_layers"]
+# Bounds that keep a "tiny" model tiny (and a typo from building gigabytes): 128 heads is
+# GLM-5's count at TP1 twice over; 96 layers is past GLM-5's 78.
+MAX_HEADS = 128
+MAX_LAYERS = 96
+
+
+def arch(
+    name: str = "tiny-mla", *, heads: int = DEFAULT_HEADS, layers: int = DEFAULT_LAYERS
+) -> dict[str, Any]:
+    """The config fields of built-in model ``name`` with ``heads`` heads and ``layers`` layers.
+
+    ``ValueError`` naming the bad value for an unknown name or out-of-range sizes.
+    """
+    if name not in BUILTINS:
+        raise ValueError(f"unknown built-in model {name!r}; known: {sorted(BUILTINS)}")
+    if not 1 <= heads <= MAX_HEADS:
+        raise ValueError(f"heads={heads} is outside 1..{MAX_HEADS} for built-in model {name}")
+    if not 1 <= layers <= MAX_LAYERS:
+        raise ValueError(f"layers={layers} is outside 1..{MAX_LAYERS} for built-in model {name}")
+    return {
+        **ARCH,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "num_hidden_layers": layers,
+        "v_head_dim": BUILTINS[name]["v_head_dim"],
+        # Dense in every layer, the MTP layer (index `layers`) included.
+        "first_k_dense_replace": max(ARCH["first_k_dense_replace"], layers + 2),
+    }
+
+
+def model_spec(
+    *,
+    mtp: bool = True,
+    seed: int = 0,
+    name: str = "tiny-mla",
+    heads: int = DEFAULT_HEADS,
+    layers: int = DEFAULT_LAYERS,
+) -> dict[str, Any]:
+    """Everything that determines the built files; its hash names the cache directory.
+
+    tiny-mla at its default size hashes as it always did, so existing caches stay valid.
+    """
+    spec: dict[str, Any] = {
+        "builder": BUILDER_VERSION,
+        "arch": arch(name, heads=heads, layers=layers),
+        "mtp": mtp,
+        "seed": seed,
+    }
+    if name != "tiny-mla":
+        spec["name"] = name
+    return spec
 
 
 def model_dir_name(spec: dict[str, Any]) -> str:
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return f"tiny-dsv3-mla{'-mtp1' if spec['mtp'] else ''}-{digest}"
+    a = spec["arch"]
+    stem = BUILTINS[spec.get("name", "tiny-mla")]["stem"]
+    size = ""
+    if (a["num_attention_heads"], a["num_hidden_layers"]) != (DEFAULT_HEADS, DEFAULT_LAYERS):
+        size = f"-h{a['num_attention_heads']}-l{a['num_hidden_layers']}"
+    return f"{stem}{size}{'-mtp1' if spec['mtp'] else ''}-{digest}"
 
 
-def build_tiny_model(cache_dir: Path | None = None, *, mtp: bool = True, seed: int = 0) -> Path:
-    """Return the directory of the tiny model, building it first if it is not cached.
+def build_tiny_model(
+    cache_dir: Path | None = None,
+    *,
+    mtp: bool = True,
+    seed: int = 0,
+    name: str = "tiny-mla",
+    heads: int = DEFAULT_HEADS,
+    layers: int = DEFAULT_LAYERS,
+) -> Path:
+    """Return the directory of built-in model ``name``, building it first if it is not cached.
 
     The build goes to a temporary directory beside the target and is renamed into place
     at the end, so an interrupted build never leaves a half model that a later call
     would take for a cache hit.
     """
-    spec = model_spec(mtp=mtp, seed=seed)
+    spec = model_spec(mtp=mtp, seed=seed, name=name, heads=heads, layers=layers)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / model_dir_name(spec)
     if (target / "config.json").is_file():
@@ -97,7 +175,7 @@ def build_tiny_model(cache_dir: Path | None = None, *, mtp: bool = True, seed: i
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         _write_tokenizer(tmp, seed=seed)
-        _write_weights_and_config(tmp, mtp=mtp, seed=seed)
+        _write_weights_and_config(tmp, spec["arch"], mtp=mtp, seed=seed)
         (tmp / "orchestrator-tinymodel.json").write_text(json.dumps(spec, indent=2) + "\n")
         try:
             tmp.rename(target)
@@ -193,14 +271,14 @@ def _write_tokenizer(out: Path, *, seed: int) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
-def _write_weights_and_config(out: Path, *, mtp: bool, seed: int) -> None:
+def _write_weights_and_config(out: Path, shape: dict[str, Any], *, mtp: bool, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    n_layers = ARCH["num_hidden_layers"]
+    n_layers = shape["num_hidden_layers"]
     config = DeepseekV3Config(
-        **ARCH,
+        **shape,
         num_nextn_predict_layers=1 if mtp else 0,
         rope_interleave=True,
         dtype="bfloat16",
@@ -217,13 +295,13 @@ def _write_weights_and_config(out: Path, *, mtp: bool, seed: int) -> None:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         prefix = f"model.layers.{n_layers}."
         if mtp:
-            hidden, std = ARCH["hidden_size"], ARCH["initializer_range"]
+            hidden, std = shape["hidden_size"], shape["initializer_range"]
             state[prefix + "enorm.weight"] = torch.ones(hidden)
             state[prefix + "hnorm.weight"] = torch.ones(hidden)
             state[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * std
             state[prefix + "shared_head.norm.weight"] = torch.ones(hidden)
             state[prefix + "shared_head.head.weight"] = (
-                torch.randn(ARCH["vocab_size"], hidden) * std
+                torch.randn(shape["vocab_size"], hidden) * std
             )
         else:
             state = {k: v for k, v in state.items() if not k.startswith(prefix)}

@@ -290,3 +290,26 @@ def test_plan_json(tmp_path):
     assert data["servers"] == 4
     assert {c["case_id"] for c in data["cases"]} >= {"tiny-mla/tp2-dcp1-mtp1/default"}
     assert any("DCP" in n for n in data["notes"])
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ({"path": "/ckpt", "layers": 4}, "models[0]: layers=4 is for built-in models"),
+        ({"path": "builtin:tiny-glm5", "num_heads": 200}, "heads=200 is outside 1..128"),
+        ({"path": "builtin:tiny-glm5", "layers": 0}, "models[0].layers=0"),
+    ],
+)
+def test_builtin_model_sizes_are_checked(model, expected):
+    doc = _with("models.0", {"label": "m", "num_heads": 64} | model)
+    with pytest.raises(MatrixError) as exc:
+        _parse(doc)
+    assert str(exc.value).startswith("m.yaml: ") and expected in str(exc.value), str(exc.value)
+
+
+def test_builtin_model_takes_heads_and_layers():
+    doc = _with("models.0", {"label": "g", "path": "builtin:tiny-glm5", "num_heads": 64})
+    doc["models"][0]["layers"] = 6
+    m = _parse(doc)
+    model = m.models[0]
+    assert (model.builtin_name, model.num_heads, model.builtin_layers) == ("tiny-glm5", 64, 6)

@@ -112,3 +112,49 @@ def test_without_mtp(tmp_path: Path) -> None:
     path = tinymodel.build_tiny_model(tmp_path, mtp=False)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 0
+
+
+def test_glm5_geometry_with_heads_and_layers_as_parameters(tmp_path: Path) -> None:
+    """tiny-glm5: the (192, 64, 256) head geometry vLLM's GPU MLA prefill accepts, at the
+    per-rank head count asked for; dense everywhere, the MTP layer included."""
+    from safetensors import safe_open
+
+    path = tinymodel.build_tiny_model(tmp_path, name="tiny-glm5", heads=11, layers=3)
+    cfg = json.loads((path / "config.json").read_text())
+    got = {k: cfg[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    assert got == {"qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256}
+    assert (cfg["num_attention_heads"], cfg["num_hidden_layers"], cfg["kv_lora_rank"]) == (
+        11,
+        3,
+        512,
+    )
+    assert cfg["first_k_dense_replace"] > cfg["num_hidden_layers"], "no MoE layer, MTP's included"
+    assert path.name.startswith("tiny-glm5-mla-h11-l3-mtp1-")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        kv_b = f.get_slice("model.layers.0.self_attn.kv_b_proj.weight").get_shape()
+        assert kv_b == [11 * (192 + 256), 512]
+        keys = set(f.keys())
+    assert "model.layers.3.eh_proj.weight" in keys
+    assert not any(k.startswith("model.layers.4.") for k in keys)
+
+
+def test_default_model_keeps_its_cache_name() -> None:
+    """Parameters did not change the embedded default's files or cache key."""
+    spec = tinymodel.model_spec()
+    assert spec["arch"] == tinymodel.ARCH
+    assert tinymodel.model_dir_name(spec) == tinymodel.model_dir_name(
+        tinymodel.model_spec(name="tiny-mla", heads=8, layers=2)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"name": "tiny-gpt"}, "unknown built-in model 'tiny-gpt'"),
+        ({"heads": 0}, r"heads=0 is outside 1\.\.128"),
+        ({"layers": 500}, r"layers=500 is outside 1\.\.96"),
+    ],
+)
+def test_bad_sizes_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tinymodel.arch(**kwargs)
