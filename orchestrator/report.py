@@ -134,6 +134,15 @@ def audit_sentence(rows: list[dict[str, Any]]) -> str:
     return out
 
 
+def token_check_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One bullet per same_tokens check (orchestrator/tokens.py) of the rows, in case order."""
+    return [
+        f"- {r['topology_id']} {workload}: **{c['verdict']}** -- {c['sentence']}"
+        for r in rows
+        for workload, c in (r.get("same_tokens") or {}).items()
+    ]
+
+
 def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -> str:
     manifest = store.manifest()
     rows = store.results()
@@ -170,6 +179,9 @@ def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -
             for d in deltas
         ]
         out += [_md_table(["Topology", "Workload", base.title(), cand.title(), "Delta"], body), ""]
+    checks = token_check_lines(_ordered_rows(manifest, rows))
+    if checks:
+        out += ["## Same tokens (greedy, request by request)", "", *checks, ""]
     repeats = [
         (r["case_id"], name, w.get("repeats", []))
         for r in _ordered_rows(manifest, rows)
@@ -237,6 +249,7 @@ def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> di
                 "reason": r.get("reason"),
                 "errors": r.get("errors", 0),
                 "audit_verdict": (r.get("audit") or {}).get("verdict", {}).get("status"),
+                "same_tokens": r.get("same_tokens") or {},
                 "workloads": {
                     name: {
                         "aggregate_tok_s": w.get("mean", {}).get("aggregate_tok_s"),

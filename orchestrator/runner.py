@@ -159,6 +159,7 @@ def _workload_params(w: Any) -> Any:
         requests=w.request_count,
         duration_s=w.duration_s,
         repeats=w.repeats,
+        record_tokens=w.same_tokens,
     )
 
 
@@ -467,6 +468,12 @@ def run_case(
         reason = (
             f"audit: {first.signature} ({first.severity}) at {first.location()}: {first.text[:200]}"
         )
+    same_tokens = token_checks(case, matrix, store, workloads)
+    if same_tokens:
+        row["same_tokens"] = same_tokens
+        differs = [c["sentence"] for c in same_tokens.values() if c["verdict"] == "differs"]
+        if differs and status == "passed":
+            status, reason = "failed", f"same tokens: {differs[0]}"
     errors = sum(int(w.get("errors", 0)) for w in workloads.values())
     timings["total_s"] = time.monotonic() - t_case
     row.update(
@@ -479,6 +486,41 @@ def run_case(
         timings={k: round(v, 3) for k, v in timings.items()},
     )
     return row
+
+
+def token_checks(
+    case: Case, matrix: Matrix, store: RunStore, workloads: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """For each measured ``same_tokens`` workload: this case's tokens against those of the
+    first variant of its topology (``{}`` for that first variant itself)."""
+    from dataclasses import replace
+
+    from orchestrator import tokens
+    from orchestrator.store import read_jsonl
+
+    first = matrix.variants[0] if matrix.variants else None
+    if first is None or case.variant.name == first.name:
+        return {}
+    reference = replace(case, variant=first)
+    checks: dict[str, dict[str, Any]] = {}
+    for wl in matrix.workloads:
+        if not wl.same_tokens or wl.name not in workloads:
+            continue
+        ref_path = store.case_dir(reference.slug) / f"requests-{wl.name}.jsonl"
+        mine = read_jsonl(store.case_dir(case.slug) / f"requests-{wl.name}.jsonl")
+        if not ref_path.is_file():
+            checks[wl.name] = {
+                "reference": reference.case_id,
+                "verdict": "no-reference",
+                "sentence": f"{case.variant.name} vs {first.name}: the {first.name} case "
+                "recorded no tokens (not run, or failed before this workload)",
+            }
+            continue
+        check = tokens.compare(read_jsonl(ref_path), mine)
+        check["reference"] = reference.case_id
+        check["sentence"] = tokens.describe(check, reference=first.name, variant=case.variant.name)
+        checks[wl.name] = check
+    return checks
 
 
 def _open_for_resume(options: RunOptions, cases: list[Case], matrix_path: str | Path) -> RunStore:

@@ -82,6 +82,8 @@ class WorkloadParams:
     requests: int | None = None
     duration_s: float | None = None
     repeats: int = 1
+    # Keep each request's output token ids and top logprobs (for orchestrator.tokens).
+    record_tokens: bool = False
 
     def __post_init__(self) -> None:
         bad = [
@@ -130,6 +132,10 @@ class RequestRecord:
     output_tokens: int = 0  # from usage, else counted from chunks
     finish_reason: str | None = None
     error: str | None = None
+    # With WorkloadParams.record_tokens: the output token ids, and per position the top
+    # TOP_LOGPROBS {token id: logprob} (what tells a near-tie from a real difference).
+    token_ids: list[int] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -255,9 +261,15 @@ def mean_of_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- client
 
 
-def request_body(model: str, prompt: list[int], output_tokens: int) -> dict[str, Any]:
+# Logprobs asked per position when tokens are recorded: the chosen token and its closest rival.
+TOP_LOGPROBS = 2
+
+
+def request_body(
+    model: str, prompt: list[int], output_tokens: int, *, record_tokens: bool = False
+) -> dict[str, Any]:
     """The JSON body of one streamed completion with an exact output length."""
-    return {
+    body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_tokens,
@@ -270,6 +282,19 @@ def request_body(model: str, prompt: list[int], output_tokens: int) -> dict[str,
         # chunk then counts as one token, with usage giving the exact total.
         "return_token_ids": True,
     }
+    if record_tokens:
+        # Top logprobs keyed "token_id:<id>" instead of by text (byte-level BPE pieces are
+        # not unique keys).
+        body |= {"logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}
+    return body
+
+
+def _token_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
+    """A streamed choice's top logprobs per position, keyed by token id."""
+    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    return [
+        {int(k.removeprefix("token_id:")): float(v) for k, v in (top or {}).items()} for top in tops
+    ]
 
 
 async def _one_request(
@@ -282,7 +307,8 @@ async def _one_request(
     on_tokens: Callable[[int], None],
 ) -> bool:
     """Run one request into `rec`; True when it ran past `timeout_s`."""
-    body = request_body(model, prompt, rec.requested_output_tokens)
+    record = rec.token_ids is not None
+    body = request_body(model, prompt, rec.requested_output_tokens, record_tokens=record)
     counted = 0
     usage: dict[str, Any] | None = None
 
@@ -308,6 +334,9 @@ async def _one_request(
                     n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
                     if choice.get("finish_reason"):
                         rec.finish_reason = choice["finish_reason"]
+                    if record and ids:
+                        rec.token_ids.extend(int(i) for i in ids)
+                        rec.top_logprobs.extend(_token_logprobs(choice))
                     if n == 0:
                         continue
                     if rec.first_token_s is None:
@@ -422,6 +451,8 @@ async def _run_repeat(
                 start_s=time.monotonic() - t0,
                 requested_prompt_tokens=params.prompt_tokens,
                 requested_output_tokens=params.output_tokens,
+                token_ids=[] if params.record_tokens else None,
+                top_logprobs=[] if params.record_tokens else None,
             )
             records.append(rec)
             timed_out = await _one_request(client, model, prompt, rec, t0, timeout_s, count)

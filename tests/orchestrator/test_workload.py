@@ -356,3 +356,27 @@ def test_import_stays_light() -> None:
 
     code = "import sys, orchestrator.workload as w; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_real_recorded_tokens_repeat_exactly(tiny_server: tuple[str, str, Any]) -> None:
+    """Greedy ids and top logprobs as vLLM streams them; one server twice gives the same ids."""
+    from orchestrator import tokens
+
+    url, _, proc = tiny_server
+    p = wl.WorkloadParams("greedy", 12, 8, requests=2, record_tokens=True)
+    runs = [
+        wl.run_workload(url, "tiny", p, vocab_size=2048, alive=lambda: proc.poll() is None)
+        for _ in range(2)
+    ]
+    for res in runs:
+        assert res.to_dict()["errors"] == 0, res.to_dict()["error_samples"]
+        for r in res.records:
+            assert len(r["token_ids"]) == 8 == len(r["top_logprobs"])
+            for token, top in zip(r["token_ids"], r["top_logprobs"], strict=True):
+                # Greedy: the chosen id is in its position's top and ranked first.
+                assert token in top and top[token] == max(top.values())
+    check = tokens.compare(runs[0].records, runs[1].records)
+    assert check["verdict"] == "identical" and check["identical"] == 2, check

@@ -1,0 +1,140 @@
+"""Same tokens: do two variants of one topology produce the same greedy token ids?
+
+A workload with ``same_tokens: true`` records every request's output token ids and, per
+position, the top logprobs (``workload.TOP_LOGPROBS``). Each variant after a topology's first
+is then held against the first, request by request (the same prompts: they are drawn from the
+matrix seed, the workload name and the request's index).
+
+Identical ids are the expectation, but not a bitwise promise: the fused kernel and cuBLAS
+reduce K in a different order, so a BF16 query can differ in its last bit, and where the
+model's top two tokens are within rounding of each other (random-weight models are full of
+such near-ties) greedy decoding may pick the other one -- after which the two texts
+legitimately diverge. So only a request's *first* divergence is judged: it is a near-tie
+when each run ranked the other's choice within ``NEAR_TIE_NATS`` of its own; anything else
+(a clear winner that changed, a missing or failed request) is a difference, and the report
+says where.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# How close (in nats) two tokens' logprobs must be for a flipped choice to count as rounding.
+# A one-ulp BF16 change in the query moves the tiny models' logits by ~1e-3; 0.05 is the
+# margin below which the CPU e2e test (tests/fusedq/test_vllm_plugin.py) saw flips and above
+# which a real kernel bug (wrong head, stale RoPE part) lands at once.
+NEAR_TIE_NATS = 0.05
+# Divergences kept in a check's record (the first one decides the sentence).
+KEEP = 5
+
+Record = Mapping[str, Any]
+
+
+def _key(rec: Record) -> tuple[int, int]:
+    return int(rec.get("repeat", 0)), int(rec["index"])
+
+
+def _logprob(tops: Sequence[Mapping[Any, float]] | None, pos: int, token: int) -> float | None:
+    """Logprob of ``token`` at ``pos`` if the record kept it (JSON turns int keys to str)."""
+    if not tops or pos >= len(tops):
+        return None
+    top = tops[pos] or {}
+    value = top.get(token, top.get(str(token)))
+    return None if value is None else float(value)
+
+
+def _margin(tops: Sequence[Mapping[Any, float]] | None, pos: int, chosen: int, other: int):
+    """How far this run preferred its own choice over the other run's (None: not in its top)."""
+    a, b = _logprob(tops, pos, chosen), _logprob(tops, pos, other)
+    return None if a is None or b is None else round(a - b, 6)
+
+
+def _divergence(ref: Record, got: Record, tol: float) -> dict[str, Any] | None:
+    """The first position where the two token id lists part, judged; None when identical."""
+    a, b = list(ref.get("token_ids") or []), list(got.get("token_ids") or [])
+    pos = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if pos is None:
+        if len(a) == len(b):
+            return None
+        pos = min(len(a), len(b))
+        return {"position": pos, "reference_token": None, "token": None, "tie": False,
+                "why": f"lengths differ ({len(a)} vs {len(b)} tokens)"}  # fmt: skip
+    ref_margin = _margin(ref.get("top_logprobs"), pos, a[pos], b[pos])
+    got_margin = _margin(got.get("top_logprobs"), pos, b[pos], a[pos])
+    tie = (
+        ref_margin is not None
+        and got_margin is not None
+        and 0 <= ref_margin <= tol
+        and 0 <= got_margin <= tol
+    )
+    return {
+        "position": pos,
+        "reference_token": a[pos],
+        "token": b[pos],
+        "reference_margin": ref_margin,
+        "margin": got_margin,
+        "tie": tie,
+    }
+
+
+def compare(
+    reference: Iterable[Record], candidate: Iterable[Record], *, tol: float = NEAR_TIE_NATS
+) -> dict[str, Any]:
+    """Hold ``candidate``'s requests against ``reference``'s (records of one workload).
+
+    Returns ``verdict`` (``identical``, ``near-tie`` or ``differs``), counts, and the first
+    divergences with positions, token ids and each run's margin in nats.
+    """
+    refs = {_key(r): r for r in reference}
+    gots = {_key(r): r for r in candidate}
+    out: dict[str, Any] = {
+        "requests": len(refs), "identical": 0, "ties": 0, "differs": 0, "divergences": [],
+    }  # fmt: skip
+    for key in sorted(refs.keys() | gots.keys()):
+        ref, got = refs.get(key), gots.get(key)
+        where = {"request": f"{key[0]}/{key[1]}"}
+        if ref is None or got is None or ref.get("error") or got.get("error"):
+            which = "reference" if ref is None or ref.get("error") else "compared"
+            d = {**where, "tie": False, "why": f"the {which} run has no complete request here"}
+        elif ref.get("token_ids") is None or got.get("token_ids") is None:
+            d = {**where, "tie": False, "why": "no token ids recorded"}
+        else:
+            found = _divergence(ref, got, tol)
+            if found is None:
+                out["identical"] += 1
+                continue
+            d = {**where, **found}
+        out["ties" if d["tie"] else "differs"] += 1
+        if len(out["divergences"]) < KEEP:
+            out["divergences"].append(d)
+    out["verdict"] = "differs" if out["differs"] else ("near-tie" if out["ties"] else "identical")
+    out["tolerance_nats"] = tol
+    return out
+
+
+def describe(check: Mapping[str, Any], *, reference: str, variant: str) -> str:
+    """One sentence for reports: what was compared and, where they part, where."""
+    n, same = check["requests"], check["identical"]
+    head = f"{variant} vs {reference}: identical token ids in {same}/{n} requests"
+    if check["verdict"] == "identical":
+        return head
+    first = next((d for d in check["divergences"] if not d["tie"]), check["divergences"][0])
+    if "why" in first and first.get("reference_token") is None:
+        detail = f"request {first['request']}: {first['why']}"
+    else:
+        detail = (
+            f"request {first['request']} parts at output token {first['position']}: "
+            f"{reference} {first['reference_token']}, {variant} {first['token']} "
+            f"(margins {_nats(first.get('reference_margin'))} / {_nats(first.get('margin'))})"
+        )
+    kind = (
+        f"{check['ties']} near-tie(s) within {check['tolerance_nats']:g} nats"
+        if check["verdict"] == "near-tie"
+        else f"{check['differs']} real difference(s)"
+    )
+    return f"{head}; {kind}; {detail}"
+
+
+def _nats(v: float | None) -> str:
+    return "not in top" if v is None else f"{v:.3f} nats"

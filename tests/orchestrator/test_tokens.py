@@ -1,0 +1,116 @@
+"""Same tokens (orchestrator/tokens.py): the comparison rules, and the runner's glue that holds
+a variant's recorded requests against its topology's first variant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator import tokens
+from orchestrator.matrix import MatrixError, expand, parse_matrix
+from orchestrator.runner import token_checks
+from orchestrator.store import RunStore
+
+
+def rec(index: int, ids: list[int], tops: list[dict] | None = None, **kw) -> dict:
+    """A request record as workload.py writes it (after a JSON round trip: str keys)."""
+    tops = tops if tops is not None else [{i: -1.0} for i in ids]
+    r = {"repeat": 0, "index": index, "token_ids": ids, "top_logprobs": tops, "error": None}
+    return json.loads(json.dumps(r | kw))
+
+
+def test_identical_requests():
+    check = tokens.compare([rec(0, [5, 6, 7]), rec(1, [9])], [rec(1, [9]), rec(0, [5, 6, 7])])
+    assert (check["verdict"], check["identical"], check["requests"]) == ("identical", 2, 2)
+    assert tokens.describe(check, reference="staged", variant="fused") == (
+        "fused vs staged: identical token ids in 2/2 requests"
+    )
+
+
+def test_a_flip_between_near_equal_tokens_is_a_near_tie():
+    # Position 1: staged picks 6 over 8 by 0.01 nats, fused picks 8 over 6 by 0.02.
+    ref = rec(0, [5, 6, 3], [{5: -1.0}, {6: -2.00, 8: -2.01}, {3: -1.0}])
+    got = rec(0, [5, 8, 4], [{5: -1.0}, {8: -2.00, 6: -2.02}, {4: -1.0}])
+    check = tokens.compare([ref], [got])
+    assert check["verdict"] == "near-tie" and check["ties"] == 1
+    d = check["divergences"][0]
+    assert (d["position"], d["reference_token"], d["token"], d["tie"]) == (1, 6, 8, True)
+    assert d["reference_margin"] == pytest.approx(0.01) and d["margin"] == pytest.approx(0.02)
+    assert "1 near-tie(s) within 0.05 nats" in tokens.describe(check, reference="a", variant="b")
+
+
+@pytest.mark.parametrize(
+    "got_tops",
+    [
+        [{5: -1.0}, {8: -0.5, 6: -3.0}],  # the fused run preferred 8 by 2.5 nats
+        [{5: -1.0}, {8: -0.5}],  # the staged choice is not even in the fused run's top
+    ],
+)
+def test_a_clear_change_differs_and_says_where(got_tops):
+    ref = rec(0, [5, 6], [{5: -1.0}, {6: -2.0, 8: -2.01}])
+    got = rec(0, [5, 8], got_tops)
+    check = tokens.compare([rec(1, [1]), ref], [rec(1, [1]), got])
+    assert check["verdict"] == "differs" and (check["identical"], check["differs"]) == (1, 1)
+    sentence = tokens.describe(check, reference="staged", variant="fused")
+    assert "request 0/0 parts at output token 1: staged 6, fused 8" in sentence, sentence
+    assert "1 real difference(s)" in sentence
+
+
+@pytest.mark.parametrize(
+    ("got", "why"),
+    [
+        ([], "the compared run has no complete request here"),
+        ([rec(0, [5], error="HTTP 500")], "the compared run has no complete request here"),
+        ([rec(0, [5, 6, 7])], "lengths differ (2 vs 3 tokens)"),
+        ([rec(0, [5, 6], token_ids=None)], "no token ids recorded"),
+    ],
+)
+def test_missing_failed_or_short_requests_differ(got, why):
+    check = tokens.compare([rec(0, [5, 6])], got)
+    assert check["verdict"] == "differs"
+    assert check["divergences"][0]["why"] == why
+    assert why in tokens.describe(check, reference="a", variant="b")
+
+
+MATRIX = """
+name: t
+models: [{label: m, path: /ckpt, num_heads: 16}]
+resources: {accelerator: cpu}
+topologies: [{tp: 1, mtp: [0]}]
+workloads:
+  - {name: ctx0, prompt_tokens: 1, output_tokens: 4, duration_s: 1}
+  - {name: greedy, prompt_tokens: 8, output_tokens: 4, requests: 2, same_tokens: true}
+variants: [{name: staged}, {name: fused}]
+"""
+
+
+def test_runner_holds_each_later_variant_against_the_first(tmp_path: Path):
+    matrix = parse_matrix(MATRIX, "t.yaml", env={})
+    staged, fused = expand(matrix)
+    store = RunStore.create(tmp_path, "r")
+    store.write_records(staged.slug, "greedy", [rec(0, [1, 2]), rec(1, [3, 4])])
+    store.write_records(fused.slug, "greedy", [rec(0, [1, 2]), rec(1, [3, 5])])
+    measured = {"ctx0": {}, "greedy": {}}
+    assert token_checks(staged, matrix, store, measured) == {}, "the reference checks nothing"
+    check = token_checks(fused, matrix, store, measured)["greedy"]
+    assert check["verdict"] == "differs" and check["reference"] == staged.case_id
+    assert "request 0/1 parts at output token 1: staged 4, fused 5" in check["sentence"]
+    # A reference that recorded nothing (filtered out, or failed before this workload).
+    other = RunStore.create(tmp_path, "r2")
+    other.write_records(fused.slug, "greedy", [rec(0, [1, 2])])
+    assert token_checks(fused, matrix, other, measured)["greedy"]["verdict"] == "no-reference"
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        "{name: g, prompt_tokens: 8, output_tokens: 4, duration_s: 5, same_tokens: true}",
+        "{name: g, prompt_tokens: 8, output_tokens: 4, requests: 4, concurrency: 2, same_tokens: true}",
+    ],
+)
+def test_same_tokens_needs_one_request_at_a_time_in_request_mode(workload):
+    doc = MATRIX.split("workloads:")[0] + f"workloads: [{workload}]\n"
+    with pytest.raises(MatrixError, match="same_tokens needs request mode"):
+        parse_matrix(doc, "t.yaml", env={})
