@@ -1,0 +1,96 @@
+"""scripts/wheelhouse.py: pins, completeness, chunking and verification (no index, no pip run
+except the refusal paths, which stop before pip)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("wheelhouse", REPO / "scripts" / "wheelhouse.py")
+wh = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wh)
+
+
+def test_the_shipped_requirements_are_exact_pins():
+    pins = wh.read_pins(wh.DEFAULT_REQUIREMENTS)
+    assert pins["vllm"] == "0.26.0" and pins["ray"] == "2.60.0"
+    assert len(pins) == 93
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("vllm>=0.26\n", r"r\.txt:1: 'vllm>=0\.26' is not an exact pin"),
+        ("# c\nray==2.60.0\nRay==2.61.0\n", r"r\.txt:3: Ray is pinned twice"),
+    ],
+)
+def test_bad_requirements_are_named(tmp_path, text, match):
+    (tmp_path / "r.txt").write_text(text)
+    with pytest.raises(wh.WheelhouseError, match=match):
+        wh.read_pins(tmp_path / "r.txt")
+
+
+def test_completeness_names_missing_wrong_and_extra_wheels():
+    pins = {"vllm": "0.26.0", "pydantic_core": "2.50.5", "ray": "2.60.0"}
+    wheels = [
+        Path("vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        Path("pydantic_core-2.50.4-cp312-cp312-manylinux_2_17_x86_64.whl"),
+        Path("six-1.17.0-py2.py3-none-any.whl"),
+    ]
+    with pytest.raises(wh.WheelhouseError) as exc:
+        wh.check_complete(pins, wheels)
+    msg = str(exc.value)
+    assert "no wheel for ray==2.60.0" in msg
+    assert "pydantic_core ['2.50.4'] (pinned 2.50.5)" in msg
+    assert "wheels not pinned: six" in msg
+    wh.check_complete({"vllm": "0.26.0"}, wheels[:1])
+
+
+def _house(tmp_path: Path) -> Path:
+    house = tmp_path / "house"
+    house.mkdir()
+    for name in ("a-1.0-py3-none-any.whl", "b-2.0-py3-none-any.whl"):
+        (house / name).write_bytes(name.encode() * 1000)
+    sums = "".join(f"{wh.sha256(w)}  {w.name}\n" for w in sorted(house.glob("*.whl")))
+    (house / wh.SUMS).write_text(sums)
+    (house / wh.META).write_text(json.dumps({"python": "9.9"}))
+    return house
+
+
+def test_chunks_round_trip_and_are_verified(tmp_path):
+    house = _house(tmp_path)
+    parts = wh.split(house, 4096)
+    assert len(parts) > 2 and all(p.stat().st_size <= 4096 for p in parts)
+    out = wh.unpack(list(reversed(parts)), tmp_path / "out")  # any order on the command line
+    assert [w.name for w in wh.verify(out, "chunks")] == sorted(p.name for p in house.glob("*.whl"))
+    with pytest.raises(wh.WheelhouseError, match=r"not a complete \.00\.\. series"):
+        wh.unpack(parts[1:], tmp_path / "out2")
+
+
+def test_an_altered_wheel_stops_the_install_before_pip(tmp_path):
+    house = _house(tmp_path)
+    (house / "b-2.0-py3-none-any.whl").write_bytes(b"tampered")
+    with pytest.raises(
+        wh.WheelhouseError, match=r"b-2\.0-py3-none-any\.whl does not match its checksum"
+    ):
+        wh.verify(house, str(house))
+    assert wh.main(["install", str(house)]) == 2
+
+
+def test_a_wheelhouse_for_another_python_is_refused(tmp_path, capsys):
+    house = _house(tmp_path)
+    assert wh.main(["install", str(house), "--target", str(tmp_path / "t")]) == 2
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert f"built for Python 9.9, this is Python {here}" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def test_build_refuses_a_non_empty_directory(tmp_path, capsys):
+    (tmp_path / "x").write_text("")
+    assert wh.main(["build", "--out", str(tmp_path)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
