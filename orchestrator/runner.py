@@ -674,10 +674,16 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     def _on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    if threading.current_thread() is threading.main_thread():
+    trap = threading.current_thread() is threading.main_thread()
+    if trap:
         signal.signal(signal.SIGTERM, _on_term)
     try:
         with Launcher(matrix, ray_address=options.ray_address, log=log) as launcher:
+            if trap:
+                # ray.init() installs its own SIGTERM handler (abseil's failure handler then
+                # kills the process: no server stopped, no report; seen on the H200), so
+                # ours goes back on once Ray is up.
+                signal.signal(signal.SIGTERM, _on_term)
             launcher.check_capacity()
             if store is None:
                 store = RunStore.create(options.logs_dir, run_id)
@@ -722,7 +728,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
         log("interrupted: servers stopped; finished cases kept; continue with --resume")
         raise
     finally:
-        if threading.current_thread() is threading.main_thread():
+        if trap:
             signal.signal(signal.SIGTERM, previous_term)
         for key, value in saved_env.items():
             if value is None:
