@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from orchestrator.compare import CompareError, compare_runs
+from orchestrator.compare import (
+    NO_REGRESSION,
+    TOO_FEW,
+    CompareError,
+    compare_runs,
+    request_blocks,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
@@ -39,6 +47,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _judged(cmp, case_id=CASE, workload="ctx0"):
+    row = next(r for r in cmp.rows if r.case_id == case_id)
+    return next(d for d in row.deltas if d.workload == workload and d.judgement is not None)
+
+
 def test_unchanged_run_passes(pair):
     cmp = compare_runs(*pair)
     assert cmp.ok and not cmp.regressions and not cmp.new_findings and not cmp.cleared_findings
@@ -46,27 +59,69 @@ def test_unchanged_run_passes(pair):
     # Every throughput figure is compared: 2 metrics x (2 workloads, 1 for tp8-dcp1).
     assert sum(len(r.deltas) for r in cmp.rows) == 2 * (2 * 8 + 1 * 2)
     assert {d.delta_pct for r in cmp.rows for d in r.deltas} == {0.0}
-    assert "no regression" in cmp.to_markdown()
+    # Aggregate tok/s is judged: ctx0 has 18 requests of about 7 s in each of 2 repeats and
+    # is decided; ctx64k has one request per repeat, too few to tell.
+    assert len(cmp.gated) == 18
+    ctx0 = _judged(cmp)
+    assert ctx0.judgement.verdict == NO_REGRESSION
+    assert ctx0.judgement.samples_base == "36 requests in 2 repeats"
+    assert -0.5 < ctx0.judgement.interval.low < 0.0 < ctx0.judgement.interval.high < 0.5
+    ctx64k = _judged(cmp, workload="ctx64k")
+    assert ctx64k.judgement.verdict == TOO_FEW and ctx64k.judgement.interval is None
+    assert len(cmp.undecided) == 8 and not cmp.unconfirmed_drops
+    assert "no regression beyond the measured noise" in cmp.to_markdown()
+    assert "8 of 18 throughput figures: too few samples to tell" in cmp.verdict()
 
 
 def test_planted_5pct_regression_is_flagged(pair):
     base, cand = pair
-    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx64k", 0.95) if r["case_id"] == CASE else r)
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.95) if r["case_id"] == CASE else r)
     cmp = compare_runs(base, cand)
     assert not cmp.ok
     [reg] = cmp.regressions
-    assert (reg.case_id, reg.kind, reg.workload) == (CASE, "throughput", "ctx64k")
+    assert (reg.case_id, reg.kind, reg.workload) == (CASE, "throughput", "ctx0")
     assert reg.delta_pct == pytest.approx(-5.0, abs=0.01)
-    assert "71.33 → 67.76 (-5.00%, threshold -3%)" in reg.message
+    assert -5.5 < reg.interval.low < reg.interval.high < -4.5
+    assert re.search(
+        r"ctx0 aggregate tok/s 73\.39 → 69\.72 \(-5\.00%, 95% interval -5\.\d\d% … -4\.\d\d%, "
+        r"threshold -3%; 36 requests in 2 repeats vs 36 requests in 2 repeats\)",
+        reg.message,
+    ), reg.message
     # per-user moved too: reported, not gated
     row = next(r for r in cmp.rows if r.case_id == CASE)
-    per_user = next(
-        d for d in row.deltas if d.workload == "ctx64k" and d.metric == "per_user_tok_s"
-    )
-    assert per_user.delta_pct == pytest.approx(-5.0, abs=0.01)
+    per_user = next(d for d in row.deltas if d.workload == "ctx0" and d.metric == "per_user_tok_s")
+    assert per_user.delta_pct == pytest.approx(-5.0, abs=0.01) and per_user.judgement is None
     md = cmp.to_markdown()
     assert "## Regressions" in md and f"**{CASE}**" in md and "-5.00%" in md
     assert compare_runs(base, cand, threshold_pct=6.0).ok  # a looser threshold lets it pass
+
+
+def test_drop_past_the_threshold_with_too_few_samples_is_told_not_flagged(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx64k", 0.95) if r["case_id"] == CASE else r)
+    cmp = compare_runs(base, cand)
+    assert cmp.ok and not cmp.regressions
+    [drop] = cmp.unconfirmed_drops
+    assert (drop.case_id, drop.workload) == (CASE, "ctx64k")
+    assert drop.delta_pct == pytest.approx(-5.0, abs=0.01)
+    md = cmp.to_markdown()
+    assert "## Drops past the threshold, too few samples to tell" in md
+    assert (
+        f"- **{CASE}**: ctx64k aggregate tok/s 71.33 → 67.76 (-5.00%): base 2 requests in 2 "
+        "repeats, candidate 2 requests in 2 repeats; 8 samples per run needed"
+    ) in md
+
+
+def test_drop_at_the_threshold_cannot_be_told(pair):
+    # -3.0 % with an interval of about ±0.1 %: either side of the threshold may hold it.
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.97) if r["case_id"] == CASE else r)
+    cmp = compare_runs(base, cand)
+    assert cmp.ok
+    j = _judged(cmp).judgement
+    assert j.verdict == TOO_FEW and j.interval.low < -3.0 < j.interval.high
+    assert "reaches both sides of -3%" in j.why
+    assert "(can't tell)" in cmp.to_markdown()
 
 
 def test_drop_under_threshold_and_gains_pass(pair):
@@ -135,12 +190,86 @@ def test_cases_in_one_run_only_are_listed_not_failed(pair):
     assert f"only in base: {CASE}" in cmp.to_markdown()
 
 
+def test_same_inputs_give_the_same_comparison_in_any_row_order(pair):
+    base, cand = pair
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.96))
+    first = compare_runs(base, cand).to_dict()
+    assert compare_runs(base, cand).to_dict() == first
+    # Rows in another order (a resumed run appends in another order): each figure's
+    # interval is its own, from a fresh generator.
+    rows = (cand / "results.jsonl").read_text().splitlines()
+    (cand / "results.jsonl").write_text("\n".join(reversed(rows)) + "\n")
+    again = compare_runs(base, cand).to_dict()
+    intervals = {
+        (r["case_id"], d["workload"]): d["judgement"]
+        for data in (first, again)
+        for r in data["rows"]
+        for d in r["deltas"]
+        if d["judgement"]
+    }
+    assert len(intervals) == 18
+    for data in (first, again):
+        for r in data["rows"]:
+            for d in r["deltas"]:
+                if d["judgement"]:
+                    assert d["judgement"] == intervals[(r["case_id"], d["workload"])]
+
+
+def test_runs_without_request_records_still_compare(pair):
+    # Results written before request records were read (or copied without cases/): each
+    # run's repeats are its samples, two are too few, and nothing is flagged on them.
+    base, cand = pair
+    for run in pair:
+        shutil.rmtree(run / "cases")
+    runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.95) if r["case_id"] == CASE else r)
+    cmp = compare_runs(base, cand)
+    assert cmp.ok and len(cmp.undecided) == 18
+    [drop] = cmp.unconfirmed_drops
+    assert drop.judgement.samples_cand == "2 repeats (no request records)"
+    assert not (base / "cases").exists()  # reading created nothing
+
+    # Eight repeats a run are enough to decide without request records.
+    def eight(r):
+        summary = r["workloads"]["ctx0"]
+        summary["repeats"] = [dict(summary["repeats"][i % 2]) for i in range(8)]
+        return r
+
+    runs.edit_rows(base, eight)
+    runs.edit_rows(cand, eight)
+    [reg] = compare_runs(base, cand).regressions
+    assert reg.case_id == CASE and "8 repeats (no request records)" in reg.message
+
+
+def test_request_blocks_follow_concurrency_and_skip_failed_requests():
+    def rec(repeat, start, end, tokens=64, error=None):
+        return {"repeat": repeat, "start_s": start, "end_s": end, "output_tokens": tokens,
+                "error": error}  # fmt: skip
+
+    records = [
+        rec(0, 1.0, 3.0),
+        rec(0, 0.0, 2.0),
+        rec(0, 2.0, 5.0, error="HTTP 500: boom"),
+        rec(0, 3.0, 4.0, tokens=32),
+        rec(1, 0.0, 1.0),
+        {"repeat": 1, "note": "another shape"},
+    ]
+    assert request_blocks(records, 1) == {
+        1: ((64.0, 2.0), (64.0, 2.0), (32.0, 1.0)),
+        2: ((64.0, 1.0),),
+    }
+    # Requests in flight together are one sample: blocks of 2 in start order.
+    assert request_blocks(records, 2) == {1: ((128.0, 4.0), (32.0, 1.0)), 2: ((64.0, 1.0),)}
+
+
 def test_to_dict_is_json(pair):
     base, cand = pair
     runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.9) if r["case_id"] == CASE else r)
     data = json.loads(json.dumps(compare_runs(base, cand).to_dict()))
     assert data["ok"] is False and data["regressions"][0]["workload"] == "ctx0"
+    assert data["regressions"][0]["interval"]["high"] < -3.0
     assert data["rows"][0]["deltas"][0]["delta_pct"] == 0.0
+    judged = data["rows"][0]["deltas"][0]["judgement"]
+    assert judged["verdict"] == "no regression" and judged["interval"]["confidence"] == 0.95
 
 
 def test_bad_run_directories_name_the_path(tmp_path, pair):

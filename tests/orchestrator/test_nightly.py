@@ -190,7 +190,7 @@ def test_cli_exit_codes_with_a_fake_runner(history, monkeypatch):
     )
     assert out.exit_code == 0, out.output
     assert killing.calls[0][1].kill_leftovers is True
-    regressing = FakeRunner(_only(CASE, lambda r: runs.scale(r, "ctx64k", 0.95)), "night-bad")
+    regressing = FakeRunner(_only(CASE, lambda r: runs.scale(r, "ctx0", 0.95)), "night-bad")
     monkeypatch.setattr(nightly_mod, "_default_runner", regressing)
     out = CliRunner().invoke(app, ["nightly", "m.yaml", "--history", str(history)])
     assert out.exit_code == 1, out.output
