@@ -5,10 +5,10 @@ active per-user tok/s of both runs are set side by side; findings are matched by
 signature. What fails a comparison (``Comparison.ok`` is False, the CLI exits 1):
 
 - a drop of aggregate tok/s of more than ``threshold_pct`` in any workload of a matched case,
-  beyond the noise the two runs let us measure: the whole 95 % interval of the change (a
-  bootstrap over each run's repeats and, inside them, their requests; see
-  orchestrator.stats) lies below ``-threshold_pct``. With fewer than ``MIN_SAMPLES``
-  samples in either run, or an interval that reaches both sides of the threshold, the
+  beyond the noise the two runs let us measure: the whole 95 % interval of the change (from
+  each run's repeats, with their recorded requests as a floor under each repeat's noise;
+  see orchestrator.stats) lies below ``-threshold_pct``. With fewer than ``MIN_REPEATS``
+  repeats in either run, or an interval that reaches both sides of the threshold, the
   figure is *too few samples to tell*: reported, not a regression;
 - a case that passed in BASE and failed in CAND;
 - a new finding of severity ``fatal`` or ``quarantine-node``.
@@ -32,13 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from orchestrator.report import _fmt, _md_table
-from orchestrator.stats import (
-    MIN_SAMPLES,
-    Interval,
-    RepeatSample,
-    bootstrap_change_pct,
-    sample_count,
-)
+from orchestrator.stats import MIN_REPEATS, Interval, RepeatSample, change_interval
 from orchestrator.store import MANIFEST, RunStore, case_slug
 
 DEFAULT_THRESHOLD_PCT = 3.0
@@ -82,9 +76,9 @@ class Judgement:
     """The gate's reading of one gated figure: the interval of its change and what it says."""
 
     verdict: str  # REGRESSION, NO_REGRESSION or TOO_FEW
-    samples_base: str  # "40 requests in 2 repeats", "2 repeats (no request records)"
+    samples_base: str  # "2 repeats of 12 requests", "2 repeats (no request records)"
     samples_cand: str
-    interval: Interval | None  # None when either run has fewer than MIN_SAMPLES samples
+    interval: Interval | None  # None when either run has fewer than MIN_REPEATS repeats
     why: str  # for TOO_FEW: what is missing
 
     @property
@@ -254,6 +248,9 @@ class Comparison:
             "ok": self.ok,
             "verdict": self.verdict(),
             "regressions": [r.to_dict() for r in self.regressions],
+            "gated": len(self.gated),
+            "too_few_samples": len(self.undecided),
+            "unconfirmed_drops": [d.to_dict() for d in self.unconfirmed_drops],
             "new_findings": [f.to_dict() for f in self.new_findings],
             "cleared_findings": [f.to_dict() for f in self.cleared_findings],
             "only_in_base": self.only_in_base,
@@ -349,10 +346,10 @@ def _interval_cell(j: Judgement | None) -> str:
 
 
 _METHOD_NOTE = (
-    "95% interval: of the change in aggregate tok/s, from a bootstrap that resamples each "
-    "run's repeats and, inside each, its requests (docs/reports.md). A regression is a drop "
-    f"whose whole interval lies past the threshold; with fewer than {MIN_SAMPLES} samples "
-    f"(requests, or repeats where no request was recorded) in either run there is no interval."
+    "95% interval: of the change in aggregate tok/s, Welch's t over each run's repeats, "
+    "with each repeat's requests as a floor under its noise (docs/reports.md). A regression "
+    "is a drop whose whole interval lies past the threshold; a run with fewer than "
+    f"{MIN_REPEATS} repeats of a workload gives it no interval."
 )
 
 
@@ -379,7 +376,7 @@ class RunSamples(NamedTuple):
     """A run's gated figure for one workload as samples, and how to say what they are."""
 
     repeats: list[RepeatSample]
-    text: str  # "16 requests at concurrency 2 (8 samples) in 2 repeats"
+    text: str  # "2 repeats of 16 requests at concurrency 2"
 
 
 def request_blocks(
@@ -441,26 +438,33 @@ def repeat_samples(store: RunStore, row: dict[str, Any], workload: str) -> RunSa
     records = store.read_records(case_slug(str(row["case_id"])), workload)
     blocks = request_blocks(records, concurrency)
     samples = [RepeatSample(value, blocks.get(n, ())) for n, value in repeats]
-    in_repeats = _plural(len(samples), "repeat")
+    text = _plural(len(samples), "repeat")
     if not any(s.parts for s in samples):
-        return RunSamples(samples, f"{in_repeats} (no request records)")
-    n_requests = sum(1 for r in records if r.get("error") is None and r.get("end_s") is not None)
-    if concurrency == 1:
-        return RunSamples(samples, f"{_plural(n_requests, 'request')} in {in_repeats}")
-    return RunSamples(
-        samples,
-        f"{_plural(n_requests, 'request')} at concurrency {concurrency} "
-        f"({_plural(sample_count(samples), 'sample')}) in {in_repeats}",
-    )
+        return RunSamples(samples, f"{text} (no request records)")
+    counts = [sum(1 for r in records if _ok(r) and r.get("repeat") == n - 1) for n, _ in repeats]
+    per = str(min(counts)) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+    text += f" of {per} request{'' if per == '1' else 's'}"
+    if concurrency > 1:
+        text += f" at concurrency {concurrency}"
+    return RunSamples(samples, text)
+
+
+def _ok(record: dict[str, Any]) -> bool:
+    return record.get("error") is None and record.get("end_s") is not None
 
 
 def judge(base: RunSamples, cand: RunSamples, threshold_pct: float) -> Judgement:
     """The gate's verdict on one figure; see the module docstring."""
     texts = base.text, cand.text
-    if min(sample_count(base.repeats), sample_count(cand.repeats)) < MIN_SAMPLES:
-        why = f"base {texts[0]}, candidate {texts[1]}; {MIN_SAMPLES} samples per run needed"
+    if min(len(base.repeats), len(cand.repeats)) < MIN_REPEATS:
+        why = (
+            f"base {texts[0]}, candidate {texts[1]}; {MIN_REPEATS} repeats per run needed "
+            "(one cannot show how far the speed moves between measurement windows)"
+        )
         return Judgement(TOO_FEW, *texts, None, why)
-    interval = bootstrap_change_pct(base.repeats, cand.repeats)
+    if min(r.value for r in (*base.repeats, *cand.repeats)) <= 0:
+        return Judgement(TOO_FEW, *texts, None, "a repeat measured 0 tok/s")
+    interval = change_interval(base.repeats, cand.repeats)
     position = interval.position(-threshold_pct, math.inf)
     if position == "across":
         why = f"95% interval {interval.bounds()} reaches both sides of -{threshold_pct:g}%"

@@ -8,40 +8,28 @@ more, two runs of one commit then read as a regression. Here each figure gets a 
 interval, and `position` says whether the interval lies inside a bar, outside it, or
 across its edge (too few samples to tell).
 
-- `bootstrap_change_pct`: the change of a mean of repeats, with each repeat's requests
-  (in blocks of those in flight together) resampled inside it: a two-level percentile
-  bootstrap, seeded, so the same inputs give the same interval.
-- `t_interval`: Student's t interval of a mean, for a handful of paired differences (a
-  bootstrap of two or three values cannot show how little they say).
+- `change_interval`: the change of one run's mean over repeats against another's: Welch's
+  t interval of the log ratio, the repeats being the samples and each repeat's recorded
+  requests setting a floor under its variance.
+- `t_interval`: Student's t interval of a mean, for a handful of paired differences.
 
+Both are closed-form: the same inputs give the same interval, with no seed to fix.
 Stdlib only: `compare` must run where only the run directories are.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from operator import itemgetter
 from typing import Literal
 
 CONFIDENCE = 0.95
-# 2000 resamples put the 2.5th and 97.5th percentiles 50 replicates in from either end:
-# enough that rerunning with another seed moves the bounds by a few hundredths of a percent
-# on the figures compare sees, and about 0.1 s per workload in pure Python.
-BOOTSTRAP_RESAMPLES = 2000
-# Fixed, and a fresh generator per figure: the same two runs give the same report byte for
-# byte, whatever else the comparison holds or in what order it is computed.
-BOOTSTRAP_SEED = 12
-# Fewer samples than this per run and the percentile bootstrap's interval is too narrow to
-# trust (it cannot reach past the values it drew; at n=8 its standard error is still ~7 %
-# short of the sample's), so no decision is made.
-MIN_SAMPLES = 8
-
-_TOKENS, _SECONDS = itemgetter(0), itemgetter(1)
+# Repeats are the samples of a run: with one, nothing says how far the machine's speed
+# moves between measurement windows, and two runs of one commit on a shared machine
+# differed by 20 % while each run's requests agreed to a few percent.
+MIN_REPEATS = 2
 
 Position = Literal["inside", "outside", "across"]
 
@@ -160,106 +148,80 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
     return Interval(mean, mean - half, mean + half, confidence, f"t, {n - 1} df")
 
 
-# --------------------------------------------------------------------------- bootstrap
+# --------------------------------------------------------------------------- run figures
 
 
 @dataclass(frozen=True)
 class RepeatSample:
-    """One repeat's figure and, when recorded, the samples inside it it was measured from.
+    """One repeat's figure and, when recorded, the independent parts it was measured from.
 
-    Each of `parts` is (output tokens, seconds) of one independent stretch of the repeat:
-    a request, or a block of requests that were in flight together (they share every
-    server step, so they are one sample of its speed, not several). A repeat's aggregate
-    tok/s moves with the parts' rate, Σ tokens / Σ seconds (the concurrency that converts
-    one into the other is the workload's, the same in every resample), so resampling the
-    parts scales `value` by the ratio of the resampled rate to the recorded one. Without
-    parts (results written before request records were read, or none recorded) the repeat
-    counts as one sample.
+    Each of `parts` is (output tokens, seconds) of one stretch of the repeat: a request, or
+    a block of requests that were in flight together (they share every server step, so
+    they are one sample of its speed, not several). The repeat's aggregate tok/s moves
+    with the parts' rate, Σ tokens / Σ seconds, so the spread of the parts says how
+    precisely the repeat measured it.
     """
 
     value: float
     parts: tuple[tuple[float, float], ...] = ()
 
-    @property
-    def samples(self) -> int:
-        return len(self.parts) if self.parts else 1
-
-    @cached_property
-    def _rate(self) -> float:
-        seconds = sum(map(_SECONDS, self.parts))
-        return sum(map(_TOKENS, self.parts)) / seconds if seconds > 0 else math.nan
-
-    def resampled(self, rng: random.Random) -> float:
-        """The repeat's figure under one resample of its parts."""
-        if len(self.parts) < 2 or not self._rate > 0:
-            return self.value
-        drawn = rng.choices(self.parts, k=len(self.parts))
-        seconds = sum(map(_SECONDS, drawn))
-        if not seconds > 0:
-            return self.value
-        return self.value * sum(map(_TOKENS, drawn)) / seconds / self._rate
+    def relative_variance(self) -> float:
+        """Variance of `value` relative to its square, from its parts: the ratio
+        estimator's variance (Cochran, Sampling Techniques, 6.3); 0 with fewer than two."""
+        n = len(self.parts)
+        seconds = sum(s for _, s in self.parts)
+        if n < 2 or not seconds > 0:
+            return 0.0
+        rate = sum(t for t, _ in self.parts) / seconds
+        residual = sum((t - rate * s) ** 2 for t, s in self.parts) / (n - 1)
+        return residual / (n * (seconds / n) ** 2) / rate**2
 
 
-def sample_count(repeats: Sequence[RepeatSample]) -> int:
-    """How many samples stand behind a run's figure: its repeats' parts, else its repeats."""
-    return sum(r.samples for r in repeats)
+@dataclass(frozen=True)
+class RunFigure:
+    """A run's figure (the mean over its repeats) and how well its repeats pin it down."""
+
+    mean: float
+    relative_variance: float  # of `mean`, relative to mean²
+    df: int  # degrees of freedom of that variance: repeats - 1
+
+    @classmethod
+    def of(cls, repeats: Sequence[RepeatSample]) -> RunFigure:
+        """From at least MIN_REPEATS repeats with positive figures.
+
+        A repeat's variance is taken as the larger of what the repeats' spread says and
+        what the repeats' own parts say: two repeats can agree by chance more closely than
+        their requests allow, and the parts cannot see what moved between repeats.
+        """
+        k = len(repeats)
+        values = [r.value for r in repeats]
+        if k < MIN_REPEATS or min(values) <= 0:
+            raise ValueError(f"need {MIN_REPEATS} or more repeats with positive figures: {values}")
+        mean = statistics.fmean(values)
+        between = statistics.variance(values) / mean**2
+        within = statistics.fmean(r.relative_variance() * (r.value / mean) ** 2 for r in repeats)
+        return cls(mean, max(between, within) / k, k - 1)
 
 
-def _mean_of(repeats: Sequence[RepeatSample], rng: random.Random) -> float:
-    drawn = rng.choices(repeats, k=len(repeats)) if len(repeats) > 1 else repeats
-    return statistics.fmean(r.resampled(rng) for r in drawn)
-
-
-def bootstrap_change_pct(
+def change_interval(
     base: Sequence[RepeatSample],
     cand: Sequence[RepeatSample],
-    *,
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    seed: int = BOOTSTRAP_SEED,
     confidence: float = CONFIDENCE,
 ) -> Interval:
-    """Percent change of CAND's mean over repeats against BASE's, with a percentile interval.
-
-    Each replicate draws, for each run independently, its repeats with replacement and,
-    inside each drawn repeat, that repeat's parts with replacement; the change of the two
-    replicate means is one value of the bootstrap distribution. Repeats carry the noise
-    between measurement windows (another job's load, a server's state), parts the noise
-    inside one. Noise common to a whole run (a machine busier for all of it than for the
-    other run) is in neither, and no interval from two runs can show it.
-    """
-    if not base or not cand:
-        raise ValueError("bootstrap_change_pct needs at least one repeat per run")
-    base_mean = statistics.fmean(r.value for r in base)
-    if not base_mean > 0:
-        raise ValueError(f"base mean {base_mean} must be positive")
-    rng = random.Random(seed)
-    changes = []
-    for _ in range(resamples):
-        b = _mean_of(base, rng)
-        changes.append(100.0 * (_mean_of(cand, rng) / b - 1.0) if b > 0 else math.inf)
-    tail = expanded_tail(confidence, min(sample_count(base), sample_count(cand)))
-    estimate = 100.0 * (statistics.fmean(r.value for r in cand) / base_mean - 1.0)
+    """Percent change of CAND's mean over repeats against BASE's, with Welch's t interval
+    of the log ratio (degrees of freedom by Welch-Satterthwaite); see `RunFigure.of`."""
+    b, c = RunFigure.of(base), RunFigure.of(cand)
+    log_ratio = math.log(c.mean / b.mean)
+    variance = b.relative_variance + c.relative_variance
+    if variance > 0:
+        df = variance**2 / (b.relative_variance**2 / b.df + c.relative_variance**2 / c.df)
+        half = t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(variance)
+    else:  # every repeat identical: nothing to widen the interval with
+        df, half = float(b.df + c.df), 0.0
     return Interval(
-        estimate,
-        percentile(changes, 100 * tail),
-        percentile(changes, 100 * (1 - tail)),
+        100.0 * (c.mean / b.mean - 1.0),
+        100.0 * math.expm1(log_ratio - half),
+        100.0 * math.expm1(log_ratio + half),
         confidence,
-        f"expanded percentile bootstrap, {resamples} resamples, seed {seed}",
+        f"Welch t of the log ratio, {df:.1f} df",
     )
-
-
-def expanded_tail(confidence: float, n: int) -> float:
-    """The tail probability at which to read a bootstrap distribution of a mean of `n`
-    samples for a `confidence` interval (Hesterberg's expanded percentile interval).
-
-    The plain percentile interval is too narrow for small n twice over: the bootstrap's
-    spread is the sample's divided by n, not n - 1, and it uses the normal's quantile
-    where Student's t applies. Reading it further out, at the normal tail where
-    z * sqrt(n / (n - 1)) equals t(n - 1), corrects both; at n = 8 the 95 % interval is
-    read at the 0.6th and 99.4th percentiles, at n = 40 at the 2.0th and 98.0th.
-    """
-    plain = (1.0 - confidence) / 2.0
-    if n < 2:
-        return plain
-    t = t_quantile(1.0 - plain, n - 1)
-    return statistics.NormalDist().cdf(-t * math.sqrt(n / (n - 1)))

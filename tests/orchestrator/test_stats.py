@@ -1,5 +1,5 @@
-"""orchestrator.stats: Student's t, the expanded percentile bootstrap and where an interval
-lies against a bar (pure logic)."""
+"""orchestrator.stats: Student's t, the interval of a change between two runs' repeats and
+where an interval lies against a bar (pure logic)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import pytest
 from orchestrator.stats import (
     Interval,
     RepeatSample,
-    bootstrap_change_pct,
-    expanded_tail,
-    sample_count,
+    RunFigure,
+    change_interval,
     t_cdf,
     t_interval,
     t_quantile,
@@ -64,12 +63,6 @@ def test_one_sided_bar_for_a_drop():
     )
 
 
-def test_expanded_tail_reads_further_out_for_small_samples():
-    assert expanded_tail(0.95, 8) == pytest.approx(0.00574, abs=1e-5)
-    assert expanded_tail(0.95, 40) == pytest.approx(0.0203, abs=1e-4)
-    assert expanded_tail(0.95, 100_000) == pytest.approx(0.025, abs=1e-4)
-
-
 def _run(rng: random.Random, level: float, *, repeats=2, requests=12, per_request=0.10):
     """One simulated run: each repeat ±3 % around `level`, each request ±`per_request`."""
     out = []
@@ -82,37 +75,58 @@ def _run(rng: random.Random, level: float, *, repeats=2, requests=12, per_reques
     return out
 
 
-def test_bootstrap_is_deterministic_and_seeded():
-    rng = random.Random(3)
-    base, cand = _run(rng, 1.0), _run(rng, 0.9)
-    first = bootstrap_change_pct(base, cand)
-    assert bootstrap_change_pct(base, cand) == first
-    other = bootstrap_change_pct(base, cand, seed=13)
-    assert other != first and other.estimate == first.estimate
-    assert abs(other.low - first.low) < 1.0 and abs(other.high - first.high) < 1.0
-    assert first.method == "expanded percentile bootstrap, 2000 resamples, seed 12"
-    assert first.low < first.estimate < first.high
-    assert sample_count(base) == 24 and sample_count([RepeatSample(5.0)]) == 1
+def test_a_repeats_parts_give_the_ratio_estimators_variance():
+    # Four requests of 64 tokens taking 1.0, 1.2, 0.8 and 1.0 s: rate 64 tok/s; residuals
+    # 0, -12.8, +12.8, 0 tok; variance 327.68 / 3 / (4 * 1.0**2) / 64**2 = 1/150.
+    parts = tuple((64.0, s) for s in (1.0, 1.2, 0.8, 1.0))
+    assert RepeatSample(64.0, parts).relative_variance() == pytest.approx(1 / 150)
+    assert RepeatSample(64.0, parts[:1]).relative_variance() == 0.0
+    assert RepeatSample(64.0).relative_variance() == 0.0
 
 
-def test_repeats_without_parts_are_resampled_as_repeats():
-    base = [RepeatSample(v) for v in (100.0, 101.0, 99.0, 100.5, 99.5, 100.2, 99.8, 100.0)]
-    cand = [RepeatSample(v * 0.9) for v in (100.0, 101.0, 99.0, 100.5, 99.5, 100.2, 99.8, 100.0)]
-    iv = bootstrap_change_pct(base, cand)
+def test_run_figure_takes_the_larger_of_the_repeats_spread_and_their_parts():
+    parts = tuple((64.0, s) for s in (1.0, 1.2, 0.8, 1.0))  # relative variance 1/150 each
+    close = RunFigure.of([RepeatSample(64.0, parts), RepeatSample(64.0, parts)])
+    assert (close.mean, close.relative_variance, close.df) == (64.0, pytest.approx(1 / 300), 1)
+    apart = RunFigure.of([RepeatSample(50.0), RepeatSample(70.0)])
+    assert apart.relative_variance == pytest.approx(200 / 60**2 / 2)
+    for bad in ([RepeatSample(5.0)], [RepeatSample(5.0), RepeatSample(0.0)]):
+        with pytest.raises(ValueError, match="2 or more repeats with positive figures"):
+            RunFigure.of(bad)
+
+
+def test_change_interval_of_identical_and_of_spread_repeats():
+    same = [RepeatSample(100.0), RepeatSample(100.0)]
+    iv = change_interval(same, [RepeatSample(90.0), RepeatSample(90.0)])
+    assert (iv.estimate, iv.low, iv.high) == pytest.approx((-10.0, -10.0, -10.0))
+    # Base 100 ± 1, candidate 90 ± 1 (two repeats each): log ratio -0.1054, its standard
+    # error sqrt(2e-4/2/100**2... ) -> Welch with 2 df, t 4.303.
+    iv = change_interval(
+        [RepeatSample(99.0), RepeatSample(101.0)], [RepeatSample(89.0), RepeatSample(91.0)]
+    )
+    se = math.sqrt(2 / 100**2 / 2 + 2 / 90**2 / 2)
+    df = se**4 / ((2 / 100**2 / 2) ** 2 + (2 / 90**2 / 2) ** 2)
+    half = t_quantile(0.975, df) * se
     assert iv.estimate == pytest.approx(-10.0)
-    assert -11.5 < iv.low < -10.0 < iv.high < -8.5
-    with pytest.raises(ValueError, match="at least one repeat"):
-        bootstrap_change_pct([], cand)
+    assert iv.low == pytest.approx(100 * math.expm1(math.log(0.9) - half))
+    assert iv.high == pytest.approx(100 * math.expm1(math.log(0.9) + half))
+    assert iv.method == f"Welch t of the log ratio, {df:.1f} df"
+    assert change_interval(same, same) == change_interval(same, same)  # no seed, no state
 
 
 def test_same_commit_pairs_are_not_flagged_and_a_large_drop_is():
-    # 60 simulated pairs of runs (2 repeats x 12 requests, ±10 % per request, ±3 % per
-    # repeat). Of same-commit pairs, none has its whole interval past -3 %; a 20 % drop
-    # almost always does.
-    rng = random.Random(11)
-    same = [bootstrap_change_pct(_run(rng, 1.0), _run(rng, 1.0), resamples=1000) for _ in range(60)]
-    drop = [bootstrap_change_pct(_run(rng, 1.0), _run(rng, 0.8), resamples=1000) for _ in range(60)]
+    # 200 simulated pairs of runs (12 requests a repeat, ±10 % per request, ±3 % per
+    # repeat). With 2 repeats no same-commit pair has its whole interval past -3 %, though
+    # many move past -3 % on their means; with 4 repeats a 20 % drop is flagged every time.
+    rng = random.Random(5)
+    same = [change_interval(_run(rng, 1.0), _run(rng, 1.0)) for _ in range(200)]
     assert sum(iv.position(-3.0, math.inf) == "outside" for iv in same) == 0
-    assert sum(iv.position(-3.0, math.inf) == "outside" for iv in drop) >= 57
-    # Point figures alone would have called many of the same-commit pairs regressions.
-    assert sum(iv.estimate < -3.0 for iv in same) >= 10
+    assert sum(iv.estimate < -3.0 for iv in same) >= 30
+    four = [
+        change_interval(_run(rng, 1.0, repeats=4), _run(rng, 1.0, repeats=4)) for _ in range(200)
+    ]
+    assert sum(iv.position(0.0, math.inf) == "outside" for iv in four) <= 10  # nominal 2.5 %
+    drop = [
+        change_interval(_run(rng, 1.0, repeats=4), _run(rng, 0.8, repeats=4)) for _ in range(200)
+    ]
+    assert sum(iv.position(-3.0, math.inf) == "outside" for iv in drop) >= 195
