@@ -62,17 +62,6 @@ class Interval:
         return f"{self.estimate:+.2f}%, {100 * self.confidence:g}% interval {self.bounds()}"
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), NaN when empty."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 # --------------------------------------------------------------------------- Student's t
 
 

@@ -38,8 +38,6 @@ from typing import Any
 
 import httpx
 
-from orchestrator.stats import percentile
-
 log = logging.getLogger(__name__)
 
 _MONITOR_S = 0.25  # how often alive() is asked and progress is reported
@@ -199,6 +197,17 @@ def make_prompt(n_tokens: int, *, vocab_size: int, seed: int, key: str) -> list[
 
 
 # --------------------------------------------------------------------------- metrics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), NaN when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
