@@ -4,7 +4,12 @@ Cases are matched by ``case_id``. For every matched case and workload the aggreg
 active per-user tok/s of both runs are set side by side; findings are matched by case and
 signature. What fails a comparison (``Comparison.ok`` is False, the CLI exits 1):
 
-- a drop of aggregate tok/s of more than ``threshold_pct`` in any workload of a matched case;
+- a drop of aggregate tok/s of more than ``threshold_pct`` in any workload of a matched case,
+  beyond the noise the two runs let us measure: the whole 95 % interval of the change (from
+  each run's repeats, with their recorded requests as a floor under each repeat's noise;
+  see orchestrator.stats) lies below ``-threshold_pct``. With fewer than ``MIN_REPEATS``
+  repeats in either run, or an interval that reaches both sides of the threshold, the
+  figure is *too few samples to tell*: reported, not a regression;
 - a case that passed in BASE and failed in CAND;
 - a new finding of severity ``fatal`` or ``quarantine-node``.
 
@@ -13,18 +18,22 @@ rates move with batch composition, and a warning does not break a case (see sign
 Cases present in only one run are listed; a matrix that gained or lost a topology is not a
 regression.
 
-Only the run directories are read (manifest.json, results.jsonl); stdlib only.
+Only the run directories are read (manifest.json, results.jsonl, cases/*/requests-*.jsonl);
+stdlib only. Runs recorded before request records were read still compare: their repeats are
+the samples.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from orchestrator.report import _fmt, _md_table
-from orchestrator.store import MANIFEST, RunStore
+from orchestrator.stats import MIN_REPEATS, Interval, RepeatSample, change_interval
+from orchestrator.store import MANIFEST, RunStore, case_slug
 
 DEFAULT_THRESHOLD_PCT = 3.0
 # Severities that break a case or a node (signatures.yaml): new ones fail a comparison.
@@ -33,6 +42,8 @@ METRICS = ("aggregate_tok_s", "per_user_tok_s")
 # The gate: only aggregate tok/s is the throughput figure the seeds' tables are judged by.
 GATED_METRIC = "aggregate_tok_s"
 _SEVERITY_ORDER = {"warning": 0, "fatal": 1, "quarantine-node": 2}
+# What the gate says of one gated figure.
+REGRESSION, NO_REGRESSION, TOO_FEW = "regression", "no regression", "too few samples to tell"
 
 
 class CompareError(ValueError):
@@ -61,8 +72,23 @@ def open_run(path: str | Path) -> RunStore:
 
 
 @dataclass
+class Judgement:
+    """The gate's reading of one gated figure: the interval of its change and what it says."""
+
+    verdict: str  # REGRESSION, NO_REGRESSION or TOO_FEW
+    samples_base: str  # "2 repeats of 12 requests", "2 repeats (no request records)"
+    samples_cand: str
+    interval: Interval | None  # None when either run has fewer than MIN_REPEATS repeats
+    why: str  # for TOO_FEW: what is missing
+
+    @property
+    def decided(self) -> bool:
+        return self.verdict != TOO_FEW
+
+
+@dataclass
 class MetricDelta:
-    """One throughput figure of one case and workload in both runs."""
+    """One throughput figure of one case and workload in both runs (judged when gated)."""
 
     case_id: str
     workload: str
@@ -70,6 +96,7 @@ class MetricDelta:
     metric: str
     base: float | None
     cand: float | None
+    judgement: Judgement | None = None
 
     @property
     def delta_pct(self) -> float | None:
@@ -106,6 +133,7 @@ class Regression:
     message: str
     workload: str | None = None
     delta_pct: float | None = None
+    interval: Interval | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +183,26 @@ class Comparison:
     def ok(self) -> bool:
         return not self.regressions and not self.new_fatal_findings
 
+    @property
+    def gated(self) -> list[MetricDelta]:
+        """Every judged figure (aggregate tok/s of a workload both runs measured)."""
+        return [d for r in self.rows for d in r.deltas if d.judgement is not None]
+
+    @property
+    def undecided(self) -> list[MetricDelta]:
+        """Gated figures the runs hold too few samples to judge."""
+        return [d for d in self.gated if d.judgement and not d.judgement.decided]
+
+    @property
+    def unconfirmed_drops(self) -> list[MetricDelta]:
+        """Undecided figures whose point change is a drop past the threshold: what a
+        comparison of means alone would have called a regression."""
+        return [
+            d
+            for d in self.undecided
+            if d.delta_pct is not None and d.delta_pct < -self.threshold_pct
+        ]
+
     def failures_for(self, case_id: str) -> list[str]:
         """Messages of everything that fails this comparison for one case (JUnit uses them)."""
         out = [r.message for r in self.regressions if r.case_id == case_id]
@@ -165,12 +213,17 @@ class Comparison:
         ]
         return out
 
+    def _undecided_clause(self) -> str:
+        n, of = len(self.undecided), len(self.gated)
+        return f"; {n} of {of} throughput figures: {TOO_FEW}" if n else ""
+
     def verdict(self) -> str:
         """One sentence for a log line or the head of a report."""
         if self.ok:
             return (
-                f"{self.cand_run} vs {self.base_run}: no regression "
-                f"(threshold {self.threshold_pct:g}% aggregate tok/s), no new fatal finding."
+                f"{self.cand_run} vs {self.base_run}: no regression beyond the measured noise "
+                f"(threshold {self.threshold_pct:g}% aggregate tok/s, 95% interval)"
+                f"{self._undecided_clause()}; no new fatal finding."
             )
         parts = []
         if self.regressions:
@@ -179,7 +232,11 @@ class Comparison:
         if self.new_fatal_findings:
             n = len(self.new_fatal_findings)
             parts.append(f"{n} new fatal finding{'' if n == 1 else 's'}")
-        return f"{self.cand_run} vs {self.base_run}: " + " and ".join(parts) + "."
+        return (
+            f"{self.cand_run} vs {self.base_run}: "
+            + " and ".join(parts)
+            + f"{self._undecided_clause()}."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -191,6 +248,9 @@ class Comparison:
             "ok": self.ok,
             "verdict": self.verdict(),
             "regressions": [r.to_dict() for r in self.regressions],
+            "gated": len(self.gated),
+            "too_few_samples": len(self.undecided),
+            "unconfirmed_drops": [d.to_dict() for d in self.unconfirmed_drops],
             "new_findings": [f.to_dict() for f in self.new_findings],
             "cleared_findings": [f.to_dict() for f in self.cleared_findings],
             "only_in_base": self.only_in_base,
@@ -203,6 +263,15 @@ class Comparison:
         if self.regressions:
             out += ["## Regressions", ""]
             out += [f"- **{r.case_id}**: {r.message}" for r in self.regressions]
+            out.append("")
+        if self.unconfirmed_drops:
+            out += [f"## Drops past the threshold, {TOO_FEW}", ""]
+            out += [
+                f"- **{d.case_id}**: {d.column} aggregate tok/s {_fmt(d.base)} → {_fmt(d.cand)} "
+                f"({_pct(d.delta_pct)}): {d.judgement.why}"
+                for d in self.unconfirmed_drops
+                if d.judgement
+            ]
             out.append("")
         if self.new_findings:
             out += ["## New findings", ""]
@@ -219,6 +288,7 @@ class Comparison:
             "Aggregate base",
             "Aggregate cand",
             "Δ aggregate",
+            "95% interval",
             "Per-user base",
             "Per-user cand",
             "Δ per-user",
@@ -237,10 +307,19 @@ class Comparison:
             for metrics in by_wl.values():
                 agg, usr = metrics["aggregate_tok_s"], metrics["per_user_tok_s"]
                 body.append(
-                    [row.case_id, agg.column, *_delta_cells(agg), *_delta_cells(usr), status]
+                    [
+                        row.case_id,
+                        agg.column,
+                        *_delta_cells(agg),
+                        _interval_cell(agg.judgement),
+                        *_delta_cells(usr),
+                        status,
+                    ]
                 )
         out.append(_md_table(header, body) if body else "No case is in both runs.")
         out.append("")
+        if body:
+            out += [_METHOD_NOTE, ""]
         if self.only_in_base or self.only_in_cand:
             out += ["## Cases in one run only", ""]
             out += [f"- only in {self.base_run}: {c}" for c in self.only_in_base]
@@ -255,6 +334,23 @@ def _pct(v: float | None) -> str:
 
 def _delta_cells(d: MetricDelta) -> list[str]:
     return [_fmt(d.base), _fmt(d.cand), _pct(d.delta_pct)]
+
+
+def _interval_cell(j: Judgement | None) -> str:
+    if j is None:
+        return "-"
+    if j.interval is None:
+        return "too few samples"
+    cell = j.interval.bounds()
+    return cell if j.decided else f"{cell} (can't tell)"
+
+
+_METHOD_NOTE = (
+    "95% interval: of the change in aggregate tok/s, Welch's t over each run's repeats, "
+    "with each repeat's requests as a floor under its noise (docs/reports.md). A regression "
+    "is a drop whose whole interval lies past the threshold; a run with fewer than "
+    f"{MIN_REPEATS} repeats of a workload gives it no interval."
+)
 
 
 def _finding_line(f: FindingChange) -> str:
@@ -274,6 +370,107 @@ def _columns(manifest: dict[str, Any]) -> dict[str, str]:
 def _mean(row: dict[str, Any], workload: str, metric: str) -> float | None:
     value = ((row.get("workloads") or {}).get(workload) or {}).get("mean", {}).get(metric)
     return None if value is None else float(value)
+
+
+class RunSamples(NamedTuple):
+    """A run's gated figure for one workload as samples, and how to say what they are."""
+
+    repeats: list[RepeatSample]
+    text: str  # "2 repeats of 16 requests at concurrency 2"
+
+
+def request_blocks(
+    records: list[dict[str, Any]], concurrency: int
+) -> dict[int, tuple[tuple[float, float], ...]]:
+    """Repeat number (1-based, as the row's repeats count) -> (output tokens, seconds) of each
+    block of `concurrency` successful requests in start order: requests in flight together
+    share every server step, so a block is one sample. Records of another shape are passed
+    over, not fatal."""
+    by_repeat: dict[int, list[tuple[float, float, float]]] = {}
+    for rec in records:
+        try:
+            if rec.get("error") is not None or rec.get("end_s") is None:
+                continue
+            start = float(rec["start_s"])
+            request = (start, float(rec["output_tokens"]), float(rec["end_s"]) - start)
+            repeat = int(rec.get("repeat", 0)) + 1
+        except (KeyError, TypeError, ValueError):
+            continue
+        if request[2] > 0:
+            by_repeat.setdefault(repeat, []).append(request)
+    blocks = {}
+    for repeat, requests in by_repeat.items():
+        requests.sort()
+        blocks[repeat] = tuple(
+            (sum(r[1] for r in block), sum(r[2] for r in block))
+            for block in (
+                requests[i : i + concurrency] for i in range(0, len(requests), concurrency)
+            )
+        )
+    return blocks
+
+
+def _concurrency(manifest: dict[str, Any], workload: str) -> int:
+    for w in manifest.get("matrix", {}).get("workloads", []):
+        if w.get("name") == workload:
+            return max(1, int(w.get("concurrency") or 1))
+    return 1
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def repeat_samples(store: RunStore, row: dict[str, Any], workload: str) -> RunSamples:
+    """A case's gated figure for one workload as samples: each repeat's aggregate tok/s, with
+    its requests from ``cases/<case>/requests-<workload>.jsonl`` when that file is there."""
+    summary = (row.get("workloads") or {}).get(workload) or {}
+    repeats = [
+        (int(r.get("repeat", i + 1)), float(r[GATED_METRIC]))
+        for i, r in enumerate(summary.get("repeats") or [])
+        if isinstance(r, dict) and r.get(GATED_METRIC) is not None
+    ]
+    if not repeats:
+        mean = _mean(row, workload, GATED_METRIC)
+        samples = [] if mean is None else [RepeatSample(mean)]
+        return RunSamples(samples, "no repeats recorded")
+    concurrency = _concurrency(store.manifest(), workload)
+    records = store.read_records(case_slug(str(row["case_id"])), workload)
+    blocks = request_blocks(records, concurrency)
+    samples = [RepeatSample(value, blocks.get(n, ())) for n, value in repeats]
+    text = _plural(len(samples), "repeat")
+    if not any(s.parts for s in samples):
+        return RunSamples(samples, f"{text} (no request records)")
+    counts = [sum(1 for r in records if _ok(r) and r.get("repeat") == n - 1) for n, _ in repeats]
+    per = str(min(counts)) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+    text += f" of {per} request{'' if per == '1' else 's'}"
+    if concurrency > 1:
+        text += f" at concurrency {concurrency}"
+    return RunSamples(samples, text)
+
+
+def _ok(record: dict[str, Any]) -> bool:
+    return record.get("error") is None and record.get("end_s") is not None
+
+
+def judge(base: RunSamples, cand: RunSamples, threshold_pct: float) -> Judgement:
+    """The gate's verdict on one figure; see the module docstring."""
+    texts = base.text, cand.text
+    if min(len(base.repeats), len(cand.repeats)) < MIN_REPEATS:
+        why = (
+            f"base {texts[0]}, candidate {texts[1]}; {MIN_REPEATS} repeats per run needed "
+            "(one cannot show how far the speed moves between measurement windows)"
+        )
+        return Judgement(TOO_FEW, *texts, None, why)
+    if min(r.value for r in (*base.repeats, *cand.repeats)) <= 0:
+        return Judgement(TOO_FEW, *texts, None, "a repeat measured 0 tok/s")
+    interval = change_interval(base.repeats, cand.repeats)
+    position = interval.position(-threshold_pct, math.inf)
+    if position == "across":
+        why = f"95% interval {interval.bounds()} reaches both sides of -{threshold_pct:g}%"
+        return Judgement(TOO_FEW, *texts, interval, why)
+    verdict = REGRESSION if position == "outside" else NO_REGRESSION
+    return Judgement(verdict, *texts, interval, "")
 
 
 def _findings(row: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -349,16 +546,19 @@ def compare_stores(
         workloads += [w for w in (c.get("workloads") or {}) if w not in workloads]
         for wl in workloads:
             for metric in METRICS:
-                row.deltas.append(
-                    MetricDelta(
-                        case_id=case_id,
-                        workload=wl,
-                        column=columns.get(wl, wl),
-                        metric=metric,
-                        base=_mean(b, wl, metric),
-                        cand=_mean(c, wl, metric),
-                    )
+                d = MetricDelta(
+                    case_id=case_id,
+                    workload=wl,
+                    column=columns.get(wl, wl),
+                    metric=metric,
+                    base=_mean(b, wl, metric),
+                    cand=_mean(c, wl, metric),
                 )
+                if metric == GATED_METRIC and d.delta_pct is not None:
+                    d.judgement = judge(
+                        repeat_samples(base, b, wl), repeat_samples(cand, c, wl), threshold_pct
+                    )
+                row.deltas.append(d)
         cmp.rows.append(row)
         if b.get("status") == "passed" and c.get("status") != "passed":
             cmp.regressions.append(
@@ -370,16 +570,18 @@ def compare_stores(
                 )
             )
         for d in row.deltas:
-            pct = d.delta_pct
-            if d.metric == GATED_METRIC and pct is not None and pct < -threshold_pct:
+            j = d.judgement
+            if j is not None and j.verdict == REGRESSION and j.interval is not None:
                 cmp.regressions.append(
                     Regression(
                         case_id=case_id,
                         kind="throughput",
                         workload=d.workload,
-                        delta_pct=pct,
+                        delta_pct=d.delta_pct,
+                        interval=j.interval,
                         message=f"{d.column} aggregate tok/s {d.base:.2f} → {d.cand:.2f} "
-                        f"({pct:+.2f}%, threshold -{threshold_pct:g}%)",
+                        f"({j.interval.describe()}, threshold -{threshold_pct:g}%; "
+                        f"{j.samples_base} vs {j.samples_cand})",
                     )
                 )
         base_f, cand_f = _findings(b), _findings(c)

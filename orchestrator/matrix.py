@@ -7,18 +7,20 @@ every validation rule is unit-testable. Errors name the file, the field and the 
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator import tinymodel
+from orchestrator.store import case_slug
 
 # Heads per rank for which fusedq has a qualified specialisation (see fusedq.capability).
 FUSEDQ_QUALIFIED_HEADS = (8, 11, 16)
@@ -302,7 +304,7 @@ class Case:
 
     @property
     def slug(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.case_id.replace("/", "__"))
+        return case_slug(self.case_id)
 
     @property
     def heads_per_rank(self) -> int:
@@ -336,19 +338,92 @@ class Case:
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
+def _is_union_tag(part: Any) -> bool:
+    # pydantic adds union-member tags ("list[int]", "literal['divisors']") to the location.
+    return isinstance(part, str) and bool(
+        re.match(r"^(list|dict|literal|function-\w+|str|int)\b|.*\[", part)
+    )
+
+
 def _loc_to_path(loc: Iterable[Any]) -> str:
     out = ""
     for part in loc:
-        # pydantic adds union-member tags ("list[int]", "literal['divisors']") to the location.
-        if isinstance(part, str) and re.match(
-            r"^(list|dict|literal|function-\w+|str|int)\b|.*\[", part
-        ):
+        if _is_union_tag(part):
             continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:
             out += f".{part}" if out else str(part)
     return out
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model inside a field's annotation: ``list[WorkloadSpec]`` -> WorkloadSpec."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _mapping_at(raw: Any, loc: Sequence[Any]) -> tuple[type[BaseModel] | None, Any]:
+    """The model that validates the mapping at `loc` (a location under Matrix) and the
+    mapping the user wrote there."""
+    model: type[BaseModel] | None = Matrix
+    node = raw
+    for part in loc:
+        if _is_union_tag(part):
+            continue
+        if isinstance(part, int):
+            node = node[part] if isinstance(node, list) and part < len(node) else None
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        model = _model_of(field.annotation) if field is not None else None
+        node = node.get(part) if isinstance(node, dict) else None
+    return model, node
+
+
+def _unknown_key_message(raw: Any, loc: Sequence[Any]) -> tuple[str, str | None]:
+    """``unknown key; did you mean output_tokens?`` for a key no model field is called, and
+    the suggested key (a known key of that mapping spelled alike and not given already)."""
+    model, mapping = _mapping_at(raw, loc[:-1])
+    key = str(loc[-1])
+    given = set(mapping) if isinstance(mapping, dict) else set()
+    known = [f for f in model.model_fields if f not in given] if model is not None else []
+    # 0.6 is difflib's default: it pairs dpc/dcp, topologys/topologies and output_tokne/
+    # output_tokens and leaves colour/models unpaired.
+    close = difflib.get_close_matches(key.lower(), known, n=1, cutoff=0.6)
+    if not close:
+        return "unknown key", None
+    return f"unknown key; did you mean {close[0]}?", close[0]
+
+
+def _first_error(errors: list[Any], raw: Any) -> tuple[str, str]:
+    """The error to report, as (field path, message). A required key reported missing
+    because it was misspelled is reported as the misspelling, once: the misspelled key's
+    error names both."""
+    suggested: dict[tuple[Any, ...], tuple[str, str]] = {}
+    for err in errors:
+        if err["type"] == "extra_forbidden":
+            message, key = _unknown_key_message(raw, err["loc"])
+            if key is not None:
+                suggested[(*err["loc"][:-1], key)] = (_loc_to_path(err["loc"]), message)
+    err = errors[0]
+    path = _loc_to_path(err["loc"])
+    if err["type"] == "missing" and tuple(err["loc"]) in suggested:
+        return suggested[tuple(err["loc"])]
+    if err["type"] == "extra_forbidden":
+        return path, _unknown_key_message(raw, err["loc"])[0]
+    if err["type"] == "missing":
+        return path, "is required"
+    value = err.get("input")
+    msg = err["msg"].removeprefix("Value error, ")
+    msg = msg[:1].lower() + msg[1:]
+    if isinstance(value, (dict, list)) or value is None:
+        return path, msg
+    return f"{path}={value!r}:", msg
 
 
 def _interpolate(
@@ -435,6 +510,19 @@ def parse_matrix(
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "YAML"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise MatrixError(source, "", f"invalid YAML at {where}: {problem}") from None
+    if raw is None:
+        lines = [ln.strip() for ln in text.splitlines()]
+        content = [ln for ln in lines if ln and not ln.startswith("#")]
+        detail = (
+            f" (its YAML is null: {content[0][:40]!r})"
+            if content
+            else " (only comments)"
+            if any(lines)
+            else ""
+        )
+        raise MatrixError(
+            source, "", f"the file is empty{detail}; a matrix is a YAML mapping (see matrices/)"
+        )
     if not isinstance(raw, dict):
         raise MatrixError(source, "", f"a matrix is a YAML mapping, got {type(raw).__name__}")
     for assignment in sets:
@@ -443,18 +531,7 @@ def parse_matrix(
     try:
         matrix = Matrix.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        path = _loc_to_path(err["loc"])
-        if err["type"] == "extra_forbidden":
-            raise MatrixError(source, path, "unknown key") from None
-        if err["type"] == "missing":
-            raise MatrixError(source, path, "is required") from None
-        value = err.get("input")
-        msg = err["msg"].removeprefix("Value error, ")
-        msg = msg[:1].lower() + msg[1:]
-        if isinstance(value, (dict, list)) or value is None:
-            raise MatrixError(source, path, msg) from None
-        raise MatrixError(source, f"{path}={value!r}:", msg) from None
+        raise MatrixError(source, *_first_error(exc.errors(), raw)) from None
     check_matrix(matrix, source)
     return matrix
 

@@ -36,6 +36,12 @@ class StoreError(RuntimeError):
     """A run directory that cannot be created, opened or resumed."""
 
 
+def case_slug(case_id: str) -> str:
+    """A case's folder under ``cases/``: ``tiny-mla/tp1-dcp1-mtp0/default`` ->
+    ``tiny-mla__tp1-dcp1-mtp0__default``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", case_id.replace("/", "__"))
+
+
 def new_run_id(matrix_name: str, now: dt.datetime | None = None) -> str:
     now = now or dt.datetime.now(dt.timezone.utc)
     return f"{matrix_name}-{now.strftime('%Y%m%d-%H%M%S')}"
@@ -174,8 +180,18 @@ class RunStore:
             r["case_id"] for r in self.results() if include_failed or r.get("status") == "passed"
         }
 
+    def records_path(self, slug: str, workload: str) -> Path:
+        """Where a case's per-request records of one workload are (reading creates nothing)."""
+        return self.root / "cases" / slug / f"requests-{workload}.jsonl"
+
+    def read_records(self, slug: str, workload: str) -> list[dict[str, Any]]:
+        """A workload's request records, or [] when none were written (older runs, a case that
+        failed before the workload)."""
+        return read_jsonl(self.records_path(slug, workload))
+
     def write_records(self, slug: str, workload: str, records: Iterable[dict[str, Any]]) -> Path:
-        path = self.case_dir(slug) / f"requests-{workload}.jsonl"
+        self.case_dir(slug)
+        path = self.records_path(slug, workload)
         lines = "".join(json.dumps(r, default=str, separators=(",", ":")) + "\n" for r in records)
         write_text_atomic(path, lines)
         return path

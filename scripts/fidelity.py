@@ -7,10 +7,18 @@
 Both tools send the same shape of load (random prompts of the same length, fixed output
 length with ignore_eos, the same concurrency and request count) and report output tok/s.
 The runs alternate ABBA (ours, bench, bench, ours, ...) so a drift in machine load hits
-both tools alike. The verdict compares the tools' medians: on a shared 2-core machine one
-run that coincides with someone else's load spike moves a mean by several percent, and
-the median ignores it (the means are printed too). Exit 1 when the medians differ by more
-than --bar percent (default 3).
+both tools alike.
+
+The verdict comes from an interval, not from two point figures: each ABBA round gives one
+paired difference (our mean of its two runs against bench's, in percent; a linear drift
+within the round cancels), and Student's t gives the 95 % interval of their mean. On a
+shared 2-core machine single runs of either tool swing ±10 % and more, so two medians or
+two means can land 3 % apart by chance, and a handful of rounds cannot show agreement.
+
+    PASS          the interval lies within ±--bar percent (default 3)       exit 0
+    FAIL          the interval lies wholly outside it                       exit 1
+    inconclusive  the interval reaches across the bar: N rounds too few     exit 3
+                  (run more --rounds, or on a quieter machine)
 """
 
 from __future__ import annotations
@@ -29,7 +37,42 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from orchestrator.engines import vllm as eng  # noqa: E402
+from orchestrator.stats import Interval, t_interval  # noqa: E402
 from orchestrator.workload import WorkloadParams, run_workload  # noqa: E402
+
+EXIT = {"PASS": 0, "FAIL": 1, "inconclusive": 3}
+RUN_ORDER = ("ours", "bench", "bench", "ours")  # one ABBA round
+
+
+def round_differences(ours: list[float], bench: list[float]) -> list[float]:
+    """Per complete ABBA round, 100 * (our mean / bench's mean - 1); in RUN_ORDER each tool's
+    runs 2r and 2r+1 belong to round r."""
+    rounds = min(len(ours), len(bench)) // 2
+    return [
+        100.0
+        * (
+            statistics.fmean(ours[2 * r : 2 * r + 2]) / statistics.fmean(bench[2 * r : 2 * r + 2])
+            - 1.0
+        )
+        for r in range(rounds)
+    ]
+
+
+def verdict(ours: list[float], bench: list[float], bar: float) -> tuple[str, Interval | None]:
+    """PASS, FAIL or ``inconclusive: N rounds too few``, and the interval it was read from."""
+    diffs = round_differences(ours, bench)
+    interval = t_interval(diffs)
+    n = len(diffs)
+    too_few = f"inconclusive: {n} round{'' if n == 1 else 's'} too few"
+    if interval is None:
+        return too_few, None
+    position = interval.position(-bar, bar)
+    if position == "inside":
+        return "PASS", interval
+    if position == "outside":
+        return "FAIL", interval
+    return too_few, interval
+
 
 CPU_ARGS = ["--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096"]
 
@@ -110,11 +153,18 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each = 2 runs per tool)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="ABBA rounds (each = 2 runs per tool); 2 decide only when the tools agree closely",
+    )
     ap.add_argument("--bar", type=float, default=3.0, help="allowed difference, percent")
     ap.add_argument("--vllm-bin")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: need at least 1 (2 or more for a verdict)")
 
     model = a.model
     if model is None:
@@ -167,7 +217,7 @@ def main() -> int:
             99,
         )
         figures: dict[str, list[float]] = {"ours": [], "bench": []}
-        order = ["ours", "bench", "bench", "ours"] * a.rounds
+        order = list(RUN_ORDER) * a.rounds
         for i, tool in enumerate(order):
             t0 = time.monotonic()
             if tool == "ours":
@@ -182,19 +232,20 @@ def main() -> int:
     finally:
         if proc is not None:
             eng.stop_server(proc)
-    mean = {k: sum(v) / len(v) for k, v in figures.items()}
+    mean = {k: statistics.fmean(v) for k, v in figures.items()}
     median = {k: statistics.median(v) for k, v in figures.items()}
     mean_diff = 100 * (mean["ours"] - mean["bench"]) / mean["bench"]
-    diff = 100 * (median["ours"] - median["bench"]) / median["bench"]
-    verdict = "PASS" if abs(diff) <= a.bar else "FAIL"
+    median_diff = 100 * (median["ours"] - median["bench"]) / median["bench"]
+    diffs = round_differences(figures["ours"], figures["bench"])
+    result, interval = verdict(figures["ours"], figures["bench"], a.bar)
     print(
-        f"output tok/s (mean): ours {mean['ours']:.2f}, vllm bench serve {mean['bench']:.2f}, "
-        f"difference {mean_diff:+.2f}%"
+        f"output tok/s: ours mean {mean['ours']:.2f} / median {median['ours']:.2f}, "
+        f"vllm bench serve mean {mean['bench']:.2f} / median {median['bench']:.2f} "
+        f"(means {mean_diff:+.2f}%, medians {median_diff:+.2f}%)"
     )
-    print(
-        f"output tok/s (median): ours {median['ours']:.2f}, vllm bench serve "
-        f"{median['bench']:.2f}, difference {diff:+.2f}% (bar ±{a.bar:.0f}%): {verdict}"
-    )
+    print("per ABBA round, ours vs bench: " + ", ".join(f"{d:+.2f}%" for d in diffs))
+    where = interval.describe() if interval else "no interval from fewer than 2 rounds"
+    print(f"difference {where} ({interval.method if interval else 't'}), bar ±{a.bar:g}%: {result}")
     if a.json:
         workload = {
             k: getattr(a, k) for k in ("prompt_tokens", "output_tokens", "concurrency", "requests")
@@ -204,12 +255,22 @@ def main() -> int:
             "mean": mean,
             "median": median,
             "mean_diff_pct": mean_diff,
-            "median_diff_pct": diff,
-            "verdict": verdict,
+            "median_diff_pct": median_diff,
+            "round_diff_pct": diffs,
+            "interval_pct": None
+            if interval is None
+            else {
+                "low": interval.low,
+                "high": interval.high,
+                "confidence": interval.confidence,
+                "method": interval.method,
+            },
+            "bar_pct": a.bar,
+            "verdict": result,
             "workload": workload,
         }
         a.json.write_text(json.dumps(summary, indent=2) + "\n")
-    return 0 if verdict == "PASS" else 1
+    return EXIT[result.split(":")[0]]
 
 
 if __name__ == "__main__":

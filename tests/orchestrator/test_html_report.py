@@ -56,7 +56,7 @@ class _Tags(HTMLParser):
 
 @pytest.fixture
 def nightly_like(tmp_path):
-    """Three runs of seed-tp8; the last has a 5% ctx64k regression, an Xid and a failed case."""
+    """Three runs of seed-tp8; the last has a 5% ctx0 regression, an Xid and a failed case."""
     history = [
         runs.copy_run(tmp_path, f"n{i}", created_at=f"2026-11-2{i}T02:00:00+00:00") for i in (5, 6)
     ]
@@ -65,7 +65,7 @@ def nightly_like(tmp_path):
 
     def edit(r):
         if r["case_id"] == CASE:
-            return runs.plant(runs.scale(r, "ctx64k", 0.95), runs.XID_FINDING)
+            return runs.plant(runs.scale(r, "ctx0", 0.95), runs.XID_FINDING)
         if r["case_id"] == "Luke BF16/tp8-dcp4-mtp3/staged":
             r.update(status="failed", reason=EVIL_REASON)
         return r
@@ -134,7 +134,7 @@ def test_trend_and_comparison(nightly_like):
     assert "Trend over 3 runs" in page
     assert "2026-11-25 02:00" in page and "2026-11-27 02:00" in page
     assert "Comparison with n6" in page and "REGRESSION" in page
-    assert "ctx64k aggregate tok/s 71.33 → 67.76 (-5.00%" in page
+    assert "ctx0 aggregate tok/s 73.39 → 69.72 (-5.00%" in page
     assert "New findings" in page
     # The current run is added once even when the caller's history already holds it.
     assert "Trend over 3 runs" in render_html(store, history=[*history, store])

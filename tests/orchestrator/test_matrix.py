@@ -191,6 +191,75 @@ MALFORMED = [
         "case 'm/tp8-dcp1-mtp0/default' appears twice",
     ),
 ]
+
+
+def _renamed(path: str, new_key: str) -> dict:
+    """BASE with the key at `path` (like 'workloads.0.output_tokens') spelt `new_key`."""
+    *parents, old_key = path.split(".")
+    doc = _with(path, _DELETE)
+    node = yaml.safe_load(yaml.safe_dump(BASE))
+    for k in parents:
+        node = node[int(k)] if k.isdigit() else node[k]
+    target = doc
+    for k in parents:
+        target = target[int(k)] if k.isdigit() else target[k]
+    target[new_key] = node[old_key]
+    return doc
+
+
+# Misspelt keys are named as written, with the key they were likely meant to be; an empty
+# file says so. `MISSPELT` checks the whole message: one error, not the missing key as well.
+MISSPELT = [
+    (
+        "misspelt required key",
+        _renamed("workloads.0.output_tokens", "output_tokne"),
+        "m.yaml: workloads[0].output_tokne: unknown key; did you mean output_tokens?",
+    ),
+    (
+        "misspelt top key",
+        _renamed("topologies", "topologys"),
+        "m.yaml: topologys: unknown key; did you mean topologies?",
+    ),
+    (
+        "misspelt optional key",
+        _with("workloads.0.concurency", 2),
+        "m.yaml: workloads[0].concurency: unknown key; did you mean concurrency?",
+    ),
+    (
+        "misspelt key of a list item's list",
+        _with("variants", [{"name": "v", "expect": [{"patern": "x"}]}]),
+        "m.yaml: variants[0].expect[0].patern: unknown key; did you mean pattern?",
+    ),
+    (
+        "two misspelt required keys",  # the first is named, as one error
+        (lambda d: (d["models"][0].update(num_head=d["models"][0].pop("num_heads")), d)[1])(
+            _renamed("models.0.label", "lable")
+        ),
+        "m.yaml: models[0].lable: unknown key; did you mean label?",
+    ),
+    (
+        "misspelling of a key that is given too",
+        _with("topologies.0.dpc", [1]),  # dcp is there: no suggestion
+        "m.yaml: topologies[0].dpc: unknown key",
+    ),
+    (
+        "empty file",
+        "",
+        "m.yaml: the file is empty; a matrix is a YAML mapping (see matrices/)",
+    ),
+    (
+        "comments only",
+        "# name: t\n\n",
+        "m.yaml: the file is empty (only comments); a matrix is a YAML mapping (see matrices/)",
+    ),
+    (
+        "null document",
+        "---\n~\n",
+        "m.yaml: the file is empty (its YAML is null: '---'); a matrix is a YAML mapping "
+        "(see matrices/)",
+    ),
+]
+MALFORMED += MISSPELT
 MALFORMED[18] = (
     "both modes",
     (lambda d: (d["workloads"][0].update(requests=2, duration_s=5), d)[1])(_with("name", "t")),
@@ -206,6 +275,13 @@ def test_malformed_matrix_names_file_field_and_value(label, doc, expected):
     assert msg.startswith("m.yaml: ")
     assert "\n" not in msg
     assert expected in msg, msg
+
+
+@pytest.mark.parametrize(("label", "doc", "expected"), MISSPELT, ids=[m[0] for m in MISSPELT])
+def test_misspelt_key_and_empty_file_give_one_exact_error(label, doc, expected):
+    with pytest.raises(MatrixError) as exc:
+        _parse(doc)
+    assert str(exc.value) == expected
 
 
 def test_missing_file_is_named():
@@ -279,6 +355,28 @@ def test_plan_cli_bad_matrix_exits_2_with_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == [
         f"orchestrator: {bad}: topologies[1].dcp=3 does not divide tp=8"
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "the file is empty; a matrix is a YAML mapping (see matrices/)"),
+        (
+            yaml.safe_dump(_renamed("workloads.0.output_tokens", "output_tokne")),
+            "workloads[0].output_tokne: unknown key; did you mean output_tokens?",
+        ),
+    ],
+    ids=["empty", "misspelt"],
+)
+def test_plan_and_run_cli_name_misspelt_key_and_empty_file(tmp_path, text, expected):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    logs = tmp_path / "logs"
+    for argv in (["plan", str(bad)], ["run", str(bad), "--logs-dir", str(logs)]):
+        out = _cli(*argv)
+        assert out.returncode == 2 and out.stdout == "", argv
+        assert out.stderr.strip().splitlines() == [f"orchestrator: {bad}: {expected}"], argv
+    assert not logs.exists()  # run launched nothing, created no run directory
 
 
 def test_plan_json(tmp_path):
