@@ -496,7 +496,6 @@ def token_checks(
     from dataclasses import replace
 
     from orchestrator import tokens
-    from orchestrator.store import read_jsonl
 
     first = matrix.variants[0] if matrix.variants else None
     if first is None or case.variant.name == first.name:
@@ -506,9 +505,7 @@ def token_checks(
     for wl in matrix.workloads:
         if not wl.same_tokens or wl.name not in workloads:
             continue
-        ref_path = store.case_dir(reference.slug) / f"requests-{wl.name}.jsonl"
-        mine = read_jsonl(store.case_dir(case.slug) / f"requests-{wl.name}.jsonl")
-        if not ref_path.is_file():
+        if not store.records_path(reference.slug, wl.name).is_file():
             checks[wl.name] = {
                 "reference": reference.case_id,
                 "verdict": "no-reference",
@@ -516,7 +513,9 @@ def token_checks(
                 "recorded no tokens (not run, or failed before this workload)",
             }
             continue
-        check = tokens.compare(read_jsonl(ref_path), mine)
+        check = tokens.compare(
+            store.read_records(reference.slug, wl.name), store.read_records(case.slug, wl.name)
+        )
         check["reference"] = reference.case_id
         check["sentence"] = tokens.describe(check, reference=first.name, variant=case.variant.name)
         checks[wl.name] = check
