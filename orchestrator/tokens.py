@@ -58,7 +58,7 @@ def _divergence(ref: Record, got: Record, tol: float) -> dict[str, Any] | None:
         if len(a) == len(b):
             return None
         pos = min(len(a), len(b))
-        return {"position": pos, "reference_token": None, "token": None, "tie": False,
+        return {"position": pos, "reference_choice": None, "choice": None, "tie": False,
                 "why": f"lengths differ ({len(a)} vs {len(b)} tokens)"}  # fmt: skip
     ref_margin = _margin(ref.get("top_logprobs"), pos, a[pos], b[pos])
     got_margin = _margin(got.get("top_logprobs"), pos, b[pos], a[pos])
@@ -70,8 +70,8 @@ def _divergence(ref: Record, got: Record, tol: float) -> dict[str, Any] | None:
     )
     return {
         "position": pos,
-        "reference_token": a[pos],
-        "token": b[pos],
+        "reference_choice": a[pos],
+        "choice": b[pos],
         "reference_margin": ref_margin,
         "margin": got_margin,
         "tie": tie,
@@ -120,12 +120,12 @@ def describe(check: Mapping[str, Any], *, reference: str, variant: str) -> str:
     if check["verdict"] == "identical":
         return head
     first = next((d for d in check["divergences"] if not d["tie"]), check["divergences"][0])
-    if "why" in first and first.get("reference_token") is None:
+    if "why" in first and first.get("reference_choice") is None:
         detail = f"request {first['request']}: {first['why']}"
     else:
         detail = (
             f"request {first['request']} parts at output token {first['position']}: "
-            f"{reference} {first['reference_token']}, {variant} {first['token']} "
+            f"{reference} {first['reference_choice']}, {variant} {first['choice']} "
             f"(margins {_nats(first.get('reference_margin'))} / {_nats(first.get('margin'))})"
         )
     kind = (

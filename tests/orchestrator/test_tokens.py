@@ -36,7 +36,7 @@ def test_a_flip_between_near_equal_tokens_is_a_near_tie():
     check = tokens.compare([ref], [got])
     assert check["verdict"] == "near-tie" and check["ties"] == 1
     d = check["divergences"][0]
-    assert (d["position"], d["reference_token"], d["token"], d["tie"]) == (1, 6, 8, True)
+    assert (d["position"], d["reference_choice"], d["choice"], d["tie"]) == (1, 6, 8, True)
     assert d["reference_margin"] == pytest.approx(0.01) and d["margin"] == pytest.approx(0.02)
     assert "1 near-tie(s) within 0.05 nats" in tokens.describe(check, reference="a", variant="b")
 
@@ -114,3 +114,14 @@ def test_same_tokens_needs_one_request_at_a_time_in_request_mode(workload):
     doc = MATRIX.split("workloads:")[0] + f"workloads: [{workload}]\n"
     with pytest.raises(MatrixError, match="same_tokens needs request mode"):
         parse_matrix(doc, "t.yaml", env={})
+
+
+def test_a_check_survives_the_results_redaction():
+    """Rows are redacted before they are stored; no key of a check may look like a secret
+    (a first version named the chosen ids 'token' and stored '***')."""
+    from orchestrator.redact import redact
+
+    ref = rec(0, [5, 6], [{5: -1.0}, {6: -2.0, 8: -2.01}])
+    got = rec(0, [5, 8], [{5: -1.0}, {8: -2.0, 6: -2.005}])
+    check = tokens.compare([ref], [got])
+    assert redact(check, ("secret",)) == check
