@@ -17,8 +17,8 @@ finished ``[B, N, 576]`` query or ``None``. ``None`` runs vLLM's block as shippe
 sizes and log one line per worker process; ``__init__`` is wrapped to snapshot an MXFP8
 ``kv_b_proj``'s W_UK before vLLM's MXFP8 linear kernel re-lays it out.
 
-The version guard refuses to patch unless the vLLM version is in the tested range and the
-block's text hashes to a known value; it then logs ``fusedq: fused MLA query disabled:
+The version guard refuses to patch unless the vLLM version falls in one row of ``RELEASES``
+(0.26.x; 0.32.x-0.33.x) and the block's text hashes to a value that row knows; it then logs ``fusedq: fused MLA query disabled:
 <reason>`` and leaves vLLM untouched.
 """
 
