@@ -119,12 +119,23 @@ def run(
     typer.echo(f"report: {report}")
     if summary.skipped:
         typer.echo(f"skipped {len(summary.skipped)} finished case(s) (resume)")
+    _print_summary(summary.run_dir)
     if summary.failed:
         # Named with the reason even under --quiet: an unattended log must say what failed.
         for row in summary.failed:
             typer.echo(f"FAILED {row.get('case_id')}: {row.get('reason')}", err=True)
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _print_summary(run_dir: Path) -> None:
+    """The closing table of a run (every case of it, resumed ones too), after the paths:
+    what a person reads first when the run ends. Failed cases' reasons follow on stderr."""
+    from orchestrator.store import RunStore
+    from orchestrator.summary import render_summary
+
+    typer.echo("")
+    typer.echo(render_summary(RunStore(run_dir)))
 
 
 @app.command()

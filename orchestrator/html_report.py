@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.compare import finding_location
 from orchestrator.report import (
+    LATENCY_NOTE,
     _columns,
     _fmt,
     _ordered_rows,
@@ -34,6 +35,7 @@ from orchestrator.report import (
     paired_deltas,
 )
 from orchestrator.store import RunStore, write_text_atomic
+from orchestrator.summary import latency_table
 
 if TYPE_CHECKING:
     from orchestrator.compare import Comparison
@@ -356,6 +358,14 @@ def topology_table_html(manifest: dict[str, Any], rows: list[dict[str, Any]], me
     return _table(header, body, left=1)
 
 
+def _latency_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    header, body = latency_table(manifest, rows)
+    if not body:
+        return ""
+    table = _table([_e(h) for h in header], [[_e(c) for c in r] for r in body], left=2)
+    return f"<h2>Latency per request (ms)</h2><p>{_e(LATENCY_NOTE)}</p>{table}"
+
+
 def _throughput_charts(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     variants = _variants(manifest)
     ordered = _ordered_rows(manifest, rows)
@@ -556,6 +566,7 @@ def render_html(
         _throughput_charts(manifest, rows),
         "<h2>Active per-user output tok/s (time to first token excluded)</h2>",
         topology_table_html(manifest, rows, "per_user_tok_s"),
+        _latency_section(manifest, rows),
         _delta_section(manifest, rows),
         _trend_section(store, history or []),
     ]

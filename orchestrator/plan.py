@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.estimate import estimate_run, human_s
 from orchestrator.matrix import FUSEDQ_QUALIFIED_HEADS, expand, load_matrix, units_needed
 
 
@@ -29,6 +30,8 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
                 f"{c.topology_id}: {c.model.num_heads} heads over TP{c.tp} -> "
                 f"{c.heads_per_rank} per rank padded (engine.pads_heads: true)"
             )
+    estimate = estimate_run(matrix, cases)
+    per_case = estimate.per_case()
     seen: set[str] = set()
     notes = [n for n in notes if not (n in seen or seen.add(n))]  # type: ignore[func-returns-value]
     return {
@@ -55,9 +58,11 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
                 **{k: v for k, v in c.to_dict().items() if k not in ("env", "args")},
                 unit.lower() + "s": c.tp * per_rank,
                 "fusedq_qualified_heads": c.heads_per_rank in FUSEDQ_QUALIFIED_HEADS,
+                "estimated_s": round(per_case[c.case_id], 1),
             }
             for c in cases
         ],
+        "estimate": estimate.to_dict(),
         "notes": notes,
     }
 
@@ -69,12 +74,14 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"(one per case; workloads run one at a time on each), largest bundle "
         f"{next(iter(plan['largest_bundle'].values()))} {unit.upper()} on one node",
         "",
-        f"{'case':<44} {'TP':>3} {'DCP':>4} {'MTP':>4} {'heads/rank':>10} {unit.upper():>5}  fusedq",
+        f"{'case':<44} {'TP':>3} {'DCP':>4} {'MTP':>4} {'heads/rank':>10} {unit.upper():>5} "
+        f"{'~time':>7}  fusedq",
     ]
     for c in plan["cases"]:
         lines.append(
             f"{c['case_id']:<44} {c['tp']:>3} {c['dcp']:>4} {c['mtp']:>4} {c['heads_per_rank']:>10} "
-            f"{c[unit]:>5}  {'qualified' if c['fusedq_qualified_heads'] else 'staged fallback'}"
+            f"{c[unit]:>5} {human_s(c['estimated_s']):>7}  "
+            f"{'qualified' if c['fusedq_qualified_heads'] else 'staged fallback'}"
         )
     lines.append("")
     for w in plan["workloads"]:
@@ -83,6 +90,8 @@ def render_plan(plan: dict[str, Any]) -> str:
             f"workload {w['name']} -> column {w['column']}: prompt {w['prompt_tokens']} tokens, "
             f"output {w['output_tokens']}, concurrency {w['concurrency']}, {size} x {w['repeats']} repeats"
         )
+    est = plan["estimate"]
+    lines.append(f"estimated duration: ~{human_s(est['total_s'])} ({est['basis']})")
     for n in plan["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)

@@ -1,105 +1,295 @@
-"""Live progress of a run: cases done / running / left and the current tok/s.
+"""Live progress of a run: where it is, how long each part has taken, and how long is left.
 
-On a terminal it is a one-line rich status that redraws in place; in a log (CI, nohup) it is a
-line per event, throttled, so a long run shows life without flooding the log.
+What it shows: cases done / failed of the total, the run's elapsed time and ETA
+(orchestrator.estimate.Eta: the plan's estimate, corrected by measured cases), the current
+case and its phase with their elapsed times, during a workload its repeat, requests done of
+the total, errors and output tok/s so far, and while a server starts (a minute on CPU, many
+on a big GPU node) the last line its log printed, so start-up is not a silent wait.
+
+On a terminal it is a rich live block that redraws in place four times a second. Anywhere
+else (CI, nohup, a pipe) it is plain lines without control codes: one per event (a case
+begins, a phase begins, a case ends) and, while a phase runs, one every PLAIN_EVERY_S,
+growing to PLAIN_MAX_EVERY_S in long phases, so a ten-hour night writes hundreds of lines,
+not hundreds of thousands. Everything goes to stderr: stdout is for results.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from orchestrator.estimate import Eta, human_s
+from orchestrator.redact import redact_text
+
+log = logging.getLogger(__name__)
+
+PLAIN_EVERY_S = 10.0
+PLAIN_MAX_EVERY_S = 60.0
+_TICK_S = 1.0
+_LOG_TAIL_BYTES = 16384
+_LOG_LINE_CHARS = 120
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# vLLM's log prefix: "(EngineCore_DP0 pid=12) INFO 11-30 10:02:03 [loader.py:52] message".
+_VLLM_PREFIX = re.compile(
+    r"^(?:\([^)]*pid=\d+\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+"
+    r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+(?:\[[^\]]*\]\s+)?"
+)
+
+
+def last_log_line(path: Path, secrets: tuple[str, ...] = ()) -> str | None:
+    """The last non-empty line of a server log, without vLLM's prefix (a WARNING or ERROR
+    keeps its level), redacted and shortened; None when there is none yet.
+
+    Only the tail is read, so calling it four times a second on a log of any size is cheap.
+    The log is raw while the server runs (it is redacted once the server stops), hence the
+    redaction here."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(size - _LOG_TAIL_BYTES, 0))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    # tqdm bars redraw with \r: the last segment of a line is what a terminal would show.
+    for raw in reversed(tail.splitlines()):
+        shown = [seg for seg in raw.split("\r") if seg.strip()]
+        line = _ANSI_RE.sub("", shown[-1] if shown else "").strip()
+        if not line:
+            continue
+        m = _VLLM_PREFIX.match(line)
+        if m:
+            level = "" if m.group(1) in ("DEBUG", "INFO") else f"{m.group(1)} "
+            line = level + line[m.end() :]
+        line = redact_text(line, secrets)
+        return line if len(line) <= _LOG_LINE_CHARS else line[: _LOG_LINE_CHARS - 1] + "…"
+    return None
 
 
 class ProgressView:
-    def __init__(self, total: int, done: int = 0, *, enabled: bool = True) -> None:
+    """The run's live status; the runner calls begin/update/finish, nothing here blocks it.
+
+    `stream` (default stderr), `tty` (default: whether the stream is one) and `clock`
+    (default time.monotonic) are there for tests; `secrets` are scrubbed from quoted log lines.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        done: int = 0,
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
         self.total = total
         self.done = done
         self.failed = 0
         self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.clock = clock
+        self.secrets = secrets
+        self.eta: Eta | None = None
         self.current: str | None = None
         self.phase = ""
-        self.detail = ""
+        self.info: dict[str, Any] = {}
+        self.server_log: Path | None = None
+        self._t_run = clock()
+        self._t_case = self._t_phase = self._last_line = self._t_run
+        self._lock = threading.RLock()
         self._live: Any = None
-        self._last_line = 0.0
-        self._tty = sys.stderr.isatty()
+        self._ticker: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    # ------------------------------------------------------------------ runner's calls
+
+    def expect(self, todo: Sequence[str], estimates: Mapping[str, float], done: int) -> None:
+        """The cases this run will measure, in order, and the plan's estimate of each."""
+        with self._lock:
+            self.done = done
+            self.eta = Eta(estimates, todo)
 
     def start(self) -> None:
-        if self.enabled and self._tty:
+        if not self.enabled:
+            return
+        self._t_run = self.clock()
+        if self.tty:
             from rich.console import Console
             from rich.live import Live
 
-            self._live = Live(self._render(), console=Console(stderr=True), refresh_per_second=4)
+            console = Console(file=self.stream, force_terminal=True)
+            # transient: the block goes when the run ends, leaving the case lines and the
+            # closing summary, not a frozen status.
+            self._live = Live(self, console=console, refresh_per_second=4, transient=True)
             self._live.start()
+        else:
+            self._ticker = threading.Thread(target=self._tick_loop, name="progress", daemon=True)
+            self._ticker.start()
 
     def stop(self) -> None:
+        self._stopped.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2 * _TICK_S)
+            self._ticker = None
         if self._live is not None:
             self._live.stop()
             self._live = None
 
-    def _text(self) -> str:
-        left = self.total - self.done - (1 if self.current else 0)
-        head = f"[{self.done}/{self.total} done, {1 if self.current else 0} running, {left} left"
-        head += f", {self.failed} failed]" if self.failed else "]"
-        if self.current:
-            head += f" {self.current}: {self.phase}"
-            if self.detail:
-                head += f" {self.detail}"
-        return head
-
-    def _render(self) -> Any:
-        from rich.text import Text
-
-        return Text(self._text())
-
-    def _emit(self, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        if self._live is not None:
-            self._live.update(self._render())
-            return
-        now = time.monotonic()
-        if force or now - self._last_line >= 10.0:
-            self._last_line = now
-            print(self._text(), file=sys.stderr, flush=True)
-
     def begin(self, case_id: str) -> None:
-        self.current, self.phase, self.detail = case_id, "placing", ""
-        self._emit(force=True)
+        with self._lock:
+            self.current = case_id
+            self._t_case = self.clock()
+            self.server_log = None
+            self._set_phase("placing")
+        n = self.done + 1
+        self._event(f"case {n}/{self.total} {case_id}: placing")
 
-    def update(self, case_id: str, phase: str, info: dict[str, Any] | None = None) -> None:
-        self.current, self.phase = case_id, phase
-        if info:
-            parts = []
-            if "done" in info and "total" in info and info["total"]:
-                parts.append(f"{info['done']}/{info['total']} requests")
-            elif "done" in info:
-                parts.append(f"{info['done']} requests")
-            if info.get("tok_s") is not None:
-                parts.append(f"{info['tok_s']:.1f} tok/s")
-            if info.get("repeat") is not None:
-                parts.append(f"repeat {info['repeat']}")
-            self.detail = ", ".join(parts)
-        else:
-            self.detail = ""
-        self._emit(force=info is None)
+    def update(
+        self,
+        case_id: str,
+        phase: str,
+        info: dict[str, Any] | None = None,
+        *,
+        server_log: Path | None = None,
+    ) -> None:
+        """A phase begins (info None), or a workload reports progress (info from
+        orchestrator.workload: repeat, repeats, done, total, errors, elapsed_s, tok_s)."""
+        with self._lock:
+            self.current = case_id
+            if server_log is not None:
+                self.server_log = server_log
+            if info is None or phase != self.phase:
+                self._set_phase(phase)
+                new_phase = True
+            else:
+                new_phase = False
+            if info is not None:
+                self.info = dict(info)
+        if new_phase:
+            self._event(self.status_line())
 
     def finish(self, case_id: str, row: dict[str, Any]) -> None:
-        self.done += 1
-        if row.get("status") != "passed":
-            self.failed += 1
-        self.current = None
-        if self.enabled:
-            status = row.get("status", "?").upper()
-            cols = ", ".join(
-                f"{name} {w.get('mean', {}).get('aggregate_tok_s', 0):.2f} tok/s"
-                for name, w in row.get("workloads", {}).items()
-            )
-            msg = f"{status} {case_id}" + (f": {cols}" if cols else "")
-            if row.get("reason"):
-                msg += f" ({row['reason']})"
-            if self._live is not None:
-                self._live.console.print(msg)
+        passed = row.get("status") == "passed"
+        with self._lock:
+            took = self.clock() - self._t_case
+            self.done += 1
+            self.failed += not passed
+            self.current, self.phase, self.info, self.server_log = None, "", {}, None
+            if self.eta is not None:
+                self.eta.finished(case_id, took, passed)
+        cols = ", ".join(
+            f"{name} {(w.get('mean') or {}).get('aggregate_tok_s') or 0:.2f} tok/s"
+            for name, w in row.get("workloads", {}).items()
+        )
+        msg = f"{'PASSED' if passed else 'FAILED'} {case_id} in {human_s(took)}"
+        msg += f": {cols}" if cols else ""
+        if row.get("reason"):
+            msg += f" ({row['reason']})"
+        self._event(f"{msg} | {self._run_part()}")
+
+    # ------------------------------------------------------------------ rendering
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.info = {}
+        self._t_phase = self.clock()
+
+    def _run_part(self) -> str:
+        now = self.clock()
+        head = f"{self.done}/{self.total} done"
+        head += f", {self.failed} failed" if self.failed else ""
+        head += f" | run {human_s(now - self._t_run)}"
+        if self.eta is not None and (self.current or self.eta.left):
+            left = self.eta.remaining_s(self.current, now - self._t_case if self.current else 0)
+            head += f" | ETA {human_s(left)}"
+        return head
+
+    def _case_part(self) -> str:
+        if not self.current:
+            return ""
+        now = self.clock()
+        i = self.info
+        out = f"{self.current}: {self.phase}"
+        if i:
+            if i.get("repeats", 1) > 1:
+                out += f" repeat {i.get('repeat')}/{i['repeats']}"
+            if i.get("total"):
+                out += f", {i.get('done', 0)}/{i['total']} requests"
             else:
-                print(msg, file=sys.stderr, flush=True)
-        self._emit(force=True)
+                out += f", {i.get('done', 0)} requests"
+                if i.get("duration_s"):
+                    out += f", {i.get('elapsed_s', 0):.0f} of {i['duration_s']:g} s"
+            if i.get("errors"):
+                out += f", {i['errors']} error{'s' if i['errors'] != 1 else ''}"
+            out += f", {i.get('tok_s') or 0:.1f} tok/s"
+        out += f", {human_s(now - self._t_phase)} (case {human_s(now - self._t_case)})"
+        return out
+
+    def _log_part(self) -> str:
+        if self.phase != "starting" or self.server_log is None:
+            return ""
+        line = last_log_line(self.server_log, self.secrets)
+        return f"server: {line}" if line else ""
+
+    def status_line(self) -> str:
+        """The whole status as one line: what a plain log gets."""
+        with self._lock:
+            head, case, log_line = f"[{self._run_part()}]", self._case_part(), self._log_part()
+        return " ".join(p for p in (head, case) if p) + (f" | {log_line}" if log_line else "")
+
+    def __rich__(self) -> Any:
+        """The terminal block; rich's Live calls this at every refresh."""
+        from rich.text import Text
+
+        with self._lock:
+            text = Text()
+            text.append(self._run_part(), style="bold")
+            case, log = self._case_part(), self._log_part()
+        if case:
+            text.append("\n" + case)
+        if log:
+            text.append("\n" + log, style="dim")
+        return text
+
+    # ------------------------------------------------------------------ output
+
+    def _event(self, line: str) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._last_line = self.clock()
+            if self._live is not None:
+                self._live.console.print(line, markup=False, highlight=False)
+            else:
+                print(line, file=self.stream, flush=True)
+
+    def plain_interval_s(self) -> float:
+        """Seconds between plain lines during the current phase: a sixth of its age, within
+        PLAIN_EVERY_S..PLAIN_MAX_EVERY_S."""
+        age = self.clock() - self._t_phase
+        return min(PLAIN_MAX_EVERY_S, max(PLAIN_EVERY_S, age / 6))
+
+    def tick(self) -> None:
+        """Write a plain status line if the current phase has been quiet long enough."""
+        if not self.enabled or self._live is not None or not self.current:
+            return
+        with self._lock:
+            due = self.clock() - self._last_line >= self.plain_interval_s()
+        if due:
+            self._event(self.status_line())
+
+    def _tick_loop(self) -> None:
+        while not self._stopped.wait(_TICK_S):
+            try:
+                self.tick()
+            except Exception:  # a progress line must never cost the run
+                log.exception("progress line failed")

@@ -143,6 +143,23 @@ def token_check_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+LATENCY_NOTE = (
+    "Time to first token, time per output token after the first, and the gap between "
+    "streamed chunks (one value per gap; with MTP a chunk may carry several tokens), over "
+    "every successful request of the workload's repeats."
+)
+
+
+def _latency_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    # Imported here: orchestrator.summary builds on this module's helpers.
+    from orchestrator.summary import latency_table
+
+    header, body = latency_table(manifest, rows)
+    if not body:
+        return []
+    return ["## Latency per request (ms)", "", LATENCY_NOTE, "", _md_table(header, body), ""]
+
+
 def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -> str:
     manifest = store.manifest()
     rows = store.results()
@@ -164,6 +181,7 @@ def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -
     out += ["", topology_table(manifest, rows, "aggregate_tok_s"), ""]
     out += ["## Active per-user output tok/s (time to first token excluded)", ""]
     out += [topology_table(manifest, rows, "per_user_tok_s"), ""]
+    out += _latency_section(manifest, rows)
     deltas = paired_deltas(manifest, rows)
     if deltas:
         base, cand = deltas[0]["baseline"], deltas[0]["candidate"]
@@ -225,6 +243,24 @@ def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -
     return "\n".join(out).rstrip() + "\n"
 
 
+def _workload_json(w: dict[str, Any]) -> dict[str, Any]:
+    from orchestrator.summary import latency_of, throughput_of
+
+    return {
+        "aggregate_tok_s": w.get("mean", {}).get("aggregate_tok_s"),
+        "aggregate_tok_s_sd": throughput_of(w)[1],
+        "per_user_tok_s": w.get("mean", {}).get("per_user_tok_s"),
+        "latency_ms": latency_of(w),
+        "repeats": [
+            {
+                "aggregate_tok_s": x.get("aggregate_tok_s"),
+                "per_user_tok_s": x.get("per_user_tok_s"),
+            }
+            for x in w.get("repeats", [])
+        ],
+    }
+
+
 def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> dict[str, Any]:
     manifest = store.manifest()
     rows = _ordered_rows(manifest, store.results())
@@ -251,18 +287,7 @@ def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> di
                 "audit_verdict": (r.get("audit") or {}).get("verdict", {}).get("status"),
                 "same_tokens": r.get("same_tokens") or {},
                 "workloads": {
-                    name: {
-                        "aggregate_tok_s": w.get("mean", {}).get("aggregate_tok_s"),
-                        "per_user_tok_s": w.get("mean", {}).get("per_user_tok_s"),
-                        "repeats": [
-                            {
-                                "aggregate_tok_s": x.get("aggregate_tok_s"),
-                                "per_user_tok_s": x.get("per_user_tok_s"),
-                            }
-                            for x in w.get("repeats", [])
-                        ],
-                    }
-                    for name, w in r.get("workloads", {}).items()
+                    name: _workload_json(w) for name, w in r.get("workloads", {}).items()
                 },
             }
             for r in rows

@@ -42,6 +42,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # imports); that race costs a retry on a new port, not the case. Three lost races in a row
 # are not a race, and fail the case.
 PORT_ATTEMPTS = 3
+# The unmeasured warm-up request (matrix.warmup_requests of them): short, because what it
+# absorbs is one-time cost (the workers' first collective), not throughput.
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_OUTPUT_TOKENS = 8
 
 
 def _now() -> str:
@@ -321,7 +325,7 @@ def run_case(
             row["server"]["argv"] = redact_argv(handle.info["argv"])
             row["server"]["port"] = handle.info["port"]
             log(f"{case.case_id}: starting on {handle.info['node_ip']} port {handle.info['port']}")
-            progress.update(case.case_id, "starting")
+            progress.update(case.case_id, "starting", server_log=server_log)
             try:
                 waited = wait_ready(
                     handle.base_url,
@@ -359,8 +363,8 @@ def run_case(
                 case.model.served_name or case.model.label,
                 WorkloadParams(
                     "warmup",
-                    prompt_tokens=16,
-                    output_tokens=8,
+                    prompt_tokens=WARMUP_PROMPT_TOKENS,
+                    output_tokens=WARMUP_OUTPUT_TOKENS,
                     requests=matrix.warmup_requests,
                 ),
                 vocab_size=vocab,
@@ -422,6 +426,7 @@ def run_case(
         status, reason = "failed", f"{type(exc).__name__}: {exc}"
     finally:
         if handle is not None:
+            progress.update(case.case_id, "stopping")
             # A server that exited on its own before the stop crashed during the case, however
             # its workloads ended (one SIGKILLed in CI answered all its requests with errors
             # before its pid polled as gone, and was recorded as passed).
@@ -628,6 +633,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     Bad input (matrix, run id, resume target, cluster too small) raises MatrixError, StoreError,
     LaunchError or ValueError before any server starts and before a new run directory exists.
     """
+    from orchestrator.estimate import estimate_run
     from orchestrator.launch import Launcher
     from orchestrator.progress import ProgressView
     from orchestrator.report import write_reports
@@ -663,7 +669,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     saved_env = {k: os.environ.get(k) for k in marks}
     os.environ.update(marks)
 
-    view = ProgressView(total=len(selected), enabled=options.progress)
+    view = ProgressView(total=len(selected), enabled=options.progress, secrets=secrets)
     measured = 0.0
     summary: RunSummary | None = None
     # SIGTERM (a job scheduler's stop) must unwind like Ctrl-C: every server stopped, every
@@ -707,7 +713,8 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 f"run {store.run_id}: {len(cases)} cases, {len(selected)} selected, "
                 f"{len(todo)} to run, {len(summary.skipped)} already finished"
             )
-            view.done = len(summary.skipped)
+            estimates = estimate_run(matrix, todo).per_case()
+            view.expect([c.case_id for c in todo], estimates, done=len(summary.skipped))
             view.start()
             for case in todo:
                 view.begin(case.case_id)

@@ -160,6 +160,8 @@ class WorkloadResult:
                 "params": asdict(self.params),
                 "repeats": self.repeats,
                 "mean": mean_of_repeats(self.repeats),
+                # Pooled over every repeat's requests: the figures the summary and reports show.
+                "latency": latency_metrics(self.records),
                 "requests": len(self.records),
                 "errors": len(errors),
                 "error_samples": errors[:5],
@@ -217,6 +219,25 @@ def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
     return out
 
 
+def _decoding(ok: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Successful requests with a decode phase: more than one token, and time after the first."""
+    return [r for r in ok if r["output_tokens"] > 1 and r["end_s"] > r["first_token_s"]]
+
+
+def latency_metrics(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """TTFT, TPOT and ITL distributions (ms) over the successful requests among `records`.
+
+    Times are differences within one request, so records of several repeats may be pooled:
+    a workload's p99 over all its requests is a percentile, a mean of repeats' p99s is not."""
+    ok = [r for r in records if r["error"] is None]
+    tpot = [(r["end_s"] - r["first_token_s"]) / (r["output_tokens"] - 1) for r in _decoding(ok)]
+    return {
+        "ttft_ms": _stats_ms([r["first_token_s"] - r["start_s"] for r in ok]),
+        "tpot_ms": _stats_ms(tpot),
+        "itl_ms": _stats_ms([b - a for r in ok for a, b in itertools.pairwise(r["chunk_s"])]),
+    }
+
+
 def repeat_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The metrics of one repeat from its request records (see the module docstring)."""
     ok = [r for r in records if r["error"] is None]
@@ -224,11 +245,7 @@ def repeat_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     starts = [r["start_s"] for r in records]
     ends = [r["end_s"] for r in records if r["end_s"] is not None]
     wall = (max(ends) - min(starts)) if starts and ends else 0.0
-    ttft = [r["first_token_s"] - r["start_s"] for r in ok]
-    decoding = [r for r in ok if r["output_tokens"] > 1 and r["end_s"] > r["first_token_s"]]
-    tpot = [(r["end_s"] - r["first_token_s"]) / (r["output_tokens"] - 1) for r in decoding]
-    per_user = [(r["output_tokens"] - 1) / (r["end_s"] - r["first_token_s"]) for r in decoding]
-    itl = [b - a for r in ok for a, b in itertools.pairwise(r["chunk_s"])]
+    per_user = [(r["output_tokens"] - 1) / (r["end_s"] - r["first_token_s"]) for r in _decoding(ok)]
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
@@ -237,9 +254,7 @@ def repeat_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "wall_s": wall,
         "aggregate_tok_s": out_tokens / wall if wall > 0 else 0.0,
         "per_user_tok_s": sum(per_user) / len(per_user) if per_user else 0.0,
-        "ttft_ms": _stats_ms(ttft),
-        "tpot_ms": _stats_ms(tpot),
-        "itl_ms": _stats_ms(itl),
+        **latency_metrics(records),
     }
 
 

@@ -7,6 +7,7 @@ The workloads are shrunk with --set (CI time); the topology axes are the smoke m
 from __future__ import annotations
 
 import json
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -151,6 +152,22 @@ def test_report_has_the_seed_table(smoke_run):
     assert "Orchestrator overhead" in report
     data = json.loads((smoke_run["dir"] / "report.json").read_text())
     assert data["cases_finished"] == 4 and data["cases_failed"] == 0
+
+
+def test_output_ends_with_the_summary_table(smoke_run):
+    """The resumed run's stdout closes with every case of the run, its tok/s and latencies."""
+    out = smoke_run["rest"].stdout.rstrip("\n").splitlines()
+    assert out and set(out[-1]) == {"="}, smoke_run["rest"].stdout[-3000:]
+    table = out[max(i for i, line in enumerate(out) if " Run e2e " in line) :]
+    assert re.split(r"\s{2,}", table[1])[:3] == ["Case", "Workload", "Output tok/s"]
+    rows = [json.loads(x) for x in (smoke_run["dir"] / "results.jsonl").read_text().splitlines()]
+    for r in rows:
+        for name, column in (("ctx0", "ctx0"), ("ctx1k", "ctx64k")):
+            (line,) = [x for x in table if x.startswith(r["case_id"]) and f" {column} " in x]
+            cells = re.split(r"\s{2,}", line)
+            assert cells[2] == f"{r['workloads'][name]['mean']['aggregate_tok_s']:.2f}", line
+            assert float(cells[3]) > 0 and cells[-2:] == ["0", "passed"], line  # TTFT p50
+    assert "4/4 cases finished, 4 passed, 0 failed." in " ".join(table)
 
 
 def test_no_process_outlives_the_run(smoke_run):

@@ -97,6 +97,22 @@ def test_repeat_metrics_maths() -> None:
     assert len([1 for r in recs[:2] for _ in r["chunk_s"][1:]]) == 19
 
 
+def test_workload_latency_pools_every_repeat() -> None:
+    """A workload's p99 is a percentile over all its requests, not a mean of repeats' p99s."""
+    fast = [_rec(0.0, 0.1, 1.1, 11), _rec(0.0, 0.1, 1.1, 11)]  # TTFT 100 ms, TPOT 100 ms
+    slow = [_rec(0.0, 0.9, 2.9, 11), _rec(0.0, 0.1, 1.1, 11, error="HTTP 500")]  # TTFT 900 ms
+    params = wl.WorkloadParams("w", 10, 11, requests=2, repeats=2)
+    reps = [{"repeat": i + 1, **wl.repeat_metrics(r)} for i, r in enumerate((fast, slow))]
+    d = wl.WorkloadResult(params, reps, [*fast, *slow]).to_dict()
+    ttft = d["latency"]["ttft_ms"]
+    assert ttft["p50"] == pytest.approx(100.0)  # three successful requests: 100, 100, 900
+    assert ttft["p99"] == pytest.approx(100 + 800 * 0.98)
+    assert d["mean"]["ttft_ms"]["p50"] == pytest.approx(500.0)  # (100 + 900) / 2: not this
+    assert d["latency"]["tpot_ms"]["p50"] == pytest.approx(100.0)
+    assert d["latency"] == wl.latency_metrics([*fast, *slow])
+    assert d["latency"]["itl_ms"] == wl.repeat_metrics([*fast, *slow])["itl_ms"]
+
+
 def test_percentile_matches_numpy_linear() -> None:
     vals = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert wl.percentile(vals, 50) == 3.0
@@ -220,6 +236,7 @@ def test_connection_refused_is_recorded() -> None:
     assert d["errors"] == 1 and "ConnectError" in d["error_samples"][0]
     # No latency figure exists: None rather than NaN, so strict JSON readers accept it.
     assert d["repeats"][0]["ttft_ms"]["p50"] is None
+    assert d["latency"]["ttft_ms"]["p50"] is None
     json.dumps(d, allow_nan=False)
 
 

@@ -1,0 +1,191 @@
+"""Per case and workload: output tok/s over repeats and the latency percentiles of its requests.
+
+One table model, read from a run directory's rows, that every output renders: the closing
+block `orchestrator run` prints (in the manner of `vllm bench serve`'s), and the latency
+sections of report.md, report.json and report.html.
+
+- Output tok/s: the mean over repeats of aggregate output tok/s, ± the sample standard
+  deviation of the repeats (no spread with one repeat).
+- TTFT / TPOT / ITL p50 and p99 (ms): over every successful request of every repeat of the
+  workload (orchestrator.workload.latency_metrics computes them when the workload ends). Rows
+  recorded before that pooled figure existed fall back to the mean over repeats of each
+  repeat's percentile.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.report import _columns, _ordered_rows
+from orchestrator.store import RunStore
+
+LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
+QUANTILES = ("p50", "p99")
+MISSING = "-"
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    case_id: str
+    topology_id: str
+    variant: str
+    workload: str
+    column: str
+    tok_s: float | None
+    tok_s_sd: float | None
+    repeats: int
+    latency_ms: dict[str, dict[str, float | None]]  # "ttft_ms" -> {"p50": .., "p99": ..}
+    errors: int
+    status: str
+    reason: str | None = None
+
+
+def _num(v: Any) -> float | None:
+    if v is None:
+        return None
+    f = float(v)
+    return None if math.isnan(f) else f
+
+
+def latency_of(w: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """{"ttft_ms": {"p50", "p99"}, ...} of one workload summary of a result row."""
+    pooled = w.get("latency") or {}
+    mean = w.get("mean") or {}
+    out = {}
+    for _, key in LATENCIES:
+        src = pooled.get(key) if isinstance(pooled.get(key), dict) else mean.get(key)
+        src = src if isinstance(src, dict) else {}
+        out[key] = {q: _num(src.get(q)) for q in QUANTILES}
+    return out
+
+
+def throughput_of(w: dict[str, Any]) -> tuple[float | None, float | None, int]:
+    """(mean aggregate tok/s, sample standard deviation over repeats or None, repeats)."""
+    reps = [_num(r.get("aggregate_tok_s")) for r in w.get("repeats", [])]
+    reps = [r for r in reps if r is not None]
+    sd = statistics.stdev(reps) if len(reps) > 1 else None
+    return _num((w.get("mean") or {}).get("aggregate_tok_s")), sd, len(reps)
+
+
+def summary_rows(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[SummaryRow]:
+    """One row per finished case and workload of the matrix, in matrix order; a case that
+    failed before any workload gets one row with the workload shown as '-'."""
+    out = []
+    for r in _ordered_rows(manifest, rows):
+        status = "passed" if r.get("status") == "passed" else "FAILED"
+        common = {
+            "case_id": r["case_id"],
+            "topology_id": r["topology_id"],
+            "variant": r["variant"],
+            "status": status,
+            "reason": r.get("reason"),
+        }
+        measured = [(n, c) for n, c in _columns(manifest) if n in r.get("workloads", {})]
+        for name, column in measured:
+            w = r["workloads"][name]
+            tok, sd, n = throughput_of(w)
+            out.append(
+                SummaryRow(
+                    workload=name,
+                    column=column,
+                    tok_s=tok,
+                    tok_s_sd=sd,
+                    repeats=n,
+                    latency_ms=latency_of(w),
+                    errors=int(w.get("errors", 0)),
+                    **common,
+                )
+            )
+        if not measured:
+            none = {k: dict.fromkeys(QUANTILES) for _, k in LATENCIES}
+            out.append(
+                SummaryRow(
+                    workload=MISSING,
+                    column=MISSING,
+                    tok_s=None,
+                    tok_s_sd=None,
+                    repeats=0,
+                    latency_ms=none,
+                    errors=int(r.get("errors", 0)),
+                    **common,
+                )
+            )
+    return out
+
+
+def fmt_ms(v: float | None) -> str:
+    """Milliseconds with the digits that matter: 0.43, 12.7, 1834."""
+    if v is None:
+        return MISSING
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def fmt_tok_s(row: SummaryRow) -> str:
+    if row.tok_s is None:
+        return MISSING
+    return f"{row.tok_s:.2f}" + (f" ± {row.tok_s_sd:.2f}" if row.tok_s_sd is not None else "")
+
+
+def latency_cells(row: SummaryRow) -> list[str]:
+    """TTFT p50, TTFT p99, TPOT p50, ... formatted, in LATENCIES x QUANTILES order."""
+    return [fmt_ms(row.latency_ms[k][q]) for _, k in LATENCIES for q in QUANTILES]
+
+
+def latency_header() -> list[str]:
+    return [f"{name} {q}" for name, _ in LATENCIES for q in QUANTILES]
+
+
+def latency_table(
+    manifest: dict[str, Any], rows: list[dict[str, Any]]
+) -> tuple[list[str], list[list[str]]]:
+    """(header, body) of the reports' latency table: per case and measured workload, the
+    TTFT / TPOT / ITL p50 and p99 in ms; plain strings, each report escapes its own way."""
+    header = ["Case", "Workload", *(f"{h} (ms)" for h in latency_header())]
+    body = [
+        [r.case_id, r.column, *latency_cells(r)]
+        for r in summary_rows(manifest, rows)
+        if r.workload != MISSING
+    ]
+    return header, body
+
+
+def render_summary(store: RunStore) -> str:
+    """The closing block of `orchestrator run`: a fixed-width table, no control codes, so it
+    reads the same in a terminal, a CI log and a pasted bug report."""
+    manifest = store.manifest()
+    results = store.results()
+    lines = summary_rows(manifest, results)
+    header = ["Case", "Workload", "Output tok/s", *latency_header(), "Err", "Status"]
+    body = [
+        [r.case_id, r.column, fmt_tok_s(r), *latency_cells(r), str(r.errors), r.status]
+        for r in lines
+    ]
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+
+    def fmt(cells: list[str]) -> str:
+        # Text columns left-aligned, figures right-aligned, as vLLM's block aligns them.
+        parts = [
+            c.ljust(w) if i < 2 or i == len(cells) - 1 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    table = [fmt(header), *(fmt(b) for b in body)]
+    width = max(len(t) for t in table)
+    title = f" Run {manifest['run_id']} "
+    failed = sum(r.get("status") != "passed" for r in results)
+    finished = len({r["case_id"] for r in results})
+    total = len(manifest.get("cases", []))
+    out = [title.center(width, "="), *table, "-" * width]
+    note = (
+        f"{finished}/{total} cases finished, {finished - failed} passed, {failed} failed. "
+        "Output tok/s: mean over repeats ± their sample standard deviation. TTFT, TPOT, ITL: "
+        "ms, over every successful request of the workload. Err: failed requests."
+    )
+    out += textwrap.wrap(note, width)
+    out.append("=" * width)
+    return "\n".join(out)

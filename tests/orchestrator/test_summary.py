@@ -1,0 +1,118 @@
+"""The closing summary of a run and the latency sections of report.md/.json/.html, from the
+recorded run under fixtures/runs (the seeds' TP8 rows) and edited copies of it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+from orchestrator.html_report import render_html
+from orchestrator.report import render_json, render_markdown
+from orchestrator.store import RunStore
+from orchestrator.summary import fmt_ms, render_summary, summary_rows
+
+_spec = importlib.util.spec_from_file_location(
+    "recorded_runs", Path(__file__).parent / "fixtures" / "runs" / "make_fixtures.py"
+)
+runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(runs)
+
+FUSED = "Luke BF16/tp8-dcp2-mtp0/fused"
+STAGED = "Luke BF16/tp8-dcp4-mtp3/staged"
+
+
+def _copy(tmp_path: Path) -> Path:
+    return runs.copy_run(tmp_path, "r", created_at="2026-11-28T02:00:00+00:00")
+
+
+def _cells(text: str, case_id: str, column: str) -> list[str]:
+    (line,) = [x for x in text.splitlines() if x.startswith(case_id + " ") and f" {column} " in x]
+    return re.split(r"\s{2,}", line)
+
+
+def test_summary_table_of_a_recorded_run(tmp_path: Path) -> None:
+    text = render_summary(RunStore(_copy(tmp_path)))
+    lines = text.splitlines()
+    assert lines[0].startswith("=") and " Run r " in lines[0] and lines[-1] == "=" * len(lines[0])
+    assert re.split(r"\s{2,}", lines[1]) == [
+        "Case", "Workload", "Output tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+        "ITL p50", "ITL p99", "Err", "Status",
+    ]  # fmt: skip
+    # Repeats 71.31 and 71.35: mean 71.33, sample standard deviation 0.028.
+    assert _cells(text, FUSED, "ctx64k") == [
+        FUSED, "ctx64k", "71.33 ± 0.03", "3900", "4680", "13.9", "14.6", "13.9", "22.2", "0",
+        "passed",
+    ]  # fmt: skip
+    # One row per case and workload, in matrix order; TP8/DCP1 has no ctx64k figure.
+    body = lines[2 : lines.index("-" * len(lines[0]))]
+    assert len(body) == 18
+    assert [x.split("  ")[0] for x in body[:3]] == [
+        "Luke BF16/tp8-dcp1-mtp0/staged",
+        "Luke BF16/tp8-dcp1-mtp0/fused",
+        "Luke BF16/tp8-dcp2-mtp0/staged",
+    ]
+    assert lines[len(body) + 3].startswith("10/10 cases finished, 10 passed, 0 failed.")
+    assert all(len(x) <= len(lines[0]) for x in lines)
+
+
+def test_summary_of_failures_single_repeats_and_older_rows(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+
+    def edit(r):
+        if r["case_id"] == STAGED:  # failed at start-up: nothing measured
+            r.update(status="failed", reason="server process exited with code 1", workloads={})
+        if r["case_id"] == FUSED:
+            w = r["workloads"]["ctx0"]
+            w["repeats"] = w["repeats"][:1]  # one repeat: no spread to show
+            del w["latency"]  # recorded before pooled latencies: the repeats' mean stands in
+            w["mean"]["ttft_ms"]["p99"] = 1234.5
+            w["errors"] = 2
+        return r
+
+    runs.edit_rows(run, edit)
+    text = render_summary(RunStore(run))
+    assert _cells(text, STAGED, "-") == [STAGED, "-", "-", *["-"] * 6, "0", "FAILED"]
+    cells = _cells(text, FUSED, "ctx0")
+    assert cells[2] == "73.39" and cells[4] == "1234" and cells[-2:] == ["2", "passed"]
+    assert "10/10 cases finished, 9 passed, 1 failed." in text
+
+
+def test_fmt_ms_keeps_the_digits_that_matter() -> None:
+    assert [fmt_ms(v) for v in (None, 0.4321, 12.345, 999.94, 1834.4)] == [
+        "-", "0.43", "12.3", "999.9", "1834",
+    ]  # fmt: skip
+
+
+def test_reports_carry_latency_percentiles(tmp_path: Path) -> None:
+    store = RunStore(_copy(tmp_path))
+    md = render_markdown(store)
+    assert "## Latency per request (ms)" in md
+    header = "| Case | Workload | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
+    assert header + "| ITL p50 (ms) | ITL p99 (ms) |" in md
+    assert f"| {FUSED} | ctx64k | 3900 | 4680 | 13.9 | 14.6 | 13.9 | 22.2 |" in md
+    data = render_json(store)
+    json.dumps(data, allow_nan=False)
+    (case,) = [c for c in data["cases"] if c["case_id"] == FUSED]
+    w = case["workloads"]["ctx64k"]
+    assert w["latency_ms"]["ttft_ms"] == {"p50": 3900.0, "p99": 4680.0}
+    assert w["latency_ms"]["itl_ms"]["p99"] == 22.21
+    assert round(w["aggregate_tok_s_sd"], 4) == 0.0283
+    page = render_html(store)
+    assert "<h2>Latency per request (ms)</h2>" in page
+    assert (
+        f"<td class=l>{FUSED}</td><td class=l>ctx64k</td><td>3900</td><td>4680</td>"
+        "<td>13.9</td><td>14.6</td><td>13.9</td><td>22.2</td>"
+    ) in page
+    assert len(summary_rows(store.manifest(), store.results())) == 18
+
+
+def test_html_latency_table_escapes_names(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["matrix"]["workloads"][1]["column"] = "<b>64k</b> & more"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    page = render_html(RunStore(run))
+    assert "<b>64k" not in page
+    assert "<td class=l>&lt;b&gt;64k&lt;/b&gt; &amp; more</td><td>3900</td>" in page
