@@ -41,17 +41,19 @@ class Speeds:
 
 
 ASSUMED: dict[str, Speeds] = {
-    # The embedded default (tiny MLA model, vLLM's CPU build, 2 cores): start-up measured
-    # 54-90 s per case (README, issue 12); Ray start ~6 s; placement ~2.4 s and stop ~2 s per
-    # case. Decode 65 tok/s at TP1 MTP0 and 29 at TP2 (smoke-readme2); prefill: 64k tokens
-    # took ~105 s (docs/cpu-vllm.md), ~600 tok/s, faster at 1k. A real model on CPU is far
-    # slower; the ETA learns that from the first case.
+    # The embedded default (tiny MLA model, vLLM's CPU build, 2 cores), between the two
+    # machines it was measured on: start-up 54-90 s per case on 2 AVX2 cores, 29-37 s on 2
+    # AVX-512 EPYC cores; one user's decode 65 and 198 tok/s at TP1 MTP0; prefill ~470 and
+    # ~3,300 tok/s at 1k tokens (64k took ~105 s, docs/cpu-vllm.md); placement ~1-2.4 s and
+    # stop ~2 s per case, Ray start ~6 s. The whole smoke matrix took 9m04s and 3m09s; this
+    # estimates ~6.5 min. A real model on CPU is far slower; the ETA learns that from the
+    # first case.
     "cpu": Speeds(
-        startup_s=75.0,
+        startup_s=60.0,
         case_overhead_s=6.0,
         run_overhead_s=10.0,
-        decode_tok_s=40.0,
-        prefill_tok_s=800.0,
+        decode_tok_s=60.0,
+        prefill_tok_s=1500.0,
         mtp_step_rereads_context=True,
     ),
     # A large MLA checkpoint (GLM-5, DeepSeek-V3) on one 8-GPU node: weight loading from local

@@ -75,7 +75,8 @@ def last_log_line(path: Path, secrets: tuple[str, ...] = ()) -> str | None:
 class ProgressView:
     """The run's live status; the runner calls begin/update/finish, nothing here blocks it.
 
-    `stream` (default stderr), `tty` (default: whether the stream is one) and `clock`
+    The run's clock starts when the view is made (before Ray starts, which is part of the
+    run). `stream` (default stderr), `tty` (default: whether the stream is one) and `clock`
     (default time.monotonic) are there for tests; `secrets` are scrubbed from quoted log lines.
     """
 
@@ -121,7 +122,6 @@ class ProgressView:
     def start(self) -> None:
         if not self.enabled:
             return
-        self._t_run = self.clock()
         if self.tty:
             from rich.console import Console
             from rich.live import Live
@@ -174,7 +174,7 @@ class ProgressView:
                 new_phase = False
             if info is not None:
                 self.info = dict(info)
-        if new_phase:
+        if new_phase and self._live is None:  # a terminal's live block shows it already
             self._event(self.status_line())
 
     def finish(self, case_id: str, row: dict[str, Any]) -> None:

@@ -4,6 +4,9 @@ One table model, read from a run directory's rows, that every output renders: th
 block `orchestrator run` prints (in the manner of `vllm bench serve`'s), and the latency
 sections of report.md, report.json and report.html.
 
+Rows are named by case (variant included) and workload name: a workload's report column may
+stand for another size (the smoke matrix's ctx1k fills the ctx64k column), its name does not.
+
 - Output tok/s: the mean over repeats of aggregate output tok/s, ± the sample standard
   deviation of the repeats (no spread with one repeat).
 - TTFT / TPOT / ITL p50 and p99 (ms): over every successful request of every repeat of the
@@ -146,7 +149,7 @@ def latency_table(
     TTFT / TPOT / ITL p50 and p99 in ms; plain strings, each report escapes its own way."""
     header = ["Case", "Workload", *(f"{h} (ms)" for h in latency_header())]
     body = [
-        [r.case_id, r.column, *latency_cells(r)]
+        [r.case_id, r.workload, *latency_cells(r)]
         for r in summary_rows(manifest, rows)
         if r.workload != MISSING
     ]
@@ -161,7 +164,7 @@ def render_summary(store: RunStore) -> str:
     lines = summary_rows(manifest, results)
     header = ["Case", "Workload", "Output tok/s", *latency_header(), "Err", "Status"]
     body = [
-        [r.case_id, r.column, fmt_tok_s(r), *latency_cells(r), str(r.errors), r.status]
+        [r.case_id, r.workload, fmt_tok_s(r), *latency_cells(r), str(r.errors), r.status]
         for r in lines
     ]
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]

@@ -27,7 +27,9 @@ def _matrix(accel: str):
 
 
 def test_request_time_is_prefill_then_decode() -> None:
-    assert request_s(800, 40, 0, CPU) == pytest.approx(800 / CPU.prefill_tok_s + 40 / 40)
+    assert request_s(800, 40, 0, CPU) == pytest.approx(
+        800 / CPU.prefill_tok_s + 40 / CPU.decode_tok_s
+    )
     # CPU MTP re-reads the context every step: 40 steps over a context of 800 + 20 on average.
     extra = 40 * (800 + 20) / CPU.prefill_tok_s
     assert request_s(800, 40, 1, CPU) == pytest.approx(request_s(800, 40, 0, CPU) + extra)
@@ -71,7 +73,7 @@ def test_plan_prints_the_estimate_and_how_it_was_made(tmp_path) -> None:
     assert [c["estimated_s"] for c in plan["cases"]] == list(plan["estimate"]["cases"].values())
     text = render_plan(plan)
     assert f"estimated duration: ~{human_s(plan['estimate']['total_s'])} (an estimate" in text
-    assert "server start-up 75 s per case" in text
+    assert f"server start-up {CPU.startup_s:.0f} s per case" in text
 
 
 def test_eta_learns_from_passed_cases_only() -> None:

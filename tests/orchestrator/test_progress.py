@@ -158,3 +158,21 @@ def test_terminal_block(tmp_path: Path, phase: str) -> None:
     assert text[2:] == (
         ["server: WARNING no AMX, HF_TOKEN=*** serving ***"] if phase == "starting" else []
     )
+
+
+def test_terminal_mode_prints_case_lines_above_the_live_block() -> None:
+    """With a terminal, rich's Live runs for real (a thread redrawing into the stream)."""
+    out = io.StringIO()
+    v = ProgressView(len(CASES), stream=out, tty=True)
+    v.expect(CASES, {c: 60.0 for c in CASES}, done=0)
+    v.start()
+    try:
+        v.begin(CASES[0])
+        v.update(CASES[0], "ctx0", {"done": 1, "total": 2, "tok_s": 3.5})
+        v.finish(CASES[0], {"status": "passed", "workloads": {}})
+    finally:
+        v.stop()
+    text = out.getvalue()
+    assert f"case 1/2 {CASES[0]}: placing" in text
+    assert f"PASSED {CASES[0]} in 0 s | 1/2 done" in text
+    assert "\x1b[" in text  # it drew in place: control codes belong to terminals only

@@ -109,10 +109,15 @@ def test_reports_carry_latency_percentiles(tmp_path: Path) -> None:
 
 
 def test_html_latency_table_escapes_names(tmp_path: Path) -> None:
+    """Model labels are free text, and case ids carry them into the latency table."""
     run = _copy(tmp_path)
+    evil = FUSED.replace("Luke BF16", "Luke <b>BF16</b> & co")
     manifest = json.loads((run / "manifest.json").read_text())
-    manifest["matrix"]["workloads"][1]["column"] = "<b>64k</b> & more"
+    for c in manifest["cases"]:
+        c["case_id"] = evil if c["case_id"] == FUSED else c["case_id"]
     (run / "manifest.json").write_text(json.dumps(manifest))
+    runs.edit_rows(run, lambda r: {**r, "case_id": evil} if r["case_id"] == FUSED else r)
     page = render_html(RunStore(run))
-    assert "<b>64k" not in page
-    assert "<td class=l>&lt;b&gt;64k&lt;/b&gt; &amp; more</td><td>3900</td>" in page
+    assert "<b>BF16" not in page
+    assert "<td class=l>Luke &lt;b&gt;BF16&lt;/b&gt; &amp; co/tp8-dcp2-mtp0/fused</td>" in page
+    assert "<td class=l>ctx64k</td><td>3900</td>" in page
