@@ -163,19 +163,25 @@ class ProgressView:
     ) -> None:
         """A phase begins (info None), or a workload reports progress (info from
         orchestrator.workload: repeat, repeats, done, total, errors, elapsed_s, tok_s)."""
+        lines = []
         with self._lock:
+            plain = self._live is None  # a terminal's live block shows all this already
+            new_phase = info is None or phase != self.phase
+            if new_phase and self.info and plain:
+                # The workload that just ended, as it ended: a short one leaves no other line
+                # with its request count.
+                lines.append(self.status_line())
             self.current = case_id
             if server_log is not None:
                 self.server_log = server_log
-            if info is None or phase != self.phase:
+            if new_phase:
                 self._set_phase(phase)
-                new_phase = True
-            else:
-                new_phase = False
             if info is not None:
                 self.info = dict(info)
-        if new_phase and self._live is None:  # a terminal's live block shows it already
-            self._event(self.status_line())
+            if new_phase and plain:
+                lines.append(self.status_line())
+        for line in lines:
+            self._event(line)
 
     def finish(self, case_id: str, row: dict[str, Any]) -> None:
         passed = row.get("status") == "passed"

@@ -69,7 +69,11 @@ def test_plain_lines_name_case_phase_elapsed_counts_and_eta(tmp_path: Path) -> N
     v.update(CASES[0], "ctx0", {"repeat": 1, "repeats": 2, "done": 3, "total": 8,
                                 "errors": 1, "elapsed_s": 11.0, "tok_s": 57.25})  # fmt: skip
     v.tick()
-    clock.t += 17
+    clock.t += 2
+    v.update(CASES[0], "ctx0", {"repeat": 2, "repeats": 2, "done": 8, "total": 8,
+                                "errors": 1, "elapsed_s": 9.0, "tok_s": 60.0})  # fmt: skip
+    v.update(CASES[0], "stopping")
+    clock.t += 15
     v.finish(
         CASES[0], {"status": "passed", "workloads": {"ctx0": {"mean": {"aggregate_tok_s": 60.5}}}}
     )
@@ -86,6 +90,10 @@ def test_plain_lines_name_case_phase_elapsed_counts_and_eta(tmp_path: Path) -> N
         f"[0/2 done | run 1m12s | ETA 3m48s] {CASES[0]}: ctx0, 0 s (case 1m12s)",
         f"[0/2 done | run 1m23s | ETA 3m37s] {CASES[0]}: ctx0 repeat 1/2, 3/8 requests, "
         "1 error, 57.2 tok/s, 11 s (case 1m23s)",
+        # A workload's last state is written when the next phase begins.
+        f"[0/2 done | run 1m25s | ETA 3m35s] {CASES[0]}: ctx0 repeat 2/2, 8/8 requests, "
+        "1 error, 60.0 tok/s, 13 s (case 1m25s)",
+        f"[0/2 done | run 1m25s | ETA 3m35s] {CASES[0]}: stopping, 0 s (case 1m25s)",
         # The first case took 100 s against 100 estimated: the rest keeps its estimate.
         f"PASSED {CASES[0]} in 1m40s: ctx0 60.50 tok/s | 1/2 done | run 1m40s | ETA 3m20s",
         f"case 2/2 {CASES[1]}: placing",
