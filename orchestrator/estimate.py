@@ -29,7 +29,8 @@ from orchestrator.runner import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS
 class Speeds:
     """Assumed figures for one accelerator kind; every one is a guess the ETA corrects."""
 
-    startup_s: float  # `vllm serve` from exec to /v1/models answering
+    startup_s: float  # `vllm serve` from exec to /v1/models answering, a real checkpoint
+    builtin_startup_s: float  # the same for a built-in tiny model: no weights to load
     case_overhead_s: float  # Ray placement + stop + audit, per case
     run_overhead_s: float  # local Ray start-up, reports, shutdown, once per run
     decode_tok_s: float  # one user's output tokens per second
@@ -49,7 +50,8 @@ ASSUMED: dict[str, Speeds] = {
     # estimates ~6.5 min. A real model on CPU is far slower; the ETA learns that from the
     # first case.
     "cpu": Speeds(
-        startup_s=60.0,
+        startup_s=60.0,  # only the tiny model was measured; a real checkpoint loads longer
+        builtin_startup_s=60.0,
         case_overhead_s=6.0,
         run_overhead_s=10.0,
         decode_tok_s=60.0,
@@ -59,9 +61,12 @@ ASSUMED: dict[str, Speeds] = {
     # A large MLA checkpoint (GLM-5, DeepSeek-V3) on one 8-GPU node: weight loading from local
     # disk, torch.compile and CUDA-graph capture take minutes (the shipped matrices allow
     # ready_s=2400); decode 66-124 tok/s per user in the seeds' TP8 table; a 64k prefill
-    # costs a few seconds. The start-up guess dominates short matrices: read it as a scale.
+    # costs a few seconds. A built-in tiny model skips the weights but not vLLM's imports,
+    # torch.compile and CUDA-graph capture: ~2 min, a guess not yet measured here. The
+    # start-up guess dominates short matrices: read it as a scale.
     "gpu": Speeds(
         startup_s=600.0,
+        builtin_startup_s=120.0,
         case_overhead_s=30.0,
         run_overhead_s=30.0,
         decode_tok_s=70.0,
@@ -117,9 +122,11 @@ class RunEstimate:
     def basis(self) -> str:
         """How the figure was made, in a sentence a plan prints beside it."""
         s = self.speeds
+        starts = sorted({round(c.startup_s) for c in self.cases})
+        start = " or ".join(f"{x} s" for x in starts) or f"{s.startup_s:.0f} s"
         out = (
             f"an estimate from assumed {self.accelerator.upper()} speeds, not a measurement: "
-            f"server start-up {s.startup_s:.0f} s per case, one user decodes "
+            f"server start-up {start} per case, one user decodes "
             f"{s.decode_tok_s:g} tok/s and prefills {s.prefill_tok_s:g} tok/s"
         )
         if s.mtp_step_rereads_context:
@@ -143,7 +150,7 @@ def estimate_run(matrix: Matrix, cases: Sequence[Case]) -> RunEstimate:
         out.append(
             CaseEstimate(
                 case_id=c.case_id,
-                startup_s=speeds.startup_s,
+                startup_s=speeds.builtin_startup_s if c.model.is_builtin else speeds.startup_s,
                 warmup_s=matrix.warmup_requests * warm,
                 workloads_s={w.name: workload_s(w, c.mtp, speeds) for w in matrix.workloads},
                 overhead_s=speeds.case_overhead_s,

@@ -59,6 +59,9 @@ def test_run_estimate_adds_startup_warmup_workloads_and_overheads() -> None:
     assert est.total_s == pytest.approx(CPU.run_overhead_s + sum(est.per_case().values()))
     gpu = estimate_run(_matrix("gpu"), cases)
     assert gpu.total_s > est.total_s  # a big GPU checkpoint starts in minutes, not seconds
+    assert gpu.cases[0].startup_s == ASSUMED["gpu"].startup_s
+    tiny = parse_matrix(MATRIX.replace("ACCEL", "gpu").replace("/m", "builtin:tiny-mla"), "t.yaml")
+    assert estimate_run(tiny, expand(tiny)).cases[0].startup_s == ASSUMED["gpu"].builtin_startup_s
     assert "not a measurement" in est.basis() and "CPU" in est.basis()
 
 
