@@ -62,8 +62,9 @@ ASSUMED: dict[str, Speeds] = {
     # disk, torch.compile and CUDA-graph capture take minutes (the shipped matrices allow
     # ready_s=2400); decode 66-124 tok/s per user in the seeds' TP8 table; a 64k prefill
     # costs a few seconds. A built-in tiny model skips the weights but not vLLM's imports,
-    # torch.compile and CUDA-graph capture: ~2 min, a guess not yet measured here. The
-    # start-up guess dominates short matrices: read it as a scale.
+    # torch.compile and CUDA-graph capture: ~2 min -- measured 95-145 s for tiny-glm5 with
+    # vLLM 0.26 on H200s, TP1 and TP2 (docs/validation/h200-2026-11-30). The start-up figure
+    # dominates short matrices: read it as a scale.
     "gpu": Speeds(
         startup_s=600.0,
         builtin_startup_s=120.0,
