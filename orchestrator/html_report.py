@@ -405,6 +405,18 @@ def _delta_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "".join(out)
 
 
+def _tokens_section(rows: list[dict[str, Any]]) -> str:
+    """The same_tokens checks (orchestrator/tokens.py), one line each, as report.md has them."""
+    items = [
+        f"<li>{_e(r['topology_id'])} {_e(w)}: <b>{_e(c['verdict'])}</b> &mdash; {_e(c['sentence'])}</li>"
+        for r in rows
+        for w, c in (r.get("same_tokens") or {}).items()
+    ]
+    if not items:
+        return ""
+    return "<h2>Same tokens (greedy, request by request)</h2><ul>" + "".join(items) + "</ul>"
+
+
 def _run_label(manifest: dict[str, Any]) -> str:
     created = str(manifest.get("created_at") or "")
     return created[:16].replace("T", " ") if created else str(manifest.get("run_id"))
@@ -568,6 +580,7 @@ def render_html(
         topology_table_html(manifest, rows, "per_user_tok_s"),
         _latency_section(manifest, rows),
         _delta_section(manifest, rows),
+        _tokens_section(rows),
         _trend_section(store, history or []),
     ]
     if failed:

@@ -125,3 +125,17 @@ def test_a_check_survives_the_results_redaction():
     got = rec(0, [5, 8], [{5: -1.0}, {8: -2.0, 6: -2.005}])
     check = tokens.compare([ref], [got])
     assert redact(check, ("secret",)) == check
+
+
+def test_reports_list_every_check():
+    """report.md and report.html carry each check's verdict and sentence (the committed H200
+    run: a near-tie at MTP0, identical at MTP1)."""
+    from orchestrator.html_report import render_html
+    from orchestrator.report import render_markdown
+
+    store = RunStore(Path(__file__).parents[2] / "docs/validation/h200-2026-11-30/h200-1")
+    md, page = render_markdown(store), render_html(store)
+    for text in (md, page):
+        assert "Same tokens (greedy, request by request)" in text
+        assert "glm5-h16/tp1-dcp1-mtp1 greedy" in text and "identical token ids in 4/4" in text
+    assert "**near-tie**" in md and "<b>near-tie</b>" in page
