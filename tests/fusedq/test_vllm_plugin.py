@@ -423,44 +423,15 @@ def run_forward_impl(forward_impl, layer, m: int, gen: torch.Generator) -> torch
     return layer.seen[-1]
 
 
-@pytest.mark.parametrize("h,m,fp8", [(8, 2, False), (16, 5, True), (8, 33, False)])
-def test_patched_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
-    """The recompiled forward_impl on a stand-in layer: the query forward_mqa receives equals
-    the one vLLM's unpatched code builds; M=33 takes vLLM's own block (bit-identical)."""
+def assert_hands_on_the_staged_query(mla, vp, patched, staged, h, m, fp8, *, amx=True):
+    """Run both forward_impls on one planned stand-in layer: the query forward_mqa receives
+    from the patched one equals the staged one's; M > 32 takes vLLM's own block (bit-equal)."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    patch = vp.check_vllm()
-    vp.apply(patch)
     with set_current_vllm_config(VllmConfig()):  # vLLM's CustomOp (the FP8 quant) wants one
         layer = stand_in_layer(mla, h, fp8=fp8, gen=torch.Generator().manual_seed(0))
-        plan, note = vp.plan_layer(layer)
-        assert plan is not None, note
-        layer.__dict__[vp.PLAN_ATTR] = plan
-        got = run_forward_impl(patch.forward_impl, layer, m, torch.Generator().manual_seed(m))
-        ref = run_forward_impl(
-            patch.forward_impl.__wrapped__, layer, m, torch.Generator().manual_seed(m)
-        )
-    assert got.dtype == (E4M3 if fp8 else torch.bfloat16) and got.shape == (m, h, L + R)
-    if m > 32:
-        assert torch.equal(got, ref)
-    else:
-        assert got.is_contiguous()
-        assert_matches(got, ref, "bf16")
-        assert vp._first_use.is_set()
-
-
-@pytest.mark.parametrize("h,m,fp8", [(16, 3, False), (8, 1, True), (11, 33, False)])
-def test_patched_026_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
-    """As above for vLLM 0.26's forward_impl (its (N, B, L) bmm buffer + transpose)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-
-    patched = forward_impl_026(mla, vp, hooked=True)
-    staged = forward_impl_026(mla, vp, hooked=False)
-    vp._installed["release"] = vp.release_for((0, 26))
-    mla.__dict__[vp.HOOK_NAME] = vp.decode_query_hook  # what apply() installs
-    with set_current_vllm_config(VllmConfig()):
-        layer = stand_in_layer(mla, h, fp8=fp8, gen=torch.Generator().manual_seed(1))
-        del layer.is_amx_bmm_enabled  # 0.26 has no AMX branch; the plan must not need it
+        if not amx:
+            del layer.is_amx_bmm_enabled  # a release without the AMX branch must not need it
         plan, note = vp.plan_layer(layer)
         assert plan is not None, note
         layer.__dict__[vp.PLAN_ATTR] = plan
@@ -472,6 +443,26 @@ def test_patched_026_forward_impl_hands_the_backend_the_staged_query(mla, vp, h,
     else:
         assert got.is_contiguous()
         assert_matches(got, ref, "bf16")
+        assert vp._first_use.is_set()
+
+
+@pytest.mark.parametrize("h,m,fp8", [(8, 2, False), (16, 5, True), (8, 33, False)])
+def test_patched_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
+    """The installed vLLM's forward_impl, recompiled with the hook."""
+    patch = vp.check_vllm()
+    vp.apply(patch)
+    original = patch.forward_impl.__wrapped__
+    assert_hands_on_the_staged_query(mla, vp, patch.forward_impl, original, h, m, fp8)
+
+
+@pytest.mark.parametrize("h,m,fp8", [(16, 3, False), (8, 1, True), (11, 33, False)])
+def test_patched_026_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
+    """vLLM 0.26's forward_impl (its (N, B, L) bmm buffer + transpose), recompiled likewise."""
+    patched = forward_impl_026(mla, vp, hooked=True)
+    staged = forward_impl_026(mla, vp, hooked=False)
+    vp._installed["release"] = vp.release_for((0, 26))
+    mla.__dict__[vp.HOOK_NAME] = vp.decode_query_hook  # what apply() installs
+    assert_hands_on_the_staged_query(mla, vp, patched, staged, h, m, fp8, amx=False)
 
 
 def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
