@@ -80,6 +80,57 @@ def _flag_name(arg: str) -> str:
     return name.replace("_", "-") if name.startswith("--") else name
 
 
+# Where vLLM takes the attention backend from (`--attention-backend X` is shorthand for
+# `--attention-config.backend X`; `-ac` for `--attention-config`).
+_BACKEND_FLAGS = ("--attention-backend", "--attention-config.backend")
+_ATTENTION_CONFIG_FLAGS = ("--attention-config", "-ac")
+
+
+def pinned_attention_backend(args: Sequence[str]) -> str | None:
+    """The attention backend these `vllm serve` args pin the target model to, or None.
+
+    The last mention wins, as in vLLM's parser; `auto` pins nothing. A JSON
+    `--attention-config` counts only through its `backend` key.
+    """
+    backend: str | None = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        name = _flag_name(name)
+        if name not in _BACKEND_FLAGS and name not in _ATTENTION_CONFIG_FLAGS:
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            value = args[i + 1]
+        if name in _ATTENTION_CONFIG_FLAGS:
+            try:
+                config = json.loads(value)
+            except ValueError:
+                continue
+            if not isinstance(config, dict) or "backend" not in config:
+                continue
+            value = config["backend"]
+        backend = None if value is None or str(value).lower() == "auto" else str(value).upper()
+    return backend
+
+
+def speculative_config(mtp: int, extra_args: Sequence[str] = ()) -> dict[str, object]:
+    """`--speculative-config` for `mtp` MTP tokens, the draft held to the target's backend.
+
+    vLLM picks the draft's attention backend on its own unless the speculative config names
+    one (`SpecDecodeBaseProposer._create_draft_vllm_config` replaces the target's backend
+    with `speculative_config.attention_backend`, None by default). On an AMX CPU the CPU
+    platform then gives the MTP layer AMX_MLA beside a target pinned to CPU_MLA, and start-up
+    fails: `No common block size for 128 (CPU_MLA: [16]; AMX_MLA: [MultipleOf(32)])`. An
+    MTP layer is a layer of the target model, so the target's pin is the right one for it.
+    """
+    spec: dict[str, object] = {"method": "mtp", "num_speculative_tokens": mtp}
+    backend = pinned_attention_backend(extra_args)
+    if backend is not None:
+        spec["attention_backend"] = backend
+    return spec
+
+
 def serve_argv(
     model_path: str,
     *,
@@ -118,7 +169,7 @@ def serve_argv(
     if dcp > 1:
         argv += ["--decode-context-parallel-size", str(dcp)]
     if mtp > 0:
-        spec = {"method": "mtp", "num_speculative_tokens": mtp}
+        spec = speculative_config(mtp, extra_args)
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if served_name is not None:
         argv += [_SERVED_NAME_FLAG, served_name]

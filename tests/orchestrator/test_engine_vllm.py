@@ -104,6 +104,94 @@ def test_argv_rejects_bad_topology(tp: int, dcp: int, mtp: int, port: int, match
         eng.serve_argv("/m", tp=tp, dcp=dcp, mtp=mtp, host="h", port=port)
 
 
+@pytest.mark.parametrize(
+    ("args", "pinned"),
+    [
+        (["--attention-backend=CPU_MLA"], "CPU_MLA"),
+        (["--attention-backend", "cpu_mla"], "CPU_MLA"),
+        (["--attention_backend=FLASHMLA"], "FLASHMLA"),
+        (["--attention-config.backend", "CPU_MLA"], "CPU_MLA"),
+        (["-ac", '{"backend": "CPU_MLA"}'], "CPU_MLA"),
+        (['--attention-config={"backend": "TRITON_MLA"}'], "TRITON_MLA"),
+        # argparse keeps the last; `auto` is vLLM's word for "choose yourself".
+        (["--attention-backend=CPU_MLA", "--attention-backend=FLASHMLA"], "FLASHMLA"),
+        (["--attention-backend=CPU_MLA", "--attention-backend=auto"], None),
+        (["--attention-config", '{"flash_attn_version": 2}'], None),
+        (["--enforce-eager", "--max-model-len=4096"], None),
+    ],
+)
+def test_pinned_attention_backend_reads_every_form(args: list[str], pinned: str | None) -> None:
+    assert eng.pinned_attention_backend(args) == pinned
+
+
+def test_mtp_draft_is_held_to_the_targets_pinned_backend() -> None:
+    # vLLM gives the draft its own backend choice unless the speculative config names one:
+    # on an AMX CPU that is AMX_MLA beside a CPU_MLA target, and start-up fails.
+    argv = eng.serve_argv(
+        "/m", tp=1, dcp=1, mtp=1, host="h", port=1, extra_args=["--attention-backend=CPU_MLA"]
+    )
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "CPU_MLA"}
+
+
+def test_unpinned_target_leaves_the_draft_to_vllm() -> None:
+    # GPU matrices pin nothing: the draft is chosen as vLLM chooses it, as before.
+    argv = eng.serve_argv("/m", tp=8, dcp=4, mtp=3, host="h", port=1, extra_args=["--x=1"])
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert "attention_backend" not in spec
+
+
+def _smoke_mtp_argvs() -> list[list[str]]:
+    from orchestrator.matrix import expand, load_matrix
+
+    cases = [c for c in expand(load_matrix("matrices/smoke.yaml")) if c.mtp]
+    assert cases, "the smoke matrix has MTP cases"
+    return [
+        eng.serve_argv("/m", tp=c.tp, dcp=c.dcp, mtp=c.mtp, host="h", port=1, extra_args=c.args)
+        for c in cases
+    ]
+
+
+def test_smoke_matrix_pins_target_and_draft_to_one_backend_on_every_isa() -> None:
+    """The embedded default must not depend on the CPU it meets: the target is pinned to
+    CPU_MLA, and every MTP case carries that pin to its draft layer (CI cannot pick an AMX
+    CPU to prove it by running)."""
+    for argv in _smoke_mtp_argvs():
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert eng.pinned_attention_backend(argv) == "CPU_MLA"
+        assert spec["attention_backend"] == "CPU_MLA", argv
+
+
+def test_vllm_cpu_platform_gives_target_and_draft_one_backend_with_amx(monkeypatch) -> None:
+    """vLLM's own parser and CPU backend choice, on the smoke matrix's MTP argv, with AMX
+    detection forced on (as on a Sapphire Rapids CPU): the target and the draft get CPU_MLA.
+    The control (no backend named: what the draft got before) must get AMX_MLA, or the
+    forcing did not take and the test proves nothing."""
+    pytest.importorskip("vllm.platforms.cpu", reason="vLLM's CPU build not installed")
+    import torch
+    from vllm.config import AttentionConfig, SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    mla = AttentionSelectorConfig(
+        head_size=576, dtype=torch.bfloat16, kv_cache_dtype=None, block_size=None, use_mla=True
+    )
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert CpuPlatform.get_attn_backend_cls(None, mla).endswith("AMXMLABackend")
+    for argv in _smoke_mtp_argvs():
+        args, _ = parser.parse_known_args(argv[3:])  # past `vllm serve MODEL`
+        # The conversions EngineArgs.create_engine_config and SpeculativeConfig apply.
+        target = AttentionConfig.validate_backend_before(args.attention_backend)
+        draft = SpeculativeConfig._parse_attention_backend(
+            args.speculative_config.get("attention_backend")
+        )
+        for backend in (target, draft):
+            assert CpuPlatform.get_attn_backend_cls(backend, mla).endswith("CPUMLABackend")
+
+
 # ---------------------------------------------------------------------------- env
 
 
