@@ -1530,12 +1530,6 @@ def audit_logs(
         scanner.findings.extend(gfind)
 
     findings = scanner.findings
-    # The root cause is the first traceback that is not a recovered (DEBUG-level) one:
-    # later tracebacks of a case are almost always its consequences.
-    for f in findings:
-        if f.signature == "python-traceback" and f.severity != "warning":
-            f.root_cause = True
-            break
     for er in expect_results:
         if not er.met:
             findings.append(_expectation_finding(er))
@@ -1552,18 +1546,28 @@ def audit_logs(
                 and f.line >= limit
                 and f.signature in SHUTDOWN_NOISE
             ):
-                f.root_cause = False
                 f.fields["discounted"] = "logged after the orchestrator stopped the server"
                 discounted.append(f)
             else:
                 kept.append(f)
         findings = kept
-        if not any(f.root_cause for f in findings):
-            for f in findings:
-                if f.signature == "python-traceback":
-                    f.root_cause = True
-                    break
+    mark_root_cause(findings)
     return AuditResult(findings, searched, _verdict(findings, searched), discounted)
+
+
+def mark_root_cause(findings: Sequence[Finding]) -> Finding | None:
+    """Flag the root cause of a scope, the one rule every reader of `root_cause` relies on:
+    the first traceback that is not a recovered (DEBUG-level, hence warning) one. Later
+    tracebacks of a case are almost always its consequences (vLLM's "Engine core
+    initialization failed. See root cause above." chain). Pass the findings that count,
+    after discounting: a traceback of the orchestrator's own stop explains nothing."""
+    cause = next(
+        (f for f in findings if f.signature == "python-traceback" and f.severity != "warning"),
+        None,
+    )
+    for f in findings:
+        f.root_cause = f is cause
+    return cause
 
 
 # What vLLM logs because it was told to stop (SIGTERM aborts the engine: the API server's output

@@ -119,11 +119,17 @@ def run(
     typer.echo(f"report: {report}")
     if summary.skipped:
         typer.echo(f"skipped {len(summary.skipped)} finished case(s) (resume)")
+    if summary.nothing_left:
+        retry = " (--retry-failed re-runs the failed ones)" if summary.failed else ""
+        typer.echo(f"nothing left to run: every selected case has a result{retry}")
     _print_summary(summary.run_dir)
     if summary.failed:
         # Named with the reason even under --quiet: an unattended log must say what failed.
-        for row in summary.failed:
-            typer.echo(f"FAILED {row.get('case_id')}: {row.get('reason')}", err=True)
+        for rows, when in ((summary.earlier, " (in an earlier attempt)"), (summary.results, "")):
+            for row in (r for r in rows if r.get("status") != "passed"):
+                # A reason's later lines (what happened, the log's tail) indented under it.
+                reason = str(row.get("reason")).replace("\n", "\n    ")
+                typer.echo(f"FAILED {row.get('case_id')}{when}: {reason}", err=True)
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
         raise typer.Exit(EXIT_FINDINGS)
 
@@ -147,7 +153,7 @@ def report(
     from orchestrator.store import RunStore, StoreError
 
     try:
-        store = RunStore.open(run_dir.parent, run_dir.name)
+        store = RunStore.read(run_dir)
         write_reports(store)
     except StoreError as exc:
         raise _fail(str(exc)) from None

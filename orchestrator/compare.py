@@ -25,7 +25,6 @@ the samples.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any, NamedTuple
 
 from orchestrator.report import _fmt, _md_table
 from orchestrator.stats import MIN_REPEATS, Interval, RepeatSample, change_interval
-from orchestrator.store import MANIFEST, RunStore, case_slug
+from orchestrator.store import RunStore, StoreError, case_slug
 
 DEFAULT_THRESHOLD_PCT = 3.0
 # Severities that break a case or a node (signatures.yaml): new ones fail a comparison.
@@ -52,23 +51,10 @@ class CompareError(ValueError):
 
 def open_run(path: str | Path) -> RunStore:
     """Open a run directory for reading, or raise CompareError naming the path and the fault."""
-    root = Path(path)
-    if not root.is_dir():
-        raise CompareError(f"{root}: not a run directory (does not exist)")
-    manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        raise CompareError(f"{root}: not a run directory (missing {MANIFEST})")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CompareError(f"{manifest_path}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict):
-        raise CompareError(f"{manifest_path}: manifest is not a JSON object")
-    for key in ("run_id", "cases", "matrix"):
-        if key not in manifest:
-            raise CompareError(f"{manifest_path}: manifest has no {key!r}")
-    # No results.jsonl is a run that stopped before its first case finished: it has no rows.
-    return RunStore(root)
+        return RunStore.read(path)
+    except StoreError as exc:
+        raise CompareError(str(exc)) from None
 
 
 @dataclass

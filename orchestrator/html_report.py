@@ -584,8 +584,13 @@ def render_html(
         _trend_section(store, history or []),
     ]
     if failed:
+        # A reason is its root cause, what happened and the log's last lines: preformatted,
+        # or the lines run together into one paragraph.
         parts.append("<h2>Failed cases</h2><ul>")
-        parts += [f"<li><b>{_e(r['case_id'])}</b>: {_e(r.get('reason'))}</li>" for r in failed]
+        parts += [
+            f'<li><b>{_e(r["case_id"])}</b><pre class="excerpt reason">{_e(r.get("reason"))}</pre></li>'
+            for r in failed
+        ]
         parts.append("</ul>")
     parts += [_audit_section(manifest, rows), "</body></html>"]
     return "\n".join(p for p in parts if p) + "\n"

@@ -116,7 +116,8 @@ def render_junit(store: RunStore, comparison: Comparison | None = None) -> str:
         causes = _case_failures(row, comparison)
         if causes:
             failures += 1
-            first = causes[0][1]
+            # The message is one line: a reason's first names its root cause when one is known.
+            first = causes[0][1].partition("\n")[0]
             failure = ET.SubElement(
                 tc,
                 "failure",

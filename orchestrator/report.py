@@ -7,12 +7,14 @@ rebuild the reports of any run, finished, interrupted or resumed.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from typing import Any
 
 from orchestrator.store import RunStore, write_json_atomic, write_text_atomic
 
 MISSING = "-"
+OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (see write_reports)
 
 
 def _tok(row: dict[str, Any], workload: str, metric: str = "aggregate_tok_s") -> float | None:
@@ -160,7 +162,21 @@ def _latency_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> li
     return ["## Latency per request (ms)", "", LATENCY_NOTE, "", _md_table(header, body), ""]
 
 
-def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -> str:
+def _failed_case_md(case_id: str, reason: str) -> list[str]:
+    """A bullet with the reason's first line (its root cause, when known); the rest (what
+    happened, the log's last lines) as a code block inside the bullet, so log lines keep
+    their breaks and nothing in them is read as Markdown."""
+    first, _, rest = reason.partition("\n")
+    out = [f"- **{case_id}**: {first}"]
+    if rest:
+        # A fence longer than any run of backticks in the text cannot be closed by it.
+        longest = max((len(m) for m in re.findall(r"`+", rest)), default=0)
+        fence = "`" * max(3, longest + 1)
+        out += [f"  {fence}text", *(f"  {line}" for line in rest.splitlines()), f"  {fence}"]
+    return out
+
+
+def render_markdown(store: RunStore, overhead: dict[str, Any] | None = None) -> str:
     manifest = store.manifest()
     rows = store.results()
     versions = manifest.get("versions", {})
@@ -216,7 +232,8 @@ def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -
     failed = [r for r in _ordered_rows(manifest, rows) if r.get("status") != "passed"]
     if failed:
         out += ["## Failed cases", ""]
-        out += [f"- **{r['case_id']}**: {r.get('reason')}" for r in failed]
+        for r in failed:
+            out += _failed_case_md(r["case_id"], str(r.get("reason")))
         out.append("")
     out += ["## Log audit", "", audit_sentence(rows), ""]
     findings = [
@@ -231,15 +248,16 @@ def render_markdown(store: RunStore, overhead: dict[str, float] | None = None) -
             f"- {case_id}: `{f.get('signature')}` ({f.get('severity')}) "
             f"{str(f.get('file', '')).split('/')[-1]}:{f.get('line')}{rank}: `{text}`"
         )
-    if overhead:
-        out += [
-            "",
-            "## Orchestrator overhead",
-            "",
-            f"Wall {overhead['wall_s']:.1f} s, of which server start-up and measured workloads "
-            f"{overhead['startup_and_measured_s']:.1f} s; overhead {overhead['overhead_s']:.1f} s "
-            f"({overhead['overhead_pct']:.1f}%).",
-        ]
+    figures = _overhead_record(overhead)
+    if figures["run"] or figures["resumes"]:
+        out += ["", "## Orchestrator overhead", ""]
+        if figures["run"]:
+            out.append(_overhead_sentence(figures["run"]))
+        else:
+            out.append("The first attempt recorded no figures (it was killed before its end).")
+        for i, r in enumerate(figures["resumes"], 1):
+            cases = f", {_plural(int(r['cases_run']), 'case')} run" if "cases_run" in r else ""
+            out += ["", f"Resume {i}{cases}: {_overhead_sentence(r)}"]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -261,7 +279,26 @@ def _workload_json(w: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> dict[str, Any]:
+def _overhead_sentence(o: dict[str, Any]) -> str:
+    return (
+        f"Wall {o['wall_s']:.1f} s, of which server start-up and measured workloads "
+        f"{o['startup_and_measured_s']:.1f} s; overhead {o['overhead_s']:.1f} s "
+        f"({o['overhead_pct']:.1f}%)."
+    )
+
+
+def _overhead_record(saved: Any) -> dict[str, Any]:
+    """Overhead figures per attempt: {"run": the original run's or None, "resumes": [...]}.
+    A bare figures dict (what runs before resumes were kept apart wrote) is the run's."""
+    if not saved:
+        return {"run": None, "resumes": []}
+    if "wall_s" in saved:
+        return {"run": dict(saved), "resumes": []}
+    return {"run": saved.get("run"), "resumes": list(saved.get("resumes", []))}
+
+
+def render_json(store: RunStore, overhead: dict[str, Any] | None = None) -> dict[str, Any]:
+    figures = _overhead_record(overhead)
     manifest = store.manifest()
     rows = _ordered_rows(manifest, store.results())
     return {
@@ -272,7 +309,8 @@ def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> di
         "cases_total": len(manifest["cases"]),
         "cases_finished": len(rows),
         "cases_failed": sum(r.get("status") != "passed" for r in rows),
-        "overhead": overhead,
+        "overhead": figures["run"],
+        "overhead_resumes": figures["resumes"],
         "cases": [
             {
                 "case_id": r["case_id"],
@@ -297,15 +335,25 @@ def render_json(store: RunStore, overhead: dict[str, float] | None = None) -> di
     }
 
 
-def write_reports(store: RunStore, overhead: dict[str, float] | None = None) -> None:
-    """(Re)write report.md and report.json of a run directory."""
-    saved = store.root / "overhead.json"
+def write_reports(
+    store: RunStore, overhead: dict[str, float] | None = None, *, resume: bool = False
+) -> None:
+    """(Re)write the reports of a run directory.
+
+    `overhead`, when given, is this attempt's figures: the run's own, or with `resume` one
+    more resume's, kept beside the original run's and never in its place (overhead.json).
+    Without it the saved figures are shown as they are.
+    """
+    saved = store.root / OVERHEAD
+    figures = _overhead_record(json.loads(saved.read_text()) if saved.exists() else None)
     if overhead is not None:
-        write_json_atomic(saved, overhead)
-    elif saved.exists():
-        overhead = json.loads(saved.read_text())
-    write_text_atomic(store.root / "report.md", render_markdown(store, overhead))
-    write_json_atomic(store.root / "report.json", render_json(store, overhead))
+        if resume:
+            figures["resumes"].append(overhead)
+        else:
+            figures = {"run": overhead, "resumes": []}
+        write_json_atomic(saved, figures)
+    write_text_atomic(store.root / "report.md", render_markdown(store, figures))
+    write_json_atomic(store.root / "report.json", render_json(store, figures))
     # Imported here: both modules build on this one's tables, a top-level import would cycle.
     from orchestrator.html_report import write_html
     from orchestrator.junit import write_junit

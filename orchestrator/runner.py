@@ -8,6 +8,7 @@ them, keeps time, and makes sure a failure costs one case, not the run.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import getpass
 import importlib.metadata as md
@@ -20,10 +21,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.matrix import Case, Matrix, expand, load_matrix
@@ -36,6 +37,9 @@ from orchestrator.redact import (
     secret_values,
 )
 from orchestrator.store import RunStore, new_run_id, write_json_atomic
+
+if TYPE_CHECKING:
+    from orchestrator.audit import Finding
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A port the OS called free can be taken before vLLM binds it (seconds later, after its
@@ -125,14 +129,23 @@ class RunOptions:
 
 @dataclass
 class RunSummary:
+    """What one `run` (or `--resume`) attempt did, and the stored results it stands on.
+
+    `results` are the rows this attempt wrote; `earlier` the rows earlier attempts wrote
+    for the other selected cases (`skipped` names them). A run passes only when both hold
+    no failure: a resume that had nothing to re-run still failed if a case failed before.
+    """
+
     run_dir: Path
     results: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    earlier: list[dict[str, Any]] = field(default_factory=list)
     overhead: dict[str, float] = field(default_factory=dict)
+    nothing_left: bool = False  # a resume found every selected case finished: it ran nothing
 
     @property
     def failed(self) -> list[dict[str, Any]]:
-        return [r for r in self.results if r.get("status") != "passed"]
+        return [r for r in self.earlier + self.results if r.get("status") != "passed"]
 
 
 class _Log:
@@ -185,6 +198,15 @@ def _model_path(case: Case, matrix: Matrix, log: Callable[[str], None]) -> str:
     return path
 
 
+def _absolute_if_path(exe: str | None) -> str | None:
+    """A relative executable path (`scripts/vllm`) made absolute against the driver's working
+    directory, where it was written; the server starts in its case folder. A bare name is
+    looked up on PATH, as given."""
+    if exe is None or os.sep not in exe or os.path.isabs(exe):
+        return exe
+    return str(Path(exe).absolute())
+
+
 def _is_local_path(path: str) -> bool:
     """A filesystem path rather than a hub id (`org/name`), as vLLM would be given it."""
     return os.path.isabs(path) or path.startswith(("./", "../"))
@@ -234,8 +256,44 @@ def _line_count(path: Path) -> int:
         return 0
 
 
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Add the block's wall time to `timings[key]`, however the block ends."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.monotonic() - t0
+
+
 class CaseFailed(Exception):
     """A case that could not be measured; the message is the reason in the report."""
+
+
+# Lines of the server log a failed case's reason ends with: how the server ended. Its root
+# cause is usually dozens of lines further up (vLLM's "Engine core initialization failed.
+# See root cause above." chain), so the reason leads with the audit's root cause instead.
+REASON_TAIL_LINES = 10
+
+
+def failure_reason(what: str, root_cause: Finding | None = None, tail: str = "") -> str:
+    """A failed case's reason: the root cause the audit found (its exception line and where
+    it was logged), then what happened to the case, then the last lines of the server log.
+
+    The first line is the one a dashboard or a one-line summary shows: the cause, when known.
+    """
+    lines = []
+    if root_cause is not None:
+        where = f"{Path(root_cause.file).name}:{root_cause.line}"
+        if root_cause.rank:
+            where += f" [{root_cause.rank}]"
+        lines.append(f"{root_cause.text} (root cause, {where})")
+    lines.append(what)
+    tail_lines = tail.splitlines()[-REASON_TAIL_LINES:]
+    if tail_lines:
+        lines.append(f"--- last {len(tail_lines)} lines of the server log ---")
+        lines += tail_lines
+    return "\n".join(lines)
 
 
 def run_case(
@@ -258,6 +316,7 @@ def run_case(
         api_key,
         describe_exit,
         is_port_clash,
+        log_tail,
         serve_argv,
         serve_env,
         wait_ready,
@@ -281,6 +340,8 @@ def run_case(
     row: dict[str, Any] = {**case.to_dict(), "started_at": started.isoformat(timespec="seconds")}
     workloads: dict[str, Any] = {}
     status, reason = "passed", None
+    # The server's last words, for a case whose server ended on its own (None: not shown).
+    tail: str | None = None
     handle = None
     exited_early: int | None = None  # the server's exit code if it went before the stop
     stop_line = 0
@@ -298,7 +359,7 @@ def run_case(
                 port=port,
                 served_name=case.model.served_name or case.model.label,
                 extra_args=list(case.args),
-                vllm_bin=matrix.engine.vllm_bin,
+                vllm_bin=_absolute_if_path(matrix.engine.vllm_bin),
             )
 
         env = serve_env({}, host=matrix.host, run_dir=cdir, extra=case.env_dict)
@@ -311,30 +372,34 @@ def run_case(
         key = api_key(case.args, env)
         clashes: list[int] = []
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            t = time.monotonic()
-            handle = launcher.place(case, matrix.timeouts.placement_s)
-            timings["placement_s"] = timings.get("placement_s", 0.0) + time.monotonic() - t
+            with _timed(timings, "placement_s"):
+                handle = launcher.place(case, matrix.timeouts.placement_s)
             row["server"] = {k: v for k, v in handle.info.items() if k != "pythonpath"}
             if _is_local_path(model_path) and launcher.missing_paths(handle, [model_path]):
                 raise CaseFailed(
                     f"model path {model_path} does not exist on node {handle.info['node_ip']} "
                     f"({handle.info.get('hostname')})"
                 )
-            t = time.monotonic()
-            launcher.start(handle, argv_for, env, server_log)
-            row["server"]["argv"] = redact_argv(handle.info["argv"])
-            row["server"]["port"] = handle.info["port"]
-            log(f"{case.case_id}: starting on {handle.info['node_ip']} port {handle.info['port']}")
-            progress.update(case.case_id, "starting", server_log=server_log)
             try:
-                waited = wait_ready(
-                    handle.base_url,
-                    timeout_s=matrix.timeouts.ready_s,
-                    alive=lambda h=handle: launcher.alive(h),
-                    log_path=server_log,
-                    returncode=lambda h=handle: launcher.exit_code(h),
-                    api_key=key,
-                )
+                # Start-up time whether the server came up or not: a failed start-up (or a
+                # port lost to another process) is the server's time, not the orchestrator's.
+                with _timed(timings, "startup_s"):
+                    launcher.start(handle, argv_for, env, server_log)
+                    row["server"]["argv"] = redact_argv(handle.info["argv"])
+                    row["server"]["port"] = handle.info["port"]
+                    log(
+                        f"{case.case_id}: starting on {handle.info['node_ip']} "
+                        f"port {handle.info['port']}"
+                    )
+                    progress.update(case.case_id, "starting", server_log=server_log)
+                    waited = wait_ready(
+                        handle.base_url,
+                        timeout_s=matrix.timeouts.ready_s,
+                        alive=lambda h=handle: launcher.alive(h),
+                        log_path=server_log,
+                        returncode=lambda h=handle: launcher.exit_code(h),
+                        api_key=key,
+                    )
             except ServerStartError as exc:
                 if attempt == PORT_ATTEMPTS or not is_port_clash(exc.log_tail):
                     raise
@@ -350,58 +415,56 @@ def run_case(
             break
         if clashes:
             row["server"]["port_clashes"] = clashes
-        timings["startup_s"] = time.monotonic() - t
         log(f"{case.case_id}: ready after {waited:.1f} s")
         vocab = _vocab_size(model_path)
         if matrix.warmup_requests:
             # Not measured: on a fresh server the first request pays one-time costs (TP2 on
             # CPU measured 4.6 tok/s on its first ctx0 request against 33 per user after).
             progress.update(case.case_id, "warm-up")
-            t = time.monotonic()
-            warm = run_workload(
-                handle.base_url,
-                case.model.served_name or case.model.label,
-                WorkloadParams(
-                    "warmup",
-                    prompt_tokens=WARMUP_PROMPT_TOKENS,
-                    output_tokens=WARMUP_OUTPUT_TOKENS,
-                    requests=matrix.warmup_requests,
-                ),
-                vocab_size=vocab,
-                seed=matrix.seed,
-                # The one-time costs it absorbs belong to start-up, so it gets start-up's
-                # patience: a first request on a fresh CI machine outlasted a 15 s request_s.
-                request_timeout_s=max(matrix.timeouts.request_s, matrix.timeouts.ready_s),
-                alive=lambda: launcher.alive(handle),
-                deadline=t_case + matrix.timeouts.case_s,
-                api_key=key,
-            )
-            timings["warmup_s"] = time.monotonic() - t
+            with _timed(timings, "warmup_s"):
+                warm = run_workload(
+                    handle.base_url,
+                    case.model.served_name or case.model.label,
+                    WorkloadParams(
+                        "warmup",
+                        prompt_tokens=WARMUP_PROMPT_TOKENS,
+                        output_tokens=WARMUP_OUTPUT_TOKENS,
+                        requests=matrix.warmup_requests,
+                    ),
+                    vocab_size=vocab,
+                    seed=matrix.seed,
+                    # The one-time costs it absorbs belong to start-up, so it gets start-up's
+                    # patience: a first request on a fresh CI machine outlasted a 15 s request_s.
+                    request_timeout_s=max(matrix.timeouts.request_s, matrix.timeouts.ready_s),
+                    alive=lambda: launcher.alive(handle),
+                    deadline=t_case + matrix.timeouts.case_s,
+                    api_key=key,
+                )
             row["warmup"] = {"requests": matrix.warmup_requests, "errors": warm.to_dict()["errors"]}
         for wl in matrix.workloads:
             deadline = t_case + matrix.timeouts.case_s
             if time.monotonic() > deadline:
                 raise CaseFailed(f"case timeout ({matrix.timeouts.case_s:.0f} s) before {wl.name}")
             progress.update(case.case_id, f"{wl.name}")
-            t = time.monotonic()
-            try:
-                result = run_workload(
-                    handle.base_url,
-                    case.model.served_name or case.model.label,
-                    _workload_params(wl),
-                    vocab_size=vocab,
-                    seed=matrix.seed,
-                    request_timeout_s=matrix.timeouts.request_s,
-                    alive=lambda: launcher.alive(handle),
-                    progress=lambda p, _n=wl.name: progress.update(case.case_id, _n, p),
-                    deadline=deadline,
-                    api_key=key,
-                )
-            except WorkloadAborted as exc:
-                # What finished before the fault is evidence; keep it beside the log.
-                store.write_records(case.slug, wl.name, exc.records)
-                raise
-            timings[f"workload_{wl.name}_s"] = time.monotonic() - t
+            # Measured time even when the workload ends in a fault: it was spent measuring.
+            with _timed(timings, f"workload_{wl.name}_s"):
+                try:
+                    result = run_workload(
+                        handle.base_url,
+                        case.model.served_name or case.model.label,
+                        _workload_params(wl),
+                        vocab_size=vocab,
+                        seed=matrix.seed,
+                        request_timeout_s=matrix.timeouts.request_s,
+                        alive=lambda: launcher.alive(handle),
+                        progress=lambda p, _n=wl.name: progress.update(case.case_id, _n, p),
+                        deadline=deadline,
+                        api_key=key,
+                    )
+                except WorkloadAborted as exc:
+                    # What finished before the fault is evidence; keep it beside the log.
+                    store.write_records(case.slug, wl.name, exc.records)
+                    raise
             summary = result.to_dict()
             workloads[wl.name] = summary
             store.write_records(case.slug, wl.name, result.records)
@@ -415,10 +478,14 @@ def run_case(
         row.setdefault("server", {})["died_noticed_at"] = round(exc.noticed_at, 3)
         code = launcher.exit_code(handle) if handle is not None else None
         status, reason = "failed", f"{exc}: server process {describe_exit(code)}"
+        tail = ""  # read once the stop has brought the log home
     except WorkloadTimeoutError as exc:
         limits = f"request_s={matrix.timeouts.request_s:g}, case_s={matrix.timeouts.case_s:g}"
         status, reason = "failed", f"{exc} (timeouts: {limits})"
-    except (ServerStartError, CaseFailed) as exc:
+    except ServerStartError as exc:
+        # The tail as it was when the server gave up, before the stop added its own lines.
+        status, reason, tail = "failed", exc.reason, exc.log_tail
+    except CaseFailed as exc:
         status, reason = "failed", str(exc)
     except (
         Exception
@@ -433,9 +500,8 @@ def run_case(
             if status == "passed":
                 exited_early = launcher.exit_code(handle)
             stop_line = _line_count(server_log) + 1
-            t = time.monotonic()
-            code = launcher.stop(handle, log_dest=server_log)
-            timings["stop_s"] = time.monotonic() - t
+            with _timed(timings, "stop_s"):
+                code = launcher.stop(handle, log_dest=server_log)
             row.setdefault("server", {})["exit_code"] = code
         if server_log.exists():
             # The server wrote its log itself, secrets included (a wrapper's env dump, a
@@ -446,12 +512,13 @@ def run_case(
     if status == "passed" and exited_early is not None:
         status = "failed"
         reason = f"server process {describe_exit(exited_early)} before the orchestrator stopped it"
-    if status == "failed":
-        log(f"{case.case_id}: FAILED: {reason}")
+        tail = ""
+    if tail == "" and server_log.exists():
+        tail = log_tail(server_log)
 
     # The audit runs on every case, failed or not: a fault explains a failure, and a fault in a
     # case that produced numbers must fail it anyway.
-    t = time.monotonic()
+    audit_t0 = time.monotonic()
     expectations = [
         Expectation(pattern=e.pattern, ranks=None, description=e.description or e.pattern)
         for e in [*matrix.audit.expect, *case.variant.expect]
@@ -463,11 +530,13 @@ def run_case(
         include_kernel_log=matrix.audit.kernel_log,
         stopped_at={str(server_log): stop_line} if stop_line else None,
     )
-    timings["audit_s"] = time.monotonic() - t
+    timings["audit_s"] = time.monotonic() - audit_t0
     audit_dict = redact(audit.to_dict(), secrets)
     write_json_atomic(cdir / "audit.json", audit_dict)
     fatal = [f for f in audit.findings if f.severity in ("fatal", "quarantine-node")]
-    if fatal and status == "passed":
+    if status == "failed":
+        reason = failure_reason(str(reason), audit.root_cause, tail or "")
+    elif fatal:
         first = audit.root_cause or fatal[0]
         status = "failed"
         reason = (
@@ -479,6 +548,8 @@ def run_case(
         differs = [c["sentence"] for c in same_tokens.values() if c["verdict"] == "differs"]
         if differs and status == "passed":
             status, reason = "failed", f"same tokens: {differs[0]}"
+    if status == "failed":
+        log(f"{case.case_id}: FAILED: {reason}")
     errors = sum(int(w.get("errors", 0)) for w in workloads.values())
     timings["total_s"] = time.monotonic() - t_case
     row.update(
@@ -539,6 +610,16 @@ def _open_for_resume(options: RunOptions, cases: list[Case], matrix_path: str | 
         )
     store.lock()
     return store
+
+
+def _left_to_run(
+    store: RunStore, selected: Sequence[Case], retry_failed: bool
+) -> tuple[list[Case], list[dict[str, Any]]]:
+    """The selected cases still to run, and the stored rows of the others."""
+    rows = {r["case_id"]: r for r in store.results()}
+    done = store.finished_case_ids(include_failed=not retry_failed)
+    todo = [c for c in selected if c.case_id not in done]
+    return todo, [rows[c.case_id] for c in selected if c.case_id in done]
 
 
 def _manifest(
@@ -646,6 +727,18 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
         raise ValueError(f"{matrix_path}: --only {list(options.only)} matches no case")
     secrets = matrix_secrets(matrix)
     store = _open_for_resume(options, cases, matrix_path) if options.resume else None
+    if store is not None:
+        todo, earlier = _left_to_run(store, selected, options.retry_failed)
+        if not todo:
+            # Nothing to measure: no Ray, no server, and the run directory stays as it was
+            # (its manifest, figures and reports describe the attempts that did the work).
+            store.unlock()
+            return RunSummary(
+                run_dir=store.root,
+                skipped=[r["case_id"] for r in earlier],
+                earlier=earlier,
+                nothing_left=True,
+            )
     run_id = store.run_id if store is not None else options.run_id or new_run_id(matrix.name)
 
     pending: list[str] = []  # log lines from before the run directory exists
@@ -704,10 +797,9 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
             log_target.append(_Log(store.root / "orchestrator.log", echo=False, secrets=secrets))
             for line in pending:
                 log(line)
-            done = store.finished_case_ids(include_failed=not options.retry_failed)
-            todo = [c for c in selected if c.case_id not in done]
+            todo, earlier = _left_to_run(store, selected, options.retry_failed)
             summary = RunSummary(
-                run_dir=store.root, skipped=[c.case_id for c in selected if c.case_id in done]
+                run_dir=store.root, skipped=[r["case_id"] for r in earlier], earlier=earlier
             )
             log(
                 f"run {store.run_id}: {len(cases)} cases, {len(selected)} selected, "
@@ -749,9 +841,10 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 "startup_and_measured_s": round(measured, 3),
                 "overhead_s": round(total - measured, 3),
                 "overhead_pct": round(100.0 * (total - measured) / total, 2) if total else 0.0,
+                "cases_run": len(summary.results),
             }
             log(f"run {store.run_id}: wall {total:.1f} s, overhead {summary.overhead}")
-            write_reports(store, overhead=summary.overhead)
+            write_reports(store, overhead=summary.overhead, resume=bool(options.resume))
         if store is not None:
             store.unlock()
     assert summary is not None

@@ -109,7 +109,9 @@ class RunStore:
     def create(cls, logs_dir: Path, run_id: str) -> RunStore:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
             raise StoreError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
-        root = logs_dir / run_id
+        # Absolute: every path handed to a server is built from this root, and a server runs
+        # in its case directory, where a relative path would name a folder inside itself.
+        root = (logs_dir / run_id).absolute()
         try:
             root.mkdir(parents=True, exist_ok=False)
         except FileExistsError:
@@ -121,9 +123,32 @@ class RunStore:
 
     @classmethod
     def open(cls, logs_dir: Path, run_id: str) -> RunStore:
-        root = Path(run_id) if os.sep in run_id else logs_dir / run_id
+        """The run `run_id` names (in `logs_dir`, or a path) to resume."""
+        root = (Path(run_id) if os.sep in run_id else logs_dir / run_id).absolute()
         if not (root / MANIFEST).is_file():
             raise StoreError(f"{root}: no run to resume (missing {MANIFEST})")
+        return cls(root)
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunStore:
+        """A run directory to read (report, compare), or StoreError naming the path and
+        what is wrong with it: missing, no manifest, an unreadable or incomplete one."""
+        root = Path(path)
+        if not root.is_dir():
+            raise StoreError(f"{root}: not a run directory (does not exist)")
+        manifest_path = root / MANIFEST
+        if not manifest_path.is_file():
+            raise StoreError(f"{root}: not a run directory (missing {MANIFEST})")
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StoreError(f"{manifest_path}: unreadable manifest ({exc})") from None
+        if not isinstance(manifest, dict):
+            raise StoreError(f"{manifest_path}: manifest is not a JSON object")
+        for key in ("run_id", "cases", "matrix"):
+            if key not in manifest:
+                raise StoreError(f"{manifest_path}: manifest has no {key!r}")
+        # No results.jsonl is a run that stopped before its first case finished: it has no rows.
         return cls(root)
 
     def lock(self) -> None:

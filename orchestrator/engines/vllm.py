@@ -196,10 +196,12 @@ def serve_env(
     """`base` plus what every server needs, plus `extra` (the matrix's env, which wins).
 
     Pure: directories are named, not created (start_server creates them on the node
-    where the server runs).
+    where the server runs). They are absolute, `extra`'s included (taken from the caller's
+    working directory): the server runs in its log's directory, where a relative path would
+    name a copy of the run path inside the case folder.
     """
     env = dict(base)
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()
     if is_loopback(host):
         # vLLM otherwise advertises the machine's routable address to its own workers.
         env["VLLM_HOST_IP"] = "127.0.0.1" if host == "localhost" else host
@@ -217,6 +219,9 @@ def serve_env(
     env["VLLM_NO_USAGE_STATS"] = "1"
     env["DO_NOT_TRACK"] = "1"
     env.update(extra)
+    for key in _RUN_DIR_ENV:
+        if extra.get(key):
+            env[key] = str(Path(extra[key]).absolute())
     return env
 
 
@@ -265,7 +270,8 @@ def is_port_clash(log_tail: str) -> bool:
     return _PORT_CLASH in log_tail
 
 
-def _log_tail(log_path: Path | None, lines: int = _LOG_TAIL_LINES) -> str:
+def log_tail(log_path: Path | None, lines: int = _LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a log (read from its last 64 KiB; "" if unreadable)."""
     if log_path is None:
         return ""
     try:
@@ -305,14 +311,14 @@ def wait_ready(
                 how = describe_exit(returncode() if returncode is not None else None)
                 raise ServerStartError(
                     f"server process {how} after {time.monotonic() - t0:.1f} s, before it was ready",
-                    _log_tail(log_path),
+                    log_tail(log_path),
                 )
             if _ready(client, base):
                 return time.monotonic() - t0
             if time.monotonic() >= deadline:
                 raise ServerStartError(
                     f"server not ready: timed out after {timeout_s:.0f} s waiting for {base}/health",
-                    _log_tail(log_path),
+                    log_tail(log_path),
                 )
             time.sleep(_POLL_S)
 
@@ -360,7 +366,7 @@ def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) ->
     for key in _RUN_DIR_ENV:
         if env.get(key):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
-    log_path = Path(log_path)
+    log_path = Path(log_path).absolute()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         return subprocess.Popen(

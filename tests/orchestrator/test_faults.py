@@ -38,6 +38,9 @@ API_KEY = f"apikey{uuid.uuid4().hex}"
 HF_TOKEN = f"tok{uuid.uuid4().hex}"
 CASE = "tiny-mla/tp1-dcp1-mtp0/{}"
 REQUEST_S = 60
+# A real vLLM CPU start-up failure (see test_failure_reason.py): its root cause is this line.
+STARTUP_FAILURE_LOG = REPO / "tests/orchestrator/fixtures/audit/vllm_cpu_mtp_draft_amx.log"
+ROOT_CAUSE = "ValueError: No common block size for 128 (CPU_MLA: [16]; AMX_MLA: [MultipleOf(32)])."
 
 WRAPPER = """#!{python}
 # Stand-in for `vllm`: arranges the fault its FAULT variable names, then execs the real vllm
@@ -45,6 +48,7 @@ WRAPPER = """#!{python}
 import json, os, signal, socket, sys, time
 
 REAL = {real!r}
+STARTUP_FAILURE_LOG = {startup_failure_log!r}
 fault = os.environ.get("FAULT", "")
 args = sys.argv[1:]
 # Secrets in the server log, as a library that echoes its environment would leave them.
@@ -79,6 +83,9 @@ def after_first_request(sig):
 
 
 if fault == "exit3":
+    # What a real vLLM start-up failure logs: its root cause, then ~165 lines of consequences.
+    with open(STARTUP_FAILURE_LOG) as f:
+        sys.stderr.write(f.read())
     print("fault-wrapper: exiting with code 3 during start-up", file=sys.stderr, flush=True)
     sys.exit(3)
 if fault == "kill":
@@ -187,7 +194,13 @@ def faults(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     logs = tmp / "logs"
     wrapper = tmp / "vllm-faulty"
-    wrapper.write_text(WRAPPER.format(python=sys.executable, real=str(VENV_BIN / "vllm")))
+    wrapper.write_text(
+        WRAPPER.format(
+            python=sys.executable,
+            real=str(VENV_BIN / "vllm"),
+            startup_failure_log=str(STARTUP_FAILURE_LOG),
+        )
+    )
     wrapper.chmod(0o755)
     matrix = tmp / "faults.yaml"
     matrix.write_text(
@@ -247,6 +260,10 @@ def faults(tmp_path_factory):
         "--kill-leftovers",
     )  # fmt: skip
     out["marked_after"] = _marked()
+    # A resume of the finished run: nothing left, so nothing starts; the failures still count.
+    out["again"] = _orchestrator(
+        "run", str(matrix), "--logs-dir", str(logs), "--resume", "faults", "--quiet"
+    )
     out["wall_s"] = time.monotonic() - t0
     print(f"\nfault scenario wall time: {out['wall_s']:.0f} s", file=sys.stderr)
     return out
@@ -267,8 +284,40 @@ def test_run_was_killed_mid_matrix_with_three_cases_finished(faults):
 def test_server_exiting_during_startup_fails_its_case_with_the_exit_code(faults):
     row = _rows(faults["dir"])[CASE.format("exit3")]
     assert row["status"] == "failed"
-    assert "exited with code 3" in row["reason"] and "before it was ready" in row["reason"]
-    assert "exiting with code 3 during start-up" in row["reason"]  # the log tail is quoted
+    cause, what, *tail = row["reason"].splitlines()
+    # The root cause leads (the audit's, ~165 lines above the log's end), then what happened,
+    # then the log's last lines, which end with the wrapper's exit.
+    assert cause.startswith(f"{ROOT_CAUSE} (root cause, server.log:"), row["reason"]
+    assert "exited with code 3" in what and "before it was ready" in what
+    assert tail[0] == "--- last 10 lines of the server log ---"
+    assert "exiting with code 3 during start-up" in tail[-1]
+    # Its start-up was the server's time, not the orchestrator's overhead.
+    assert row["timings"]["startup_s"] > 0.5, row["timings"]
+
+
+def test_the_root_cause_leads_in_every_report_and_the_terminal(faults):
+    d, case = faults["dir"], CASE.format("exit3")
+    md = (d / "report.md").read_text()
+    assert f"- **{case}**: {ROOT_CAUSE} (root cause, server.log:" in md
+    assert "  ```text\n" in md  # what happened and the log's tail, preformatted
+    assert (
+        '<pre class="excerpt reason">ValueError: No common block size'
+        in (d / "report.html").read_text()
+    )
+    junit = (d / "junit.xml").read_text()
+    assert f'message="case failed: {ROOT_CAUSE} (root cause, server.log:' in junit
+    # The resume that finished the run names the earlier attempt's failures with the rest.
+    err = faults["resumed"].stderr
+    assert f"FAILED {case} (in an earlier attempt): {ROOT_CAUSE}" in err, err[-3000:]
+    assert "\n    --- last 10 lines of the server log ---\n" in err
+
+
+def test_a_resume_with_nothing_left_starts_nothing_and_still_fails(faults):
+    out = faults["again"]
+    assert out.returncode == 1, _explain(out)  # three cases of the run failed
+    assert "nothing left to run" in out.stdout and "3 case(s) failed" in out.stderr
+    manifest = json.loads((faults["dir"] / "manifest.json").read_text())
+    assert len(manifest["resumes"]) == 1  # it recorded no attempt: it made none
 
 
 def test_sigkill_mid_measurement_is_noticed_within_5_s(faults):
@@ -311,6 +360,8 @@ def test_a_hung_server_fails_by_request_timeout_and_is_stopped(faults):
     assert json.loads((case_dir / "fault-injected.json").read_text())["signal"] == signal.SIGSTOP
     assert row["status"] == "failed"
     assert f"within the request timeout ({REQUEST_S} s)" in row["reason"], row["reason"]
+    # The request timeout was spent measuring, not orchestrating.
+    assert row["timings"]["workload_ctx0_s"] >= REQUEST_S, row["timings"]
     # Stopped within the grace period (SIGCONT lets the stopped server act on SIGTERM).
     assert row["timings"]["stop_s"] < 30, row["timings"]
     assert not [p for p, v in faults["marked_after"].items() if v.get("ORCHESTRATOR_CASE")]
@@ -398,7 +449,7 @@ def test_secrets_are_written_nowhere(faults):
         assert expected in names, expected
     leaks = [str(p) for p in files if any(s in p.read_bytes() for s in secrets)]
     assert not leaks
-    for key in ("missing", "refused", "resumed"):
+    for key in ("missing", "refused", "resumed", "again"):
         assert not any(s.decode() in faults[key].stdout + faults[key].stderr for s in secrets)
     # The raw logs did hold them (the wrapper printed the token): redaction did the work.
     clash_dir = faults["dir"] / "cases" / CASE.format("clash").replace("/", "__")

@@ -7,13 +7,14 @@ The workloads are shrunk with --set (CI time); the topology axes are the smoke m
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
-from orch_cli import VENV_BIN, run_cli
+from orch_cli import REPO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -45,19 +46,23 @@ def _server_processes() -> set[int]:
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """One run of the smoke matrix in two steps: the first case alone, then --resume for the rest."""
+    """One run of the smoke matrix in two steps: the first case alone, then --resume for the
+    rest; then a resume with nothing left. The logs directory is given relative, as a user
+    types `--logs-dir logs`: every path handed to a server must still be absolute."""
     logs = tmp_path_factory.mktemp("logs")
+    rel = os.path.relpath(logs, REPO)  # the CLI runs from the repository root
     before = _server_processes()
     sets = [f"--set={s}" for s in SMALL]
     first = _orchestrator(
-        "run", "matrices/smoke.yaml", "--logs-dir", str(logs), "--run-id", "e2e",
+        "run", "matrices/smoke.yaml", "--logs-dir", rel, "--run-id", "e2e",
         "--only", "tp1-dcp1-mtp0", "--quiet", *sets,
     )  # fmt: skip
     rest = _orchestrator(
-        "run", "matrices/smoke.yaml", "--logs-dir", str(logs), "--resume", "e2e", "--quiet", *sets
+        "run", "matrices/smoke.yaml", "--logs-dir", rel, "--resume", "e2e", "--quiet", *sets
     )
+    figures = (logs / "e2e" / "overhead.json").read_bytes()
     again = _orchestrator(
-        "run", "matrices/smoke.yaml", "--logs-dir", str(logs), "--resume", "e2e", "--quiet", *sets
+        "run", "matrices/smoke.yaml", "--logs-dir", rel, "--resume", "e2e", "--quiet", *sets
     )
     after = _server_processes()
     return {
@@ -65,6 +70,7 @@ def smoke_run(tmp_path_factory):
         "first": first,
         "rest": rest,
         "again": again,
+        "figures_before_again": figures,
         "leaked": after - before,
     }
 
@@ -114,8 +120,32 @@ def test_resume_skips_finished_cases_without_duplicates(smoke_run):
     assert "skipped 1 finished case" in smoke_run["rest"].stdout
     assert smoke_run["again"].returncode == 0, smoke_run["again"].stderr[-2000:]
     assert "skipped 4 finished case" in smoke_run["again"].stdout
+    assert "nothing left to run" in smoke_run["again"].stdout
     lines = (smoke_run["dir"] / "results.jsonl").read_text().splitlines()
     assert len(lines) == 4
+
+
+def test_each_attempt_keeps_its_own_figures(smoke_run):
+    d = smoke_run["dir"]
+    # The resume with nothing left changed nothing (it started no Ray, so it has no figures).
+    assert (d / "overhead.json").read_bytes() == smoke_run["figures_before_again"]
+    data = json.loads((d / "report.json").read_text())
+    assert data["overhead"]["cases_run"] == 1
+    [resume] = data["overhead_resumes"]
+    assert resume["cases_run"] == 3
+    for figures in (data["overhead"], resume):
+        # Start-up and measurement are most of any attempt that ran cases.
+        assert 0 < figures["overhead_s"] < figures["startup_and_measured_s"], figures
+    assert "Resume 1, 3 cases run: Wall" in (d / "report.md").read_text()
+
+
+def test_case_folders_hold_no_copy_of_the_run_path(smoke_run):
+    # A relative path resolved by a server inside its case folder lands a second copy of the
+    # run path somewhere under the run directory, with a second `cases` folder in it.
+    d = smoke_run["dir"]
+    assert [p for p in d.rglob("cases") if p != d / "cases"] == []
+    for case in (d / "cases").iterdir():
+        assert (case / "vllm-cache").is_dir()
 
 
 def test_run_directory_holds_everything(smoke_run):
@@ -125,7 +155,7 @@ def test_run_directory_holds_everything(smoke_run):
     assert manifest["matrix_text"].startswith("# The embedded default")
     assert len(manifest["cases"]) == 4
     assert manifest["fusedq_fingerprint"]
-    assert len(manifest["resumes"]) == 2
+    assert len(manifest["resumes"]) == 1  # the resume with nothing left recorded nothing
     for case in (d / "cases").iterdir():
         assert (case / "server.log").stat().st_size > 0
         assert (case / "audit.json").exists()
