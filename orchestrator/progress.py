@@ -199,7 +199,9 @@ class ProgressView:
         msg = f"{'PASSED' if passed else 'FAILED'} {case_id} in {human_s(took)}"
         msg += f": {cols}" if cols else ""
         if row.get("reason"):
-            msg += f" ({row['reason']})"
+            # Its first line, the root cause when known; the whole reason (what happened, the
+            # log's last lines) is printed when the run ends.
+            msg += f" ({str(row['reason']).partition(chr(10))[0]})"
         self._event(f"{msg} | {self._run_part()}")
 
     # ------------------------------------------------------------------ rendering

@@ -79,7 +79,9 @@ def test_plain_lines_name_case_phase_elapsed_counts_and_eta(tmp_path: Path) -> N
     )
     v.begin(CASES[1])
     clock.t += 5
-    v.finish(CASES[1], {"status": "failed", "reason": "server process exited with code 1"})
+    # A reason's later lines (what happened, the log's tail) wait for the end of the run.
+    reason = "ValueError: boom (root cause, server.log:7)\nserver process exited with code 1"
+    v.finish(CASES[1], {"status": "failed", "reason": reason})
     lines = out.getvalue().splitlines()
     assert lines == [
         f"case 1/2 {CASES[0]}: placing",
@@ -97,7 +99,7 @@ def test_plain_lines_name_case_phase_elapsed_counts_and_eta(tmp_path: Path) -> N
         # The first case took 100 s against 100 estimated: the rest keeps its estimate.
         f"PASSED {CASES[0]} in 1m40s: ctx0 60.50 tok/s | 1/2 done | run 1m40s | ETA 3m20s",
         f"case 2/2 {CASES[1]}: placing",
-        f"FAILED {CASES[1]} in 5 s (server process exited with code 1) "
+        f"FAILED {CASES[1]} in 5 s (ValueError: boom (root cause, server.log:7)) "
         "| 2/2 done, 1 failed | run 1m45s",
     ]
     # Logs, not terminals: no control code reaches them.
