@@ -234,19 +234,7 @@ class Launcher:
             if info is not None:
                 py_modules.append(str(info))
         runtime_env: dict[str, Any] = {"py_modules": py_modules} if py_modules else {}
-        kwargs: dict[str, Any] = {
-            "runtime_env": runtime_env,
-            "include_dashboard": False,
-            "logging_level": "WARNING",
-            "log_to_driver": False,
-        }
-        if self.ray_address:
-            kwargs["address"] = self.ray_address
-        else:
-            # Embedded local Ray on loopback: nothing listens beyond this machine.
-            kwargs.update(object_store_memory=LOCAL_OBJECT_STORE_BYTES)
-            if self.local_gpus is not None:
-                kwargs["num_gpus"] = self.local_gpus
+        kwargs = self.init_kwargs(runtime_env)
         t0 = time.monotonic()
         try:
             ray.init(**kwargs)
@@ -257,6 +245,27 @@ class Launcher:
         self.cluster["ray_init_s"] = round(time.monotonic() - t0, 3)
         self._actor_cls = ray.remote(max_restarts=0)(_ServerActor)
         return self
+
+    def init_kwargs(self, runtime_env: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of `ray.init`: join `ray_address`, or start an embedded local Ray."""
+        kwargs: dict[str, Any] = {
+            "runtime_env": runtime_env,
+            "include_dashboard": False,
+            "logging_level": "WARNING",
+            "log_to_driver": False,
+        }
+        if self.ray_address:
+            kwargs["address"] = self.ray_address
+        else:
+            # Embedded local Ray on loopback: nothing listens beyond this machine. "local",
+            # because without an address ray.init joins the cluster the last `ray start` on
+            # this machine recorded in /tmp/ray/ray_current_cluster, dead or alive (seen
+            # 2026-11-30: a stale one failed every local run here, "When connecting to an
+            # existing cluster, object_store_memory must not be provided").
+            kwargs.update(address="local", object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+            if self.local_gpus is not None:
+                kwargs["num_gpus"] = self.local_gpus
+        return kwargs
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
