@@ -253,7 +253,7 @@ def _start_worker(
     env: dict[str, str],
     commit: str | None,
 ) -> None:
-    def argv_for(port: int) -> list[str]:
+    def argv_for(port: int, host: str) -> list[str]:
         argv = [handle.info.get("python") or sys.executable, "-m", "orchestrator.gpucheck_worker"]
         argv += ["--tp", str(tp), "--bench-samples", str(opts.bench_samples)]
         if opts.bench:

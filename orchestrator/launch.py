@@ -6,6 +6,12 @@ travels to every worker through the Ray runtime environment (`py_modules`), so t
 the driver's fusedq; the actor reports a fingerprint of the copy it sees, and the driver checks
 it against its own.
 
+On the driver's node a server writes into the run directory itself. On any other node it runs
+in a case directory of that node's own (the driver's paths mean nothing there); its log is
+copied to the run directory as it grows (each process-watch poll brings the new bytes), and
+what else it left in its directory comes back when it stops. A server there is reached on the
+node's address: ``host: node`` binds exactly that address.
+
 Ray is imported only here, and only when a run starts.
 """
 
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.leftovers import NODE_ENV
 from orchestrator.matrix import Case, Matrix
 
 # Ray's default object store takes 30% of RAM; the orchestrator moves only small dicts through it,
@@ -41,10 +48,27 @@ UNREACHABLE_S = 60.0
 
 
 _STAGE_PREFIX = "orch-ship-"
+# The matrix's `host: node`: bind the address Ray knows the server's node by.
+NODE_HOST = "node"
+# One read of a log or file from a node's actor.
+_CHUNK = 1 << 20
 
 
 class LaunchError(RuntimeError):
     """Placement or start-up of a server failed; the message says which case and why."""
+
+
+def ray_address_for(matrix: Matrix, explicit: str | None = None) -> str | None:
+    """The cluster a run joins: --ray-address, else the matrix's ray.address, else
+    $RAY_ADDRESS; None for an embedded local Ray."""
+    return explicit or matrix.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def _loopback_address(address: str) -> bool:
+    from orchestrator.engines.vllm import is_loopback
+
+    host = address.rpartition(":")[0] if ":" in address else address
+    return is_loopback(host.strip("[]"))
 
 
 def package_dir(name: str) -> Path:
@@ -107,6 +131,12 @@ class ServerHandle:
     info: dict[str, Any] = field(default_factory=dict)
     # When the actor last answered a poll: a slow answer is not a death (see Launcher.alive).
     last_answer: float = field(default_factory=time.monotonic)
+    # On another node than the driver's: the run directory's log file its log is copied to,
+    # and how many bytes of it have been copied.
+    mirror: Path | None = None
+    mirrored: int = 0
+    # Why the actor stopped answering, when it did (a lost node).
+    lost: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -119,6 +149,8 @@ class _ServerActor:
     def __init__(self) -> None:
         self.proc: Any = None
         self.log_path: Path | None = None
+        self.own_dir: Path | None = None
+        self.stand_ins: list[Path] = []  # a short TMPDIR beside it (run_dir_env)
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -145,8 +177,20 @@ class _ServerActor:
     def missing_paths(self, paths: list[str]) -> list[str]:
         return [p for p in paths if not os.path.exists(p)]
 
-    def start(self, argv: list[str], env_overrides: dict[str, str], log_path: str) -> int:
-        from orchestrator.engines.vllm import start_server
+    def case_dir(self, name: str) -> str:
+        """A case directory of this node's own, under its temp directory."""
+        self.own_dir = Path(tempfile.gettempdir()) / name
+        self.own_dir.mkdir(parents=True, exist_ok=True)
+        return str(self.own_dir)
+
+    def start(
+        self,
+        argv: list[str],
+        env_overrides: dict[str, str],
+        log_path: str,
+        rebase: list[str] | None = None,
+    ) -> int:
+        from orchestrator.engines.vllm import run_dir_env, start_server
 
         # The actor's own environment carries what Ray set up (CUDA_VISIBLE_DEVICES for the
         # bundle's GPUs, PYTHONPATH for py_modules); the case adds to it, never replaces those.
@@ -155,12 +199,51 @@ class _ServerActor:
             if key in os.environ:
                 env[key] = os.environ[key]
         self.log_path = Path(log_path)
+        if rebase:
+            # Caches and temp files in this node's case directory, as the driver's would be in
+            # its own (worked out here: a short TMPDIR stand-in depends on this node's /tmp).
+            own = run_dir_env(self.log_path.parent)
+            env.update({key: own[key] for key in rebase})
+            self.stand_ins = [
+                Path(own[k])
+                for k in rebase
+                if not Path(own[k]).is_relative_to(self.log_path.parent)
+            ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = start_server(argv, env, self.log_path)
         return self.proc.pid
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+    def poll_log(self, offset: int) -> tuple[int | None, bytes]:
+        """The exit code, then the log from `offset`: read after the poll, so a log read
+        with an exit code is complete."""
+        code = self.poll()
+        return code, self.read_log(offset)
+
+    def files(self) -> list[str]:
+        """Files the server left in its case directory here, besides its log (caches and
+        temp directories are subdirectories, and stay)."""
+        if self.log_path is None or not self.log_path.parent.is_dir():
+            return []
+        return sorted(
+            p.name
+            for p in self.log_path.parent.iterdir()
+            if p.is_file() and p != self.log_path and not p.name.startswith(".")
+        )
+
+    def read_file(self, name: str, offset: int, max_bytes: int = _CHUNK) -> bytes:
+        if self.log_path is None or name != Path(name).name or name in ("", ".", ".."):
+            raise ValueError(f"not a file of the case directory: {name!r}")
+        with (self.log_path.parent / name).open("rb") as f:
+            f.seek(offset)
+            return f.read(max_bytes)
+
+    def remove_case_dir(self) -> None:
+        for d in [*self.stand_ins, self.own_dir]:
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
 
     def stop(self, grace_s: float) -> int | None:
         from orchestrator.engines.vllm import stop_server
@@ -169,7 +252,7 @@ class _ServerActor:
             return None
         return stop_server(self.proc, grace_s=grace_s)
 
-    def read_log(self, offset: int, max_bytes: int = 1 << 20) -> bytes:
+    def read_log(self, offset: int, max_bytes: int = _CHUNK) -> bytes:
         if self.log_path is None or not self.log_path.exists():
             return b""
         with self.log_path.open("rb") as f:
@@ -199,7 +282,7 @@ class Launcher:
         # GPUs a local Ray declares (None: Ray counts them). Declaring some on a machine without
         # any lets placement and CUDA_VISIBLE_DEVICES bookkeeping be tested on CPU.
         self.local_gpus = local_gpus
-        self.ray_address = ray_address or matrix.ray.address or os.environ.get("RAY_ADDRESS")
+        self.ray_address = ray_address_for(matrix, ray_address)
         self.runtime_packages = list(runtime_packages)
         self.log = log
         self.handles: list[ServerHandle] = []
@@ -209,15 +292,19 @@ class Launcher:
         self._actor_cls: Any = None
         self._stage: Path | None = None
         self._probed: dict[str, dict[str, Any]] = {}
+        self.driver_node_id: str | None = None
+        self._nodes: Any = None
 
     # -- connection --------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
         # Ray's telemetry would try the network at start; nothing here may leave the machine.
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        if not self.ray_address:
+        if not self.ray_address or _loopback_address(self.ray_address):
             # An embedded Ray resolves "the node IP" to the machine's routable address and binds
             # its GCS, raylet and agents there. This switch (read when ray is imported) makes
             # it take the loopback address instead, so a local run listens on 127.0.0.1 only.
+            # A driver joining a cluster on loopback needs it too: Ray otherwise rewrites
+            # 127.0.0.1 in the address to the routable one, where no GCS listens.
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
@@ -241,6 +328,7 @@ class Launcher:
         except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError...
             where = self.ray_address or "a local Ray"
             raise LaunchError(f"cannot start or join {where}: {exc}") from None
+        self.driver_node_id = ray.get_runtime_context().get_node_id()
         self.cluster = self._describe_cluster()
         self.cluster["ray_init_s"] = round(time.monotonic() - t0, 3)
         self._actor_cls = ray.remote(max_restarts=0)(_ServerActor)
@@ -274,10 +362,23 @@ class Launcher:
         if self._stage is not None:
             shutil.rmtree(self._stage, ignore_errors=True)
 
-    def _describe_cluster(self) -> dict[str, Any]:
-        ray = self._ray
+    @property
+    def is_cluster(self) -> bool:
+        """Joined a Ray cluster (which may span machines), rather than an embedded local Ray."""
+        return bool(self.ray_address)
+
+    @property
+    def nodes(self) -> Any:
+        """The per-node agents (orchestrator.nodes.ClusterNodes), started when first asked."""
+        if self._nodes is None:
+            from orchestrator.nodes import ClusterNodes
+
+            self._nodes = ClusterNodes(self._ray, log=self.log)
+        return self._nodes
+
+    def _alive_nodes(self) -> list[dict[str, Any]]:
         nodes = []
-        for n in ray.nodes():
+        for n in self._ray.nodes():
             if not n.get("Alive"):
                 continue
             res = n.get("Resources", {})
@@ -289,10 +390,13 @@ class Launcher:
                     "cpus": int(res.get("CPU", 0)),
                 }
             )
+        return nodes
+
+    def _describe_cluster(self) -> dict[str, Any]:
         return {
-            "ray_version": ray.__version__,
+            "ray_version": self._ray.__version__,
             "address": self.ray_address or "local",
-            "nodes": nodes,
+            "nodes": self._alive_nodes(),
         }
 
     def check_capacity(self) -> None:
@@ -321,6 +425,13 @@ class Launcher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self._bundle(case)
+        nodes = self._alive_nodes()
+        if not fits_a_node(bundle, nodes):
+            # Ray would keep the group pending (for an autoscaler) until placement_s ran out.
+            raise LaunchError(
+                f"{case.case_id}: no node of the cluster can hold {bundle} now "
+                f"(alive: {describe_nodes(nodes)})"
+            )
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"orchestrator:{case.case_id}")
         try:
             ray.get(pg.ready(), timeout=timeout_s)
@@ -368,27 +479,62 @@ class Launcher:
                 )
         return handle
 
+    def is_remote(self, handle: ServerHandle) -> bool:
+        """Placed on another Ray node than the driver's (on another machine, or a simulated
+        node beside it)."""
+        return handle.info.get("node_id") != self.driver_node_id
+
+    def bind_host(self, handle: ServerHandle) -> str:
+        """The address the server binds: the matrix's host, with `node` resolved."""
+        from orchestrator.engines.vllm import is_loopback
+
+        host = self.matrix.host
+        if host == NODE_HOST:
+            return handle.info["node_ip"]
+        # A loopback server is reachable only from its own node: the driver must be there too.
+        if is_loopback(host) and self.is_remote(handle):
+            raise LaunchError(
+                f"{handle.case.case_id}: placed on node {handle.info['node_ip']} but binds {host}; "
+                f"set host: {NODE_HOST} (that node's cluster address) or host: 0.0.0.0 in the "
+                "matrix, or run the orchestrator on that node"
+            )
+        return host
+
     def start(
         self, handle: ServerHandle, argv_for_port: Any, env: Mapping[str, str], log_path: Path
     ) -> None:
-        """Pick a free port on the node, build argv for it, start `vllm serve` there."""
+        """Pick a free port on the node, build argv for it (`argv_for_port(port, host)`),
+        start `vllm serve` there; on another node, in a case directory of that node's own."""
+        from orchestrator.engines.vllm import host_ip_env, run_dir_env
+
         ray = self._ray
-        host = self.matrix.host
+        host = self.bind_host(handle)
         port = ray.get(handle.actor.free_port.remote(host), timeout=30)
-        argv = argv_for_port(port)
+        argv = argv_for_port(port, host)
         handle.info["port"] = port
         handle.info["argv"] = argv
-        # A loopback server is reachable only from its own node: the driver must be there too.
-        if host in ("127.0.0.1", "localhost", "::1") and not _is_local_ip(handle.info["node_ip"]):
-            raise LaunchError(
-                f"{handle.case.case_id}: placed on node {handle.info['node_ip']} but binds {host}; "
-                "set host: 0.0.0.0 in the matrix, or run the orchestrator on that node"
-            )
-        handle.info["connect_host"] = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        if host in ("0.0.0.0", "::"):
-            handle.info["connect_host"] = handle.info["node_ip"]
+        unspecified = host in ("0.0.0.0", "::")
+        handle.info["connect_host"] = handle.info["node_ip"] if unspecified else host
+        env = dict(env)
+        env[NODE_ENV] = handle.info["node_id"]
+        if self.matrix.host == NODE_HOST:
+            # What serve_env does for an address named in the matrix (the matrix's env wins).
+            env.update({k: v for k, v in host_ip_env(host).items() if k not in env})
+        rebase = None
+        node_log = Path(log_path)
+        if self.is_remote(handle):
+            run_dir = Path(log_path).parent
+            # Named after the driver's case directory and the node: a retry reuses it.
+            digest = hashlib.sha1(f"{run_dir}|{handle.info['node_id']}".encode()).hexdigest()
+            own = ray.get(handle.actor.case_dir.remote(f"orch-case-{digest[:12]}"), timeout=60)
+            node_log = Path(own) / Path(log_path).name
+            # The run-directory variables serve_env set (those the matrix set itself stay).
+            rebase = [k for k, v in run_dir_env(run_dir).items() if env.get(k) == v]
+            handle.mirror = Path(log_path)
+            handle.mirrored = 0
+            handle.info["node_case_dir"] = own
         handle.info["server_pid"] = ray.get(
-            handle.actor.start.remote(argv, dict(env), str(log_path)), timeout=60
+            handle.actor.start.remote(argv, env, str(node_log), rebase), timeout=60
         )
 
     def missing_paths(self, handle: ServerHandle, paths: Sequence[str]) -> list[str]:
@@ -404,38 +550,85 @@ class Launcher:
         has not answered for UNREACHABLE_S counts as gone.
         """
         try:
-            code = self._ray.get(handle.actor.poll.remote(), timeout=POLL_TIMEOUT_S)
+            code = self._poll(handle)
         except self._ray.exceptions.GetTimeoutError:
             return time.monotonic() - handle.last_answer < UNREACHABLE_S
-        except Exception:  # RayActorError, node died, ...
+        except Exception as exc:  # RayActorError, node died, ...
+            handle.lost = handle.lost or _first_line(exc)
             return False
         handle.last_answer = time.monotonic()
         return code is None
 
     def exit_code(self, handle: ServerHandle) -> int | None:
         try:
-            return self._ray.get(handle.actor.poll.remote(), timeout=POLL_TIMEOUT_S)
+            return self._poll(handle)
         except Exception:
             return None
 
-    def fetch_log(self, handle: ServerHandle, dest: Path) -> None:
-        """Copy a remote node's server log into the run directory (a no-op on the same node)."""
-        if dest.exists() and dest.stat().st_size:
+    def _poll(self, handle: ServerHandle) -> int | None:
+        """The server's exit code (None while it runs); a remote log's new bytes come along."""
+        if handle.mirror is None:
+            return self._ray.get(handle.actor.poll.remote(), timeout=POLL_TIMEOUT_S)
+        code, chunk = self._ray.get(
+            handle.actor.poll_log.remote(handle.mirrored), timeout=POLL_TIMEOUT_S
+        )
+        self._append(handle, chunk)
+        return code
+
+    def _append(self, handle: ServerHandle, chunk: bytes) -> None:
+        if not chunk or handle.mirror is None:
             return
-        offset = 0
-        with dest.open("ab") as f:
-            while True:
-                chunk = self._ray.get(handle.actor.read_log.remote(offset), timeout=60)
-                if not chunk:
-                    break
-                f.write(chunk)
-                offset += len(chunk)
+        with handle.mirror.open("ab") as f:
+            f.write(chunk)
+        handle.mirrored += len(chunk)
+
+    def describe_end(self, handle: ServerHandle | None) -> str:
+        """How a server that stopped serving ended: its exit, or the loss of its node."""
+        from orchestrator.engines.vllm import describe_exit
+
+        if handle is None:
+            return "server process exited"
+        code = self.exit_code(handle)
+        if handle.lost is None or code is not None:
+            return f"server process {describe_exit(code)}"
+        node = f"{handle.info.get('node_ip')} ({handle.info.get('hostname')})"
+        gone = [n for n in self._ray.nodes() if n.get("NodeID") == handle.info.get("node_id")]
+        if gone and not gone[0].get("Alive"):
+            why = gone[0].get("DeathReasonMessage") or "no reason given"
+            return f"node {node} left the Ray cluster ({why}); the server went with it"
+        return f"node {node} stopped answering; the server is lost with it ({handle.lost})"
+
+    def fetch_log(self, handle: ServerHandle) -> None:
+        """Bring a remote node's server log up to date at the path start() was given, copy
+        every other file the server left in its case directory there beside it, and remove
+        that directory (a no-op on the driver's node, where the server writes in place)."""
+        if handle.mirror is None:
+            return
+        dest = handle.mirror
+        while chunk := self._ray.get(handle.actor.read_log.remote(handle.mirrored), timeout=60):
+            self._append(handle, chunk)
+        for name in self._ray.get(handle.actor.files.remote(), timeout=60):
+            target = dest.parent / name
+            if target.exists():  # never over a file of the run directory
+                self.log(
+                    f"warning: {handle.case.case_id}: {name} of the node not copied over {target}"
+                )
+                continue
+            offset = 0
+            with target.open("wb") as f:
+                while chunk := self._ray.get(
+                    handle.actor.read_file.remote(name, offset), timeout=60
+                ):
+                    f.write(chunk)
+                    offset += len(chunk)
+        self._ray.get(handle.actor.remove_case_dir.remote(), timeout=60)
 
     def stop(
         self, handle: ServerHandle, grace_s: float = 15.0, log_dest: Path | None = None
     ) -> int | None:
-        """Stop the server's process group (SIGTERM, then SIGKILL), copy its log to
-        `log_dest` while the actor that reads it still lives, and free its placement."""
+        """Stop the server's process group (SIGTERM, then SIGKILL), complete its log at
+        `log_dest` (the path start() was given) while the actor that reads it still lives,
+        and free its placement."""
         code = None
         try:
             code = self._ray.get(handle.actor.stop.remote(grace_s), timeout=grace_s + 30)
@@ -444,7 +637,7 @@ class Launcher:
             self.log(f"warning: stopping {handle.case.case_id}: {exc}")
         if log_dest is not None and handle.info.get("server_pid"):
             try:
-                self.fetch_log(handle, log_dest)
+                self.fetch_log(handle)
             except Exception as exc:
                 self.log(f"warning: fetching the server log of {handle.case.case_id}: {exc}")
         self.release(handle)
@@ -472,9 +665,16 @@ class Launcher:
         if handle in self.handles:
             self.handles.remove(handle)
 
+    def node_runner(self, node_id: str | None) -> Any:
+        """Runs audit.py's readers (kernel log, GPU state) on `node_id`; None for the
+        driver's own node (or an unknown one), where they run here."""
+        if not node_id or node_id == self.driver_node_id:
+            return None
+        return self.nodes.command_runner(node_id)
+
     def stop_all(self) -> None:
         for handle in list(self.handles):
-            self.stop(handle, grace_s=10.0)
+            self.stop(handle, grace_s=10.0, log_dest=handle.mirror)
 
 
 _PROBE = """
@@ -522,6 +722,24 @@ def _remove_stale_stages(tmp: Path) -> None:
             shutil.rmtree(stage, ignore_errors=True)
         except PermissionError:  # another user's live process
             pass
+
+
+def fits_a_node(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether one of `nodes` (alive, with their total gpus and cpus) could hold `bundle`."""
+    return any(
+        n["gpus"] >= bundle.get("GPU", 0.0) and n["cpus"] >= bundle.get("CPU", 0.0) for n in nodes
+    )
+
+
+def describe_nodes(nodes: Sequence[Mapping[str, Any]]) -> str:
+    """`10.0.0.2 with 8 GPUs, 96 CPUs; ...`, or `no node`."""
+    parts = [f"{n['node_ip']} with {n['gpus']} GPUs, {n['cpus']} CPUs" for n in nodes]
+    return "; ".join(parts) or "no node"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _is_local_ip(ip: str) -> bool:

@@ -8,8 +8,9 @@ local Ray daemons it started. Leftovers hold memory and GPUs the next run needs,
 reports them before it starts anything (see ``runner.run_matrix`` for what it then does).
 
 The scan reads ``/proc/<pid>/environ`` (Linux); processes of other users are unreadable and
-skipped, as is everything on other nodes of a Ray cluster. The start time in the driver tag
-makes a recycled pid not pass for a live driver.
+skipped. It reads the machine it runs on: on a Ray cluster, ``orchestrator.nodes`` runs it on
+every node (servers there also carry ``ORCHESTRATOR_NODE``, the Ray node that started them).
+The start time in the driver tag makes a recycled pid not pass for a live driver.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 RUN_ENV = "ORCHESTRATOR_RUN_ID"
 CASE_ENV = "ORCHESTRATOR_CASE"
 DRIVER_ENV = "ORCHESTRATOR_DRIVER"
+NODE_ENV = "ORCHESTRATOR_NODE"
 PROC = Path("/proc")
 
 
@@ -38,11 +40,16 @@ class Leftover:
     case: str | None
     driver: str
     cmdline: str
+    # Where it was found: the Ray node's address on a cluster; None on the driver's machine.
+    node: str | None = None
+    # The Ray node that started it (servers only), from its NODE_ENV mark.
+    started_by: str | None = None
 
     def describe(self, width: int = 160) -> str:
         where = f"case {self.case}" if self.case else "no case (Ray or driver helper)"
         cmd = self.cmdline if len(self.cmdline) <= width else self.cmdline[: width - 3] + "..."
-        return f"pid {self.pid} [run {self.run_id}, {where}] {cmd}"
+        on = f" on {self.node}" if self.node else ""
+        return f"pid {self.pid}{on} [run {self.run_id}, {where}] {cmd}"
 
 
 def _start_time(pid: int, proc: Path = PROC) -> str | None:
@@ -105,8 +112,9 @@ def _cmdline(pid: int, proc: Path) -> str:
     return " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a) or "?"
 
 
-def find_leftovers(proc: Path = PROC) -> list[Leftover]:
-    """Every readable process carrying a run id whose orchestrator is no longer running."""
+def marked_processes(proc: Path = PROC, node: str | None = None) -> list[Leftover]:
+    """Every readable process carrying a run id, whether its orchestrator runs or not
+    (`node` names where the scan ran)."""
     if not proc.is_dir():
         return []
     found = []
@@ -118,19 +126,41 @@ def find_leftovers(proc: Path = PROC) -> list[Leftover]:
         env = _environ(pid, proc)
         if not env or RUN_ENV not in env:
             continue
-        driver = env.get(DRIVER_ENV, "")
-        if driver_alive(driver, proc) is not False:
-            continue  # its orchestrator runs (or ran elsewhere: not ours to judge)
         found.append(
             Leftover(
                 pid=pid,
                 run_id=env[RUN_ENV],
                 case=env.get(CASE_ENV),
-                driver=driver,
+                driver=env.get(DRIVER_ENV, ""),
                 cmdline=_cmdline(pid, proc),
+                node=node,
+                started_by=env.get(NODE_ENV),
             )
         )
     return sorted(found, key=lambda p: p.pid)
+
+
+def find_leftovers(proc: Path = PROC) -> list[Leftover]:
+    """Every readable process carrying a run id whose orchestrator is no longer running
+    (one that ran on another host is not ours to judge, and is left out)."""
+    return [p for p in marked_processes(proc) if driver_alive(p.driver, proc) is False]
+
+
+def machine_id(proc: Path = PROC) -> str:
+    """Which process table this machine's scans read: the boot id and the pid namespace.
+
+    Several Ray nodes can share one (raylets started side by side on one host, as the tests'
+    simulated cluster does); containers on one host share the boot id but not the namespace.
+    """
+    try:
+        boot = (proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        ns = os.readlink(proc / "self" / "ns" / "pid")
+    except OSError:
+        ns = "?"
+    return f"{boot}/{ns}"
 
 
 def _still_it(p: Leftover, proc: Path) -> bool:

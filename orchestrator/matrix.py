@@ -266,7 +266,10 @@ class Matrix(_Strict):
     audit: AuditSpec = Field(default_factory=AuditSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     host: str = Field(
-        "127.0.0.1", description="Address servers bind; loopback unless you need more."
+        "127.0.0.1",
+        description="Address servers bind; loopback unless you need more: `node` binds the "
+        "address Ray knows each server's node by (servers on other nodes of a cluster), "
+        "0.0.0.0 every interface.",
     )
     max_mtp: int = Field(8, ge=0, description="Sanity bound on speculative tokens.")
     warmup_requests: int = Field(

@@ -349,13 +349,13 @@ def run_case(
     try:
         model_path = _model_path(case, matrix, log)
 
-        def argv_for(port: int) -> list[str]:
+        def argv_for(port: int, host: str) -> list[str]:
             return serve_argv(
                 model_path,
                 tp=case.tp,
                 dcp=case.dcp,
                 mtp=case.mtp,
-                host=matrix.host,
+                host=host,
                 port=port,
                 served_name=case.model.served_name or case.model.label,
                 extra_args=list(case.args),
@@ -476,8 +476,7 @@ def run_case(
     except ServerDiedError as exc:
         # When the watch saw it go: a test (and a reader) can hold it against the kill time.
         row.setdefault("server", {})["died_noticed_at"] = round(exc.noticed_at, 3)
-        code = launcher.exit_code(handle) if handle is not None else None
-        status, reason = "failed", f"{exc}: server process {describe_exit(code)}"
+        status, reason = "failed", f"{exc}: {launcher.describe_end(handle)}"
         tail = ""  # read once the stop has brought the log home
     except WorkloadTimeoutError as exc:
         limits = f"request_s={matrix.timeouts.request_s:g}, case_s={matrix.timeouts.case_s:g}"
@@ -523,12 +522,16 @@ def run_case(
         Expectation(pattern=e.pattern, ranks=None, description=e.description or e.pattern)
         for e in [*matrix.audit.expect, *case.variant.expect]
     ]
+    # The kernel log and GPU state of the node the server ran on, wherever that was.
+    node_runner = launcher.node_runner(row.get("server", {}).get("node_id"))
     audit = audit_logs(
         [server_log] if server_log.exists() else [],
         since=started,
         expectations=expectations,
         include_kernel_log=matrix.audit.kernel_log,
         stopped_at={str(server_log): stop_line} if stop_line else None,
+        kernel_runner=node_runner,
+        gpu_runner=node_runner,
     )
     timings["audit_s"] = time.monotonic() - audit_t0
     audit_dict = redact(audit.to_dict(), secrets)
@@ -664,9 +667,16 @@ def _pids(leftovers: Sequence[Leftover]) -> str:
 
 
 def handle_leftovers(
-    run_id: str, *, resuming: bool, kill: bool, log: Callable[[str], None]
+    run_id: str,
+    *,
+    resuming: bool,
+    kill: bool,
+    log: Callable[[str], None],
+    find: Callable[[], list[Leftover]] = find_leftovers,
+    stop: Callable[[list[Leftover]], list[Leftover]] = stop_leftovers,
 ) -> list[Leftover]:
-    """Find processes of runs whose orchestrator is gone (see orchestrator.leftovers).
+    """Find processes of runs whose orchestrator is gone (see orchestrator.leftovers), with
+    `find` and `stop`: this machine's by default, every node's on a cluster.
 
     With `kill`, stop them all. Otherwise a resumed run refuses to start while its own
     earlier attempt's processes run (they hold the memory and GPUs its cases need, and
@@ -674,7 +684,7 @@ def handle_leftovers(
     leftovers: on a shared machine they may be another user's business, but this run
     must say why it may be short of memory. Returns what was found.
     """
-    found = find_leftovers()
+    found = find()
     if not found:
         return found
     listing = "\n".join(f"  {p.describe()}" for p in found)
@@ -684,7 +694,7 @@ def handle_leftovers(
         print(f"orchestrator: {msg}", file=sys.stderr, flush=True)
 
     if kill:
-        stuck = stop_leftovers(found)
+        stuck = stop(found)
         warn(
             f"stopped {len(found) - len(stuck)} leftover process(es) of crashed runs "
             f"(--kill-leftovers):\n{listing}"
@@ -715,7 +725,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     LaunchError or ValueError before any server starts and before a new run directory exists.
     """
     from orchestrator.estimate import estimate_run
-    from orchestrator.launch import Launcher
+    from orchestrator.launch import Launcher, ray_address_for
     from orchestrator.progress import ProgressView
     from orchestrator.report import write_reports
 
@@ -750,8 +760,13 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
         else:
             pending.append(msg)
 
+    # On a cluster every node is scanned once Ray is joined (below); here, this machine.
+    cluster = bool(ray_address_for(matrix, options.ray_address))
     try:
-        handle_leftovers(run_id, resuming=store is not None, kill=options.kill_leftovers, log=log)
+        if not cluster:
+            handle_leftovers(
+                run_id, resuming=store is not None, kill=options.kill_leftovers, log=log
+            )
     except LeftoverError:
         if store is not None:
             store.unlock()
@@ -782,6 +797,15 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 # kills the process: no server stopped, no report; seen on the H200), so
                 # ours goes back on once Ray is up.
                 signal.signal(signal.SIGTERM, _on_term)
+            if cluster:
+                handle_leftovers(
+                    run_id,
+                    resuming=store is not None,
+                    kill=options.kill_leftovers,
+                    log=log,
+                    find=launcher.nodes.find_leftovers,
+                    stop=launcher.nodes.stop_leftovers,
+                )
             launcher.check_capacity()
             if store is None:
                 store = RunStore.create(options.logs_dir, run_id)

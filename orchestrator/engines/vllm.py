@@ -201,19 +201,8 @@ def serve_env(
     name a copy of the run path inside the case folder.
     """
     env = dict(base)
-    run_dir = Path(run_dir).absolute()
-    if is_loopback(host):
-        # vLLM otherwise advertises the machine's routable address to its own workers.
-        env["VLLM_HOST_IP"] = "127.0.0.1" if host == "localhost" else host
-    elif _is_ip(host) and not ipaddress.ip_address(host).is_unspecified:
-        env["VLLM_HOST_IP"] = host
-    for key, sub in _RUN_DIR_ENV.items():
-        env[key] = str(run_dir / sub)
-    if len(env["TMPDIR"]) > _MAX_TMPDIR_LEN:
-        # vLLM binds ZeroMQ IPC sockets at TMPDIR/<uuid4>; a socket path holds at most 107
-        # bytes, so a deep run directory gets a short stand-in named after it instead.
-        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
-        env["TMPDIR"] = str(Path(tempfile.gettempdir()) / f"orch-{digest}")
+    env.update(host_ip_env(host))
+    env.update(run_dir_env(run_dir))
     env["PYTHONUNBUFFERED"] = "1"  # the log file is the only live view of the server
     # No usage reporting from test servers (and no network to send it to anyway).
     env["VLLM_NO_USAGE_STATS"] = "1"
@@ -222,6 +211,30 @@ def serve_env(
     for key in _RUN_DIR_ENV:
         if extra.get(key):
             env[key] = str(Path(extra[key]).absolute())
+    return env
+
+
+def host_ip_env(host: str) -> dict[str, str]:
+    """VLLM_HOST_IP for a server bound to `host`: the address itself where it names one
+    (vLLM otherwise advertises the machine's routable address to its own workers); nothing
+    for every interface (0.0.0.0) or a name."""
+    if is_loopback(host):
+        return {"VLLM_HOST_IP": "127.0.0.1" if host == "localhost" else host}
+    if _is_ip(host) and not ipaddress.ip_address(host).is_unspecified:
+        return {"VLLM_HOST_IP": host}
+    return {}
+
+
+def run_dir_env(run_dir: Path) -> dict[str, str]:
+    """The variables that keep vLLM's and torch's caches and temp files in `run_dir`
+    (made absolute: the server runs in its log's directory)."""
+    run_dir = Path(run_dir).absolute()
+    env = {key: str(run_dir / sub) for key, sub in _RUN_DIR_ENV.items()}
+    if len(env["TMPDIR"]) > _MAX_TMPDIR_LEN:
+        # vLLM binds ZeroMQ IPC sockets at TMPDIR/<uuid4>; a socket path holds at most 107
+        # bytes, so a deep run directory gets a short stand-in named after it instead.
+        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
+        env["TMPDIR"] = str(Path(tempfile.gettempdir()) / f"orch-{digest}")
     return env
 
 
