@@ -223,20 +223,30 @@ class _ServerActor:
         return code, self.read_log(offset)
 
     def files(self) -> list[str]:
-        """Files the server left in its case directory here, besides its log (caches and
-        temp directories are subdirectories, and stay)."""
+        """Files the server left in its case directory here (a profiler's traces, say), as
+        paths relative to it: not its log, and nothing of its caches and temp directory."""
+        from orchestrator.engines.vllm import run_dir_env
+
         if self.log_path is None or not self.log_path.parent.is_dir():
             return []
-        return sorted(
-            p.name
-            for p in self.log_path.parent.iterdir()
-            if p.is_file() and p != self.log_path and not p.name.startswith(".")
-        )
+        root = self.log_path.parent
+        skip = {Path(d) for d in run_dir_env(root).values()}
+        found = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = Path(dirpath)
+            dirnames[:] = [d for d in dirnames if here / d not in skip]
+            for name in filenames:
+                path = here / name
+                if path != self.log_path and path.is_file() and not path.is_symlink():
+                    found.append(path.relative_to(root).as_posix())
+        return sorted(found)
 
     def read_file(self, name: str, offset: int, max_bytes: int = _CHUNK) -> bytes:
-        if self.log_path is None or name != Path(name).name or name in ("", ".", ".."):
+        root = None if self.log_path is None else self.log_path.parent
+        path = None if root is None else (root / name).resolve()
+        if root is None or path is None or not path.is_relative_to(root.resolve()):
             raise ValueError(f"not a file of the case directory: {name!r}")
-        with (self.log_path.parent / name).open("rb") as f:
+        with path.open("rb") as f:
             f.seek(offset)
             return f.read(max_bytes)
 
@@ -294,6 +304,8 @@ class Launcher:
         self._probed: dict[str, dict[str, Any]] = {}
         self.driver_node_id: str | None = None
         self._nodes: Any = None
+        # Nodes whose server actor stopped answering: nothing more is asked of them.
+        self._lost_nodes: set[str] = set()
 
     # -- connection --------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
@@ -555,6 +567,7 @@ class Launcher:
             return time.monotonic() - handle.last_answer < UNREACHABLE_S
         except Exception as exc:  # RayActorError, node died, ...
             handle.lost = handle.lost or _first_line(exc)
+            self._lost_nodes.add(handle.info.get("node_id", ""))
             return False
         handle.last_answer = time.monotonic()
         return code is None
@@ -609,6 +622,7 @@ class Launcher:
             self._append(handle, chunk)
         for name in self._ray.get(handle.actor.files.remote(), timeout=60):
             target = dest.parent / name
+            target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists():  # never over a file of the run directory
                 self.log(
                     f"warning: {handle.case.case_id}: {name} of the node not copied over {target}"
@@ -670,6 +684,12 @@ class Launcher:
         driver's own node (or an unknown one), where they run here."""
         if not node_id or node_id == self.driver_node_id:
             return None
+        if node_id in self._lost_nodes:
+            # Its agent would wait for a node Ray may not yet know is gone.
+            def unreachable(argv: list[str]) -> Any:
+                raise OSError(f"node {node_id[:12]} was lost during the case")
+
+            return unreachable
         return self.nodes.command_runner(node_id)
 
     def stop_all(self) -> None:

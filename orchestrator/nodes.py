@@ -209,7 +209,11 @@ class ClusterNodes:
     ) -> Callable[[list[str]], subprocess.CompletedProcess[str]]:
         """Runs audit.py's readers (kernel log, GPU state) on `node_id` instead of here."""
 
+        failed: list[str] = []  # once a node did not answer, the next reader is not kept waiting
+
         def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+            if failed:
+                raise OSError(failed[0])
             try:
                 answer = self._ray.get(
                     self._agent(node_id).run.remote(list(argv)),
@@ -218,7 +222,8 @@ class ClusterNodes:
             except Exception as exc:
                 self._agents.pop(node_id, None)
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise OSError(f"node {node_id[:12]} did not answer: {first[:200]}") from None
+                failed.append(f"node {node_id[:12]} did not answer: {first[:200]}")
+                raise OSError(failed[0]) from None
             return completed(argv, answer)
 
         return run

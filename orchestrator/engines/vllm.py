@@ -232,9 +232,13 @@ def run_dir_env(run_dir: Path) -> dict[str, str]:
     env = {key: str(run_dir / sub) for key, sub in _RUN_DIR_ENV.items()}
     if len(env["TMPDIR"]) > _MAX_TMPDIR_LEN:
         # vLLM binds ZeroMQ IPC sockets at TMPDIR/<uuid4>; a socket path holds at most 107
-        # bytes, so a deep run directory gets a short stand-in named after it instead.
-        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
-        env["TMPDIR"] = str(Path(tempfile.gettempdir()) / f"orch-{digest}")
+        # bytes, so a deep run directory gets a short stand-in named after it instead (in
+        # /tmp when the temp directory is itself too deep).
+        name = f"orch-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]}"
+        stand_in = Path(tempfile.gettempdir()) / name
+        env["TMPDIR"] = str(
+            stand_in if len(str(stand_in)) <= _MAX_TMPDIR_LEN else Path("/tmp") / name
+        )
     return env
 
 

@@ -191,7 +191,8 @@ def test_a_remote_servers_log_and_files_come_back_and_its_directory_goes(
     h.info.update(node_id="other", node_ip="127.0.0.3")  # bindable here
     server = (
         "import os, sys\n"
-        "open('trace.json', 'w').write('{}')\n"
+        "os.makedirs('profile'); open('profile/trace.json', 'w').write('{}')\n"
+        "open(os.path.join(os.environ['VLLM_CACHE_ROOT'], 'kernel.bin'), 'w').write('x')\n"
         "print('tmp', os.environ['TMPDIR'], 'cache', os.environ['VLLM_CACHE_ROOT'], flush=True)\n"
         "print('host', os.environ.get('VLLM_HOST_IP'), 'node', os.environ['ORCHESTRATOR_NODE'])\n"
         "sys.stdout.write('x' * 3_000_000)\n"
@@ -207,13 +208,16 @@ def test_a_remote_servers_log_and_files_come_back_and_its_directory_goes(
     lau.fetch_log(h)
     text = (run_case / "server.log").read_text()
     # Caches and temp files in the node's own case directory, not at the driver's paths; this
-    # deep one gets a short TMPDIR stand-in (IPC socket paths) in the node's /tmp.
+    # deep one gets a short TMPDIR stand-in (IPC socket paths), worked out on the node.
     tmp = Path(text.split()[1])
-    assert tmp.parent == node_tmp and tmp.name.startswith("orch-")
+    assert tmp.name.startswith("orch-") and len(str(tmp)) <= 60
+    assert tmp != Path(env["TMPDIR"])
     assert f" cache {own}/vllm-cache\n" in text
     assert "host 127.0.0.3 node other" in text
     assert text.endswith("x" * 3_000_000)  # more than one read's worth
-    assert (run_case / "trace.json").read_text() == "{}"
+    # What it wrote in its directory comes back (its caches and temp files do not).
+    assert (run_case / "profile" / "trace.json").read_text() == "{}"
+    assert not (run_case / "vllm-cache").exists()
     assert not own.exists() and not tmp.exists()
     with pytest.raises(ValueError, match="not a file of the case directory"):
         actor.read_file("../server.log", 0)

@@ -1,0 +1,337 @@
+"""`orchestrator run` on a multi-node Ray cluster simulated on this machine: real `vllm serve`
+(CPU build) on nodes that are not the driver's, a node killed mid-case, the driver killed
+mid-case, and what the next runs find. Nothing of vLLM or Ray is mocked.
+
+The cluster is `ray.cluster_utils.Cluster`: a head node (the driver's; no CPUs or GPUs, so no
+server lands there) and two worker nodes with one declared GPU each (placement bookkeeping, as
+gpu-check's local test does; the servers run on CPU). Each node has its own address on loopback
+(127.0.0.2, 127.0.0.3: Ray takes any address the host can bind) and its own temp directory
+(TMPDIR of its raylet, inherited by its workers), so a server on a node binds and writes where a
+remote node's would. What one machine cannot show is in docs/cluster.md.
+
+One matrix, one scenario (CI time is vLLM start-ups): run `cluster` places case `lost` on one
+node and that node is removed while it is measured; case `served` lands on the other node and
+passes; the driver is SIGKILLed while case `orphaned` starts there. Around it: a topology too big
+for any node, a resume refused for the orphan (found on its node), and a loopback-bound run that
+stops the orphan (--kill-leftovers) and is refused the remote node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from orch_cli import REPO, VENV_BIN, run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+MARK_ENV = "CLUSTER_TEST_MARK"
+MARK = uuid.uuid4().hex
+NODES = ("127.0.0.2", "127.0.0.3")
+CASE = "tiny-mla/tp1-dcp1-mtp0/{}"
+OBJECT_STORE = 80 * 1024 * 1024  # Ray's floor is ~75 MiB; servers need the memory
+
+# Stand-in for `vllm`: notes where it runs (in its working directory, which must come back
+# with the log), then execs the real vllm (same pid: the orchestrator watches the real server).
+WRAPPER = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+with open("where.json", "w") as f:
+    json.dump({{"cwd": os.getcwd(), "tmpdir": os.environ.get("TMPDIR"),
+               "host": args[args.index("--host") + 1],
+               "node": os.environ.get("ORCHESTRATOR_NODE")}}, f)
+os.execv({real!r}, [{real!r}, *args])
+"""
+
+MATRIX = """
+name: cluster
+models: [{{label: tiny-mla, path: "builtin:tiny-mla", num_heads: 8}}]
+engine:
+  vllm_bin: {wrapper}
+  args: [--enforce-eager, --attention-backend=CPU_MLA, --max-model-len=4096, --max-num-seqs=8]
+  env: {{VLLM_CPU_KVCACHE_SPACE: "2"}}
+resources: {{accelerator: gpu}}
+topologies: [{{tp: 1}}]
+# A few seconds of streaming: the window in which the test removes the first case's node.
+workloads: [{{name: ctx0, prompt_tokens: 1, output_tokens: 256, requests: 4}}]
+variants: [{{name: lost}}, {{name: served}}, {{name: orphaned}}]
+host: node
+warmup_requests: 0
+timeouts: {{placement_s: 120, ready_s: 600, request_s: 120, case_s: 900}}
+"""
+
+
+def _marked() -> dict[int, dict[str, str]]:
+    """Processes this test caused (raylets, workers, servers): pid -> ORCHESTRATOR_* vars."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        items = dict(i.split(b"=", 1) for i in raw.split(b"\0") if b"=" in i)
+        if items.get(MARK_ENV.encode()) == MARK.encode():
+            found[int(entry.name)] = {
+                k.decode(): v.decode() for k, v in items.items() if k.startswith(b"ORCH")
+            }
+    return found
+
+
+def _case_pids(case: str) -> list[int]:
+    return [p for p, v in _marked().items() if v.get("ORCHESTRATOR_CASE") == CASE.format(case)]
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"orchestrator exited ({proc.returncode}) before {what}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _start_cluster(tmp: Path):
+    """Head on 127.0.0.1 (the driver's node), a worker node on each of NODES."""
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", MARK_ENV, "RAY_USAGE_STATS_ENABLED")}
+    os.environ[MARK_ENV] = MARK  # inherited by every raylet, worker and server
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    try:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "node_ip_address": "127.0.0.1",
+                "num_cpus": 0,
+                "num_gpus": 0,
+                "include_dashboard": False,
+                "object_store_memory": OBJECT_STORE,
+            },
+        )
+        nodes = {}
+        for ip in NODES:
+            os.environ["TMPDIR"] = str(tmp / f"node-{ip}")  # this node's own /tmp
+            Path(os.environ["TMPDIR"]).mkdir()
+            nodes[ip] = cluster.add_node(
+                node_ip_address=ip, num_cpus=1, num_gpus=1, object_store_memory=OBJECT_STORE
+            )
+        cluster.wait_for_nodes()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return cluster, nodes
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    t0 = time.monotonic()
+    tmp = tmp_path_factory.mktemp("cluster")
+    logs = tmp / "logs"
+    wrapper = tmp / "vllm-where"
+    wrapper.write_text(WRAPPER.format(python=sys.executable, real=str(VENV_BIN / "vllm")))
+    wrapper.chmod(0o755)
+    matrix = tmp / "cluster.yaml"
+    matrix.write_text(MATRIX.format(wrapper=wrapper))
+    cluster, nodes = _start_cluster(tmp)
+    out: dict = {"tmp": tmp, "dir": logs / "cluster", "logs": logs, "address": cluster.address}
+    env = {MARK_ENV: MARK}
+
+    def orchestrator(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        base = ["run", str(matrix), "--ray-address", cluster.address, "--logs-dir", str(logs)]
+        return run_cli(*base, "--quiet", *args, timeout=timeout, env=env)
+
+    try:
+        out["cluster_s"] = time.monotonic() - t0
+        t = time.monotonic()
+        out["big"] = orchestrator("--run-id", "big", "--set", "topologies[0].tp=2")
+        out["big_s"] = time.monotonic() - t
+
+        run_dir = out["dir"]
+        with (tmp / "run.out").open("w") as o, (tmp / "run.err").open("w") as e:
+            run = subprocess.Popen(
+                [str(VENV_BIN / "orchestrator"), "run", str(matrix), "--ray-address",
+                 cluster.address, "--logs-dir", str(logs), "--run-id", "cluster", "--quiet"],
+                stdout=o, stderr=e, cwd=REPO, env={**os.environ, **env},
+            )  # fmt: skip
+            try:
+                log = run_dir / "orchestrator.log"
+                starting = re.compile(r"/(\w+): starting on (\S+) port")
+                placed = _wait_for(
+                    lambda: dict(starting.findall(_read(log))).get("lost"), 900,
+                    "case lost to start", run,
+                )  # fmt: skip
+                lost_log = run_dir / "cases" / "tiny-mla__tp1-dcp1-mtp0__lost" / "server.log"
+                # Mid-measurement: the first completion is being streamed (the line reached
+                # the run directory through the log copy from that node).
+                _wait_for(
+                    lambda: "POST /v1/completions" in _read(lost_log), 900,
+                    "case lost's first request", run,
+                )  # fmt: skip
+                out["killed_at"] = time.time()
+                cluster.remove_node(nodes[placed], allow_graceful=False)
+                out["victim"] = placed
+                _wait_for(
+                    lambda: "orphaned" in dict(starting.findall(_read(log))), 900,
+                    "case orphaned to start", run,
+                )  # fmt: skip
+                # The server and its engine core: Ray takes its workers' direct children
+                # along when the driver dies, not theirs (test_faults.py saw the same).
+                out["orphans"] = _wait_for(
+                    lambda: (lambda pids: pids if len(pids) >= 2 else [])(_case_pids("orphaned")), 300,
+                    "case orphaned's server and its child", run,
+                )  # fmt: skip
+                out["results_at_kill"] = (run_dir / "results.jsonl").read_bytes()
+                os.kill(run.pid, signal.SIGKILL)
+                run.wait(timeout=30)
+            finally:
+                if run.poll() is None:
+                    run.kill()
+        out["run_code"] = run.returncode
+        out["run_err"] = _read(tmp / "run.err") + _read(run_dir / "orchestrator.log")
+        time.sleep(2)  # Ray ends the dead driver's actors; the server outlives them
+
+        out["refused"] = orchestrator("--resume", "cluster")
+        out["results_after_refusal"] = (run_dir / "results.jsonl").read_bytes()
+        out["loopback"] = orchestrator(
+            "--run-id", "loopback", "--only", "served", "--set", "host=127.0.0.1",
+            "--kill-leftovers",
+        )  # fmt: skip
+        out["marked_after"] = _marked()
+    finally:
+        cluster.shutdown()
+    out["wall_s"] = time.monotonic() - t0
+    print(f"\ncluster scenario wall time: {out['wall_s']:.0f} s", file=sys.stderr)
+    return out
+
+
+def _explain(out: subprocess.CompletedProcess[str]) -> str:
+    return f"rc={out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+
+
+def _rows(run_dir: Path) -> dict[str, dict]:
+    rows = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    return {r["case_id"]: r for r in rows}
+
+
+def _case_dir(scenario: dict, case: str) -> Path:
+    return scenario["dir"] / "cases" / f"tiny-mla__tp1-dcp1-mtp0__{case}"
+
+
+def test_a_topology_no_node_can_hold_is_refused_before_anything_starts(scenario):
+    out = scenario["big"]
+    assert out.returncode == 2, _explain(out)
+    # Two GPUs in the cluster, but one per node: a TP2 bundle has nowhere to go.
+    assert out.stderr.strip().splitlines()[-1] == (
+        "orchestrator: topologies[0].tp=2 needs 2 GPUS on one node; the largest node of this "
+        f"Ray cluster ({scenario['address']}) has 1"
+    )
+    assert not (scenario["logs"] / "big").exists()
+    assert scenario["big_s"] < 60
+
+
+def test_cases_ran_on_two_nodes_other_than_the_drivers(scenario):
+    assert scenario["run_code"] == -signal.SIGKILL, scenario["run_err"][-3000:]
+    rows = _rows(scenario["dir"])
+    assert sorted(rows) == [CASE.format("lost"), CASE.format("served")], scenario["run_err"]
+    lost, served = rows[CASE.format("lost")]["server"], rows[CASE.format("served")]["server"]
+    assert lost["node_ip"] == scenario["victim"]
+    assert {lost["node_ip"], served["node_ip"]} == set(NODES)
+    manifest = json.loads((scenario["dir"] / "manifest.json").read_text())
+    assert sorted((n["node_ip"], n["gpus"]) for n in manifest["cluster"]["nodes"]) == [
+        ("127.0.0.1", 0),
+        *((ip, 1) for ip in NODES),
+    ]
+
+
+def test_a_server_on_another_node_binds_and_is_reached_on_its_address(scenario):
+    row = _rows(scenario["dir"])[CASE.format("served")]
+    assert row["status"] == "passed", row["reason"]
+    node = row["server"]["node_ip"]
+    argv = row["server"]["argv"]
+    assert argv[argv.index("--host") + 1] == node
+    assert row["workloads"]["ctx0"]["mean"]["aggregate_tok_s"] > 0 and row["errors"] == 0
+
+
+def test_logs_audit_and_files_come_back_from_the_node(scenario):
+    row = _rows(scenario["dir"])[CASE.format("served")]
+    case_dir = _case_dir(scenario, "served")
+    # The server ran in a case directory of its node's own (under that node's TMPDIR), which
+    # was removed once its files had come back; so was its temp directory.
+    where = json.loads((case_dir / "where.json").read_text())
+    node_tmp = scenario["tmp"] / f"node-{row['server']['node_ip']}"
+    assert Path(where["cwd"]).parent == node_tmp and where["node"] == row["server"]["node_id"]
+    assert not Path(where["cwd"]).exists() and not Path(where["tmpdir"]).exists()
+    log = (case_dir / "server.log").read_text()
+    assert "fusedq: fused MLA query" in log and "POST /v1/completions" in log
+    assert json.loads((case_dir / "audit.json").read_text())["verdict"]["status"] == "clean"
+    assert row["audit"]["searched"]["files"][0]["bytes"] == (case_dir / "server.log").stat().st_size
+    assert (case_dir / "requests-ctx0.jsonl").read_text().count("\n") == 4
+
+
+def test_a_node_lost_mid_case_fails_that_case_by_name_and_keeps_what_came_before(scenario):
+    row = _rows(scenario["dir"])[CASE.format("lost")]
+    victim = scenario["victim"]
+    assert row["status"] == "failed"
+    named = rf"^server died during workload 'ctx0' \(.*\): node {re.escape(victim)} \(\S+\) "
+    assert re.match(named + "(stopped answering|left the Ray cluster)", row["reason"]), row
+    assert 0 <= row["server"]["died_noticed_at"] - scenario["killed_at"] < 15
+    case_dir = _case_dir(scenario, "lost")
+    # The log as far as it had come from the node before the node went, audited.
+    log = (case_dir / "server.log").read_text()
+    assert "fusedq: fused MLA query" in log and "POST /v1/completions" in log
+    audit = json.loads((case_dir / "audit.json").read_text())
+    assert audit["searched"]["files"][0]["bytes"] == (case_dir / "server.log").stat().st_size
+    # The node's kernel log could not be read any more; the audit says so instead of reading
+    # the driver's.
+    assert "was lost during the case" in audit["searched"]["kernel_log"]["reason"]
+    assert (case_dir / "requests-ctx0.jsonl").exists()
+    # The run went on: the next case ran on the other node and passed.
+    assert _rows(scenario["dir"])[CASE.format("served")]["status"] == "passed"
+
+
+def test_a_resume_is_refused_while_its_leftover_runs_on_a_node(scenario):
+    out = scenario["refused"]
+    assert out.returncode == 2, _explain(out)
+    assert "process(es) of an earlier attempt of this run are still running" in out.stderr
+    node = next(ip for ip in NODES if ip != scenario["victim"])
+    named = re.findall(r"pid (\d+) on (\S+) \[run cluster, case ([^]]*)\]", out.stderr)
+    assert {int(p) for p, n, c in named if n == node and c == CASE.format("orphaned")} & set(
+        scenario["orphans"]
+    ), out.stderr
+    assert scenario["results_after_refusal"] == scenario["results_at_kill"]
+
+
+def test_kill_leftovers_stops_them_on_their_node_and_loopback_is_refused_there(scenario):
+    out = scenario["loopback"]
+    assert out.returncode == 1, _explain(out)
+    assert "leftover process(es) of crashed runs (--kill-leftovers)" in out.stderr
+    assert re.search(r"pid \d+ on 127\.0\.0\.\d \[run cluster, case [^]]*orphaned\]", out.stderr)
+    node = next(ip for ip in NODES if ip != scenario["victim"])
+    row = _rows(scenario["logs"] / "loopback")[CASE.format("served")]
+    assert row["reason"] == (
+        f"LaunchError: {CASE.format('served')}: placed on node {node} but binds 127.0.0.1; set "
+        "host: node (that node's cluster address) or host: 0.0.0.0 in the matrix, or run the "
+        "orchestrator on that node"
+    )
+    # No server of any case is left, on any node.
+    assert not [p for p, v in scenario["marked_after"].items() if v.get("ORCHESTRATOR_CASE")]
