@@ -79,6 +79,12 @@ def bench_heads(tp: int, heads: int) -> tuple[list[int], str | None]:
     )
 
 
+# The worker serves nothing to the driver: its port is the DCP rendezvous, bound on loopback of
+# its own node. A port free on every address is free there too, and a bundle on another node
+# is not refused as unreachable (as a loopback-bound server there would be).
+_PORT_HOST = "0.0.0.0"
+
+
 def _round_matrix(tp: int, bundles: int, heads: int, host: str) -> Any:
     from orchestrator.matrix import parse_matrix
 
@@ -182,7 +188,7 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
     if opts.allow_cpu:
         worker_env["TRITON_INTERPRET"] = "1"
 
-    base = _round_matrix(1, 1, opts.heads, "127.0.0.1")
+    base = _round_matrix(1, 1, opts.heads, _PORT_HOST)
     t0 = time.monotonic()
     with Launcher(
         base, ray_address=opts.ray_address, log=opts.log, local_gpus=opts.local_gpus
@@ -204,7 +210,7 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
             if note:
                 rnd["bench_note"] = note
             opts.log(f"tp{tp}: placing {fits} bundle(s) of {tp} GPU(s) side by side")
-            cases = expand(_round_matrix(tp, fits, opts.heads, "127.0.0.1"))
+            cases = expand(_round_matrix(tp, fits, opts.heads, _PORT_HOST))
             handles = []
             try:
                 for case in cases:

@@ -304,8 +304,6 @@ class Launcher:
         self._probed: dict[str, dict[str, Any]] = {}
         self.driver_node_id: str | None = None
         self._nodes: Any = None
-        # Nodes whose server actor stopped answering: nothing more is asked of them.
-        self._lost_nodes: set[str] = set()
 
     # -- connection --------------------------------------------------------------------------
     def __enter__(self) -> Launcher:
@@ -536,8 +534,9 @@ class Launcher:
         node_log = Path(log_path)
         if self.is_remote(handle):
             run_dir = Path(log_path).parent
-            # Named after the driver's case directory and the node: a retry reuses it.
-            digest = hashlib.sha1(f"{run_dir}|{handle.info['node_id']}".encode()).hexdigest()
+            # Named after the log and the node: a retry reuses it; servers side by side on one
+            # node (gpu-check's bundles, whose logs share a directory) each get their own.
+            digest = hashlib.sha1(f"{log_path}|{handle.info['node_id']}".encode()).hexdigest()
             own = ray.get(handle.actor.case_dir.remote(f"orch-case-{digest[:12]}"), timeout=60)
             node_log = Path(own) / Path(log_path).name
             # The run-directory variables serve_env set (those the matrix set itself stay).
@@ -567,7 +566,6 @@ class Launcher:
             return time.monotonic() - handle.last_answer < UNREACHABLE_S
         except Exception as exc:  # RayActorError, node died, ...
             handle.lost = handle.lost or _first_line(exc)
-            self._lost_nodes.add(handle.info.get("node_id", ""))
             return False
         handle.last_answer = time.monotonic()
         return code is None
@@ -679,12 +677,14 @@ class Launcher:
         if handle in self.handles:
             self.handles.remove(handle)
 
-    def node_runner(self, node_id: str | None) -> Any:
-        """Runs audit.py's readers (kernel log, GPU state) on `node_id`; None for the
-        driver's own node (or an unknown one), where they run here."""
-        if not node_id or node_id == self.driver_node_id:
+    def node_runner(self, handle: ServerHandle | None) -> Any:
+        """Runs audit.py's readers (kernel log, GPU state) on the node `handle`'s server ran
+        on; None where that is the driver's own node (or no server was placed): they run
+        here."""
+        if handle is None or not self.is_remote(handle):
             return None
-        if node_id in self._lost_nodes:
+        node_id = handle.info["node_id"]
+        if handle.lost is not None:
             # Its agent would wait for a node Ray may not yet know is gone.
             def unreachable(argv: list[str]) -> Any:
                 raise OSError(f"node {node_id[:12]} was lost during the case")

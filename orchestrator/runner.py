@@ -523,7 +523,7 @@ def run_case(
         for e in [*matrix.audit.expect, *case.variant.expect]
     ]
     # The kernel log and GPU state of the node the server ran on, wherever that was.
-    node_runner = launcher.node_runner(row.get("server", {}).get("node_id"))
+    node_runner = launcher.node_runner(handle)
     audit = audit_logs(
         [server_log] if server_log.exists() else [],
         since=started,

@@ -3,7 +3,7 @@
 mid-case, and what the next runs find. Nothing of vLLM or Ray is mocked.
 
 The cluster is `ray.cluster_utils.Cluster`: a head node (the driver's; no CPUs or GPUs, so no
-server lands there) and two worker nodes with one declared GPU each (placement bookkeeping, as
+server lands there) and two worker nodes with two declared GPUs each (placement bookkeeping, as
 gpu-check's local test does; the servers run on CPU). Each node has its own address on loopback
 (127.0.0.2, 127.0.0.3: Ray takes any address the host can bind) and its own temp directory
 (TMPDIR of its raylet, inherited by its workers), so a server on a node binds and writes where a
@@ -12,8 +12,9 @@ remote node's would. What one machine cannot show is in docs/cluster.md.
 One matrix, one scenario (CI time is vLLM start-ups): run `cluster` places case `lost` on one
 node and that node is removed while it is measured; case `served` lands on the other node and
 passes; the driver is SIGKILLed while case `orphaned` starts there. Around it: a topology too big
-for any node, a resume refused for the orphan (found on its node), and a loopback-bound run that
-stops the orphan (--kill-leftovers) and is refused the remote node.
+for any node, gpu-check's bundles side by side on both nodes, a resume refused for the orphan
+(found on its node), and a loopback-bound run that stops the orphan (--kill-leftovers) and is
+refused the remote node.
 """
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 from orch_cli import REPO, VENV_BIN, run_cli
+
+from orchestrator.gpucheck_worker import MARKER
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -107,7 +112,7 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _start_cluster(tmp: Path):
+def _start_cluster(node_tmp: dict[str, Path]):
     """Head on 127.0.0.1 (the driver's node), a worker node on each of NODES."""
     saved = {k: os.environ.get(k) for k in ("TMPDIR", MARK_ENV, "RAY_USAGE_STATS_ENABLED")}
     os.environ[MARK_ENV] = MARK  # inherited by every raylet, worker and server
@@ -127,10 +132,9 @@ def _start_cluster(tmp: Path):
         )
         nodes = {}
         for ip in NODES:
-            os.environ["TMPDIR"] = str(tmp / f"node-{ip}")  # this node's own /tmp
-            Path(os.environ["TMPDIR"]).mkdir()
+            os.environ["TMPDIR"] = str(node_tmp[ip])  # this node's own /tmp
             nodes[ip] = cluster.add_node(
-                node_ip_address=ip, num_cpus=1, num_gpus=1, object_store_memory=OBJECT_STORE
+                node_ip_address=ip, num_cpus=2, num_gpus=2, object_store_memory=OBJECT_STORE
             )
         cluster.wait_for_nodes()
     finally:
@@ -152,8 +156,11 @@ def scenario(tmp_path_factory):
     wrapper.chmod(0o755)
     matrix = tmp / "cluster.yaml"
     matrix.write_text(MATRIX.format(wrapper=wrapper))
-    cluster, nodes = _start_cluster(tmp)
-    out: dict = {"tmp": tmp, "dir": logs / "cluster", "logs": logs, "address": cluster.address}
+    # Short, as a node's /tmp is: a server's case directory (and its TMPDIR) fit under it.
+    node_tmp = {ip: Path(tempfile.mkdtemp(prefix="orch-test-node-", dir="/tmp")) for ip in NODES}
+    cluster, nodes = _start_cluster(node_tmp)
+    out: dict = {"node_tmp": node_tmp, "dir": logs / "cluster", "logs": logs}
+    out["address"] = cluster.address
     env = {MARK_ENV: MARK}
 
     def orchestrator(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -163,8 +170,13 @@ def scenario(tmp_path_factory):
     try:
         out["cluster_s"] = time.monotonic() - t0
         t = time.monotonic()
-        out["big"] = orchestrator("--run-id", "big", "--set", "topologies[0].tp=2")
+        out["big"] = orchestrator("--run-id", "big", "--set", "topologies[0].tp=4")
         out["big_s"] = time.monotonic() - t
+        out["gpucheck_dir"] = tmp / "gpu-check"
+        out["gpucheck"] = run_cli(
+            "gpu-check", "--ray-address", cluster.address, "--tp", "1,2", "--allow-cpu",
+            "--out", str(out["gpucheck_dir"]), timeout=600, env=env,
+        )  # fmt: skip
 
         run_dir = out["dir"]
         with (tmp / "run.out").open("w") as o, (tmp / "run.err").open("w") as e:
@@ -219,8 +231,14 @@ def scenario(tmp_path_factory):
         out["marked_after"] = _marked()
     finally:
         cluster.shutdown()
+        for d in node_tmp.values():  # what a lost node and a killed driver left there
+            shutil.rmtree(d, ignore_errors=True)
     out["wall_s"] = time.monotonic() - t0
     print(f"\ncluster scenario wall time: {out['wall_s']:.0f} s", file=sys.stderr)
+    lost = _rows(out["dir"]).get(CASE.format("lost"), {}).get("server", {})
+    if "died_noticed_at" in lost:
+        noticed = lost["died_noticed_at"] - out["killed_at"]
+        print(f"node loss noticed {noticed:.1f} s after the node was removed", file=sys.stderr)
     return out
 
 
@@ -240,10 +258,10 @@ def _case_dir(scenario: dict, case: str) -> Path:
 def test_a_topology_no_node_can_hold_is_refused_before_anything_starts(scenario):
     out = scenario["big"]
     assert out.returncode == 2, _explain(out)
-    # Two GPUs in the cluster, but one per node: a TP2 bundle has nowhere to go.
+    # Four GPUs in the cluster, but two per node: a TP4 bundle has nowhere to go.
     assert out.stderr.strip().splitlines()[-1] == (
-        "orchestrator: topologies[0].tp=2 needs 2 GPUS on one node; the largest node of this "
-        f"Ray cluster ({scenario['address']}) has 1"
+        "orchestrator: topologies[0].tp=4 needs 4 GPUS on one node; the largest node of this "
+        f"Ray cluster ({scenario['address']}) has 2"
     )
     assert not (scenario["logs"] / "big").exists()
     assert scenario["big_s"] < 60
@@ -259,7 +277,7 @@ def test_cases_ran_on_two_nodes_other_than_the_drivers(scenario):
     manifest = json.loads((scenario["dir"] / "manifest.json").read_text())
     assert sorted((n["node_ip"], n["gpus"]) for n in manifest["cluster"]["nodes"]) == [
         ("127.0.0.1", 0),
-        *((ip, 1) for ip in NODES),
+        *((ip, 2) for ip in NODES),
     ]
 
 
@@ -275,12 +293,13 @@ def test_a_server_on_another_node_binds_and_is_reached_on_its_address(scenario):
 def test_logs_audit_and_files_come_back_from_the_node(scenario):
     row = _rows(scenario["dir"])[CASE.format("served")]
     case_dir = _case_dir(scenario, "served")
-    # The server ran in a case directory of its node's own (under that node's TMPDIR), which
-    # was removed once its files had come back; so was its temp directory.
+    # The server ran in a case directory of its node's own (under that node's TMPDIR, its
+    # temp files too), which was removed once its files had come back.
     where = json.loads((case_dir / "where.json").read_text())
-    node_tmp = scenario["tmp"] / f"node-{row['server']['node_ip']}"
-    assert Path(where["cwd"]).parent == node_tmp and where["node"] == row["server"]["node_id"]
-    assert not Path(where["cwd"]).exists() and not Path(where["tmpdir"]).exists()
+    own = Path(where["cwd"])
+    assert own.parent == scenario["node_tmp"][row["server"]["node_ip"]]
+    assert Path(where["tmpdir"]) == own / "tmp" and where["node"] == row["server"]["node_id"]
+    assert not own.exists()
     log = (case_dir / "server.log").read_text()
     assert "fusedq: fused MLA query" in log and "POST /v1/completions" in log
     assert json.loads((case_dir / "audit.json").read_text())["verdict"]["status"] == "clean"
@@ -335,3 +354,21 @@ def test_kill_leftovers_stops_them_on_their_node_and_loopback_is_refused_there(s
     )
     # No server of any case is left, on any node.
     assert not [p for p, v in scenario["marked_after"].items() if v.get("ORCHESTRATOR_CASE")]
+
+
+def test_gpu_check_places_bundles_side_by_side_on_every_node(scenario):
+    out = scenario["gpucheck"]
+    assert out.returncode == 0, _explain(out)
+    assert "not copied" not in out.stderr  # each bundle's log from its own directory
+    result = json.loads((scenario["gpucheck_dir"] / "gpu-check.json").read_text())
+    by_tp = {r["tp"]: r["bundles"] for r in result["rounds"]}
+    # Two 1-GPU bundles on each node, each with its own GPU; then one 2-GPU bundle per node,
+    # whose two ranks gather the fused query over gloo.
+    tp1 = sorted((b["node_ip"], b["cuda_visible_devices"]) for b in by_tp[1])
+    assert tp1 == [(ip, gpu) for ip in NODES for gpu in ("0", "1")]
+    assert sorted(b["node_ip"] for b in by_tp[2]) == list(NODES)
+    assert all(b["dcp"]["ok"] and b["dcp"]["world"] == 2 for b in by_tp[2])
+    for tp, bundles in by_tp.items():
+        for b in bundles:
+            log = scenario["gpucheck_dir"] / f"tp{tp}-{b['bundle']}.log"
+            assert MARKER in log.read_text(), log

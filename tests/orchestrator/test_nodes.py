@@ -165,6 +165,15 @@ def test_bind_address_on_another_node() -> None:
     assert lau.bind_host(h) == "127.0.0.1"
 
 
+def test_a_lost_nodes_kernel_log_is_not_waited_for() -> None:
+    lau, h = _launcher(NODE_HOST)
+    h.lost = "ActorUnavailableError: connection refused"
+    with pytest.raises(OSError, match="node other was lost during the case"):
+        lau.node_runner(h)(["dmesg"])
+    h.info["node_id"] = "driver"  # read here, as on one machine
+    assert lau.node_runner(h) is None and lau.node_runner(None) is None
+
+
 def _direct(actor: _ServerActor) -> SimpleNamespace:
     """The actor's methods as Ray handles would offer them (`.remote` returns the answer)."""
     return SimpleNamespace(
