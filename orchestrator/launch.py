@@ -373,11 +373,6 @@ class Launcher:
             shutil.rmtree(self._stage, ignore_errors=True)
 
     @property
-    def is_cluster(self) -> bool:
-        """Joined a Ray cluster (which may span machines), rather than an embedded local Ray."""
-        return bool(self.ray_address)
-
-    @property
     def nodes(self) -> Any:
         """The per-node agents (orchestrator.nodes.ClusterNodes), started when first asked."""
         if self._nodes is None:
