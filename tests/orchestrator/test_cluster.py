@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from orch_cli import REPO, VENV_BIN, run_cli
+from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, wait_for
 
 from orchestrator.gpucheck_worker import MARKER
 
@@ -75,37 +75,11 @@ timeouts: {{placement_s: 120, ready_s: 600, request_s: 120, case_s: 900}}
 
 
 def _marked() -> dict[int, dict[str, str]]:
-    """Processes this test caused (raylets, workers, servers): pid -> ORCHESTRATOR_* vars."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        items = dict(i.split(b"=", 1) for i in raw.split(b"\0") if b"=" in i)
-        if items.get(MARK_ENV.encode()) == MARK.encode():
-            found[int(entry.name)] = {
-                k.decode(): v.decode() for k, v in items.items() if k.startswith(b"ORCH")
-            }
-    return found
+    return marked_processes(MARK_ENV, MARK)
 
 
 def _case_pids(case: str) -> list[int]:
     return [p for p, v in _marked().items() if v.get("ORCHESTRATOR_CASE") == CASE.format(case)]
-
-
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"orchestrator exited ({proc.returncode}) before {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _read(path: Path) -> str:
@@ -188,27 +162,27 @@ def scenario(tmp_path_factory):
             try:
                 log = run_dir / "orchestrator.log"
                 starting = re.compile(r"/(\w+): starting on (\S+) port")
-                placed = _wait_for(
+                placed = wait_for(
                     lambda: dict(starting.findall(_read(log))).get("lost"), 900,
                     "case lost to start", run,
                 )  # fmt: skip
                 lost_log = run_dir / "cases" / "tiny-mla__tp1-dcp1-mtp0__lost" / "server.log"
                 # Mid-measurement: the first completion is being streamed (the line reached
                 # the run directory through the log copy from that node).
-                _wait_for(
+                wait_for(
                     lambda: "POST /v1/completions" in _read(lost_log), 900,
                     "case lost's first request", run,
                 )  # fmt: skip
                 out["killed_at"] = time.time()
                 cluster.remove_node(nodes[placed], allow_graceful=False)
                 out["victim"] = placed
-                _wait_for(
+                wait_for(
                     lambda: "orphaned" in dict(starting.findall(_read(log))), 900,
                     "case orphaned to start", run,
                 )  # fmt: skip
                 # The server and its engine core: Ray takes its workers' direct children
                 # along when the driver dies, not theirs (test_faults.py saw the same).
-                out["orphans"] = _wait_for(
+                out["orphans"] = wait_for(
                     lambda: (lambda pids: pids if len(pids) >= 2 else [])(_case_pids("orphaned")), 300,
                     "case orphaned's server and its child", run,
                 )  # fmt: skip

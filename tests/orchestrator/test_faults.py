@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from orch_cli import REPO, VENV_BIN, run_cli
+from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -148,33 +148,7 @@ def _orchestrator(*args: str, timeout: float = 900) -> subprocess.CompletedProce
 
 
 def _marked() -> dict[int, dict[str, str]]:
-    """Processes this test caused: pid -> their ORCHESTRATOR_* variables and cmdline."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "environ").read_bytes()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        items = dict(i.split(b"=", 1) for i in raw.split(b"\0") if b"=" in i)
-        if items.get(b"FAULTS_TEST_MARK") == MARK.encode():
-            env = {k.decode(): v.decode() for k, v in items.items() if k.startswith(b"ORCH")}
-            found[int(entry.name)] = {**env, "cmdline": cmd}
-    return found
-
-
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"orchestrator exited ({proc.returncode}) before {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return marked_processes("FAULTS_TEST_MARK", MARK)
 
 
 def _at_least_two(pids: list[int]) -> list[int]:
@@ -219,13 +193,13 @@ def faults(tmp_path_factory):
         try:
             hang_case = CASE.format("hang")
             log = run_dir / "orchestrator.log"
-            _wait_for(
+            wait_for(
                 lambda: log.exists() and f"{hang_case}: starting" in log.read_text(),
                 1200, "the last case to start", run1,
             )  # fmt: skip
             # The server and a child of its own (here the fault injector's watcher; in a real
             # crash vLLM's engine core): what a dead driver's Ray does not clean up.
-            servers = _wait_for(
+            servers = wait_for(
                 lambda: _at_least_two([p for p, v in _marked().items() if v.get("ORCHESTRATOR_CASE") == hang_case]),
                 60, "the last case's server and its child", run1,
             )  # fmt: skip

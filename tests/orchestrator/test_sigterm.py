@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from orch_cli import REPO, VENV_BIN
+from orch_cli import REPO, VENV_BIN, marked_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -41,15 +41,7 @@ timeouts: {{placement_s: 120, ready_s: 300}}
 
 
 def _alive_with_mark() -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if f"SIGTERM_TEST_MARK={MARK}".encode() in (d / "environ").read_bytes():
-                    pids.append(int(d.name))
-            except OSError:
-                continue
-    return pids
+    return list(marked_processes("SIGTERM_TEST_MARK", MARK))
 
 
 def test_sigterm_stops_the_server_and_writes_the_reports(tmp_path: Path) -> None:
