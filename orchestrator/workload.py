@@ -282,8 +282,9 @@ def mean_of_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- client
 
 
-# Logprobs asked per position when tokens are recorded: the chosen token and its closest rival.
-TOP_LOGPROBS = 2
+# Logprobs asked per position when tokens are recorded: the chosen token and its closest
+# rivals. Two were too few: random-weight BF16 models tie three ways (orchestrator/tokens.py).
+TOP_LOGPROBS = 5
 
 
 def request_body(

@@ -58,6 +58,36 @@ def test_a_clear_change_differs_and_says_where(got_tops):
     assert "1 real difference(s)" in sentence
 
 
+def test_a_tie_wider_than_the_recorded_top_is_a_bounded_near_tie():
+    # Seen on the H200 (h200-heads, 11 heads, request 0/1, output token 39): three tokens tie
+    # to 1e-5 in BF16; staged recorded two of them, fused chose the third.
+    ref = rec(0, [1, 1416], [{1: -1.0}, {1416: -6.647697, 1525: -6.647697}])
+    got = rec(0, [1, 382], [{1: -1.0}, {382: -6.647693, 1416: -6.647693}])
+    check = tokens.compare([ref], [got])
+    assert check["verdict"] == "near-tie", check
+    d = check["divergences"][0]
+    assert d["tie"] and d["reference_margin_bounded"] and "margin_bounded" not in d
+    assert (d["reference_margin"], d["margin"]) == (0.0, 0.0)
+    sentence = tokens.describe(check, reference="staged", variant="fused")
+    assert "staged 1416, fused 382 (margins >= 0.000 nats (other's choice below its" in sentence
+
+
+@pytest.mark.parametrize(
+    ("ref_top", "got_top"),
+    [
+        # The staged run's recorded rivals lie 0.2 nats below its choice, and fused's choice
+        # below them all: staged preferred its own by at least 0.2 -- a real change.
+        ({6: -2.0, 7: -2.2}, {8: -2.0, 6: -2.0}),
+        # Neither run recorded the other's choice: nothing measured the pair.
+        ({6: -2.0, 7: -2.0}, {8: -2.0, 9: -2.0}),
+    ],
+)
+def test_a_bound_beyond_the_tolerance_or_on_both_sides_differs(ref_top, got_top):
+    ref = rec(0, [5, 6], [{5: -1.0}, ref_top])
+    got = rec(0, [5, 8], [{5: -1.0}, got_top])
+    assert tokens.compare([ref], [got])["verdict"] == "differs"
+
+
 @pytest.mark.parametrize(
     ("got", "why"),
     [
