@@ -13,10 +13,8 @@ import functools
 
 import torch
 
-# Head counts per rank the kernel is qualified for: GLM-5 at TP8 (8), padded TP6 (11), TP4 (16).
-QUALIFIED_HEADS = (8, 11, 16)
-# Decode batch (tokens per rank per step, MTP included) the kernel is qualified for.
-MAX_M = 32
+from fusedq.limits import MAX_M, QUALIFIED_HEADS
+
 WEIGHT_FORMATS = ("bf16", "mxfp8")
 OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 

@@ -23,14 +23,8 @@ from collections.abc import Iterable
 import torch
 
 import fusedq
+from fusedq.limits import KV_LORA, MX_BLOCK, QK_NOPE, QUERY_WIDTH
 from fusedq.mxfp8 import MXFP8Weight
-
-# The fused op's fixed geometry (kv_lora_rank 512 + rope 64 = 576; qk_nope 192).
-QK_NOPE = 192
-QK_ROPE = 64
-KV_LORA = 512
-QUERY_WIDTH = KV_LORA + QK_ROPE
-MX_BLOCK = 32
 
 Weight = torch.Tensor | MXFP8Weight
 
@@ -104,29 +98,6 @@ def decode_query(
         q_scale=q_scale,
         backend="triton",
     )
-
-
-def staged_decode_query(
-    q_nope: torch.Tensor,
-    w_uk_t: torch.Tensor,
-    q_pe: torch.Tensor,
-    *,
-    q_scale: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """vLLM 0.32's staged decode query, transcribed (the oracle of the hook tests).
-
-    ``torch.bmm`` into a token-major buffer, then either the pair ``(ql_nope, q_pe)`` that
-    backends concatenate, or — with ``q_scale`` — concat + static per-tensor E4M3 quant as
-    ``_decode_concat_quant_fp8_op`` does (``x / scale``, clamped to ±448).
-    """
-    n, b, _ = q_nope.shape
-    ql_nope = q_nope.new_empty((b, n, w_uk_t.shape[-1]))
-    torch.bmm(q_nope, w_uk_t, out=ql_nope.transpose(0, 1))
-    if q_scale is None:
-        return ql_nope, q_pe
-    cat = torch.cat((ql_nope, q_pe), dim=-1).float() / q_scale.reshape(()).float()
-    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
-    return cat.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
 
 
 def prewarm_values(

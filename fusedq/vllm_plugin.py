@@ -39,10 +39,14 @@ from keyword import iskeyword
 
 import torch
 
+from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE
+
 ENV = "FUSEDQ_MLA_QUERY"
 MODES = ("auto", "0", "1")
 
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+# (qk_nope, qk_rope, kv_lora) a layer must have for the fused op to serve it.
+GEOMETRY = (QK_NOPE, QK_ROPE, KV_LORA)
 # The query-side block of MLAAttention.forward_impl this plugin nests under its fallback:
 # from the first line to the last (inclusive), dedented. Both lines are the same in every
 # release read so far; what sits around the block differs (see RELEASES).
@@ -563,8 +567,8 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     if getattr(type(layer), "forward_impl", installed) is not installed:
         return None, f"{type(layer).__name__} overrides forward_impl (the hook is not in it)"
     dims = (layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank)
-    if dims != (192, 64, 512):
-        return None, f"(qk_nope, qk_rope, kv_lora)={dims}, fused op needs (192, 64, 512)"
+    if dims != GEOMETRY:
+        return None, f"(qk_nope, qk_rope, kv_lora)={dims}, fused op needs {GEOMETRY}"
     w_uk_t = getattr(layer, "W_UK_T", None)
     if not isinstance(w_uk_t, torch.Tensor):
         return None, "layer has no W_UK_T"

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.fusedq_limits import limits
 from orchestrator.gpucheck_worker import MARKER
 
 DEFAULT_TPS = (1, 2, 4, 8)
@@ -66,16 +67,17 @@ def bench_heads(tp: int, heads: int) -> tuple[list[int], str | None]:
     """The per-rank head counts to benchmark in a bundle of `tp` GPUs, and why if substituted.
 
     A rank of a TP-tp server holds heads/tp heads. fusedq is qualified for 8, 11 and 16 (TP8,
-    TP6 and TP4 of 64 heads); a smaller bundle benchmarks the TP8 and TP4 shapes instead.
+    TP6 and TP4 of 64 heads); a smaller bundle benchmarks the TP8 and TP4 shapes instead (the
+    smallest and the largest qualified: 11 is TP6's padded count, between them).
     """
-    from fusedq.capability import QUALIFIED_HEADS
-
+    qualified = limits.QUALIFIED_HEADS
     per_rank = -(-heads // tp)
-    if per_rank in QUALIFIED_HEADS:
+    if per_rank in qualified:
         return [per_rank], None
-    return [8, 16], (
+    shapes = [min(qualified), max(qualified)]
+    return shapes, (
         f"{heads}/{tp} = {per_rank} heads per rank is outside fusedq's qualified "
-        f"{tuple(QUALIFIED_HEADS)}; benchmarked the TP8 and TP4 per-rank shapes (8, 16)"
+        f"{tuple(qualified)}; benchmarked the TP8 and TP4 per-rank shapes {tuple(shapes)}"
     )
 
 

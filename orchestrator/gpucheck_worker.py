@@ -28,9 +28,11 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from orchestrator.fusedq_limits import limits
+
 MARKER = "GPUCHECK-RESULT "
 # vLLM's MLA decode shapes: 192 nope + 64 rope dims in, 512 latent + 64 rope out.
-P, R, L = 192, 64, 512
+P, R, L = limits.QK_NOPE, limits.QK_ROPE, limits.KV_LORA
 
 
 def device_report() -> dict[str, Any]:

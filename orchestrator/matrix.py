@@ -20,10 +20,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator import tinymodel
+from orchestrator.fusedq_limits import limits
 from orchestrator.store import case_slug
 
-# Heads per rank for which fusedq has a qualified specialisation (see fusedq.capability).
-FUSEDQ_QUALIFIED_HEADS = (8, 11, 16)
 # A model path with this prefix is built locally by orchestrator.tinymodel (the embedded default).
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = tuple(tinymodel.BUILTINS)
@@ -329,7 +328,7 @@ class Case:
             "mtp": self.mtp,
             "variant": self.variant.name,
             "heads_per_rank": self.heads_per_rank,
-            "fusedq_qualified_heads": self.heads_per_rank in FUSEDQ_QUALIFIED_HEADS,
+            "fusedq_qualified_heads": self.heads_per_rank in limits.QUALIFIED_HEADS,
             "args": list(self.args),
             "env": dict(self.env),
         }

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.estimate import estimate_run, human_s
-from orchestrator.matrix import FUSEDQ_QUALIFIED_HEADS, expand, load_matrix, units_needed
+from orchestrator.matrix import expand, load_matrix, units_needed
 
 
 def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]:
@@ -57,7 +57,6 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
             {
                 **{k: v for k, v in c.to_dict().items() if k not in ("env", "args")},
                 unit.lower() + "s": c.tp * per_rank,
-                "fusedq_qualified_heads": c.heads_per_rank in FUSEDQ_QUALIFIED_HEADS,
                 "estimated_s": round(per_case[c.case_id], 1),
             }
             for c in cases

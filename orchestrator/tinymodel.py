@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from orchestrator.fusedq_limits import limits
+
 # Bump when the files written change in a way the config hash does not capture, so old
 # caches are not reused.
 BUILDER_VERSION = 1
@@ -48,9 +50,10 @@ ARCH: dict[str, Any] = {
     "num_attention_heads": 8,
     "num_key_value_heads": 8,
     "q_lora_rank": 128,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 192,
+    # The fused query's geometry: these models exist to serve it.
+    "kv_lora_rank": limits.KV_LORA,
+    "qk_rope_head_dim": limits.QK_ROPE,
+    "qk_nope_head_dim": limits.QK_NOPE,
     "v_head_dim": 128,
     # Dense MLP in every layer (first_k_dense_replace past the MTP layer's index): the
     # attention path is what the project measures, and dense keeps the CPU build on its

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedq import limits
+
 try:  # programmatic dependent launch (griddepcontrol); Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -34,15 +36,14 @@ except ImportError:  # pragma: no cover - older Triton
     gdc_launch_dependents = gdc_wait = None
     HAS_PDL = False
 
-# Problem constants of GLM-5 / DeepSeek MLA: qk_nope, kv_lora_rank, qk_rope.
-HEAD_K = 192
-HEAD_N = 512
-ROPE = 64
-OUT_WIDTH = HEAD_N + ROPE
-# E4M3 (OCP, "fn") largest finite value; the output is clamped to it.
-E4M3_MAX = 448.0
-# MX block size along N (OCP MX spec: one E8M0 scale per 32 elements).
-MX_BLOCK = 32
+# The problem's axes in the kernel's terms (fusedq.limits holds the facts): K is qk_nope,
+# N is kv_lora_rank, then the RoPE part; E4M3_MAX and MX_BLOCK as there.
+HEAD_K = limits.QK_NOPE
+HEAD_N = limits.KV_LORA
+ROPE = limits.QK_ROPE
+OUT_WIDTH = limits.QUERY_WIDTH
+E4M3_MAX = limits.E4M3_MAX
+MX_BLOCK = limits.MX_BLOCK
 
 # K=192 is not a power of two; three unrolled 64-wide chunks cover it exactly.
 BLOCK_K = 64

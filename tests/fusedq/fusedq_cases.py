@@ -73,3 +73,27 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, fmt: str) -> None:
     )
     bits = torch.uint8 if out.dtype == E4M3 else torch.int16
     assert torch.equal(out[..., N:].contiguous().view(bits), ref[..., N:].contiguous().view(bits))
+
+
+def staged_decode_query(
+    q_nope: torch.Tensor,
+    w_uk_t: torch.Tensor,
+    q_pe: torch.Tensor,
+    *,
+    q_scale: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.32's staged decode query, transcribed: the oracle of the hook tests (kept here,
+    not in the product: nothing but the tests runs it).
+
+    ``torch.bmm`` into a token-major buffer, then either the pair ``(ql_nope, q_pe)`` that
+    backends concatenate, or — with ``q_scale`` — concat + static per-tensor E4M3 quant as
+    ``_decode_concat_quant_fp8_op`` does (``x / scale``, clamped to ±448).
+    """
+    n, b, _ = q_nope.shape
+    ql_nope = q_nope.new_empty((b, n, w_uk_t.shape[-1]))
+    torch.bmm(q_nope, w_uk_t, out=ql_nope.transpose(0, 1))
+    if q_scale is None:
+        return ql_nope, q_pe
+    cat = torch.cat((ql_nope, q_pe), dim=-1).float() / q_scale.reshape(()).float()
+    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
+    return cat.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)

@@ -4,7 +4,7 @@ The tensors are laid out exactly as ``MLAAttention.forward_impl`` holds them: ``
 ``W_UK.permute(1, 2, 0)`` of a ``kv_b_proj``-shaped weight (a strided view), ``mqa_q_nope``
 the ``transpose(0, 1)`` of a slice of ``q``, ``mqa_q_pe`` the other slice; outputs go to a
 fresh contiguous buffer or a pitched workspace. The oracle is vLLM 0.32's staged code,
-transcribed in ``fusedq.vllm_hook.staged_decode_query``, and ``fusedq.staged_mla_query``.
+transcribed in ``fusedq_cases.staged_decode_query``, and ``fusedq.staged_mla_query``.
 
 Run on the H200: ``pytest -m gpu tests/fusedq/test_vllm_hook_gpu.py``.
 """
@@ -15,11 +15,11 @@ import types
 
 import pytest
 import torch
-from fusedq_cases import E4M3, Q_SCALE, assert_matches, poison
+from fusedq_cases import E4M3, Q_SCALE, assert_matches, poison, staged_decode_query
 
 import fusedq
 from fusedq import vllm_plugin
-from fusedq.vllm_hook import decode_query, mxfp8_w_uk_t, staged_decode_query
+from fusedq.vllm_hook import decode_query, mxfp8_w_uk_t
 
 pytestmark = [
     pytest.mark.gpu,

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedq_cases import E4M3, Q_SCALE, TOLERANCES, assert_matches, poison
+from fusedq_cases import E4M3, Q_SCALE, TOLERANCES, assert_matches, poison, staged_decode_query
 
 import fusedq
 from fusedq import vllm_hook
-from fusedq.vllm_hook import decode_query, mxfp8_w_uk_t, staged_decode_query
+from fusedq.vllm_hook import decode_query, mxfp8_w_uk_t
 
 P, R, L, V = 192, 64, 512, 128
 

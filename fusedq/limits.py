@@ -1,0 +1,24 @@
+"""The fixed facts of the fused MLA query: its geometry and what it is qualified for.
+
+One home for numbers the kernel, the capability gate, the vLLM hook and plugin, and the
+orchestrator (matrix, plan, gpu-check, the built-in models) all need. Plain constants and no
+imports at all, so the orchestrator can read this file without importing the ``fusedq``
+package (whose ``__init__`` imports torch, which ``orchestrator plan`` must not load).
+"""
+
+# GLM-5 / DeepSeek MLA: qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank. The kernel computes
+# q_nope[.., 192] @ W_UK_T[192, 512] and appends the 64 RoPE dims: a 576-wide query row.
+QK_NOPE = 192
+QK_ROPE = 64
+KV_LORA = 512
+QUERY_WIDTH = KV_LORA + QK_ROPE
+
+# Head counts per rank the kernel is qualified for: GLM-5 at TP8 (8), padded TP6 (11), TP4 (16).
+QUALIFIED_HEADS = (8, 11, 16)
+# Decode batch (tokens per rank per step, MTP included) the kernel is qualified for.
+MAX_M = 32
+
+# E4M3 (OCP, "fn") largest finite value; an E4M3 output is clamped to it.
+E4M3_MAX = 448.0
+# MX block size along N (OCP MX spec: one E8M0 scale per 32 elements).
+MX_BLOCK = 32
