@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install smoke test lint gpu-check
+.PHONY: install smoke test lint
 
 install: $(VENV)/.installed
 

@@ -1726,9 +1726,3 @@ def cli_audit(paths: list[Path], *, json_out: bool, since: str | None) -> int:
     else:
         print(_format_text(result))
     return 0 if result.verdict.clean else 1
-
-
-def iter_findings(result: AuditResult, min_severity: Severity = "warning") -> Iterator[Finding]:
-    """Findings at or above ``min_severity`` (``fatal`` fails a case)."""
-    floor = _SEVERITY_RANK[min_severity]
-    return (f for f in result.findings if _SEVERITY_RANK[f.severity] >= floor)

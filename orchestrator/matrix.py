@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -228,7 +228,6 @@ class ExpectSpec(_Strict):
 
     pattern: str = Field(min_length=1, description="Regular expression.")
     description: str | None = None
-    per_rank: bool = Field(True, description="Every TP rank's worker must log it.")
 
     @field_validator("pattern")
     @classmethod
@@ -293,8 +292,6 @@ class Case:
     variant: VariantSpec
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    topology_index: int = 0
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def topology_id(self) -> str:
@@ -641,7 +638,7 @@ def expand(m: Matrix) -> list[Case]:
     """Every case in run order: variants of one topology are adjacent so they are measured paired."""
     cases: list[Case] = []
     for model in m.models:
-        for ti, topo in enumerate(m.topologies):
+        for topo in m.topologies:
             for dcp in topo.dcp_values():
                 for mtp in topo.mtp:
                     for variant in m.variants:
@@ -656,7 +653,6 @@ def expand(m: Matrix) -> list[Case]:
                                 variant=variant,
                                 args=tuple(args),
                                 env=tuple(sorted(env.items())),
-                                topology_index=ti,
                             )
                         )
     return cases

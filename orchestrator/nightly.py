@@ -111,14 +111,6 @@ def history_runs(
     return [s for _, s in found]
 
 
-def last_good_run(
-    history_dir: Path, matrix_name: str, *, exclude: Path | None = None
-) -> RunStore | None:
-    """The newest good run of this matrix in the history, or None."""
-    good = [s for s in history_runs(history_dir, matrix_name, exclude=exclude) if is_good_run(s)]
-    return good[-1] if good else None
-
-
 def _default_runner(matrix_path: Path, options: RunOptions) -> RunSummary:
     # Imported here so a test's fake runner never loads the launcher's machinery.
     from orchestrator.runner import run_matrix

@@ -683,12 +683,6 @@ def test_rotations_sort_naturally(tmp_path):
     assert names == ["server.log", "server.log.1", "server.log.2", "server.log.10"]
 
 
-def test_iter_findings_by_severity():
-    result = _audit(FIXTURES / "debug_traceback.log")
-    assert list(audit.iter_findings(result, "fatal")) == []
-    assert len(list(audit.iter_findings(result))) == 1
-
-
 def test_truncated_gzip_keeps_what_it_held_and_says_so(tmp_path):
     data = gzip.compress(
         b"INFO a\nRuntimeError: CUDA error: misaligned address\n" + b"INFO pad\n" * 50000
