@@ -41,6 +41,8 @@ from typing import IO, Any, Literal
 
 import yaml
 
+from orchestrator.probes import NvidiaSmiError, Runner, first_line, nvidia_smi, run_command
+
 Severity = Literal["warning", "fatal", "quarantine-node"]
 # Ordered mild -> worst; the verdict reports the worst one.
 SEVERITIES: tuple[Severity, ...] = ("warning", "fatal", "quarantine-node")
@@ -64,7 +66,6 @@ MAX_FINDINGS_PER_SIGNATURE = 20
 # A traceback whose exception line does not appear within this many lines of the same
 # process is reported with the header line (a truncated log, an interleaving we lost).
 TRACEBACK_MAX_LINES = 2000
-SUBPROCESS_TIMEOUT_S = 60
 
 PREFILTER_ENV = "ORCHESTRATOR_AUDIT_PREFILTER"  # "python" or "grep" forces a prefilter
 
@@ -1280,20 +1281,6 @@ def _open_log(path: Path) -> tuple[IO[bytes], bool]:
     return fh, False
 
 
-Runner = Callable[[list[str]], "subprocess.CompletedProcess[str]"]
-
-
-def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=SUBPROCESS_TIMEOUT_S,
-        check=False,
-    )
-
-
 def parse_since(value: str) -> datetime:
     """ISO 8601 time; naive times are local time. Raises AuditInputError naming the value."""
     try:
@@ -1317,13 +1304,6 @@ class KernelLog:
     status: SourceStatus
 
 
-def _first_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
 def read_kernel_log(since: datetime | None = None, *, runner: Runner | None = None) -> KernelLog:
     """Read the kernel log since ``since`` via journalctl, else dmesg.
 
@@ -1332,7 +1312,7 @@ def read_kernel_log(since: datetime | None = None, *, runner: Runner | None = No
     the machine keeps no journal (containers, this sandbox), so its "No journal files"
     notice on stderr counts as unreadable and dmesg is tried next.
     """
-    run = runner or _run
+    run = runner or run_command
     reasons: list[str] = []
     since_utc = _aware(since).astimezone(timezone.utc) if since else None
 
@@ -1349,7 +1329,7 @@ def read_kernel_log(since: datetime | None = None, *, runner: Runner | None = No
         if "No journal files were found" in proc.stderr + proc.stdout:
             reasons.append("journalctl: no journal files were found")
         elif proc.returncode != 0:
-            reasons.append(f"journalctl: exit {proc.returncode}: {_first_line(proc.stderr)}")
+            reasons.append(f"journalctl: exit {proc.returncode}: {first_line(proc.stderr)}")
         else:
             lines = [ln for ln in proc.stdout.splitlines() if not ln.startswith("-- ")]
             return KernelLog(lines, SourceStatus(True, "journalctl -k", None, len(lines)))
@@ -1362,7 +1342,7 @@ def read_kernel_log(since: datetime | None = None, *, runner: Runner | None = No
         reasons.append(f"dmesg: {exc}")
     else:
         if proc.returncode != 0:
-            err = _first_line(proc.stderr) or f"exit {proc.returncode}"
+            err = first_line(proc.stderr) or f"exit {proc.returncode}"
             reasons.append(err if err.startswith("dmesg") else f"dmesg: {err}")
         else:
             lines = _filter_since(proc.stdout.splitlines(), since_utc)
@@ -1426,17 +1406,11 @@ def read_gpu_state(
 ) -> tuple[list[Finding], SourceStatus]:
     """ECC and row-remapper state from ``nvidia-smi -q -d ECC,ROW_REMAPPER`` as findings."""
     cat = catalogue or load_catalogue()
-    run = runner or _run
     try:
-        proc = run(["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER"])
-    except FileNotFoundError:
-        return [], SourceStatus(False, None, "nvidia-smi not found")
-    except (OSError, subprocess.SubprocessError) as exc:
-        return [], SourceStatus(False, None, f"nvidia-smi: {exc}")
-    if proc.returncode != 0:
-        why = _first_line(proc.stdout) or _first_line(proc.stderr) or f"exit {proc.returncode}"
-        return [], SourceStatus(False, None, f"nvidia-smi: {why}")
-    gpus = parse_nvidia_smi_q(proc.stdout)
+        out = nvidia_smi(["-q", "-d", "ECC,ROW_REMAPPER"], runner=runner)
+    except NvidiaSmiError as exc:
+        return [], SourceStatus(False, None, str(exc))
+    gpus = parse_nvidia_smi_q(out)
     if not gpus:
         return [], SourceStatus(False, None, "nvidia-smi listed no GPU")
     findings = []

@@ -162,7 +162,7 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
     from orchestrator.audit import audit_logs
     from orchestrator.launch import Launcher, LaunchError
     from orchestrator.matrix import expand
-    from orchestrator.runner import git_commit
+    from orchestrator.probes import git_commit
     from orchestrator.store import write_json_atomic, write_text_atomic
 
     tps = sorted(set(opts.tps))

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.fusedq_limits import limits
+from orchestrator.probes import gpu_bus_ids
 
 MARKER = "GPUCHECK-RESULT "
 # vLLM's MLA decode shapes: 192 nope + 64 rope dims in, 512 latent + 64 rope out.
@@ -45,7 +46,7 @@ def device_report() -> dict[str, Any]:
         "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "devices": [],
     }
-    smi = _nvidia_smi_bus_ids()
+    smi = gpu_bus_ids()
     for i in range(rep["device_count"]):
         props = torch.cuda.get_device_properties(i)
         uuid = str(getattr(props, "uuid", "") or "")
@@ -58,25 +59,6 @@ def device_report() -> dict[str, Any]:
         bus = smi.get(f"GPU-{uuid}", bus) if uuid else bus
         rep["devices"].append({"index": i, "name": props.name, "uuid": uuid, "pci_bus_id": bus})
     return rep
-
-
-def _nvidia_smi_bus_ids() -> dict[str, str]:
-    """uuid -> PCI bus id from nvidia-smi (which ignores CUDA_VISIBLE_DEVICES), when present."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    ids = {}
-    for line in out.stdout.splitlines():
-        uuid, _, bus = (p.strip() for p in line.partition(","))
-        if uuid and bus:
-            ids[uuid] = bus
-    return ids
 
 
 def run_gpu_tests(tests: str, timeout_s: float) -> dict[str, Any]:

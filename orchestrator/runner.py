@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import getpass
-import importlib.metadata as md
 import os
-import platform
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator import probes
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.matrix import Case, Matrix, expand, load_matrix
 from orchestrator.redact import (
@@ -41,7 +37,6 @@ from orchestrator.store import RunStore, new_run_id, write_json_atomic
 if TYPE_CHECKING:
     from orchestrator.audit import Finding
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # A port the OS called free can be taken before vLLM binds it (seconds later, after its
 # imports); that race costs a retry on a new port, not the case. Three lost races in a row
 # are not a race, and fail the case.
@@ -56,67 +51,9 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
-
-
-def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """Commit and dirtiness of the checkout the orchestrator (and the fusedq it ships) runs from."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return {"commit": None, "dirty": None}
-    if head.returncode:
-        return {"commit": None, "dirty": None}
-    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
-
-
-def gpu_inventory() -> list[str]:
-    """`nvidia-smi -L` lines of the driver's host; empty where there is no NVIDIA GPU."""
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return []
-    try:
-        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [line for line in out.stdout.splitlines() if line.strip()]
-
-
-def versions() -> dict[str, str | None]:
-    from orchestrator.engines.vllm import probe_version
-
-    try:
-        vllm_version = probe_version()
-    except Exception as exc:  # a missing vLLM is reported, and the first case fails naming it
-        vllm_version = f"unavailable: {exc}"
-    return {
-        "vllm": vllm_version,
-        "fusedq": _dist_version("fusedq"),
-        "torch": _dist_version("torch"),
-        "triton": _dist_version("triton"),
-        "ray": _dist_version("ray"),
-        "python": platform.python_version(),
-    }
-
-
 @dataclass
 class RunOptions:
-    logs_dir: Path = REPO_ROOT / "logs"
+    logs_dir: Path = probes.REPO_ROOT / "logs"
     run_id: str | None = None
     resume: str | None = None
     retry_failed: bool = False
@@ -633,6 +570,7 @@ def _manifest(
     options: RunOptions,
     launcher: Any,
 ) -> dict[str, Any]:
+    driver = probes.driver_info()
     return {
         "run_id": store.run_id,
         "created_at": _now(),
@@ -642,19 +580,12 @@ def _manifest(
         "sets": list(options.sets),
         "only": list(options.only),
         "cases": [c.to_dict() for c in cases],
-        "versions": versions(),
-        "git": git_commit(),
+        "versions": probes.versions(),
+        "git": probes.git_commit(),
         "cluster": launcher.cluster,
         "fusedq_fingerprint": launcher.driver_fingerprints.get("fusedq"),
-        "gpus": gpu_inventory(),
-        "driver": {
-            "hostname": socket.gethostname(),
-            "user": getpass.getuser(),
-            "pid": os.getpid(),
-            "python": sys.executable,
-            "argv": redact_argv(sys.argv),
-            "platform": platform.platform(),
-        },
+        "gpus": probes.gpu_inventory(),
+        "driver": {**driver, "argv": redact_argv(driver["argv"])},
     }
 
 
