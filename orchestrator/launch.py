@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import processes
 from orchestrator.leftovers import NODE_ENV
 from orchestrator.matrix import Case, Matrix
 
@@ -663,8 +664,7 @@ class Launcher:
         pid = handle.info.get("server_pid")
         if pid and not handle.info.get("stopped") and _is_local_ip(handle.info.get("node_ip", "")):
             # The actor is gone or hung: the server runs in its own session (pgid == pid).
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            processes.signal_group(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             self._ray.kill(handle.actor, no_restart=True)
         with contextlib.suppress(Exception):
@@ -729,14 +729,9 @@ def _remove_stale_stages(tmp: Path) -> None:
     __exit__); a live pid's directory is kept, even if the pid was recycled."""
     for stage in tmp.glob(f"{_STAGE_PREFIX}*-*"):
         pid = stage.name[len(_STAGE_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        # A live pid's directory is kept, another user's included (pid_alive holds for it).
+        if pid.isdigit() and not processes.pid_alive(int(pid)):
             shutil.rmtree(stage, ignore_errors=True)
-        except PermissionError:  # another user's live process
-            pass
 
 
 def fits_a_node(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> bool:
@@ -758,7 +753,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_local_ip(ip: str) -> bool:
-    if ip.startswith("127.") or ip == "::1":
+    from orchestrator.engines.vllm import is_loopback
+
+    if is_loopback(ip):
         return True
     try:
         local = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}

@@ -15,14 +15,14 @@ The start time in the driver tag makes a recycled pid not pass for a live driver
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from orchestrator import processes
 
 RUN_ENV = "ORCHESTRATOR_RUN_ID"
 CASE_ENV = "ORCHESTRATOR_CASE"
@@ -173,20 +173,14 @@ def stop_leftovers(
     leftovers: Iterable[Leftover], grace_s: float = 10.0, proc: Path = PROC
 ) -> list[Leftover]:
     """SIGTERM (and SIGCONT, so a stopped process can act on it), then SIGKILL after
-    `grace_s`; returns those that could not be stopped."""
+    `grace_s`; returns those that could not be stopped. Each signal goes only to a pid that
+    still names its leftover (a pid recycled meanwhile is left alone)."""
     targets = [p for p in leftovers if _still_it(p, proc)]
-    for p in targets:
-        for sig in (signal.SIGTERM, signal.SIGCONT):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p.pid, sig)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_still_it(p, proc) for p in targets):
-        time.sleep(0.1)
-    for p in targets:
-        if _still_it(p, proc):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p.pid, signal.SIGKILL)
-    end = time.monotonic() + 5
-    while time.monotonic() < end and any(_still_it(p, proc) for p in targets):
-        time.sleep(0.05)
+
+    def send(sig: signal.Signals) -> None:
+        for p in targets:
+            if _still_it(p, proc):
+                processes.signal_pid(p.pid, sig)
+
+    processes.stop(send, lambda: any(_still_it(p, proc) for p in targets), grace_s)
     return [p for p in targets if _still_it(p, proc)]

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from orchestrator import processes
+
 # Flags the adapter sets from the topology; a passthrough copy would silently override
 # (argparse keeps the last) or contradict them. Short forms are vLLM's own aliases.
 _OWNED_FLAGS = {
@@ -398,91 +400,34 @@ def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) ->
         )
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _descendants(pid: int) -> list[int]:
-    # psutil comes with vLLM; without it the process group alone is used.
-    try:
-        import psutil
-    except ImportError:
-        return []
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
     """SIGTERM the server's process group, wait up to `grace_s`, then SIGKILL what is left.
 
     Returns the server's exit code. Children that moved to another process group (none
     do in vLLM's CPU/multiproc executors, but a plugin might) are found through psutil
-    before the parent goes and are killed with the group.
+    before the parent goes and are stopped with the group.
     """
     pgid = proc.pid  # start_new_session made the server its group's leader
-    strays = [p for p in _descendants(proc.pid) if _pgid(p) not in (pgid, None)]
-    # SIGCONT after SIGTERM: a stopped (SIGSTOPped, hung in a debugger) server would keep
-    # the TERM pending and cost the whole grace period before the SIGKILL.
-    for sig in (signal.SIGTERM, signal.SIGCONT):
-        _signal_group(pgid, sig)
+    strays = [p for p in processes.descendants(pgid) if processes.pgid_of(p) not in (pgid, None)]
+
+    def send(sig: signal.Signals) -> None:
+        processes.signal_group(pgid, sig)
         for pid in strays:
-            _kill(pid, sig)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        proc.poll()
-        if (
-            proc.returncode is not None
-            and not _group_alive(pgid)
-            and not any(map(_pid_alive, strays))
-        ):
-            return proc.returncode
-        time.sleep(0.1)
-    _signal_group(pgid, signal.SIGKILL)
-    for pid in strays:
-        _kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    # Orphans of the group are reaped by init; give it a moment so callers that count
-    # processes right after see none.
-    end = time.monotonic() + 5
-    while _group_alive(pgid) and time.monotonic() < end:
-        time.sleep(0.05)
+            processes.signal_pid(pid, sig)
+
+    def alive() -> bool:
+        return (
+            proc.poll() is None
+            or processes.group_alive(pgid)
+            or any(map(processes.pid_alive, strays))
+        )
+
+    def reap() -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    processes.stop(send, alive, grace_s, after_kill=reap)
     return proc.returncode
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
 
 
 def free_port(host: str) -> int:
