@@ -126,10 +126,10 @@ def run(
     if summary.failed:
         # Named with the reason even under --quiet: an unattended log must say what failed.
         for rows, when in ((summary.earlier, " (in an earlier attempt)"), (summary.results, "")):
-            for row in (r for r in rows if r.get("status") != "passed"):
+            for row in (r for r in rows if not r.passed):
                 # A reason's later lines (what happened, the log's tail) indented under it.
-                reason = str(row.get("reason")).replace("\n", "\n    ")
-                typer.echo(f"FAILED {row.get('case_id')}{when}: {reason}", err=True)
+                reason = str(row.reason).replace("\n", "\n    ")
+                typer.echo(f"FAILED {row.case_id}{when}: {reason}", err=True)
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
         raise typer.Exit(EXIT_FINDINGS)
 
@@ -137,11 +137,11 @@ def run(
 def _print_summary(run_dir: Path) -> None:
     """The closing table of a run (every case of it, resumed ones too), after the paths:
     what a person reads first when the run ends. Failed cases' reasons follow on stderr."""
-    from orchestrator.store import RunStore
-    from orchestrator.summary import render_summary
+    from orchestrator.reports.run import Run
+    from orchestrator.reports.summary import render_summary
 
     typer.echo("")
-    typer.echo(render_summary(RunStore(run_dir)))
+    typer.echo(render_summary(Run.load(run_dir)))
 
 
 @app.command()
@@ -149,7 +149,7 @@ def report(
     run_dir: Path = typer.Argument(..., help="A run directory (logs/<run-id>)."),
 ) -> None:
     """Rebuild report.md, report.json, report.html and junit.xml of a run; print the Markdown."""
-    from orchestrator.report import write_reports
+    from orchestrator.reports import write_reports
     from orchestrator.store import RunStore, StoreError
 
     try:

@@ -18,9 +18,9 @@ rates move with batch composition, and a warning does not break a case (see sign
 Cases present in only one run are listed; a matrix that gained or lost a topology is not a
 regression.
 
-Only the run directories are read (manifest.json, results.jsonl, cases/*/requests-*.jsonl);
-stdlib only. Runs recorded before request records were read still compare: their repeats are
-the samples.
+Only the run directories are read (manifest.json, results.jsonl, cases/*/requests-*.jsonl),
+through the result models every report reads (orchestrator.reports.run.Run). Runs recorded
+before request records were read still compare: their repeats are the samples.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from orchestrator.report import _fmt, _md_table
+from orchestrator.reports.markdown import md_table
+from orchestrator.reports.run import Run, plural
+from orchestrator.reports.run import fmt_tok as _fmt
+from orchestrator.results import CaseResult, Finding, Severity
 from orchestrator.stats import MIN_REPEATS, Interval, RepeatSample, change_interval
 from orchestrator.store import RunStore, StoreError, case_slug
 
 DEFAULT_THRESHOLD_PCT = 3.0
-# Severities that break a case or a node (signatures.yaml): new ones fail a comparison.
-FATAL_SEVERITIES = ("fatal", "quarantine-node")
 METRICS = ("aggregate_tok_s", "per_user_tok_s")
 # The gate: only aggregate tok/s is the throughput figure the seeds' tables are judged by.
 GATED_METRIC = "aggregate_tok_s"
-_SEVERITY_ORDER = {"warning": 0, "fatal": 1, "quarantine-node": 2}
 # What the gate says of one gated figure.
 REGRESSION, NO_REGRESSION, TOO_FEW = "regression", "no regression", "too few samples to tell"
 
@@ -49,10 +49,10 @@ class CompareError(ValueError):
     """A run directory that cannot be compared (missing, no manifest, unreadable)."""
 
 
-def open_run(path: str | Path) -> RunStore:
-    """Open a run directory for reading, or raise CompareError naming the path and the fault."""
+def open_run(path: str | Path) -> Run:
+    """Read a run directory, or raise CompareError naming the path and the fault."""
     try:
-        return RunStore.read(path)
+        return Run.load(RunStore.read(path))
     except StoreError as exc:
         raise CompareError(str(exc)) from None
 
@@ -131,7 +131,7 @@ class FindingChange:
 
     case_id: str
     signature: str
-    severity: str
+    severity: Severity | None
     category: str
     count: int
     location: str
@@ -139,7 +139,8 @@ class FindingChange:
 
     @property
     def fatal(self) -> bool:
-        return self.severity in FATAL_SEVERITIES
+        """Fatal or worse (a new one fails the comparison)."""
+        return self.severity is not None and self.severity.breaks_case
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "fatal": self.fatal}
@@ -302,7 +303,7 @@ class Comparison:
                         status,
                     ]
                 )
-        out.append(_md_table(header, body) if body else "No case is in both runs.")
+        out.append(md_table(header, body) if body else "No case is in both runs.")
         out.append("")
         if body:
             out += [_METHOD_NOTE, ""]
@@ -345,19 +346,6 @@ def _finding_line(f: FindingChange) -> str:
     return f"- {f.case_id}: `{f.signature}` ({f.severity}){times} {f.location}: `{text}`"
 
 
-def _columns(manifest: dict[str, Any]) -> dict[str, str]:
-    """Workload name -> report column (``ctx2k`` may report into ``ctx64k``)."""
-    return {
-        w["name"]: w.get("column") or w["name"]
-        for w in manifest.get("matrix", {}).get("workloads", [])
-    }
-
-
-def _mean(row: dict[str, Any], workload: str, metric: str) -> float | None:
-    value = ((row.get("workloads") or {}).get(workload) or {}).get("mean", {}).get(metric)
-    return None if value is None else float(value)
-
-
 class RunSamples(NamedTuple):
     """A run's gated figure for one workload as samples, and how to say what they are."""
 
@@ -396,35 +384,24 @@ def request_blocks(
     return blocks
 
 
-def _concurrency(manifest: dict[str, Any], workload: str) -> int:
-    for w in manifest.get("matrix", {}).get("workloads", []):
-        if w.get("name") == workload:
-            return max(1, int(w.get("concurrency") or 1))
-    return 1
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def repeat_samples(store: RunStore, row: dict[str, Any], workload: str) -> RunSamples:
+def repeat_samples(run: Run, row: CaseResult, workload: str) -> RunSamples:
     """A case's gated figure for one workload as samples: each repeat's aggregate tok/s, with
     its requests from ``cases/<case>/requests-<workload>.jsonl`` when that file is there."""
-    summary = (row.get("workloads") or {}).get(workload) or {}
+    summary = row.workloads.get(workload)
     repeats = [
-        (int(r.get("repeat", i + 1)), float(r[GATED_METRIC]))
-        for i, r in enumerate(summary.get("repeats") or [])
-        if isinstance(r, dict) and r.get(GATED_METRIC) is not None
+        (r.repeat if r.repeat is not None else i + 1, float(value))
+        for i, r in enumerate(summary.repeats if summary is not None else [])
+        if (value := getattr(r, GATED_METRIC)) is not None
     ]
     if not repeats:
-        mean = _mean(row, workload, GATED_METRIC)
+        mean = row.mean_of(workload, GATED_METRIC)
         samples = [] if mean is None else [RepeatSample(mean)]
         return RunSamples(samples, "no repeats recorded")
-    concurrency = _concurrency(store.manifest(), workload)
-    records = store.read_records(case_slug(str(row["case_id"])), workload)
+    concurrency = run.manifest.concurrency(workload)
+    records = run.store.read_records(case_slug(row.case_id), workload)
     blocks = request_blocks(records, concurrency)
     samples = [RepeatSample(value, blocks.get(n, ())) for n, value in repeats]
-    text = _plural(len(samples), "repeat")
+    text = plural(len(samples), "repeat")
     if not any(s.parts for s in samples):
         return RunSamples(samples, f"{text} (no request records)")
     counts = [sum(1 for r in records if _ok(r) and r.get("repeat") == n - 1) for n, _ in repeats]
@@ -459,77 +436,63 @@ def judge(base: RunSamples, cand: RunSamples, threshold_pct: float) -> Judgement
     return Judgement(verdict, *texts, interval, "")
 
 
-def _findings(row: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    by_sig: dict[str, list[dict[str, Any]]] = {}
-    for f in (row.get("audit") or {}).get("findings", []):
-        by_sig.setdefault(str(f.get("signature")), []).append(f)
+def _findings(row: CaseResult) -> dict[str, list[Finding]]:
+    by_sig: dict[str, list[Finding]] = {}
+    for f in row.audit.findings:
+        by_sig.setdefault(str(f.signature), []).append(f)
     return by_sig
 
 
-def finding_location(f: dict[str, Any], *, basename: bool = False) -> str:
-    """``file:line [rank]`` of a finding as the audit recorded it."""
-    where = str(f.get("file", ""))
-    if basename:
-        where = where.split("/")[-1]
-    if f.get("line") is not None:
-        where += f":{f['line']}"
-    return f"{where} [{f['rank']}]" if f.get("rank") else where
-
-
-def _change(case_id: str, signature: str, found: list[dict[str, Any]]) -> FindingChange:
+def _change(case_id: str, signature: str, found: list[Finding]) -> FindingChange:
     # The worst occurrence stands for the signature: that is the one a reader must see.
-    worst = max(found, key=lambda f: _SEVERITY_ORDER.get(str(f.get("severity")), 0))
+    worst = max(found, key=lambda f: f.severity.rank if f.severity is not None else 0)
     return FindingChange(
         case_id=case_id,
         signature=signature,
-        severity=str(worst.get("severity")),
-        category=str(worst.get("category", "")),
+        severity=worst.severity,
+        category=worst.category,
         count=len(found),
-        location=finding_location(worst, basename=True),
-        text=str(worst.get("text", "")),
+        location=worst.location(basename=True),
+        text=worst.text,
     )
 
 
-def _ordered(store: RunStore) -> list[dict[str, Any]]:
-    rows = {r["case_id"]: r for r in store.results() if "case_id" in r}
-    order = [c["case_id"] for c in store.manifest().get("cases", [])]
+def _ordered(run: Run) -> list[CaseResult]:
+    listed = set(run.manifest.case_ids)
     # Rows of cases the manifest does not list (a hand-edited run) still count, after the rest.
-    return [rows[c] for c in order if c in rows] + [r for c, r in rows.items() if c not in order]
+    return run.ordered + [r for r in run.results if r.case_id not in listed]
 
 
-def compare_stores(
-    base: RunStore, cand: RunStore, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT
-) -> Comparison:
-    """Compare two opened runs; see the module docstring for what counts as a regression."""
-    base_manifest, cand_manifest = base.manifest(), cand.manifest()
-    columns = {**_columns(base_manifest), **_columns(cand_manifest)}
-    base_rows = {r["case_id"]: r for r in _ordered(base)}
+def compare(base: Run, cand: Run, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT) -> Comparison:
+    """Compare two read runs; see the module docstring for what counts as a regression."""
+    columns = {**dict(base.columns), **dict(cand.columns)}
+    base_rows = {r.case_id: r for r in _ordered(base)}
     cand_rows = _ordered(cand)
     cmp = Comparison(
-        base_run=str(base_manifest.get("run_id", base.run_id)),
-        cand_run=str(cand_manifest.get("run_id", cand.run_id)),
+        base_run=base.run_id,
+        cand_run=cand.run_id,
         base_dir=str(base.root),
         cand_dir=str(cand.root),
         threshold_pct=threshold_pct,
     )
-    cand_ids = {r["case_id"] for r in cand_rows}
+    cand_ids = {r.case_id for r in cand_rows}
     cmp.only_in_base = [c for c in base_rows if c not in cand_ids]
-    cmp.only_in_cand = [r["case_id"] for r in cand_rows if r["case_id"] not in base_rows]
+    cmp.only_in_cand = [r.case_id for r in cand_rows if r.case_id not in base_rows]
     for c in cand_rows:
-        b = base_rows.get(c["case_id"])
+        b = base_rows.get(c.case_id)
         if b is None:
             continue
-        case_id = c["case_id"]
+        case_id = c.case_id
         row = CaseRow(
             case_id=case_id,
-            topology_id=str(c.get("topology_id", "")),
-            model=str(c.get("model", "")),
-            variant=str(c.get("variant", "")),
-            base_status=b.get("status"),
-            cand_status=c.get("status"),
+            topology_id=c.topology_id,
+            model=c.model,
+            variant=c.variant,
+            base_status=b.status,
+            cand_status=c.status,
         )
-        workloads = list(b.get("workloads") or {})
-        workloads += [w for w in (c.get("workloads") or {}) if w not in workloads]
+        workloads = list(b.workloads)
+        workloads += [w for w in c.workloads if w not in workloads]
         for wl in workloads:
             for metric in METRICS:
                 d = MetricDelta(
@@ -537,8 +500,8 @@ def compare_stores(
                     workload=wl,
                     column=columns.get(wl, wl),
                     metric=metric,
-                    base=_mean(b, wl, metric),
-                    cand=_mean(c, wl, metric),
+                    base=b.mean_of(wl, metric),
+                    cand=c.mean_of(wl, metric),
                 )
                 if metric == GATED_METRIC and d.delta_pct is not None:
                     d.judgement = judge(
@@ -546,13 +509,13 @@ def compare_stores(
                     )
                 row.deltas.append(d)
         cmp.rows.append(row)
-        if b.get("status") == "passed" and c.get("status") != "passed":
+        if b.passed and not c.passed:
             cmp.regressions.append(
                 Regression(
                     case_id=case_id,
                     kind="status",
                     message=f"passed in {cmp.base_run}, failed in {cmp.cand_run}: "
-                    f"{c.get('reason') or 'no reason recorded'}",
+                    f"{c.reason or 'no reason recorded'}",
                 )
             )
         for d in row.deltas:
@@ -584,4 +547,4 @@ def compare_runs(
     """Compare run directory CAND against BASE; CompareError names a bad path or threshold."""
     if not threshold_pct >= 0.0:  # also rejects NaN
         raise CompareError(f"--threshold-pct={threshold_pct}: must be a percentage >= 0")
-    return compare_stores(open_run(base_dir), open_run(cand_dir), threshold_pct=threshold_pct)
+    return compare(open_run(base_dir), open_run(cand_dir), threshold_pct=threshold_pct)

@@ -16,20 +16,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from orchestrator.compare import (
     DEFAULT_THRESHOLD_PCT,
-    FATAL_SEVERITIES,
     CompareError,
     Comparison,
-    compare_stores,
+    compare,
     open_run,
 )
-from orchestrator.html_report import write_html
-from orchestrator.junit import write_junit
+from orchestrator.reports.html import write_html
+from orchestrator.reports.junit import write_junit
+from orchestrator.reports.run import Run
 from orchestrator.runner import RunOptions, RunSummary
-from orchestrator.store import RunStore, write_json_atomic, write_text_atomic
+from orchestrator.store import write_json_atomic, write_text_atomic
 
 # The runner's signature: orchestrator.runner.run_matrix, or a test's fake.
 Runner = Callable[[Path, RunOptions], RunSummary]
@@ -66,32 +65,18 @@ class NightlyResult:
         return lines
 
 
-def _matrix_name(manifest: dict[str, Any]) -> str | None:
-    return (manifest.get("matrix") or {}).get("name")
-
-
-def is_good_run(store: RunStore) -> bool:
+def is_good_run(run: Run) -> bool:
     """Every case of the manifest finished and passed, and no audit found a fatal fault."""
-    manifest = store.manifest()
-    rows = {r.get("case_id"): r for r in store.results()}
-    cases = [c["case_id"] for c in manifest.get("cases", [])]
+    rows = {r.case_id: r for r in run.results}
+    cases = run.manifest.case_ids
     if not cases or any(c not in rows for c in cases):
         return False
-    for c in cases:
-        row = rows[c]
-        if row.get("status") != "passed":
-            return False
-        findings = (row.get("audit") or {}).get("findings", [])
-        if any(f.get("severity") in FATAL_SEVERITIES for f in findings):
-            return False
-    return True
+    return all(rows[c].passed and not rows[c].audit.case_breaking for c in cases)
 
 
-def history_runs(
-    history_dir: Path, matrix_name: str, *, exclude: Path | None = None
-) -> list[RunStore]:
+def history_runs(history_dir: Path, matrix_name: str, *, exclude: Path | None = None) -> list[Run]:
     """Runs of this matrix in the history, oldest first; unreadable directories are passed over."""
-    found: list[tuple[str, RunStore]] = []
+    found: list[tuple[str, Run]] = []
     if not history_dir.is_dir():
         return []
     skip = exclude.resolve() if exclude is not None else None
@@ -99,14 +84,13 @@ def history_runs(
         if not d.is_dir() or d.resolve() == skip:
             continue
         try:
-            store = open_run(d)
-            manifest = store.manifest()
+            run = open_run(d)
         except CompareError:
             # Half-written or foreign directories (test-artifacts/, a crashed run) must not
             # stop tonight's comparison.
             continue
-        if _matrix_name(manifest) == matrix_name:
-            found.append((str(manifest.get("created_at") or ""), store))
+        if run.manifest.matrix_name == matrix_name:
+            found.append((str(run.manifest.created_at or ""), run))
     found.sort(key=lambda cs: cs[0])
     return [s for _, s in found]
 
@@ -148,31 +132,29 @@ def run_nightly(
         kill_leftovers=kill_leftovers,
     )
     summary = (runner or _default_runner)(Path(matrix_path), options)
-    store = open_run(summary.run_dir)
-    manifest = store.manifest()
+    run = open_run(summary.run_dir)
     result = NightlyResult(
-        run_dir=store.root,
-        failed_cases=[r["case_id"] for r in store.results() if r.get("status") != "passed"],
+        run_dir=run.root, failed_cases=[r.case_id for r in run.results if not r.passed]
     )
-    name = _matrix_name(manifest) or ""
-    runs = history_runs(history, name, exclude=store.root)
+    name = run.manifest.matrix_name or ""
+    runs = history_runs(history, name, exclude=run.root)
     result.history = [s.root for s in runs]
     good = [s for s in runs if is_good_run(s)]
     if good:
         base = good[-1]
         result.baseline_dir = base.root
-        result.comparison = compare_stores(base, store, threshold_pct=threshold_pct)
-        write_text_atomic(store.root / "compare.md", result.comparison.to_markdown())
-        write_json_atomic(store.root / "compare.json", result.comparison.to_dict())
+        result.comparison = compare(base, run, threshold_pct=threshold_pct)
+        write_text_atomic(run.root / "compare.md", result.comparison.to_markdown())
+        write_json_atomic(run.root / "compare.json", result.comparison.to_dict())
     else:
         result.skipped_reason = (
             f"no good earlier run of matrix {name!r} in {history} "
             f"({len(runs)} earlier run(s), none complete without failures or fatal findings)"
         )
         write_text_atomic(
-            store.root / "compare.md",
-            f"# Compare {store.run_id}\n\nComparison skipped: {result.skipped_reason}.\n",
+            run.root / "compare.md",
+            f"# Compare {run.store.run_id}\n\nComparison skipped: {result.skipped_reason}.\n",
         )
-    write_html(store, history=runs, comparison=result.comparison)
-    write_junit(store, comparison=result.comparison)
+    write_html(run, history=runs, comparison=result.comparison)
+    write_junit(run, comparison=result.comparison)
     return result

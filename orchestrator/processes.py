@@ -21,26 +21,25 @@ KILL_WAIT_S = 5.0
 Sender = Callable[[signal.Signals], None]
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` names a process (another user's counts: it exists)."""
+def _answers(probe: Callable[[int, int], None], target: int) -> bool:
+    """Whether signal 0 reaches `target`: it exists (another user's process counts)."""
     try:
-        os.kill(pid, 0)
+        probe(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
     return True
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` names a process."""
+    return _answers(os.kill, pid)
 
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of process group `pgid` is left."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _answers(os.killpg, pgid)
 
 
 def signal_pid(pid: int, sig: signal.Signals) -> None:

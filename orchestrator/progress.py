@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from orchestrator.estimate import Eta, human_s
 from orchestrator.redact import redact_text
+from orchestrator.results import CaseResult
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,8 @@ class ProgressView:
         for line in lines:
             self._event(line)
 
-    def finish(self, case_id: str, row: dict[str, Any]) -> None:
-        passed = row.get("status") == "passed"
+    def finish(self, case_id: str, row: CaseResult) -> None:
+        passed = row.passed
         with self._lock:
             took = self.clock() - self._t_case
             self.done += 1
@@ -193,15 +194,14 @@ class ProgressView:
             if self.eta is not None:
                 self.eta.finished(case_id, took, passed)
         cols = ", ".join(
-            f"{name} {(w.get('mean') or {}).get('aggregate_tok_s') or 0:.2f} tok/s"
-            for name, w in row.get("workloads", {}).items()
+            f"{name} {w.mean.aggregate_tok_s or 0:.2f} tok/s" for name, w in row.workloads.items()
         )
         msg = f"{'PASSED' if passed else 'FAILED'} {case_id} in {human_s(took)}"
         msg += f": {cols}" if cols else ""
-        if row.get("reason"):
+        if row.reason:
             # Its first line, the root cause when known; the whole reason (what happened, the
             # log's last lines) is printed when the run ends.
-            msg += f" ({str(row['reason']).partition(chr(10))[0]})"
+            msg += f" ({row.reason.partition(chr(10))[0]})"
         self._event(f"{msg} | {self._run_part()}")
 
     # ------------------------------------------------------------------ rendering

@@ -32,6 +32,7 @@ from orchestrator.redact import (
     secret_args,
     secret_values,
 )
+from orchestrator.results import SCHEMA_VERSION, CaseResult
 from orchestrator.store import RunStore, new_run_id, write_json_atomic
 
 if TYPE_CHECKING:
@@ -74,15 +75,15 @@ class RunSummary:
     """
 
     run_dir: Path
-    results: list[dict[str, Any]] = field(default_factory=list)
+    results: list[CaseResult] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    earlier: list[dict[str, Any]] = field(default_factory=list)
+    earlier: list[CaseResult] = field(default_factory=list)
     overhead: dict[str, float] = field(default_factory=dict)
     nothing_left: bool = False  # a resume found every selected case finished: it ran nothing
 
     @property
-    def failed(self) -> list[dict[str, Any]]:
-        return [r for r in self.earlier + self.results if r.get("status") != "passed"]
+    def failed(self) -> list[CaseResult]:
+        return [r for r in self.earlier + self.results if not r.passed]
 
 
 class _Log:
@@ -554,9 +555,9 @@ def _open_for_resume(options: RunOptions, cases: list[Case], matrix_path: str | 
 
 def _left_to_run(
     store: RunStore, selected: Sequence[Case], retry_failed: bool
-) -> tuple[list[Case], list[dict[str, Any]]]:
+) -> tuple[list[Case], list[CaseResult]]:
     """The selected cases still to run, and the stored rows of the others."""
-    rows = {r["case_id"]: r for r in store.results()}
+    rows = {r.case_id: r for r in store.results()}
     done = store.finished_case_ids(include_failed=not retry_failed)
     todo = [c for c in selected if c.case_id not in done]
     return todo, [rows[c.case_id] for c in selected if c.case_id in done]
@@ -658,7 +659,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     from orchestrator.estimate import estimate_run
     from orchestrator.launch import Launcher, ray_address_for
     from orchestrator.progress import ProgressView
-    from orchestrator.report import write_reports
+    from orchestrator.reports import write_reports
 
     t_run = time.monotonic()
     matrix = load_matrix(matrix_path, sets=options.sets)
@@ -676,7 +677,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
             store.unlock()
             return RunSummary(
                 run_dir=store.root,
-                skipped=[r["case_id"] for r in earlier],
+                skipped=[r.case_id for r in earlier],
                 earlier=earlier,
                 nothing_left=True,
             )
@@ -754,7 +755,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 log(line)
             todo, earlier = _left_to_run(store, selected, options.retry_failed)
             summary = RunSummary(
-                run_dir=store.root, skipped=[r["case_id"] for r in earlier], earlier=earlier
+                run_dir=store.root, skipped=[r.case_id for r in earlier], earlier=earlier
             )
             log(
                 f"run {store.run_id}: {len(cases)} cases, {len(selected)} selected, "
@@ -767,16 +768,17 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 view.begin(case.case_id)
                 # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
                 row = redact(run_case(case, matrix, launcher, store, log, view, secrets), secrets)
-                store.append_result(row, secrets)
-                summary.results.append(row)
-                t = row.get("timings", {})
+                result = CaseResult.model_validate({"schema_version": SCHEMA_VERSION, **row})
+                store.append_result(result, secrets)
+                summary.results.append(result)
+                t = result.timings
                 # The warm-up belongs to bringing the server up, not to the orchestrator.
                 measured += (
                     t.get("startup_s", 0.0)
                     + t.get("warmup_s", 0.0)
                     + sum(v for k, v in t.items() if k.startswith("workload_"))
                 )
-                view.finish(case.case_id, row)
+                view.finish(case.case_id, result)
     except KeyboardInterrupt:
         log("interrupted: servers stopped; finished cases kept; continue with --resume")
         raise

@@ -4,7 +4,8 @@ Layout of ``logs/<run-id>/``::
 
     manifest.json          matrix as given and expanded, versions, hosts, GPUs, commit
     orchestrator.log       the driver's own log
-    results.jsonl          one JSON line per finished case, appended atomically
+    results.jsonl          one JSON line per finished case (orchestrator.results.CaseResult),
+                           appended atomically
     cases/<slug>/server.log, requests-<workload>.jsonl, audit.json
     report.md, report.json
 
@@ -25,7 +26,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from orchestrator.redact import redact
+from orchestrator.results import SCHEMA_VERSION, CaseResult
 
 RESULTS = "results.jsonl"
 MANIFEST = "manifest.json"
@@ -83,15 +87,20 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Read complete JSON lines; a torn final line (no newline, or bad JSON) is skipped."""
+    return [row for _, row in read_jsonl_numbered(path)]
+
+
+def read_jsonl_numbered(path: Path) -> list[tuple[int, Any]]:
+    """(line number, value) of each complete JSON line; see read_jsonl."""
     if not path.exists():
         return []
     rows = []
     with path.open("rb") as f:
-        for raw in f:
+        for number, raw in enumerate(f, 1):
             if not raw.endswith(b"\n"):
                 break
             try:
-                rows.append(json.loads(raw))
+                rows.append((number, json.loads(raw)))
             except json.JSONDecodeError:
                 continue
     return rows
@@ -189,21 +198,30 @@ class RunStore:
     def manifest(self) -> dict[str, Any]:
         return json.loads((self.root / MANIFEST).read_text())
 
-    def append_result(self, row: dict[str, Any], secrets: tuple[str, ...] = ()) -> None:
+    def append_result(self, result: CaseResult, secrets: tuple[str, ...] = ()) -> None:
+        """One line more in results.jsonl: the row as written, stamped with the schema
+        version it follows (a row read back from an older run keeps the one it had)."""
+        row = result.to_record()
+        row.setdefault("schema_version", SCHEMA_VERSION)
         append_jsonl(self.results_path, redact(row, secrets))
 
-    def results(self) -> list[dict[str, Any]]:
-        """Rows in order; when a case was re-run (--retry-failed), the last row wins."""
-        latest: dict[str, dict[str, Any]] = {}
-        for row in read_jsonl(self.results_path):
-            latest.pop(row.get("case_id", ""), None)
-            latest[row.get("case_id", "")] = row
+    def results(self) -> list[CaseResult]:
+        """Rows in the order they were last written; when a case was re-run
+        (--retry-failed), its last row wins. StoreError names a row that is not a result."""
+        latest: dict[str, CaseResult] = {}
+        for number, row in read_jsonl_numbered(self.results_path):
+            try:
+                result = CaseResult.model_validate(row)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(str(p) for p in err["loc"]) or "row"
+                raise StoreError(f"{self.results_path}:{number}: {field}: {err['msg']}") from None
+            latest.pop(result.case_id, None)
+            latest[result.case_id] = result
         return list(latest.values())
 
     def finished_case_ids(self, *, include_failed: bool = True) -> set[str]:
-        return {
-            r["case_id"] for r in self.results() if include_failed or r.get("status") == "passed"
-        }
+        return {r.case_id for r in self.results() if include_failed or r.passed}
 
     def records_path(self, slug: str, workload: str) -> Path:
         """Where a case's per-request records of one workload are (reading creates nothing)."""

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from orchestrator.audit import Finding, audit_logs, mark_root_cause
 from orchestrator.engines.vllm import log_tail
-from orchestrator.html_report import render_html
-from orchestrator.junit import render_junit
-from orchestrator.report import render_markdown
+from orchestrator.reports.html import render_html
+from orchestrator.reports.junit import render_junit
+from orchestrator.reports.markdown import render_markdown
+from orchestrator.reports.run import Run
 from orchestrator.runner import REASON_TAIL_LINES, failure_reason
-from orchestrator.store import RunStore
 
 LOG = Path(__file__).parent / "fixtures" / "audit" / "vllm_cpu_mtp_draft_amx.log"
 CAUSE = "ValueError: No common block size for 128 (CPU_MLA: [16]; AMX_MLA: [MultipleOf(32)])."
@@ -94,7 +94,7 @@ def test_one_root_cause_rule_skips_recovered_tracebacks_before_and_after_discoun
     assert not any(f.root_cause for f in result.findings + result.discounted)
 
 
-def _run_with_reason(tmp_path: Path, reason: str) -> RunStore:
+def _run_with_reason(tmp_path: Path, reason: str) -> Run:
     run = runs.copy_run(tmp_path, "r", created_at="2026-11-30T13:29:00+00:00")
     case = "Luke BF16/tp8-dcp4-mtp3/fused"
 
@@ -104,7 +104,7 @@ def _run_with_reason(tmp_path: Path, reason: str) -> RunStore:
         return r
 
     runs.edit_rows(run, edit)
-    return RunStore(run)
+    return Run.load(run)
 
 
 def test_every_report_shows_the_root_cause_first_and_the_tail_preformatted(tmp_path):

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.compare import compare_runs
-from orchestrator.html_report import render_html, write_html
 from orchestrator.matrix import expand, parse_matrix
-from orchestrator.report import write_reports
+from orchestrator.reports import write_reports
+from orchestrator.reports.html import render_html, write_html
+from orchestrator.reports.run import Run
 from orchestrator.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,12 +72,13 @@ def nightly_like(tmp_path):
         return r
 
     runs.edit_rows(cur, edit)
-    return RunStore(cur), [RunStore(h) for h in history], compare_runs(history[1], cur)
+    return Run.load(cur), [Run.load(h) for h in history], compare_runs(history[1], cur)
 
 
 def test_tables_and_charts(tmp_path):
-    store = RunStore(runs.copy_run(tmp_path, "r", created_at="2026-11-28T02:00:00+00:00"))
-    page = render_html(store)
+    page = render_html(
+        Run.load(runs.copy_run(tmp_path, "r", created_at="2026-11-28T02:00:00+00:00"))
+    )
     assert page.startswith("<!DOCTYPE html>")
     head = "<th class=l>Model</th><th>TP</th><th>DCP</th><th>MTP</th><th>Variant</th>"
     assert head + "<th>ctx0</th><th>ctx64k</th><th>Errors</th><th>Status</th>" in page
@@ -104,7 +106,7 @@ def test_single_variant_has_no_delta_chart(tmp_path):
     store = RunStore.create(tmp_path, "one")
     store.write_manifest({"run_id": "one", "matrix": m.model_dump(mode="json"),
                           "cases": [c.to_dict() for c in expand(m)]})  # fmt: skip
-    page = render_html(store)  # no results yet: an interrupted run still renders
+    page = render_html(Run.load(store))  # no results yet: an interrupted run still renders
     assert "incomplete" in page and "Paired variants" not in page
     assert "No case has finished yet." in page and not _svgs(page)
 

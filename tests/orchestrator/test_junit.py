@@ -7,8 +7,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from orchestrator.compare import compare_runs
-from orchestrator.junit import render_junit, write_junit, xml_text
-from orchestrator.store import RunStore
+from orchestrator.reports.junit import render_junit, write_junit, xml_text
+from orchestrator.reports.run import Run
 
 _spec = importlib.util.spec_from_file_location(
     "recorded_runs", Path(__file__).parent / "fixtures" / "runs" / "make_fixtures.py"
@@ -33,7 +33,7 @@ def _counts(el: ET.Element) -> tuple[int, int, int, int]:
 
 def test_clean_run_one_testcase_per_case(tmp_path):
     run = runs.copy_run(tmp_path, "r", created_at="2026-11-28T02:00:00+00:00")
-    root = _parse(render_junit(RunStore(run)))
+    root = _parse(render_junit(Run.load(run)))
     [suite] = root.findall("testsuite")
     assert _counts(root) == _counts(suite) == (10, 0, 0, 0)
     cases = suite.findall("testcase")
@@ -62,7 +62,7 @@ def test_failures_faults_and_forbidden_characters(tmp_path):
         return r
 
     runs.edit_rows(run, edit)
-    text = render_junit(RunStore(run))
+    text = render_junit(Run.load(run))
     root = _parse(text)  # would raise on a forbidden character or a bad escape
     assert "\x00" not in text and "\x1b" not in text and "<script>" not in text
     assert _counts(root) == (10, 3, 0, 1)
@@ -86,8 +86,8 @@ def test_regressions_from_a_comparison_are_failures(tmp_path):
     cand = runs.copy_run(tmp_path, "cand", created_at="2026-11-28T02:00:00+00:00")
     runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.95) if r["case_id"] == CASE else r)
     cmp = compare_runs(base, cand)
-    assert _counts(_parse(render_junit(RunStore(cand))))[1] == 0  # without it: all green
-    path = write_junit(RunStore(cand), comparison=cmp)
+    assert _counts(_parse(render_junit(Run.load(cand))))[1] == 0  # without it: all green
+    path = write_junit(Run.load(cand), comparison=cmp)
     root = _parse(path.read_text())
     assert _counts(root) == (10, 1, 0, 0)
     [failed] = [c for c in root.iter("testcase") if c.find("failure") is not None]

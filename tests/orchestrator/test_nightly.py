@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 import orchestrator.nightly as nightly_mod
 from orchestrator.cli import app
 from orchestrator.nightly import history_runs, is_good_run, run_nightly
-from orchestrator.report import write_reports
+from orchestrator.reports import write_reports
+from orchestrator.reports.run import Run
 from orchestrator.runner import RunSummary
 from orchestrator.store import RunStore
 
@@ -149,7 +150,7 @@ def test_baseline_is_the_newest_good_run_of_the_same_matrix(tmp_path):
     (h / "half-written").mkdir()
     (h / "half-written" / "manifest.json").write_text('{"run_id": "half-')
 
-    assert [is_good_run(RunStore(d)) for d in (good, failed, xid, partial)] == [
+    assert [is_good_run(Run.load(d)) for d in (good, failed, xid, partial)] == [
         True,
         False,
         False,

@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from orchestrator.progress import PLAIN_EVERY_S, PLAIN_MAX_EVERY_S, ProgressView, last_log_line
+from orchestrator.results import CaseResult
 
 CASES = ["tiny-mla/tp1-dcp1-mtp0/default", "tiny-mla/tp2-dcp1-mtp0/default"]
 SERVER_LOG = (
@@ -75,13 +76,18 @@ def test_plain_lines_name_case_phase_elapsed_counts_and_eta(tmp_path: Path) -> N
     v.update(CASES[0], "stopping")
     clock.t += 15
     v.finish(
-        CASES[0], {"status": "passed", "workloads": {"ctx0": {"mean": {"aggregate_tok_s": 60.5}}}}
+        CASES[0],
+        CaseResult(
+            case_id=CASES[0],
+            status="passed",
+            workloads={"ctx0": {"mean": {"aggregate_tok_s": 60.5}}},
+        ),
     )
     v.begin(CASES[1])
     clock.t += 5
     # A reason's later lines (what happened, the log's tail) wait for the end of the run.
     reason = "ValueError: boom (root cause, server.log:7)\nserver process exited with code 1"
-    v.finish(CASES[1], {"status": "failed", "reason": reason})
+    v.finish(CASES[1], CaseResult(case_id=CASES[1], status="failed", reason=reason))
     lines = out.getvalue().splitlines()
     assert lines == [
         f"case 1/2 {CASES[0]}: placing",
@@ -132,7 +138,7 @@ def test_quiet_view_writes_nothing() -> None:
     v.begin(CASES[0])
     clock.t += 60
     v.tick()
-    v.finish(CASES[0], {"status": "passed"})
+    v.finish(CASES[0], CaseResult(case_id=CASES[0], status="passed"))
     v.stop()
     assert out.getvalue() == ""
 
@@ -142,7 +148,7 @@ def test_eta_scales_with_measured_cases() -> None:
     v = _view(clock, out)
     v.begin(CASES[0])
     clock.t += 150  # 1.5x its estimate: the second case's 200 s become 300 s
-    v.finish(CASES[0], {"status": "passed"})
+    v.finish(CASES[0], CaseResult(case_id=CASES[0], status="passed"))
     assert "ETA 5m00s" in out.getvalue().splitlines()[-1]
     v.begin(CASES[1])
     clock.t += 400  # past its scaled estimate: nothing left, never negative
@@ -179,7 +185,7 @@ def test_terminal_mode_prints_case_lines_above_the_live_block() -> None:
     try:
         v.begin(CASES[0])
         v.update(CASES[0], "ctx0", {"done": 1, "total": 2, "tok_s": 3.5})
-        v.finish(CASES[0], {"status": "passed", "workloads": {}})
+        v.finish(CASES[0], CaseResult(case_id=CASES[0], status="passed"))
     finally:
         v.stop()
     text = out.getvalue()

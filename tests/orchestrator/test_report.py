@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 from orchestrator.matrix import expand, parse_matrix
-from orchestrator.report import paired_deltas, render_markdown, write_reports
+from orchestrator.reports import write_reports
+from orchestrator.reports.markdown import render_markdown
+from orchestrator.reports.run import Overhead, Run, paired_deltas
+from orchestrator.results import CaseResult
 from orchestrator.store import RunStore
 
 MATRIX = """
@@ -81,7 +84,7 @@ def _store(tmp_path, rows_for) -> RunStore:
         }
     )
     for row in rows_for(cases):
-        store.append_result(row)
+        store.append_result(CaseResult.model_validate(row))
     return store
 
 
@@ -95,10 +98,11 @@ def test_seed_table_and_paired_deltas(tmp_path):
             _row(cs[3], {"ctx0": 73.73, "ctx64k": 71.33}, status="failed", clean=False),
         ],
     )
-    md = render_markdown(
-        store,
-        {"wall_s": 100.0, "startup_and_measured_s": 96.0, "overhead_s": 4.0, "overhead_pct": 4.0},
+    run = Run.load(store)
+    run.overhead = Overhead.of(
+        {"wall_s": 100.0, "startup_and_measured_s": 96.0, "overhead_s": 4.0, "overhead_pct": 4.0}
     )
+    md = render_markdown(run)
     assert "| Model | TP | DCP | MTP | Variant | ctx0 | ctx64k | Errors | Status |" in md
     assert "| Luke BF16 | 8 | 1 | 0 | staged | 80.00 | 70.00 | 0 | ok |" in md
     assert "| Luke BF16 | 8 | 2 | 0 | staged | 73.00 | - | 0 | ok |" in md  # missing value is '-'
@@ -108,8 +112,8 @@ def test_seed_table_and_paired_deltas(tmp_path):
     assert "overhead 4.0 s (4.0%)" in md
     assert "found problems in 1 case: Luke BF16/tp8-dcp2-mtp0/fused" in md
     assert "kernel log was not audited for any case (dmesg: Operation not permitted)" in md
-    deltas = paired_deltas(store.manifest(), store.results())
-    assert [round(d["delta_pct"], 2) for d in deltas if d["delta_pct"] is not None] == [
+    deltas = paired_deltas(run)
+    assert [round(d.delta_pct, 2) for d in deltas if d.delta_pct is not None] == [
         10.0,
         10.0,
         1.0,
@@ -118,7 +122,7 @@ def test_seed_table_and_paired_deltas(tmp_path):
 
 def test_clean_run_sentence_lists_what_was_searched(tmp_path):
     store = _store(tmp_path, lambda cs: [_row(c, {"ctx0": 1.0, "ctx64k": 1.0}) for c in cs])
-    md = render_markdown(store)
+    md = render_markdown(Run.load(store))
     assert "found no traceback, Xid, or CUBLAS_STATUS failure" in md
     assert "across 4 cases" in md
 

@@ -16,7 +16,8 @@ from orchestrator import launch
 from orchestrator.cli import app
 from orchestrator.engines import vllm as eng
 from orchestrator.matrix import expand, load_matrix
-from orchestrator.report import write_reports
+from orchestrator.reports import write_reports
+from orchestrator.results import CaseResult
 from orchestrator.runner import RunOptions, _absolute_if_path, run_matrix
 from orchestrator.store import RunStore
 
@@ -46,7 +47,9 @@ def _finished_run(logs: Path, *, failed: int) -> Path:
     for i, c in enumerate(cases):
         status = "failed" if i < failed else "passed"
         reason = FAILED_REASON if status == "failed" else None
-        store.append_result({**c.to_dict(), "status": status, "reason": reason})
+        store.append_result(
+            CaseResult.model_validate({**c.to_dict(), "status": status, "reason": reason})
+        )
     write_reports(
         store,
         overhead={"wall_s": 500.0, "startup_and_measured_s": 470.0, "overhead_s": 30.0,

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import pytest
 
 from orchestrator.redact import REDACTED, redact, redact_argv, redact_text
+from orchestrator.results import CaseResult
 from orchestrator.store import RunStore, StoreError, append_jsonl, read_jsonl
 
 
@@ -52,12 +53,12 @@ def test_create_refuses_existing_and_open_needs_manifest(tmp_path):
 
 def test_finished_cases_and_retry(tmp_path):
     store = RunStore.create(tmp_path, "r")
-    store.append_result({"case_id": "a", "status": "passed"})
-    store.append_result({"case_id": "b", "status": "failed"})
+    store.append_result(CaseResult(case_id="a", status="passed"))
+    store.append_result(CaseResult(case_id="b", status="failed"))
     assert store.finished_case_ids() == {"a", "b"}
     assert store.finished_case_ids(include_failed=False) == {"a"}
-    store.append_result({"case_id": "b", "status": "passed"})  # a retried case: last row wins
-    assert [r["status"] for r in store.results()] == ["passed", "passed"]
+    store.append_result(CaseResult(case_id="b", status="passed"))  # a retried case: last row wins
+    assert [r.status for r in store.results()] == ["passed", "passed"]
 
 
 def test_lock_is_exclusive(tmp_path):

@@ -8,10 +8,11 @@ import json
 import re
 from pathlib import Path
 
-from orchestrator.html_report import render_html
-from orchestrator.report import render_json, render_markdown
-from orchestrator.store import RunStore
-from orchestrator.summary import fmt_ms, render_summary, summary_rows
+from orchestrator.reports.html import render_html
+from orchestrator.reports.json_report import render_json
+from orchestrator.reports.markdown import render_markdown
+from orchestrator.reports.run import Run
+from orchestrator.reports.summary import fmt_ms, render_summary, summary_rows
 
 _spec = importlib.util.spec_from_file_location(
     "recorded_runs", Path(__file__).parent / "fixtures" / "runs" / "make_fixtures.py"
@@ -33,7 +34,7 @@ def _cells(text: str, case_id: str, column: str) -> list[str]:
 
 
 def test_summary_table_of_a_recorded_run(tmp_path: Path) -> None:
-    text = render_summary(RunStore(_copy(tmp_path)))
+    text = render_summary(Run.load(_copy(tmp_path)))
     lines = text.splitlines()
     assert lines[0].startswith("=") and " Run r " in lines[0] and lines[-1] == "=" * len(lines[0])
     assert re.split(r"\s{2,}", lines[1]) == [
@@ -72,7 +73,7 @@ def test_summary_of_failures_single_repeats_and_older_rows(tmp_path: Path) -> No
         return r
 
     runs.edit_rows(run, edit)
-    text = render_summary(RunStore(run))
+    text = render_summary(Run.load(run))
     assert _cells(text, STAGED, "-") == [STAGED, "-", "-", *["-"] * 6, "0", "FAILED"]
     cells = _cells(text, FUSED, "ctx0")
     assert cells[2] == "73.39" and cells[4] == "1234" and cells[-2:] == ["2", "passed"]
@@ -86,26 +87,26 @@ def test_fmt_ms_keeps_the_digits_that_matter() -> None:
 
 
 def test_reports_carry_latency_percentiles(tmp_path: Path) -> None:
-    store = RunStore(_copy(tmp_path))
-    md = render_markdown(store)
+    run = Run.load(_copy(tmp_path))
+    md = render_markdown(run)
     assert "## Latency per request (ms)" in md
     header = "| Case | Workload | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
     assert header + "| ITL p50 (ms) | ITL p99 (ms) |" in md
     assert f"| {FUSED} | ctx64k | 3900 | 4680 | 13.9 | 14.6 | 13.9 | 22.2 |" in md
-    data = render_json(store)
+    data = render_json(run)
     json.dumps(data, allow_nan=False)
     (case,) = [c for c in data["cases"] if c["case_id"] == FUSED]
     w = case["workloads"]["ctx64k"]
     assert w["latency_ms"]["ttft_ms"] == {"p50": 3900.0, "p99": 4680.0}
     assert w["latency_ms"]["itl_ms"]["p99"] == 22.21
     assert round(w["aggregate_tok_s_sd"], 4) == 0.0283
-    page = render_html(store)
+    page = render_html(run)
     assert "<h2>Latency per request (ms)</h2>" in page
     assert (
         f"<td class=l>{FUSED}</td><td class=l>ctx64k</td><td>3900</td><td>4680</td>"
         "<td>13.9</td><td>14.6</td><td>13.9</td><td>22.2</td>"
     ) in page
-    assert len(summary_rows(store.manifest(), store.results())) == 18
+    assert len(summary_rows(run)) == 18
 
 
 def test_html_latency_table_escapes_names(tmp_path: Path) -> None:
@@ -117,7 +118,7 @@ def test_html_latency_table_escapes_names(tmp_path: Path) -> None:
         c["case_id"] = evil if c["case_id"] == FUSED else c["case_id"]
     (run / "manifest.json").write_text(json.dumps(manifest))
     runs.edit_rows(run, lambda r: {**r, "case_id": evil} if r["case_id"] == FUSED else r)
-    page = render_html(RunStore(run))
+    page = render_html(Run.load(run))
     assert "<b>BF16" not in page
     assert "<td class=l>Luke &lt;b&gt;BF16&lt;/b&gt; &amp; co/tp8-dcp2-mtp0/fused</td>" in page
     assert "<td class=l>ctx64k</td><td>3900</td>" in page

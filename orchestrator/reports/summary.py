@@ -1,8 +1,8 @@
 """Per case and workload: output tok/s over repeats and the latency percentiles of its requests.
 
-One table model, read from a run directory's rows, that every output renders: the closing
-block `orchestrator run` prints (in the manner of `vllm bench serve`'s), and the latency
-sections of report.md, report.json and report.html.
+One table model, built from a run's results, that several outputs render: the closing block
+`orchestrator run` prints (in the manner of `vllm bench serve`'s), and the latency sections of
+report.md, report.json and report.html.
 
 Rows are named by case (variant included) and workload name: a workload's report column may
 stand for another size (the smoke matrix's ctx1k fills the ctx64k column), its name does not.
@@ -12,23 +12,18 @@ stand for another size (the smoke matrix's ctx1k fills the ctx64k column), its n
 - TTFT / TPOT / ITL p50 and p99 (ms): over every successful request of every repeat of the
   workload (orchestrator.workload.latency_metrics computes them when the workload ends). Rows
   recorded before that pooled figure existed fall back to the mean over repeats of each
-  repeat's percentile.
+  repeat's percentile (``WorkloadSummary.latency_ms``).
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 import textwrap
 from dataclasses import dataclass
-from typing import Any
 
-from orchestrator.report import _columns, _ordered_rows
-from orchestrator.store import RunStore
+from orchestrator.reports.run import MISSING, Run
 
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
 QUANTILES = ("p50", "p99")
-MISSING = "-"
 
 
 @dataclass(frozen=True)
@@ -47,50 +42,25 @@ class SummaryRow:
     reason: str | None = None
 
 
-def _num(v: Any) -> float | None:
-    if v is None:
-        return None
-    f = float(v)
-    return None if math.isnan(f) else f
-
-
-def latency_of(w: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """{"ttft_ms": {"p50", "p99"}, ...} of one workload summary of a result row."""
-    pooled = w.get("latency") or {}
-    mean = w.get("mean") or {}
-    out = {}
-    for _, key in LATENCIES:
-        src = pooled.get(key) if isinstance(pooled.get(key), dict) else mean.get(key)
-        src = src if isinstance(src, dict) else {}
-        out[key] = {q: _num(src.get(q)) for q in QUANTILES}
-    return out
-
-
-def throughput_of(w: dict[str, Any]) -> tuple[float | None, float | None, int]:
-    """(mean aggregate tok/s, sample standard deviation over repeats or None, repeats)."""
-    reps = [_num(r.get("aggregate_tok_s")) for r in w.get("repeats", [])]
-    reps = [r for r in reps if r is not None]
-    sd = statistics.stdev(reps) if len(reps) > 1 else None
-    return _num((w.get("mean") or {}).get("aggregate_tok_s")), sd, len(reps)
-
-
-def summary_rows(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[SummaryRow]:
+def summary_rows(run: Run) -> list[SummaryRow]:
     """One row per finished case and workload of the matrix, in matrix order; a case that
     failed before any workload gets one row with the workload shown as '-'."""
     out = []
-    for r in _ordered_rows(manifest, rows):
-        status = "passed" if r.get("status") == "passed" else "FAILED"
+    for r in run.ordered:
         common = {
-            "case_id": r["case_id"],
-            "topology_id": r["topology_id"],
-            "variant": r["variant"],
-            "status": status,
-            "reason": r.get("reason"),
+            "case_id": r.case_id,
+            "topology_id": r.topology_id,
+            "variant": r.variant,
+            "status": "passed" if r.passed else "FAILED",
+            "reason": r.reason,
         }
-        measured = [(n, c) for n, c in _columns(manifest) if n in r.get("workloads", {})]
+        measured = [(n, c) for n, c in run.columns if n in r.workloads]
         for name, column in measured:
-            w = r["workloads"][name]
-            tok, sd, n = throughput_of(w)
+            w = r.workloads[name]
+            tok, sd, n = w.throughput()
+            latency = {
+                key: {q: getattr(w.latency_ms(key), q) for q in QUANTILES} for _, key in LATENCIES
+            }
             out.append(
                 SummaryRow(
                     workload=name,
@@ -98,8 +68,8 @@ def summary_rows(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[S
                     tok_s=tok,
                     tok_s_sd=sd,
                     repeats=n,
-                    latency_ms=latency_of(w),
-                    errors=int(w.get("errors", 0)),
+                    latency_ms=latency,
+                    errors=w.errors,
                     **common,
                 )
             )
@@ -113,7 +83,7 @@ def summary_rows(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> list[S
                     tok_s_sd=None,
                     repeats=0,
                     latency_ms=none,
-                    errors=int(r.get("errors", 0)),
+                    errors=r.errors,
                     **common,
                 )
             )
@@ -142,26 +112,22 @@ def latency_header() -> list[str]:
     return [f"{name} {q}" for name, _ in LATENCIES for q in QUANTILES]
 
 
-def latency_table(
-    manifest: dict[str, Any], rows: list[dict[str, Any]]
-) -> tuple[list[str], list[list[str]]]:
+def latency_table(run: Run) -> tuple[list[str], list[list[str]]]:
     """(header, body) of the reports' latency table: per case and measured workload, the
     TTFT / TPOT / ITL p50 and p99 in ms; plain strings, each report escapes its own way."""
     header = ["Case", "Workload", *(f"{h} (ms)" for h in latency_header())]
     body = [
         [r.case_id, r.workload, *latency_cells(r)]
-        for r in summary_rows(manifest, rows)
+        for r in summary_rows(run)
         if r.workload != MISSING
     ]
     return header, body
 
 
-def render_summary(store: RunStore) -> str:
+def render_summary(run: Run) -> str:
     """The closing block of `orchestrator run`: a fixed-width table, no control codes, so it
     reads the same in a terminal, a CI log and a pasted bug report."""
-    manifest = store.manifest()
-    results = store.results()
-    lines = summary_rows(manifest, results)
+    lines = summary_rows(run)
     header = ["Case", "Workload", "Output tok/s", *latency_header(), "Err", "Status"]
     body = [
         [r.case_id, r.workload, fmt_tok_s(r), *latency_cells(r), str(r.errors), r.status]
@@ -179,10 +145,10 @@ def render_summary(store: RunStore) -> str:
 
     table = [fmt(header), *(fmt(b) for b in body)]
     width = max(len(t) for t in table)
-    title = f" Run {manifest['run_id']} "
-    failed = sum(r.get("status") != "passed" for r in results)
-    finished = len({r["case_id"] for r in results})
-    total = len(manifest.get("cases", []))
+    title = f" Run {run.run_id} "
+    failed = len(run.failed)
+    finished = len(run.results)
+    total = len(run.manifest.cases)
     out = [title.center(width, "="), *table, "-" * width]
     note = (
         f"{finished}/{total} cases finished, {finished - failed} passed, {failed} failed. "

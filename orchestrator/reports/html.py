@@ -23,19 +23,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.compare import finding_location
-from orchestrator.report import (
+from orchestrator.reports.run import (
     LATENCY_NOTE,
-    _columns,
-    _fmt,
-    _ordered_rows,
-    _tok,
-    _variants,
+    PairedDelta,
+    Run,
     audit_sentence,
+    findings,
     paired_deltas,
+    token_checks,
 )
-from orchestrator.store import RunStore, write_text_atomic
-from orchestrator.summary import latency_table
+from orchestrator.reports.run import fmt_tok as _fmt
+from orchestrator.reports.summary import latency_table
+from orchestrator.results import CaseResult, Finding
+from orchestrator.store import write_text_atomic
 
 if TYPE_CHECKING:
     from orchestrator.compare import Comparison
@@ -337,53 +337,50 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]], left: int) -> s
     return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def topology_table_html(manifest: dict[str, Any], rows: list[dict[str, Any]], metric: str) -> str:
+def topology_table_html(run: Run, metric: str) -> str:
     """The seeds' table (Model | TP | DCP | MTP | [Variant] | columns | Errors | Status)."""
-    cols = _columns(manifest)
-    multi = len(_variants(manifest)) > 1
+    cols = run.columns
+    multi = len(run.variants) > 1
     header = ["Model", "TP", "DCP", "MTP"] + (["Variant"] if multi else [])
     header = [_e(h) for h in header] + [_e(c) for _, c in cols] + ["Errors", "Status"]
     body = []
-    for r in _ordered_rows(manifest, rows):
-        line = [_e(r["model"]), _e(r["tp"]), _e(r["dcp"]), _e(r["mtp"])]
+    for r in run.ordered:
+        line = [_e(r.model), _e(r.tp), _e(r.dcp), _e(r.mtp)]
         if multi:
-            line.append(_e(r["variant"]))
-        line += [_e(_fmt(_tok(r, name, metric))) for name, _ in cols]
-        ok = r.get("status") == "passed"
+            line.append(_e(r.variant))
+        line += [_e(_fmt(r.mean_of(name, metric))) for name, _ in cols]
         line += [
-            _e(r.get("errors", 0)),
-            '<span class="pill ok">ok</span>' if ok else '<span class="pill bad">FAILED</span>',
+            _e(r.errors),
+            '<span class="pill ok">ok</span>'
+            if r.passed
+            else '<span class="pill bad">FAILED</span>',
         ]
         body.append(line)
     return _table(header, body, left=1)
 
 
-def _latency_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    header, body = latency_table(manifest, rows)
+def _latency_section(run: Run) -> str:
+    header, body = latency_table(run)
     if not body:
         return ""
     table = _table([_e(h) for h in header], [[_e(c) for c in r] for r in body], left=2)
     return f"<h2>Latency per request (ms)</h2><p>{_e(LATENCY_NOTE)}</p>{table}"
 
 
-def _throughput_charts(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    variants = _variants(manifest)
-    ordered = _ordered_rows(manifest, rows)
+def _throughput_charts(run: Run) -> str:
+    variants = run.variants
+    ordered = run.ordered
     if not ordered:
         return '<p class="muted">No case has finished yet.</p>'
-    topologies: dict[str, dict[str, dict[str, Any]]] = {}
+    topologies: dict[str, dict[str, CaseResult]] = {}
     for r in ordered:
-        topologies.setdefault(r["topology_id"], {})[r["variant"]] = r
+        topologies.setdefault(r.topology_id, {})[r.variant] = r
     out = []
-    for name, column in _columns(manifest):
+    for name, column in run.columns:
         groups = [
             (
                 topo,
-                [
-                    (v, _tok(by_v[v], name), by_v[v].get("status") != "passed")
-                    for v in variants
-                    if v in by_v
-                ],
+                [(v, by_v[v].mean_of(name), not by_v[v].passed) for v in variants if v in by_v],
             )
             for topo, by_v in topologies.items()
         ]
@@ -391,57 +388,53 @@ def _throughput_charts(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> 
     return "".join(out)
 
 
-def _delta_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    deltas = paired_deltas(manifest, rows)
+def _delta_section(run: Run) -> str:
+    deltas = paired_deltas(run)
     if not deltas:
         return ""
-    by_pair: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    by_pair: dict[tuple[str, str], list[PairedDelta]] = {}
     for d in deltas:
-        by_pair.setdefault((d["baseline"], d["candidate"]), []).append(d)
+        by_pair.setdefault((d.baseline, d.candidate), []).append(d)
     out = ["<h2>Paired variants</h2>"]
     for (base, cand), ds in by_pair.items():
-        items = [(f"{d['topology_id']} {d['column']}", d["delta_pct"]) for d in ds]
+        items = [(f"{d.topology_id} {d.column}", d.delta_pct) for d in ds]
         out.append(delta_chart(f"{cand} vs {base}: aggregate tok/s delta", items))
     return "".join(out)
 
 
-def _tokens_section(rows: list[dict[str, Any]]) -> str:
+def _tokens_section(run: Run) -> str:
     """The same_tokens checks (orchestrator/tokens.py), one line each, as report.md has them."""
     items = [
-        f"<li>{_e(r['topology_id'])} {_e(w)}: <b>{_e(c['verdict'])}</b> &mdash; {_e(c['sentence'])}</li>"
-        for r in rows
-        for w, c in (r.get("same_tokens") or {}).items()
+        f"<li>{_e(topo)} {_e(w)}: <b>{_e(verdict)}</b> &mdash; {_e(sentence)}</li>"
+        for topo, w, verdict, sentence in token_checks(run)
     ]
     if not items:
         return ""
     return "<h2>Same tokens (greedy, request by request)</h2><ul>" + "".join(items) + "</ul>"
 
 
-def _run_label(manifest: dict[str, Any]) -> str:
-    created = str(manifest.get("created_at") or "")
-    return created[:16].replace("T", " ") if created else str(manifest.get("run_id"))
+def _run_label(run: Run) -> str:
+    created = str(run.manifest.created_at or "")
+    return created[:16].replace("T", " ") if created else str(run.manifest.run_id)
 
 
-def _trend_section(store: RunStore, history: Sequence[RunStore]) -> str:
+def _trend_section(run: Run, history: Sequence[Run]) -> str:
     # The current run is the last point; it is added if the caller's history left it out.
-    current = store.root.resolve()
-    runs = [h for h in history if h.root.resolve() != current] + [store]
-    loaded = [(h.manifest(), h.results()) for h in runs]
-    loaded.sort(key=lambda mr: str(mr[0].get("created_at") or ""))
-    loaded = loaded[-MAX_TREND_RUNS:]
-    if len(loaded) < 2:
+    current = run.root.resolve()
+    runs = [h for h in history if h.root.resolve() != current] + [run]
+    runs.sort(key=lambda h: str(h.manifest.created_at or ""))
+    runs = runs[-MAX_TREND_RUNS:]
+    if len(runs) < 2:
         return ""
-    manifest = store.manifest()
-    xlabels = [(_run_label(m), str(m.get("run_id"))) for m, _ in loaded]
-    case_ids = [c["case_id"] for c in manifest["cases"]]
-    by_run = [{r["case_id"]: r for r in rs} for _, rs in loaded]
-    out = [f"<h2>Trend over {len(loaded)} runs</h2>"]
+    xlabels = [(_run_label(h), str(h.manifest.run_id)) for h in runs]
+    by_run = [{r.case_id: r for r in h.results} for h in runs]
+    out = [f"<h2>Trend over {len(runs)} runs</h2>"]
     # Relative to each case's first run in the window: absolute tok/s of 60-125 on one axis
     # flatten a 5% regression into a pixel; as % change every case's drift reads the same.
-    for name, column in _columns(manifest):
+    for name, column in run.columns:
         series, tips = [], []
-        for cid in case_ids:
-            absolute = [_tok(rows[cid], name) if cid in rows else None for rows in by_run]
+        for cid in run.manifest.case_ids:
+            absolute = [rows[cid].mean_of(name) if cid in rows else None for rows in by_run]
             first = next((i for i, v in enumerate(absolute) if v), None)
             if first is None:
                 continue
@@ -499,74 +492,65 @@ def _comparison_section(comparison: Comparison) -> str:
     return "".join(out)
 
 
-def _finding_html(case_id: str, f: dict[str, Any]) -> str:
-    sev = str(f.get("severity", ""))
-    where = finding_location(f)
-    lines = [_e(x) for x in f.get("context_before") or []]
-    lines.append(f"<mark>{_e(f.get('text', ''))}</mark>")
-    lines += [_e(x) for x in f.get("context_after") or []]
+def _finding_html(case_id: str, f: Finding) -> str:
+    sev = str(f.severity or "")
+    lines = [_e(x) for x in f.context_before]
+    lines.append(f"<mark>{_e(f.text)}</mark>")
+    lines += [_e(x) for x in f.context_after]
     notes = "".join(
-        f'<div class="muted">{label}: {_e(f[key])}</div>'
-        for key, label in (("meaning", "Meaning"), ("action", "Action"))
-        if f.get(key)
+        f'<div class="muted">{label}: {_e(value)}</div>'
+        for value, label in ((f.meaning, "Meaning"), (f.action, "Action"))
+        if value
     )
     return (
         f'<div class="finding"><div><span class="pill sev-{_e(sev)}">{_e(sev)}</span> '
-        f"<b>{_e(case_id)}</b> <code>{_e(f.get('signature'))}</code> "
-        f"({_e(f.get('category', ''))})</div>"
-        f'<div class="where">{_e(where)}</div>'
+        f"<b>{_e(case_id)}</b> <code>{_e(f.signature)}</code> "
+        f"({_e(f.category)})</div>"
+        f'<div class="where">{_e(f.location())}</div>'
         f'<pre class="excerpt">{chr(10).join(lines)}</pre>{notes}</div>'
     )
 
 
-def _audit_section(manifest: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    out = ["<h2>Log audit</h2>", f"<p>{_e(audit_sentence(rows))}</p>"]
-    findings = [
-        (r["case_id"], f)
-        for r in _ordered_rows(manifest, rows)
-        for f in (r.get("audit") or {}).get("findings", [])
-    ]
-    out += [_finding_html(cid, f) for cid, f in findings[:MAX_FINDINGS]]
-    if len(findings) > MAX_FINDINGS:
+def _audit_section(run: Run) -> str:
+    out = ["<h2>Log audit</h2>", f"<p>{_e(audit_sentence(run.results))}</p>"]
+    listed = findings(run)
+    out += [_finding_html(cid, f) for cid, f in listed[:MAX_FINDINGS]]
+    if len(listed) > MAX_FINDINGS:
         out.append(
-            f'<p class="muted">{len(findings) - MAX_FINDINGS} more findings are in each '
+            f'<p class="muted">{len(listed) - MAX_FINDINGS} more findings are in each '
             "case's audit.json.</p>"
         )
     return "".join(out)
 
 
 def render_html(
-    store: RunStore,
-    history: Sequence[RunStore] | None = None,
+    run: Run,
+    history: Sequence[Run] | None = None,
     comparison: Comparison | None = None,
 ) -> str:
     """The whole page as a string; `history` adds the trend, `comparison` its verdict."""
-    manifest = store.manifest()
-    rows = store.results()
-    ordered = _ordered_rows(manifest, rows)
-    failed = [r for r in ordered if r.get("status") != "passed"]
-    versions = manifest.get("versions") or {}
-    commit = (manifest.get("git") or {}).get("commit")
-    matrix = manifest.get("matrix") or {}
+    m = run.manifest
+    ordered = run.ordered
+    failed = [r for r in ordered if not r.passed]
     status = (
         '<span class="pill bad">FAILED</span>'
         if failed
         else '<span class="pill warn">incomplete</span>'
-        if len(ordered) < len(manifest["cases"])
+        if len(ordered) < len(m.cases)
         else '<span class="pill ok">all passed</span>'
     )
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>Run {_e(manifest['run_id'])}</title><style>{_CSS}</style></head><body>",
-        f"<h1>Run {_e(manifest['run_id'])} {status}</h1>",
-        f"<p>Matrix <code>{_e(manifest.get('matrix_path', ''))}</code> "
-        f"({_e(matrix.get('name', ''))}), created {_e(manifest.get('created_at', '-'))}; "
-        f"{len(ordered)}/{len(manifest['cases'])} cases finished, {len(failed)} failed. "
-        f"vLLM {_e(versions.get('vllm'))}, fusedq {_e(versions.get('fusedq'))}, "
-        f"torch {_e(versions.get('torch'))}, Ray {_e(versions.get('ray'))}, "
-        f"commit <code>{_e(commit)}</code>.</p>",
+        f"<title>Run {_e(run.run_id)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>Run {_e(run.run_id)} {status}</h1>",
+        f"<p>Matrix <code>{_e(m.matrix_path or '')}</code> "
+        f"({_e(m.matrix.get('name', ''))}), created {_e(m.created_at or '-')}; "
+        f"{len(ordered)}/{len(m.cases)} cases finished, {len(failed)} failed. "
+        f"vLLM {_e(m.version('vllm'))}, fusedq {_e(m.version('fusedq'))}, "
+        f"torch {_e(m.version('torch'))}, Ray {_e(m.version('ray'))}, "
+        f"commit <code>{_e(m.commit)}</code>.</p>",
     ]
     if comparison is not None:
         parts.append(_comparison_section(comparison))
@@ -574,34 +558,34 @@ def render_html(
         "<h2>Aggregate output tok/s</h2>",
         "<p>Mean over repeats of aggregate output tok/s; every long-context case includes the "
         "prefill-to-decode transition. Servers were measured one at a time.</p>",
-        topology_table_html(manifest, rows, "aggregate_tok_s"),
-        _throughput_charts(manifest, rows),
+        topology_table_html(run, "aggregate_tok_s"),
+        _throughput_charts(run),
         "<h2>Active per-user output tok/s (time to first token excluded)</h2>",
-        topology_table_html(manifest, rows, "per_user_tok_s"),
-        _latency_section(manifest, rows),
-        _delta_section(manifest, rows),
-        _tokens_section(rows),
-        _trend_section(store, history or []),
+        topology_table_html(run, "per_user_tok_s"),
+        _latency_section(run),
+        _delta_section(run),
+        _tokens_section(run),
+        _trend_section(run, history or []),
     ]
     if failed:
         # A reason is its root cause, what happened and the log's last lines: preformatted,
         # or the lines run together into one paragraph.
         parts.append("<h2>Failed cases</h2><ul>")
         parts += [
-            f'<li><b>{_e(r["case_id"])}</b><pre class="excerpt reason">{_e(r.get("reason"))}</pre></li>'
+            f'<li><b>{_e(r.case_id)}</b><pre class="excerpt reason">{_e(r.reason)}</pre></li>'
             for r in failed
         ]
         parts.append("</ul>")
-    parts += [_audit_section(manifest, rows), "</body></html>"]
+    parts += [_audit_section(run), "</body></html>"]
     return "\n".join(p for p in parts if p) + "\n"
 
 
 def write_html(
-    store: RunStore,
-    history: Sequence[RunStore] | None = None,
+    run: Run,
+    history: Sequence[Run] | None = None,
     comparison: Comparison | None = None,
 ) -> Path:
     """(Re)write report.html in the run directory and return its path."""
-    path = store.root / HTML_NAME
-    write_text_atomic(path, render_html(store, history, comparison))
+    path = run.root / HTML_NAME
+    write_text_atomic(path, render_html(run, history, comparison))
     return path

@@ -19,8 +19,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.compare import FATAL_SEVERITIES, finding_location
-from orchestrator.store import RunStore, write_text_atomic
+from orchestrator.reports.run import Run
+from orchestrator.results import CaseResult, Finding
+from orchestrator.store import write_text_atomic
 
 if TYPE_CHECKING:
     from orchestrator.compare import Comparison
@@ -37,66 +38,52 @@ def xml_text(value: Any) -> str:
     return _XML_FORBIDDEN_RE.sub("", str(value))
 
 
-def _fatal_findings(row: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        f
-        for f in (row.get("audit") or {}).get("findings", [])
-        if f.get("severity") in FATAL_SEVERITIES
-    ]
+def _finding_line(f: Finding) -> str:
+    return f"{f.severity} finding {f.signature} at {f.location()}: {f.text}"
 
 
-def _finding_line(f: dict[str, Any]) -> str:
-    where = finding_location(f)
-    return f"{f.get('severity')} finding {f.get('signature')} at {where}: {f.get('text', '')}"
-
-
-def _case_failures(row: dict[str, Any], comparison: Comparison | None) -> list[tuple[str, str]]:
+def _case_failures(row: CaseResult, comparison: Comparison | None) -> list[tuple[str, str]]:
     """(type, message) of every reason this case is red, the run's own verdict first."""
     out: list[tuple[str, str]] = []
-    if row.get("status") != "passed":
-        out.append(("failed", f"case failed: {row.get('reason') or 'no reason recorded'}"))
-    out += [("fatal-finding", _finding_line(f)) for f in _fatal_findings(row)]
+    if not row.passed:
+        out.append(("failed", f"case failed: {row.reason or 'no reason recorded'}"))
+    out += [("fatal-finding", _finding_line(f)) for f in row.audit.case_breaking]
     if comparison is not None:
         out += [
-            ("regression", r.message) for r in comparison.regressions if r.case_id == row["case_id"]
+            ("regression", r.message) for r in comparison.regressions if r.case_id == row.case_id
         ]
     return out
 
 
-def _system_out(row: dict[str, Any]) -> str:
+def _system_out(row: CaseResult) -> str:
     # Throughput in the test's output: dashboards show it next to the case, no other file needed.
-    lines = []
-    for name, w in (row.get("workloads") or {}).items():
-        mean = w.get("mean", {})
-        lines.append(
-            f"{name}: aggregate {mean.get('aggregate_tok_s')} tok/s, "
-            f"active per-user {mean.get('per_user_tok_s')} tok/s, errors {w.get('errors', 0)}"
-        )
-    return "\n".join(lines)
+    return "\n".join(
+        f"{name}: aggregate {w.mean.aggregate_tok_s} tok/s, "
+        f"active per-user {w.mean.per_user_tok_s} tok/s, errors {w.errors}"
+        for name, w in row.workloads.items()
+    )
 
 
-def render_junit(store: RunStore, comparison: Comparison | None = None) -> str:
+def render_junit(run: Run, comparison: Comparison | None = None) -> str:
     """The run (and, given one, its comparison's regressions) as a JUnit XML document."""
-    manifest = store.manifest()
-    rows = {r["case_id"]: r for r in store.results() if "case_id" in r}
-    run_id = xml_text(manifest.get("run_id", store.run_id))
-    suite = ET.Element("testsuite", name=run_id)
-    if manifest.get("created_at"):
-        suite.set("timestamp", xml_text(manifest["created_at"]))
+    m = run.manifest
+    rows = {r.case_id: r for r in run.results}
+    suite = ET.Element("testsuite", name=xml_text(run.run_id))
+    if m.created_at:
+        suite.set("timestamp", xml_text(m.created_at))
     props = ET.SubElement(suite, "properties")
-    versions = manifest.get("versions") or {}
     for key, value in (
-        ("matrix", (manifest.get("matrix") or {}).get("name")),
-        ("matrix_path", manifest.get("matrix_path")),
-        ("commit", (manifest.get("git") or {}).get("commit")),
-        *((f"version.{k}", v) for k, v in versions.items()),
+        ("matrix", m.matrix_name),
+        ("matrix_path", m.matrix_path),
+        ("commit", m.commit),
+        *((f"version.{k}", v) for k, v in (m.versions or {}).items()),
         ("compared_with", comparison.base_run if comparison else None),
     ):
         if value is not None:
             ET.SubElement(props, "property", name=xml_text(key), value=xml_text(value))
     tests = failures = skipped = 0
     total_time = 0.0
-    for case in manifest.get("cases", []):
+    for case in m.cases:
         case_id = case["case_id"]
         tests += 1
         tc = ET.SubElement(
@@ -110,7 +97,7 @@ def render_junit(store: RunStore, comparison: Comparison | None = None) -> str:
             skipped += 1
             ET.SubElement(tc, "skipped", message="not run (run interrupted or case not selected)")
             continue
-        seconds = float((row.get("timings") or {}).get("total_s", 0.0))
+        seconds = row.timings.get("total_s", 0.0)
         total_time += seconds
         tc.set("time", f"{seconds:.3f}")
         causes = _case_failures(row, comparison)
@@ -124,7 +111,7 @@ def render_junit(store: RunStore, comparison: Comparison | None = None) -> str:
                 type=xml_text(",".join(dict.fromkeys(t for t, _ in causes))),
                 message=xml_text(first[:MAX_MESSAGE_CHARS]),
             )
-            failure.text = xml_text("\n".join(m for _, m in causes))
+            failure.text = xml_text("\n".join(message for _, message in causes))
         out = _system_out(row)
         if out:
             ET.SubElement(tc, "system-out").text = xml_text(out)
@@ -140,8 +127,8 @@ def render_junit(store: RunStore, comparison: Comparison | None = None) -> str:
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def write_junit(store: RunStore, comparison: Comparison | None = None) -> Path:
+def write_junit(run: Run, comparison: Comparison | None = None) -> Path:
     """(Re)write junit.xml in the run directory and return its path."""
-    path = store.root / JUNIT_NAME
-    write_text_atomic(path, render_junit(store, comparison))
+    path = run.root / JUNIT_NAME
+    write_text_atomic(path, render_junit(run, comparison))
     return path

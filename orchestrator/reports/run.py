@@ -1,0 +1,199 @@
+"""One run directory as every report reads it, and the tables the reports share.
+
+``Run.load`` reads the manifest, the results (``CaseResult`` rows) and the saved overhead
+figures once; each renderer (Markdown, JSON, HTML, JUnit, the closing table) formats what it
+is handed here. A figure is derived in one place (a paired delta, the run's audit sentence,
+a latency row) and every report shows the same one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.results import CaseResult, RunManifest
+from orchestrator.store import RunStore
+
+MISSING = "-"
+OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (see reports.write_reports)
+
+
+def fmt_tok(v: float | None) -> str:
+    """A throughput figure as the tables show it: two decimals, or '-'."""
+    return MISSING if v is None else f"{v:.2f}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+@dataclass
+class Overhead:
+    """Overhead figures per attempt: the original run's (None when it was killed before its
+    end) and each resume's, kept apart so a resume never stands in for the run."""
+
+    run: dict[str, Any] | None = None
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, saved: Any) -> Overhead:
+        """From overhead.json; a bare figures dict (what runs before resumes were kept apart
+        wrote) is the run's."""
+        if not saved:
+            return cls()
+        if "wall_s" in saved:
+            return cls(dict(saved))
+        return cls(saved.get("run"), list(saved.get("resumes", [])))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "resumes": self.resumes}
+
+
+@dataclass
+class Run:
+    """A run directory, read: manifest, latest result per case, overhead figures."""
+
+    store: RunStore
+    manifest: RunManifest
+    # The latest row of each case, in the order rows were last written.
+    results: list[CaseResult]
+    overhead: Overhead = field(default_factory=Overhead)
+
+    @classmethod
+    def load(cls, where: RunStore | str | Path) -> Run:
+        store = where if isinstance(where, RunStore) else RunStore(Path(where))
+        saved = store.root / OVERHEAD
+        overhead = Overhead.of(json.loads(saved.read_text()) if saved.exists() else None)
+        manifest = RunManifest.model_validate(store.manifest())
+        return cls(store, manifest, store.results(), overhead)
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.run_id or self.store.run_id
+
+    @property
+    def ordered(self) -> list[CaseResult]:
+        """Results of the manifest's cases, in matrix order (rows of other cases left out)."""
+        by_id = {r.case_id: r for r in self.results}
+        return [by_id[c] for c in self.manifest.case_ids if c in by_id]
+
+    @property
+    def failed(self) -> list[CaseResult]:
+        return [r for r in self.results if not r.passed]
+
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        return self.manifest.columns()
+
+    @property
+    def variants(self) -> list[str]:
+        return self.manifest.variants()
+
+
+# --------------------------------------------------------------------------- shared tables
+
+
+@dataclass(frozen=True)
+class PairedDelta:
+    """One topology's column: the first variant as baseline against another variant."""
+
+    topology_id: str
+    column: str
+    baseline: str
+    candidate: str
+    baseline_tok_s: float | None
+    candidate_tok_s: float | None
+    delta_pct: float | None
+
+
+def paired_deltas(run: Run) -> list[PairedDelta]:
+    """Per topology and column: the first variant as baseline against each other variant."""
+    variants = run.variants
+    if len(variants) < 2:
+        return []
+    base = variants[0]
+    by_topo: OrderedDict[str, dict[str, CaseResult]] = OrderedDict()
+    for r in run.ordered:
+        by_topo.setdefault(r.topology_id, {})[r.variant] = r
+    out = []
+    for topo, vs in by_topo.items():
+        for cand in variants[1:]:
+            if base not in vs or cand not in vs:
+                continue
+            for name, col in run.columns:
+                b, c = vs[base].mean_of(name), vs[cand].mean_of(name)
+                delta = None if b in (None, 0.0) or c is None else 100.0 * (c - b) / b
+                out.append(PairedDelta(topo, col, base, cand, b, c, delta))
+    return out
+
+
+def token_checks(run: Run) -> list[tuple[str, str, str, str]]:
+    """(topology, workload, verdict, sentence) of every same_tokens check, in case order."""
+    return [
+        (r.topology_id, workload, c.verdict, c.sentence)
+        for r in run.ordered
+        for workload, c in r.same_tokens.items()
+    ]
+
+
+def audit_sentence(results: list[CaseResult]) -> str:
+    """One run-level sentence built from what the per-case audits actually searched."""
+    audits = [(r.case_id, r.audit) for r in results if r.audit.searched is not None]
+    if not audits:
+        return "No case was audited."
+    files = sum(len(a.searched.files) for _, a in audits if a.searched)
+    lines = sum(a.searched.lines for _, a in audits if a.searched)
+    first = audits[0][1].searched
+    cats = list(first.categories) if first else []
+    head = (
+        f"The final log audit of {plural(files, 'log')} ({plural(lines, 'line')}) "
+        f"across {plural(len(audits), 'case')}"
+    )
+    bad = [cid for cid, a in audits if not a.clean]
+    if bad:
+        out = f"{head} found problems in {plural(len(bad), 'case')}: {', '.join(bad)}."
+    else:
+        listed = ", ".join(cats[:-1]) + (f", or {cats[-1]}" if len(cats) > 1 else "".join(cats))
+        out = f"{head} found no {listed} failure."
+    unaudited = [(cid, a) for cid, a in audits if a.searched and not a.searched.kernel_log.audited]
+    if unaudited:
+        searched = unaudited[0][1].searched
+        reason = searched.kernel_log.reason if searched else None
+        which = "any case" if len(unaudited) == len(audits) else ", ".join(c for c, _ in unaudited)
+        out += f" The kernel log was not audited for {which} ({reason})."
+    expectations: dict[str, list[bool]] = {}
+    for _, a in audits:
+        for er in a.searched.expectations if a.searched else []:
+            expectations.setdefault(er.description, []).append(er.met)
+    for desc, met in expectations.items():
+        out += f" All workers logged {desc}." if all(met) else f" Not every worker logged {desc}."
+    return out
+
+
+def findings(run: Run) -> list[tuple[str, Any]]:
+    """(case id, finding) of every case's audit, in matrix order."""
+    return [(r.case_id, f) for r in run.ordered for f in r.audit.findings]
+
+
+def repeats(run: Run) -> list[tuple[str, str, list[Any]]]:
+    """(case id, workload, repeats) of every workload measured more than once."""
+    return [
+        (r.case_id, name, w.repeats)
+        for r in run.ordered
+        for name, w in r.workloads.items()
+        if len(w.repeats) > 1
+    ]
+
+
+LATENCY_NOTE = (
+    "Time to first token, time per output token after the first, and the gap between "
+    "streamed chunks (one value per gap; with MTP a chunk may carry several tokens), over "
+    "every successful request of the workload's repeats."
+)

@@ -1,0 +1,437 @@
+"""The result of a case, as results.jsonl stores it and every reader reads it back.
+
+One ``CaseResult`` per line of ``results.jsonl``: the case (its topology, variant, argv and
+env), where and how its server ran, each workload's figures (``WorkloadSummary``: every
+repeat, their mean, and the latency distributions pooled over the workload's requests), the
+same-token checks, the audit (``AuditSummary`` with its ``Finding`` list) and the timings.
+The runner writes it; resume, the reports (Markdown, JSON, HTML, JUnit, the closing table),
+compare and nightly read it, and none of them digs in raw dicts for a field.
+
+Reading is lenient on purpose. Rows were written by every earlier version of this tool (the
+committed validation runs, the test fixtures) and by hand (tests): a field missing from an
+old row takes its default, and a field this version does not know is kept and written back
+as it was (``extra="allow"``), never an error. What a row holds that is of the wrong type is
+an error naming the row's line and the field (``orchestrator.store`` raises it).
+
+``schema_version``: 1 for rows written since the models exist; rows without it are the
+earlier, compatible shape.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from orchestrator.severity import Severity
+
+SCHEMA_VERSION = 1
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AuditSummary",
+    "CaseResult",
+    "Distribution",
+    "Finding",
+    "RunManifest",
+    "Severity",
+    "WorkloadSummary",
+]
+
+
+class _Record(BaseModel):
+    # Lenient on purpose (see the module docstring): unknown fields are kept, not refused.
+    model_config = ConfigDict(extra="allow")
+    # The order the fields came in: a record is written back (results.jsonl, report.json)
+    # with its keys in that order, so a row read from an older file reads as it did.
+    _keys: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_key_order(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        record = handler(data)
+        if isinstance(data, dict):
+            record._keys = tuple(data)
+        return record
+
+    @model_serializer(mode="wrap")
+    def _in_key_order(self, handler: SerializerFunctionWrapHandler) -> Any:
+        out = handler(self)
+        if not self._keys or not isinstance(out, dict):
+            return out
+        first = {k: out[k] for k in self._keys if k in out}
+        return {**first, **{k: v for k, v in out.items() if k not in first}}
+
+
+def _none_is_default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+class Distribution(_Record):
+    """A latency distribution in ms: percentiles and mean (None where no request measured)."""
+
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _nan_is_none(cls, v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+
+LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms")
+
+
+class Figures(_Record):
+    """The figures of one repeat of a workload, or their field-wise mean over repeats.
+
+    aggregate tok/s: output tokens of the successful requests / wall time; per-user tok/s:
+    tokens after each request's first chunk / the time after it (orchestrator.workload).
+    """
+
+    requests: float | None = None
+    errors: float | None = None
+    output_tokens: float | None = None
+    prompt_tokens: float | None = None
+    wall_s: float | None = None
+    aggregate_tok_s: float | None = None
+    per_user_tok_s: float | None = None
+    ttft_ms: Distribution | None = None
+    tpot_ms: Distribution | None = None
+    itl_ms: Distribution | None = None
+
+
+class Repeat(Figures):
+    """One measured repeat (``repeat`` counts from 1); its counts are whole numbers."""
+
+    repeat: int | None = None
+    requests: int | None = None
+    errors: int | None = None
+    output_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+
+class Latency(_Record):
+    """The latency distributions pooled over every successful request of a workload."""
+
+    ttft_ms: Distribution | None = None
+    tpot_ms: Distribution | None = None
+    itl_ms: Distribution | None = None
+
+
+class WorkloadSummary(_Record):
+    """One workload measured on one case's server: each repeat, their mean, the pooled
+    latency distributions, request and error counts."""
+
+    name: str | None = None
+    params: dict[str, Any] | None = None
+    repeats: list[Repeat] = Field(default_factory=list)
+    mean: Figures = Field(default_factory=Figures)
+    latency: Latency | None = None
+    requests: int | None = None
+    errors: int = 0
+    error_samples: list[str] = Field(default_factory=list)
+
+    @field_validator("mean", mode="before")
+    @classmethod
+    def _mean(cls, v: Any) -> Any:
+        return _none_is_default(v, {})
+
+    @field_validator("errors", mode="before")
+    @classmethod
+    def _errors(cls, v: Any) -> Any:
+        return _none_is_default(v, 0)
+
+    def mean_of(self, metric: str) -> float | None:
+        """The mean over repeats of `metric` (``aggregate_tok_s``, ``per_user_tok_s``)."""
+        value = getattr(self.mean, metric, None)
+        return None if value is None else float(value)
+
+    def repeat_values(self, metric: str = "aggregate_tok_s") -> list[float]:
+        """`metric` of each repeat that recorded it, in repeat order."""
+        values = (getattr(r, metric, None) for r in self.repeats)
+        return [float(v) for v in values if v is not None and not math.isnan(v)]
+
+    def throughput(self) -> tuple[float | None, float | None, int]:
+        """(mean aggregate tok/s, sample standard deviation over repeats or None, repeats)."""
+        reps = self.repeat_values()
+        sd = statistics.stdev(reps) if len(reps) > 1 else None
+        return self.mean_of("aggregate_tok_s"), sd, len(reps)
+
+    def latency_ms(self, key: str) -> Distribution:
+        """The pooled distribution of `key` (``ttft_ms``, ``tpot_ms``, ``itl_ms``); rows
+        recorded before pooled figures existed fall back to the mean of each repeat's."""
+        pooled = getattr(self.latency, key, None) if self.latency is not None else None
+        found = pooled if pooled is not None else getattr(self.mean, key, None)
+        return found if found is not None else Distribution()
+
+
+# --------------------------------------------------------------------------- audit
+
+
+class Finding(_Record):
+    """One fault the audit saw in one place (orchestrator.audit writes them)."""
+
+    file: str = ""
+    line: int | None = None
+    rank: str | None = None
+    signature: str | None = None
+    severity: Severity | None = None
+    category: str = ""
+    text: str = ""
+    meaning: str = ""
+    action: str = ""
+    context_before: list[str] = Field(default_factory=list)
+    context_after: list[str] = Field(default_factory=list)
+    fields: dict[str, Any] = Field(default_factory=dict)
+    root_cause: bool = False
+
+    @property
+    def breaks_case(self) -> bool:
+        """Fatal or worse (orchestrator.severity): such a finding fails its case."""
+        return self.severity is not None and self.severity.breaks_case
+
+    def location(self, *, basename: bool = False) -> str:
+        """``file:line [rank]`` as the audit recorded it (`basename`: the file's name only)."""
+        where = self.file.split("/")[-1] if basename else self.file
+        if self.line is not None:
+            where += f":{self.line}"
+        return f"{where} [{self.rank}]" if self.rank else where
+
+
+class Verdict(_Record):
+    status: str | None = None  # "clean" or "findings"
+    worst_severity: Severity | None = None
+    counts: dict[str, int] = Field(default_factory=dict)
+    caveats: list[str] = Field(default_factory=list)
+    text: str | None = None
+
+
+class FileSearched(_Record):
+    path: str = ""
+    lines: int = 0
+    bytes: int | None = None
+    compressed: bool = False
+    suppressed: dict[str, int] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class SourceSearched(_Record):
+    """An out-of-file source (the kernel log, GPU state): audited or why not."""
+
+    audited: bool = False
+    source: str | None = None
+    reason: str | None = None
+    lines: int = 0
+
+
+class ExpectationMet(_Record):
+    description: str = ""
+    pattern: str | None = None
+    expected: list[str] = Field(default_factory=list)
+    seen: list[str] = Field(default_factory=list)
+    missing: list[str] = Field(default_factory=list)
+    occurrences: int = 0
+
+    @property
+    def met(self) -> bool:
+        return not self.missing and self.occurrences > 0
+
+
+class Searched(_Record):
+    """What a case's audit looked at: the basis of every audit sentence."""
+
+    files: list[FileSearched] = Field(default_factory=list)
+    categories: list[str] = Field(default_factory=list)
+    catalogue_version: int | None = None
+    prefilter: str | None = None
+    kernel_log: SourceSearched = Field(default_factory=SourceSearched)
+    gpu_state: SourceSearched = Field(default_factory=SourceSearched)
+    expectations: list[ExpectationMet] = Field(default_factory=list)
+    lines: int = 0
+
+
+class AuditSummary(_Record):
+    """A case's audit (orchestrator.audit's AuditResult.to_dict, as audit.json holds it)."""
+
+    verdict: Verdict = Field(default_factory=Verdict)
+    summary: str | None = None
+    findings: list[Finding] = Field(default_factory=list)
+    discounted: list[Finding] = Field(default_factory=list)
+    # None: the case was not audited (no audit record, or an empty one).
+    searched: Searched | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_parts(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            if not data.get("searched"):
+                data["searched"] = None
+            if data.get("verdict") is None:
+                data.pop("verdict", None)
+        return data
+
+    @property
+    def clean(self) -> bool:
+        return self.verdict.status == "clean"
+
+    @property
+    def case_breaking(self) -> list[Finding]:
+        """Findings of fatal or worse severity: each one fails the case."""
+        return [f for f in self.findings if f.breaks_case]
+
+
+# --------------------------------------------------------------------------- the case
+
+
+class TokenCheck(_Record):
+    """A same_tokens check of one workload against the first variant's (orchestrator.tokens):
+    its verdict and sentence, the reference case, and (when both ran) counts and the first
+    divergences."""
+
+    verdict: str = ""
+    sentence: str = ""
+    reference: str | None = None
+    requests: int | None = None
+    identical: int | None = None
+    ties: int | None = None
+    differs: int | None = None
+    divergences: list[dict[str, Any]] | None = None
+    tolerance_nats: float | None = None
+
+
+class ServerInfo(_Record):
+    """Where and how a case's server ran (node facts from its Ray actor, argv, port, exit)."""
+
+    hostname: str | None = None
+    node_ip: str | None = None
+    node_id: str | None = None
+    port: int | None = None
+    argv: list[str] | None = None
+    exit_code: int | None = None
+    died_noticed_at: float | None = None
+    port_clashes: list[int] | None = None
+
+
+class Warmup(_Record):
+    requests: int = 0
+    errors: int = 0
+
+
+class CaseResult(_Record):
+    """One finished case: one line of results.jsonl."""
+
+    schema_version: int | None = None
+    case_id: str
+    topology_id: str = ""
+    model: str = ""
+    model_path: str | None = None
+    weight_format: str | None = None
+    tp: int = 0
+    dcp: int = 0
+    mtp: int = 0
+    variant: str = ""
+    heads_per_rank: int | None = None
+    fusedq_qualified_heads: bool | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    started_at: str | None = None
+    server: ServerInfo = Field(default_factory=ServerInfo)
+    warmup: Warmup | None = None
+    same_tokens: dict[str, TokenCheck] = Field(default_factory=dict)
+    status: str | None = None  # "passed" or "failed"; anything else reads as failed
+    reason: str | None = None
+    ended_at: str | None = None
+    workloads: dict[str, WorkloadSummary] = Field(default_factory=dict)
+    errors: int = 0
+    audit: AuditSummary = Field(default_factory=AuditSummary)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("audit", "server", "same_tokens", "workloads", "timings", mode="before")
+    @classmethod
+    def _null_is_empty(cls, v: Any) -> Any:
+        return _none_is_default(v, {})
+
+    @field_validator("errors", mode="before")
+    @classmethod
+    def _errors(cls, v: Any) -> Any:
+        return _none_is_default(v, 0)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def mean_of(self, workload: str, metric: str = "aggregate_tok_s") -> float | None:
+        """The mean over repeats of `metric` in `workload`, None where not measured."""
+        w = self.workloads.get(workload)
+        return None if w is None else w.mean_of(metric)
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON-ready row: the fields that were set and the unknown ones kept (a row read
+        back from an older file is written with what it held, nothing added)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class RunManifest(_Record):
+    """manifest.json as its readers need it: the run, its matrix (as expanded, a JSON dump of
+    orchestrator.matrix.Matrix), its cases in run order, versions and commit. The rest (the
+    cluster, the driver, resumes) is kept as it was written."""
+
+    run_id: str | None = None
+    created_at: str | None = None
+    matrix_path: str | None = None
+    matrix: dict[str, Any] = Field(default_factory=dict)
+    cases: list[dict[str, Any]] = Field(default_factory=list)
+    versions: dict[str, Any] | None = None
+    git: dict[str, Any] | None = None
+    fusedq_fingerprint: str | None = None
+
+    @property
+    def matrix_name(self) -> str | None:
+        return self.matrix.get("name")
+
+    @property
+    def commit(self) -> str | None:
+        return (self.git or {}).get("commit")
+
+    def version(self, name: str) -> Any:
+        return (self.versions or {}).get(name)
+
+    @property
+    def case_ids(self) -> list[str]:
+        return [c["case_id"] for c in self.cases]
+
+    def columns(self) -> list[tuple[str, str]]:
+        """(workload name, report column) in matrix order (``ctx1k`` may fill ``ctx64k``)."""
+        return [(w["name"], w.get("column") or w["name"]) for w in self.matrix.get("workloads", [])]
+
+    def variants(self) -> list[str]:
+        """Variant names in matrix order (``default`` for a matrix without variants)."""
+        return [v["name"] for v in self.matrix.get("variants") or []] or ["default"]
+
+    def concurrency(self, workload: str) -> int:
+        for w in self.matrix.get("workloads", []):
+            if w.get("name") == workload:
+                return max(1, int(w.get("concurrency") or 1))
+        return 1
