@@ -35,6 +35,7 @@ import yaml
 
 from orchestrator.fusedq_limits import limits
 from orchestrator.gpucheck_worker import MARKER
+from orchestrator.reports.markdown import md_table
 
 DEFAULT_TPS = (1, 2, 4, 8)
 MODEL_HEADS = 64  # GLM-5 / DeepSeek-V3: the head count the per-rank shapes derive from
@@ -367,22 +368,14 @@ def _ratio(s: dict[str, Any], fmt: str) -> str:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    lines = [
-        "# gpu-check",
-        "",
-        f"Started {result['started_at']}, commit {result.get('commit') or '?'}, "
-        f"fusedq {result.get('fusedq_fingerprint') or '?'}, wall {result.get('wall_s', 0)} s. "
-        f"**{'PASSED' if result.get('ok') else 'FAILED'}**.",
-        "",
-        "| TP | Bundle | Node | CUDA_VISIBLE_DEVICES | PCI bus ids | GPU tests | DCP gather "
-        "| BF16 fused/staged | MXFP8 fused/staged | Status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    header = ["TP", "Bundle", "Node", "CUDA_VISIBLE_DEVICES", "PCI bus ids", "GPU tests"]
+    header += ["DCP gather", "BF16 fused/staged", "MXFP8 fused/staged", "Status"]
+    body: list[list[object]] = []
     notes = []
     for rnd in result["rounds"]:
         if "skipped" in rnd or "error" in rnd:
             why = rnd.get("skipped") or rnd.get("error")
-            lines.append(f"| {rnd['tp']} | - | - | - | - | - | - | - | - | skipped: {why} |")
+            body.append([rnd["tp"], *["-"] * 8, f"skipped: {why}"])
             continue
         if rnd.get("bench_note"):
             notes.append(f"TP{rnd['tp']}: {rnd['bench_note']}.")
@@ -390,33 +383,51 @@ def render_markdown(result: dict[str, Any]) -> str:
             notes.append(f"TP{rnd['tp']} placement: {p}.")
         for b in rnd["bundles"]:
             ids = ", ".join(d.get("pci_bus_id") or "?" for d in b.get("devices", [])) or "-"
-            tests = b.get("tests", {}).get("summary", "-")
-            dcp = b.get("dcp")
-            dcp_text = "-"
-            if dcp:
-                worst = max(
-                    (
-                        c["max_abs_diff_vs_staged"]
-                        for r in dcp["ranks"]
-                        for c in r.get("checks", [])
-                    ),
-                    default=float("nan"),
-                )
-                dcp_text = (
-                    f"{'equal' if dcp['ok'] else 'MISMATCH'} ({dcp['world']} ranks, "
-                    f"[{dcp['M']}, {dcp['H_local'] * dcp['world']}, 576], max |Δ| {worst:.3g})"
-                )
             s = b.get("bench_summary", {})
             status = "ok" if _bundle_ok(b) else f"FAILED: {b.get('error', 'a check failed')}"
-            lines.append(
-                f"| {rnd['tp']} | {b['bundle']} | {b.get('hostname') or b.get('node_ip')} "
-                f"| {b['cuda_visible_devices']} | {ids} | {tests} | {dcp_text} "
-                f"| {_ratio(s, 'bf16')} | {_ratio(s, 'mxfp8')} | {status} |"
+            body.append(
+                [
+                    rnd["tp"],
+                    b["bundle"],
+                    b.get("hostname") or b.get("node_ip"),
+                    b["cuda_visible_devices"],
+                    ids,
+                    b.get("tests", {}).get("summary", "-"),
+                    _dcp_cell(b.get("dcp")),
+                    _ratio(s, "bf16"),
+                    _ratio(s, "mxfp8"),
+                    status,
+                ]
             )
     audit = result.get("audit", {})
-    lines += ["", f"Audit ({audit.get('status')}): {audit.get('summary')}", ""]
+    lines = [
+        "# gpu-check",
+        "",
+        f"Started {result['started_at']}, commit {result.get('commit') or '?'}, "
+        f"fusedq {result.get('fusedq_fingerprint') or '?'}, wall {result.get('wall_s', 0)} s. "
+        f"**{'PASSED' if result.get('ok') else 'FAILED'}**.",
+        "",
+        md_table(header, body),
+        "",
+        f"Audit ({audit.get('status')}): {audit.get('summary')}",
+        "",
+    ]
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _dcp_cell(dcp: dict[str, Any] | None) -> str:
+    """The DCP gather's verdict: equal or not, its shape, the largest difference from staged."""
+    if not dcp:
+        return "-"
+    worst = max(
+        (c["max_abs_diff_vs_staged"] for r in dcp["ranks"] for c in r.get("checks", [])),
+        default=float("nan"),
+    )
+    return (
+        f"{'equal' if dcp['ok'] else 'MISMATCH'} ({dcp['world']} ranks, "
+        f"[{dcp['M']}, {dcp['H_local'] * dcp['world']}, {limits.QUERY_WIDTH}], max |Δ| {worst:.3g})"
+    )
 
 
 def default_out_dir(logs_dir: Path = Path("logs")) -> Path:
