@@ -21,8 +21,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from orchestrator.matrix import Case, Matrix, WorkloadSpec
-from orchestrator.runner import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS
+from orchestrator.matrix import (
+    WARMUP_OUTPUT_TOKENS,
+    WARMUP_PROMPT_TOKENS,
+    Case,
+    Matrix,
+    WorkloadSpec,
+)
 
 
 @dataclass(frozen=True)

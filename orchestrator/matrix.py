@@ -23,6 +23,10 @@ from orchestrator import tinymodel
 from orchestrator.fusedq_limits import limits
 from orchestrator.store import case_slug
 
+# The unmeasured warm-up request (warmup_requests of them per server): short, because what
+# it absorbs is one-time cost (the workers' first collective), not throughput.
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_OUTPUT_TOKENS = 8
 # A model path with this prefix is built locally by orchestrator.tinymodel (the embedded default).
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = tuple(tinymodel.BUILTINS)

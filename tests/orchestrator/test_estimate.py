@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.estimate import ASSUMED, Eta, estimate_run, human_s, request_s, workload_s
-from orchestrator.matrix import expand, parse_matrix
+from orchestrator.matrix import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS, expand, parse_matrix
 from orchestrator.plan import plan_matrix, render_plan
-from orchestrator.runner import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS
 
 CPU = ASSUMED["cpu"]
 MATRIX = """

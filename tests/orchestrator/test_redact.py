@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.case_run import _set_aside
 from orchestrator.matrix import load_matrix
 from orchestrator.redact import REDACTED, redact_file, secret_args
-from orchestrator.runner import _Log, _set_aside, matrix_secrets
+from orchestrator.runner import _Log, matrix_secrets
 
 
 def test_secret_args() -> None:

@@ -13,12 +13,13 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator import launch
+from orchestrator.case_run import _absolute_if_path
 from orchestrator.cli import app
 from orchestrator.engines import vllm as eng
 from orchestrator.matrix import expand, load_matrix
 from orchestrator.reports import write_reports
 from orchestrator.results import CaseResult
-from orchestrator.runner import RunOptions, _absolute_if_path, run_matrix
+from orchestrator.runner import RunOptions, run_matrix
 from orchestrator.store import RunStore
 
 SMOKE = "matrices/smoke.yaml"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import tokens
+from orchestrator.case_run import token_checks
 from orchestrator.matrix import MatrixError, expand, parse_matrix
-from orchestrator.runner import token_checks
 from orchestrator.store import RunStore
 
 
