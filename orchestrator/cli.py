@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -242,10 +243,57 @@ def audit(
         None, "--since", help="Only kernel-log lines after this time (ISO 8601)."
     ),
 ) -> None:
-    """Scan logs for GPU faults: exit 0 clean, 1 findings, 2 usage error."""
-    from orchestrator.audit import cli_audit
+    """Scan logs for GPU faults: exit 0 clean, 1 findings, 2 usage error.
 
-    raise typer.Exit(cli_audit(paths, json_out=json_out, since=since))
+    The kernel log is audited only with --since (the whole ring buffer would report every
+    Xid since boot, from other jobs); without it the verdict says so.
+    """
+    import json
+
+    from orchestrator.audit import (
+        AuditInputError,
+        CatalogueError,
+        SourceStatus,
+        audit_logs,
+        parse_since,
+        verdict,
+    )
+
+    try:
+        since_dt = parse_since(since) if since is not None else None
+        result = audit_logs(paths, since=since_dt, include_kernel_log=since_dt is not None)
+    except (AuditInputError, CatalogueError) as exc:
+        typer.echo(f"orchestrator audit: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    if since_dt is None:
+        result.searched.kernel_log = SourceStatus(
+            False, None, "no --since given; pass --since to audit kernel lines after that time"
+        )
+        result.verdict = verdict(result.findings, result.searched)
+    typer.echo(json.dumps(result.to_dict(), indent=2) if json_out else _audit_text(result))
+    raise typer.Exit(EXIT_OK if result.verdict.clean else EXIT_FINDINGS)
+
+
+def _audit_text(result: Any) -> str:
+    """`orchestrator audit`'s text: each finding with its context, meaning and action, what
+    was capped, the verdict and the summary sentence."""
+    out = []
+    for f in result.findings:
+        mark = " (root cause)" if f.root_cause else ""
+        out.append(f"{f.location()}: {f.severity} {f.signature}{mark}: {f.text}")
+        out += [f"    | {c}" for c in f.context_before]
+        out.append(f"    > {f.text}")
+        out += [f"    | {c}" for c in f.context_after]
+        if f.meaning:
+            out.append(f"    meaning: {f.meaning}")
+        if f.action:
+            out.append(f"    action:  {f.action}")
+    for sf in result.searched.files:
+        for sig, n in sf.suppressed.items():
+            out.append(f"{sf.path}: {n} more {sig} findings not shown")
+    out.append(f"verdict: {result.verdict}")
+    out.append(result.summary_sentence())
+    return "\n".join(out)
 
 
 @app.command("gpu-check")

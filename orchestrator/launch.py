@@ -673,7 +673,7 @@ class Launcher:
             self.handles.remove(handle)
 
     def node_runner(self, handle: ServerHandle | None) -> Any:
-        """Runs audit.py's readers (kernel log, GPU state) on the node `handle`'s server ran
+        """Runs the audit's readers (kernel log, GPU state) on the node `handle`'s server ran
         on; None where that is the driver's own node (or no server was placed): they run
         here."""
         if handle is None or not self.is_remote(handle):

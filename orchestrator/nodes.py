@@ -27,7 +27,7 @@ from orchestrator.leftovers import (
     stop_leftovers,
 )
 
-# What an agent may run for the driver: the readers of a node's fault sources (audit.py's
+# What an agent may run for the driver: the readers of a node's fault sources (the audit's
 # kernel log and GPU state), nothing else.
 NODE_COMMANDS = frozenset({"journalctl", "dmesg", "nvidia-smi"})
 # One answer from an agent; a node that takes longer is reported as not answering.
@@ -73,7 +73,8 @@ class _NodeAgent:
 
 
 def completed(argv: list[str], answer: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    """An agent's answer to `run` as the subprocess result audit.py's readers expect."""
+    """An agent's answer to `run` as the subprocess result the audit's readers expect
+    (orchestrator.audit.sources)."""
     if answer.get("missing"):
         raise FileNotFoundError(argv[0])
     return subprocess.CompletedProcess(
@@ -207,7 +208,8 @@ class ClusterNodes:
     def command_runner(
         self, node_id: str
     ) -> Callable[[list[str]], subprocess.CompletedProcess[str]]:
-        """Runs audit.py's readers (kernel log, GPU state) on `node_id` instead of here."""
+        """Runs the audit's readers (kernel log, GPU state: orchestrator.audit.sources) on
+        `node_id` instead of here."""
 
         failed: list[str] = []  # once a node did not answer, the next reader is not kept waiting
 

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.audit import _grep_binary, audit_logs, load_catalogue
+from orchestrator.audit import audit_logs, grep_binary, load_catalogue
 
 # One line shape per source a vLLM TP8 server log interleaves; weights ~ a busy server
 # with request logging on (request echo lines are the near misses that must not fire).
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         ("grep -E -c (LC_ALL=C)", lambda: grep_run("C")),
         (f"grep -E -c (locale {locale_now})", lambda: grep_run(None)),
     ]
-    for kind in ["grep", "python"] if _grep_binary() else ["python"]:
+    for kind in ["grep", "python"] if grep_binary() else ["python"]:
         tools.append((f"orchestrator audit (prefilter={kind})", lambda kind=kind: audit_run(kind)))
 
     rows: list[dict[str, Any]] = []

@@ -23,12 +23,14 @@ from orchestrator.audit import (
     parse_since,
     read_gpu_state,
     read_kernel_log,
-    summarize_run,
 )
+from orchestrator.audit.sources import _filter_since
+from orchestrator.reports.run import audit_sentence
+from orchestrator.results import AuditSummary, CaseResult
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 REPO = Path(__file__).resolve().parents[2]
-PREFILTERS = ["python", "grep"] if audit._grep_binary() else ["python"]
+PREFILTERS = ["python", "grep"] if audit.grep_binary() else ["python"]
 
 
 def _corpus(name: str) -> list[str]:
@@ -303,8 +305,8 @@ def test_tiny_blocks_give_the_same_findings_and_context(tmp_path, monkeypatch, p
     )
     p = _write(tmp_path, text)
     big = [f.to_dict() for f in _audit(p, prefilter=prefilter).findings]
-    monkeypatch.setattr(audit, "BLOCK_BYTES", 97)
-    monkeypatch.setattr(audit, "MAX_LINE_BYTES", 250)  # the 600-byte line is cut in pieces
+    monkeypatch.setattr(audit.sources, "BLOCK_BYTES", 97)
+    monkeypatch.setattr(audit.scan, "MAX_LINE_BYTES", 250)  # the 600-byte line is cut in pieces
     small = [f.to_dict() for f in _audit(p, prefilter=prefilter).findings]
     # The piece of the monster line before the cut is context the big scan sees as one line.
     for d in big + small:
@@ -486,7 +488,7 @@ def test_dmesg_since_filter_keeps_continuation_lines():
         "2026-11-29T14:00:00,000001+00:00 new",
         "  continuation of new",
     ]
-    assert audit._filter_since(lines, SINCE) == lines[1:]
+    assert _filter_since(lines, SINCE) == lines[1:]
 
 
 # ----------------------------------------------------------------------- GPU state
@@ -560,15 +562,20 @@ def test_to_dict_is_json_and_carries_verdict_summary_and_coverage():
     } <= set(d["findings"][0])
 
 
-def test_summarize_run_over_cases():
+def test_run_sentence_over_cases():
+    """The run-level sentence the reports print, over these audits as a run stores them."""
+
+    def case(case_id, result):
+        return CaseResult(case_id=case_id, audit=AuditSummary.model_validate(result.to_dict()))
+
     clean = _audit(FIXTURES / "vllm_tp4_clean.log")
     bad = _audit(FIXTURES / "vllm_tp4_crash.log")
-    s = summarize_run({"tp4-ctx0": clean, "tp4-64k": bad})
+    s = audit_sentence([case("tp4-ctx0", clean), case("tp4-64k", bad)])
     assert s.startswith(
         "The final log audit of 2 logs (41 lines) across 2 cases found problems in 1 case: tp4-64k."
     )
     assert "The kernel log was not audited for any case (not requested)." in s
-    assert summarize_run({"a": clean}).endswith(
+    assert audit_sentence([case("a", clean)]).endswith(
         "or host-OOM-kill failure. The kernel log was not audited for any case (not requested)."
     )
 

@@ -1,0 +1,572 @@
+"""The scanner: candidate lines matched against the catalogue, tracebacks followed.
+
+A candidate line (orchestrator.audit.prefilter) is decoded (invalid UTF-8 replaced), stripped
+of ANSI codes, split at carriage returns and tested against the signatures whose needles
+it holds (see _Scanner._match_signatures for why not one combined alternation). A Python
+traceback is followed, per process, to its exception line; lines every worker must log
+(expectations) are counted per process label.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import subprocess
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from orchestrator.audit.catalogue import Catalogue
+from orchestrator.audit.findings import (
+    AuditInputError,
+    Expectation,
+    ExpectationResult,
+    FileSearched,
+    Finding,
+)
+from orchestrator.audit.prefilter import (
+    C_LOCALE,
+    BlockFinder,
+    Prefilter,
+    count_lines,
+    grep_argv,
+    start_wc,
+)
+from orchestrator.audit.sources import open_log, read_chunks
+from orchestrator.severity import Severity
+
+# A "line" without a newline for this long (a binary dump, a runaway progress bar) is
+# scanned in pieces of this size instead of being held in memory whole.
+MAX_LINE_BYTES = 64 << 20
+CONTEXT_LINES = 2  # before and after each finding: enough to see the failing call
+MAX_REPORT_CHARS = 400  # a finding's line, truncated around the match
+MAX_CONTEXT_CHARS = 200
+# Per file and signature: a dying 8-rank job repeats the same NCCL WARN thousands of
+# times; the rest are counted, not stored.
+MAX_FINDINGS_PER_SIGNATURE = 20
+# A traceback whose exception line does not appear within this many lines of the same
+# process is reported with the header line (a truncated log, an interleaving we lost).
+TRACEBACK_MAX_LINES = 2000
+
+
+# ANSI CSI sequences (colours, cursor moves): vLLM and Ray colour the process prefix.
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+# vLLM prefixes every line of a child process: "(Worker_TP3 pid=1234) ",
+# "(EngineCore_DP0 pid=…) ", "(VllmWorker rank=2 pid=…) ", "(APIServer pid=…) ",
+# Ray adds ", ip=…". torch.distributed's elastic launcher prefixes "[rank3]: ".
+_LABEL_RE = re.compile(
+    r"^\((?P<name>[A-Za-z][\w.-]*)(?: rank=(?P<rank>\d+))? pid=\d+(?:, ip=[\d.:a-fA-F]+)?\) ?"
+    r"|^\[rank(?P<trank>\d+)\]: ?"
+)
+# vLLM's log header "ERROR 10-15 08:32:29 [core.py:708] " (optionally with milliseconds);
+# stripped before deciding whether a traceback line is a frame or the exception.
+_LOG_HEADER_RE = re.compile(
+    r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ?"
+)
+_TRACEBACK_CONT_RE = re.compile(
+    r"^(?:During handling of the above exception|The above exception was the direct cause)"
+)
+# Worker process prefixes, for expectations that must hold on every worker.
+_WORKER_SUFFIX = rb"(_[A-Za-z0-9_]+| rank=\d+) pid="
+_UNPRINTABLE_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _escape(text: str, limit: int, around: int | None = None) -> str:
+    """Printable, bounded form of a log line: control bytes escaped, long lines cut around the match."""
+    text = _UNPRINTABLE_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    if len(text) <= limit:
+        return text
+    start = 0 if around is None else max(0, min(around - limit // 4, len(text) - limit))
+    cut = text[start : start + limit]
+    return ("…" if start else "") + cut + ("…" if start + limit < len(text) else "")
+
+
+def _clean(raw: bytes) -> str:
+    text = raw.decode("utf-8", "replace")
+    if "\x1b" in text:
+        text = _ANSI_RE.sub("", text)
+    return text
+
+
+def _split_label(text: str) -> tuple[str | None, str]:
+    m = _LABEL_RE.match(text)
+    if not m:
+        return None, text
+    if m.group("trank") is not None:
+        return f"rank{m.group('trank')}", text[m.end() :]
+    name = m.group("name")
+    if m.group("rank") is not None:
+        name = f"{name} rank={m.group('rank')}"
+    return name, text[m.end() :]
+
+
+def _label_aliases(label: str) -> set[str]:
+    """Names a caller may use for a process label: Worker_TP3 -> {Worker_TP3, TP3}."""
+    out = {label}
+    if "_" in label:
+        out.add(label.split("_", 1)[1])
+    m = re.search(r"rank=?(\d+)$", label)
+    if m:
+        out |= {f"rank={m.group(1)}", f"rank{m.group(1)}", m.group(1)}
+    return out
+
+
+@dataclass
+class _PendingTraceback:
+    header_line: int
+    header_text: str
+    severity: Severity
+    context_before: list[str]
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=CONTEXT_LINES))
+    lines: int = 0  # body lines of this process
+    walked: int = 0  # lines of any process since the header
+
+
+@dataclass
+class _ExpectationState:
+    spec: Expectation
+    regex: re.Pattern[bytes]
+    labels: dict[str, int] = field(default_factory=dict)
+    unlabelled: int = 0
+
+
+@dataclass
+class _FileState:
+    name: str
+    searched: FileSearched
+    base: int = 0  # newlines before the current block
+    tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=CONTEXT_LINES))
+    pending_after: list[tuple[Finding, int]] = field(default_factory=list)
+    tracebacks: dict[str | None, _PendingTraceback] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class _Context:
+    """Context lines of one candidate line, computed only once a signature matched."""
+
+    def __init__(self, scanner: _Scanner, st: _FileState, block: bytes, start: int, end: int):
+        self._args = (scanner, st, block, start, end)
+        self._before: list[str] | None = None
+        self._attach: Callable[[Finding], None] | None = None
+
+    def _load(self) -> None:
+        scanner, st, block, start, end = self._args
+        self._before, self._attach = scanner._context(st, block, start, end)
+
+    @property
+    def before(self) -> list[str]:
+        if self._before is None:
+            self._load()
+        return self._before  # type: ignore[return-value]
+
+    def attach_after(self, f: Finding) -> None:
+        if self._attach is None:
+            self._load()
+        self._attach(f)  # type: ignore[misc]
+
+
+class _Scanner:
+    """Scans byte streams block by block; collects findings, expectation hits and labels."""
+
+    def __init__(
+        self,
+        catalogue: Catalogue,
+        prefilter: Prefilter,
+        expectations: Sequence[Expectation] = (),
+    ) -> None:
+        self.cat = catalogue
+        self.prefilter = prefilter
+        self.findings: list[Finding] = []
+        self.expectations = [_ExpectationState(e, _compile_expectation(e)) for e in expectations]
+        self.want_workers = any(e.ranks is None for e in expectations)
+        self.workers: set[str] = set()
+        self._worker_suffixes: set[bytes] = set()
+        self.needles = catalogue.needles
+
+    # -- streams ------------------------------------------------------------------
+    def scan_file(self, path: Path) -> FileSearched:
+        """Scan one log file: mapped and prefiltered by grep where possible, else streamed."""
+        fh, compressed = open_log(path)
+        with fh:
+            if compressed or self.prefilter.grep is None or path.stat().st_size == 0:
+                return self.scan_stream(str(path), fh, compressed)
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                return self._scan_mapped(str(path), path, mm)
+
+    def _scan_mapped(self, name: str, path: Path, mm: mmap.mmap) -> FileSearched:
+        """A plain file with GNU grep: Python touches only the pages around candidates.
+
+        grep reports each needle hit with its line number and byte offset (-n -o -b) and
+        ``wc -l`` counts the lines, so clean stretches are never read into Python at all.
+        """
+        st = _FileState(name, FileSearched(path=name, lines=0, bytes=len(mm)))
+        assert self.prefilter.grep is not None
+        wc = start_wc(path)
+        proc = subprocess.Popen(
+            [
+                *grep_argv(self.prefilter.grep, self.prefilter.needles, numbered=True),
+                "--",
+                str(path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=C_LOCALE,
+        )
+        try:
+            self._scan_expectations(st, mm)
+            if self.want_workers:
+                self._collect_workers(mm)
+            n = len(mm)
+            pos = 0  # everything before pos has been examined
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                ln, _, rest = raw.partition(b":")
+                off, _, _ = rest.partition(b":")
+                if not (ln.isdigit() and off.isdigit()) or int(off) < pos:
+                    continue
+                hit, line_no = int(off), int(ln)
+                pos = max(pos, mm.rfind(b"\n", 0, hit) + 1)
+                while True:  # one line, then every line while a traceback is open
+                    end = mm.find(b"\n", pos)
+                    end = n if end < 0 else end
+                    if end - pos > MAX_LINE_BYTES:  # a monster line: only the piece at the hit
+                        piece = max(pos, min(hit, end) - MAX_LINE_BYTES // 2)
+                        self._line(st, mm, piece, min(end, piece + MAX_LINE_BYTES), line_no)  # type: ignore[arg-type]
+                        pos = min(end, piece + MAX_LINE_BYTES)
+                        break
+                    self._line(st, mm, pos, end, line_no)  # type: ignore[arg-type]
+                    pos, line_no = end + 1, line_no + 1
+                    if not st.tracebacks or pos >= n:
+                        break
+        except BaseException:
+            if wc is not None:
+                wc.kill()
+                wc.wait()
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()  # stdout is drained (or we failed): its exit status adds nothing
+            _, err = proc.communicate()
+        if proc.returncode not in (0, 1, -9):
+            raise RuntimeError(
+                f"grep prefilter failed on {path}: {err.decode(errors='replace').strip()}"
+            )
+        st.base = count_lines(wc, mm)
+        self._finish(st)
+        return st.searched
+
+    def scan_stream(self, name: str, raw: IO[bytes], compressed: bool = False) -> FileSearched:
+        """Scan a byte stream block by block (gzip files, the kernel log, no grep)."""
+        st = _FileState(name, FileSearched(path=name, lines=0, bytes=0, compressed=compressed))
+        finder = self.prefilter.block_finder()
+        carry = b""
+        error: BaseException | None = None
+        for chunk in read_chunks(raw):
+            if isinstance(chunk, BaseException):
+                error = chunk  # scan what arrived before a truncated gzip member ended
+                break
+            st.searched.bytes += len(chunk)
+            buf = carry + chunk if carry else chunk
+            cut = buf.rfind(b"\n") + 1
+            if cut == 0:
+                if len(buf) < MAX_LINE_BYTES:
+                    carry = buf
+                    continue
+                cut = len(buf)  # a monster line: scan this piece, keep its line number
+            self._scan_block(st, buf[:cut], finder, st.searched.bytes - len(buf))
+            carry = buf[cut:]
+        if carry:
+            self._scan_block(st, carry + b"\n", finder, st.searched.bytes - len(carry))
+        self._finish(st)
+        if error is not None:
+            st.searched.error = f"could not read to the end: {error}"
+        return st.searched
+
+    def _collect_workers(self, data: bytes | mmap.mmap) -> None:
+        """Distinct worker labels in ``data``.
+
+        Nearly every line of a TP8 log carries a worker prefix: one Python step per match
+        would cost seconds per GB, so the regex is rebuilt to skip the labels already
+        known and each search runs in C until a new label turns up (≤ one per rank).
+        """
+        pos = 0
+        while True:
+            known = sorted(self._worker_suffixes)
+            skip = b"(?!(?:" + b"|".join(map(re.escape, known)) + b") pid=)" if known else b""
+            m = re.compile(b"Worker" + skip + _WORKER_SUFFIX).search(data, pos)
+            if m is None:
+                return
+            suffix = m.group(1)
+            self._worker_suffixes.add(suffix)
+            lp = data.rfind(b"(", max(0, m.start() - 32), m.start())
+            if lp >= 0:
+                self.workers.add(data[lp + 1 : m.end() - 5].decode(errors="replace"))
+            pos = m.start()
+
+    def _finish(self, st: _FileState) -> None:
+        for label, tb in list(st.tracebacks.items()):
+            self._emit_traceback(
+                st, label, tb, tb.header_line, tb.header_text + "  (log ended inside the traceback)"
+            )
+        st.searched.lines = st.base
+        st.searched.suppressed = {
+            k: v - MAX_FINDINGS_PER_SIGNATURE
+            for k, v in st.counts.items()
+            if v > MAX_FINDINGS_PER_SIGNATURE
+        }
+
+    # -- blocks -------------------------------------------------------------------
+    def _scan_block(self, st: _FileState, block: bytes, finder: BlockFinder, offset: int) -> None:
+        if st.pending_after:
+            self._fill_pending_after(st, block)
+        self._scan_expectations(st, block)
+        if self.want_workers:
+            self._collect_workers(block)
+        cands = finder(offset, block)
+        ci = 0
+        pos = 0  # offset of the next unexamined line
+        nl = 0  # newlines in block[:pos]
+        n = len(block)
+        while pos < n:
+            if not st.tracebacks:
+                # Jump to the next candidate line; clean lines cost nothing here.
+                while ci < len(cands) and cands[ci] < pos:
+                    ci += 1
+                if ci == len(cands):
+                    break
+                start = cands[ci]
+                nl += block.count(b"\n", pos, start)
+                pos = start
+            # else: a traceback is open; walk every line until its exception line.
+            end = block.find(b"\n", pos)
+            if end < 0:
+                end = n
+            self._line(st, block, pos, end, st.base + nl + 1)
+            pos = end + 1
+            if end < n:
+                nl += 1
+        # Keep the block's last lines: the context before a finding early in the next block.
+        last: list[bytes] = []
+        e = n - 1 if block.endswith(b"\n") else n
+        while len(last) < CONTEXT_LINES and e > 0:
+            p = block.rfind(b"\n", 0, e) + 1
+            last.append(block[p:e])
+            e = p - 1
+        st.tail.extend(reversed(last))
+        # Count each newline once: the jumps above counted block[:pos] already.
+        st.base += nl + (block.count(b"\n", pos) if pos < n else 0)
+
+    def _scan_expectations(self, st: _FileState, block: bytes) -> None:
+        for ex in self.expectations:
+            for m in ex.regex.finditer(block):
+                ls = block.rfind(b"\n", 0, m.start()) + 1
+                le = block.find(b"\n", m.end())
+                label, _ = _split_label(_clean(block[ls : le if le >= 0 else len(block)]))
+                if label is None:
+                    ex.unlabelled += 1
+                else:
+                    ex.labels[label] = ex.labels.get(label, 0) + 1
+
+    def _fill_pending_after(self, st: _FileState, block: bytes) -> None:
+        need = max(k for _, k in st.pending_after)
+        lines: list[str] = []
+        pos = 0
+        while len(lines) < need and pos < len(block):
+            end = block.find(b"\n", pos)
+            end = len(block) if end < 0 else end
+            lines.append(_escape(_clean(block[pos:end]), MAX_CONTEXT_CHARS))
+            pos = end + 1
+        for finding, k in st.pending_after:
+            finding.context_after.extend(lines[:k])
+        st.pending_after = [(f, k - len(lines)) for f, k in st.pending_after if k > len(lines)]
+
+    def _context(
+        self, st: _FileState, block: bytes, start: int, end: int
+    ) -> tuple[list[str], Callable[[Finding], None]]:
+        before: list[bytes] = []
+        j = start
+        while len(before) < CONTEXT_LINES and j > 0:
+            p = block.rfind(b"\n", 0, j - 1) + 1
+            before.append(block[p : j - 1])
+            j = p
+        if len(before) < CONTEXT_LINES:
+            before.extend(reversed(list(st.tail)[-(CONTEXT_LINES - len(before)) :]))
+        before_s = [_escape(_clean(b), MAX_CONTEXT_CHARS) for b in reversed(before)]
+
+        def attach_after(f: Finding) -> None:
+            pos = end + 1
+            while len(f.context_after) < CONTEXT_LINES and pos < len(block):
+                e = block.find(b"\n", pos)
+                e = len(block) if e < 0 else e
+                f.context_after.append(_escape(_clean(block[pos:e]), MAX_CONTEXT_CHARS))
+                pos = e + 1
+            if len(f.context_after) < CONTEXT_LINES:
+                st.pending_after.append((f, CONTEXT_LINES - len(f.context_after)))
+
+        return before_s, attach_after
+
+    # -- lines --------------------------------------------------------------------
+    def _line(self, st: _FileState, block: bytes, start: int, end: int, line_no: int) -> None:
+        for label, tb in list(st.tracebacks.items()):
+            tb.walked += 1
+            if tb.walked > TRACEBACK_MAX_LINES:  # its process never printed the exception
+                self._emit_traceback(
+                    st,
+                    label,
+                    tb,
+                    tb.header_line,
+                    tb.header_text + f"  (no exception line within {TRACEBACK_MAX_LINES} lines)",
+                )
+        text = _clean(block[start:end])
+        ctx: _Context | None = None
+        for seg in text.split("\r") if "\r" in text else (text,):
+            if not seg.strip():
+                continue
+            label, body = _split_label(seg)
+            tb = st.tracebacks.get(label)
+            if tb is not None:
+                core = _LOG_HEADER_RE.sub("", body, count=1)
+                if self._traceback_body(tb, core):
+                    # Frames and source lines are code, not events: a quoted
+                    # `raise RuntimeError("Engine core initialization failed")` is no finding.
+                    continue
+                if not core.startswith("Traceback (most recent call last)"):
+                    if ctx is None:
+                        ctx = _Context(self, st, block, start, end)
+                    self._emit_traceback(st, label, tb, line_no, core, ctx.attach_after)
+                # the exception line may itself carry a signature (CUDA error: …)
+            if not any(n in seg for n in self.needles) or self.cat.is_request_echo(seg):
+                continue
+            if ctx is None:
+                ctx = _Context(self, st, block, start, end)
+            self._match_signatures(st, label, body, line_no, ctx)
+
+    @staticmethod
+    def _traceback_body(tb: _PendingTraceback, core: str) -> bool:
+        """True while ``core`` is still part of the traceback (a frame, source or caret line)."""
+        if core.startswith((" ", "\t")) or not core.strip() or _TRACEBACK_CONT_RE.match(core):
+            tb.recent.append(_escape(core, MAX_CONTEXT_CHARS))
+            tb.lines += 1
+            return tb.lines < TRACEBACK_MAX_LINES
+        return False
+
+    def _match_signatures(
+        self,
+        st: _FileState,
+        label: str | None,
+        body: str,
+        line_no: int,
+        ctx: _Context,
+    ) -> None:
+        # Needle gate before any regex: Python's re has no multi-pattern matcher, and one
+        # alternation of every pattern costs ~350 µs per 200-byte line (measured), while
+        # a few substring tests and one or two small regexes cost a few µs.
+        hits: set[int] = set()
+        for n, idx in self.cat.needle_index:
+            if n in body:
+                hits |= idx
+        families: set[str] = set()
+        for i in sorted(hits):
+            sig = self.cat.signatures[i]
+            if sig.family is not None and sig.family in families:
+                continue
+            m = sig.search(body)
+            if m is None:
+                continue
+            if sig.family is not None:
+                families.add(sig.family)
+            severity, fields, meaning = sig.classify(body, m)
+            if sig.id == "python-traceback":
+                prior = st.tracebacks.pop(label, None)
+                if prior is not None:  # a new header before the old one ended
+                    self._emit_traceback(st, label, prior, prior.header_line, prior.header_text)
+                st.tracebacks[label] = _PendingTraceback(
+                    header_line=line_no,
+                    header_text=_escape(body, MAX_REPORT_CHARS, m.start()),
+                    severity=severity,
+                    context_before=ctx.before,
+                )
+                continue
+            f = Finding(
+                file=st.name,
+                line=line_no,
+                rank=label,
+                signature=sig.id,
+                severity=severity,
+                category=sig.category,
+                text=_escape(body, MAX_REPORT_CHARS, m.start()),
+                meaning=meaning,
+                action=sig.action,
+                context_before=list(ctx.before),
+                fields=fields,
+            )
+            if self._keep(st, f):
+                ctx.attach_after(f)
+
+    def _emit_traceback(
+        self,
+        st: _FileState,
+        label: str | None,
+        tb: _PendingTraceback,
+        line_no: int,
+        exception_line: str,
+        attach_after: Callable[[Finding], None] | None = None,
+    ) -> None:
+        st.tracebacks.pop(label, None)
+        sig = self.cat.signature("python-traceback")
+        f = Finding(
+            file=st.name,
+            line=line_no,
+            rank=label,
+            signature=sig.id,
+            severity=tb.severity,
+            category=sig.category,
+            text=_escape(exception_line, MAX_REPORT_CHARS),
+            meaning=sig.meaning,
+            action=sig.action,
+            context_before=list(tb.recent) if tb.recent else list(tb.context_before),
+            fields={"traceback_line": str(tb.header_line)},
+        )
+        if self._keep(st, f) and attach_after is not None:
+            attach_after(f)
+
+    def _keep(self, st: _FileState, f: Finding) -> bool:
+        n = st.counts.get(f.signature, 0) + 1
+        st.counts[f.signature] = n
+        if n > MAX_FINDINGS_PER_SIGNATURE:
+            return False
+        self.findings.append(f)
+        return True
+
+    # -- expectations ---------------------------------------------------------------
+    def expectation_results(self) -> list[ExpectationResult]:
+        out = []
+        for ex in self.expectations:
+            seen = sorted(ex.labels)
+            occurrences = ex.unlabelled + sum(ex.labels.values())
+            # ranks=None: every worker prefix the logs showed (none: one occurrence anywhere).
+            expected = sorted(self.workers) if ex.spec.ranks is None else list(ex.spec.ranks)
+            aliases = set().union(*(_label_aliases(s) for s in seen)) if seen else set()
+            missing = [r for r in expected if r not in aliases]
+            out.append(
+                ExpectationResult(
+                    description=ex.spec.label,
+                    pattern=ex.spec.pattern,
+                    expected=expected,
+                    seen=seen,
+                    missing=missing,
+                    occurrences=occurrences,
+                )
+            )
+        return out
+
+
+def _compile_expectation(e: Expectation) -> re.Pattern[bytes]:
+    try:
+        return re.compile(e.pattern.encode())
+    except re.error as exc:
+        raise AuditInputError(
+            f"expectation {e.label!r}: {e.pattern!r} is not a valid regex: {exc}"
+        ) from exc
