@@ -8,24 +8,30 @@ findings with their log excerpts.
 
 Self-contained on purpose: the file is mailed, attached to CI jobs and opened from shared
 disks on machines without network, so there are no scripts, fonts, stylesheets or images
-from elsewhere; charts are SVG generated here and the page has no JavaScript at all.
+from elsewhere; charts are inline SVG and the page has no JavaScript at all.
 
-Every string that came from a log, a matrix or a run (finding text, reasons, labels, ids) is
-HTML-escaped and stripped of control characters: a log line is attacker-controlled text.
+The markup is a Jinja2 template (``templates/report.html.j2``, the charts in
+``templates/charts.html.j2``) rendered with autoescape: this module computes what the page
+shows (the figures, the charts' geometry) and no string of markup is built here. Every
+string that came from a log, a matrix or a run (finding text, reasons, labels, ids) is
+escaped by the template and stripped of control characters (``_printable``): a log line
+is attacker-controlled text.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jinja2
+from markupsafe import Markup
+
 from orchestrator.reports.run import (
     LATENCY_NOTE,
-    PairedDelta,
     Run,
     audit_sentence,
     findings,
@@ -34,7 +40,7 @@ from orchestrator.reports.run import (
 )
 from orchestrator.reports.run import fmt_tok as _fmt
 from orchestrator.reports.summary import latency_table
-from orchestrator.results import CaseResult, Finding
+from orchestrator.results import CaseResult
 from orchestrator.store import write_text_atomic
 
 if TYPE_CHECKING:
@@ -57,7 +63,7 @@ PALETTE = (
 )
 # Past ten series colours repeat; a dash pattern keeps lines 11..40 apart in the trend chart.
 DASHES = ("", "6 3", "2 3", "8 3 2 3")
-GOOD, BAD, MUTED = "#2e7d32", "#c62828", "#757575"
+GOOD, BAD, MUTED, GRID, ZERO = "#2e7d32", "#c62828", "#757575", "#e0e0e0", "#9e9e9e"
 
 CHART_WIDTH = 960
 LABEL_WIDTH = 300  # room for "NF3 MXFP8/tp8-dcp8-mtp3" at 12 px
@@ -73,32 +79,24 @@ MAX_FINDINGS = 200
 # C0 controls (except tab/newline/CR), DEL and C1 controls: invalid or invisible in HTML text.
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
-  margin:24px auto;max-width:1320px;padding:0 16px;color:#212121;background:#fff}
-h1{font-size:22px;margin:0 0 6px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
-h3{font-size:15px;margin:18px 0 6px}
-table{border-collapse:collapse;margin:6px 0 12px;font-variant-numeric:tabular-nums}
-th,td{border:1px solid #d0d0d0;padding:3px 9px;text-align:right}
-th{background:#f3f3f3}td.l,th.l{text-align:left}
-.pill{display:inline-block;padding:1px 9px;border-radius:10px;color:#fff;font-weight:600}
-.ok{background:#2e7d32}.bad{background:#c62828}.warn{background:#ef6c00}.muted{color:#757575}
-.sev-warning{background:#ef6c00}.sev-fatal{background:#c62828}.sev-quarantine-node{background:#6a1b9a}
-.legend{display:flex;flex-wrap:wrap;gap:4px 14px;margin:2px 0 6px;font-size:12px}
-.legend span.sw{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px}
-.finding{border:1px solid #ddd;border-radius:4px;margin:8px 0;padding:6px 10px}
-.finding .where{font-family:ui-monospace,"DejaVu Sans Mono",monospace;font-size:12px}
-pre.excerpt{background:#f7f7f7;border:1px solid #e0e0e0;padding:6px 8px;overflow-x:auto;
-  font:12px/1.4 ui-monospace,"DejaVu Sans Mono",monospace;margin:4px 0;white-space:pre}
-pre.excerpt mark{background:#ffe0b2;display:inline-block;min-width:100%}
-svg{display:block;max-width:100%;height:auto}
-svg text{font:12px system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif}
-"""
+
+def _printable(value: Any) -> Any:
+    """Every value the template prints, before autoescape: control characters removed.
+    Markup (a chart the template rendered) is already safe and passes as it is."""
+    if isinstance(value, Markup):
+        return value
+    return _CONTROL_RE.sub("", str(value))
 
 
-def _e(value: Any) -> str:
-    """Escape for HTML text and attribute values, control characters removed."""
-    return html.escape(_CONTROL_RE.sub("", str(value)), quote=True)
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
+    autoescape=True,
+    finalize=_printable,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
+)
 
 
 def _short(label: str, limit: int = MAX_LABEL_CHARS) -> str:
@@ -117,30 +115,39 @@ def _nice_max(value: float) -> float:
     return next(m * exp for m in _NICE_STEPS if m * exp >= value)
 
 
-def _legend(items: Sequence[tuple[str, str, str]]) -> str:
-    """HTML legend of (name, colour, dash) swatches; HTML wraps long legends, SVG would not."""
-    spans = []
-    for name, colour, dash in items:
-        style = f"background:{colour}" if not dash else f"border-top:3px dashed {colour}"
-        spans.append(f'<span><span class="sw" style="{style}"></span>{_e(name)}</span>')
-    return f'<div class="legend">{"".join(spans)}</div>'
+# --------------------------------------------------------------------------- charts
+# A chart is data: its title, legend and SVG elements with their coordinates already
+# formatted (``templates/charts.html.j2`` writes the markup). Element kinds: line, text,
+# rect, circle, polyline; their keys are the attributes the template writes.
 
 
-def _axis(x0: float, width: float, top: float, bottom: float, vmax: float, unit: str) -> str:
-    parts = []
+@dataclass
+class Chart:
+    title: str
+    height: str
+    elements: list[dict[str, Any]] = field(default_factory=list)
+    legend: list[dict[str, str]] = field(default_factory=list)  # name, style
+    note: str | None = None  # a line under the chart
+
+
+def _swatch(name: str, colour: str, dash: str = "") -> dict[str, str]:
+    """A legend entry; HTML wraps long legends, SVG would not."""
+    style = f"background:{colour}" if not dash else f"border-top:3px dashed {colour}"
+    return {"name": name, "style": style}
+
+
+def _text(x: Any, y: Any, text: str, **attrs: Any) -> dict[str, Any]:
+    return {"kind": "text", "x": x, "y": y, "text": text, **attrs}
+
+
+def _axis(x0: float, width: float, top: float, bottom: float, vmax: float, unit: str) -> list:
+    out: list[dict[str, Any]] = []
     for i in range(5):
-        v = vmax * i / 4
-        x = x0 + width * i / 4
-        parts.append(
-            f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="#e0e0e0"/>'
-            f'<text x="{x:.1f}" y="{bottom + 14}" text-anchor="middle" fill="{MUTED}">'
-            f"{v:g}</text>"
-        )
-    parts.append(
-        f'<text x="{x0 + width:.1f}" y="{bottom + 28}" text-anchor="end" fill="{MUTED}">'
-        f"{_e(unit)}</text>"
-    )
-    return "".join(parts)
+        x = f"{x0 + width * i / 4:.1f}"
+        out.append({"kind": "line", "x1": x, "y1": top, "x2": x, "y2": bottom, "stroke": GRID})
+        out.append(_text(x, bottom + 14, f"{vmax * i / 4:g}", anchor="middle", fill=MUTED))
+    out.append(_text(f"{x0 + width:.1f}", bottom + 28, unit, anchor="end", fill=MUTED))
+    return out
 
 
 def bar_chart(
@@ -148,95 +155,75 @@ def bar_chart(
     groups: Sequence[tuple[str, Sequence[tuple[str, float | None, bool]]]],
     series: Sequence[str],
     unit: str = "tok/s",
-) -> str:
+) -> Chart:
     """Horizontal grouped bars: one group per label, one bar per (series, value, failed)."""
     colour = {s: PALETTE[i % len(PALETTE)] for i, s in enumerate(series)}
     values = [v for _, bars in groups for _, v, _ in bars if v is not None]
     vmax = _nice_max(max(values, default=0.0) * 1.08)  # room for the value label
     plot_w = CHART_WIDTH - LABEL_WIDTH - 20
     y, top = 8.0, 8.0
-    body = []
+    body: list[dict[str, Any]] = []
     for label, bars in groups:
         h = len(bars) * (BAR_HEIGHT + BAR_GAP)
         body.append(
-            f'<text x="{LABEL_WIDTH - 8}" y="{y + h / 2 + 4:.1f}" text-anchor="end">'
-            f"<title>{_e(label)}</title>{_e(_short(label))}</text>"
+            _text(LABEL_WIDTH - 8, f"{y + h / 2 + 4:.1f}", _short(label), anchor="end", title=label)
         )
         for name, v, failed in bars:
             tip = f"{label} {name}: {_fmt(v)} {unit}" + (" (case failed)" if failed else "")
+            text_y = y + BAR_HEIGHT - 4
             if v is None:
-                body.append(
-                    f'<text x="{LABEL_WIDTH + 4}" y="{y + BAR_HEIGHT - 4}" fill="{MUTED}">'
-                    f"<title>{_e(tip)}</title>- no figure</text>"
-                )
+                body.append(_text(LABEL_WIDTH + 4, text_y, "- no figure", fill=MUTED, title=tip))
             else:
                 w = max(plot_w * v / vmax, 1.0)
-                stroke = f' stroke="{BAD}" stroke-width="2"' if failed else ""
-                body.append(
-                    f'<rect x="{LABEL_WIDTH}" y="{y:.1f}" width="{w:.1f}" height="{BAR_HEIGHT}" '
-                    f'fill="{colour[name]}"{stroke}><title>{_e(tip)}</title></rect>'
-                    f'<text x="{LABEL_WIDTH + w + 4:.1f}" y="{y + BAR_HEIGHT - 4}"'
-                    f"{f' fill={chr(34)}{BAD}{chr(34)}' if failed else ''}>"
-                    f"{v:.2f}{' FAILED' if failed else ''}</text>"
-                )
+                bar = {"kind": "rect", "x": LABEL_WIDTH, "y": f"{y:.1f}", "width": f"{w:.1f}"}
+                bar |= {"height": BAR_HEIGHT, "fill": colour[name], "title": tip}
+                if failed:
+                    bar |= {"stroke": BAD, "stroke_width": 2}
+                body.append(bar)
+                value = f"{v:.2f}" + (" FAILED" if failed else "")
+                fill = {"fill": BAD} if failed else {}
+                body.append(_text(f"{LABEL_WIDTH + w + 4:.1f}", text_y, value, **fill))
             y += BAR_HEIGHT + BAR_GAP
         y += GROUP_GAP
-    height = y + 30
-    axis = _axis(LABEL_WIDTH, plot_w, top, y - GROUP_GAP, vmax, unit)
-    svg = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{height:.0f}" '
-        f'viewBox="0 0 {CHART_WIDTH} {height:.0f}" role="img" aria-label="{_e(title)}">'
-        f"{axis}{''.join(body)}</svg>"
-    )
-    legend = _legend([(s, colour[s], "") for s in series]) if len(series) > 1 else ""
-    return f"<h3>{_e(title)}</h3>{legend}{svg}"
+    chart = Chart(title, f"{y + 30:.0f}")
+    chart.elements = _axis(LABEL_WIDTH, plot_w, top, y - GROUP_GAP, vmax, unit) + body
+    if len(series) > 1:
+        chart.legend = [_swatch(s, colour[s]) for s in series]
+    return chart
 
 
-def delta_chart(title: str, items: Sequence[tuple[str, float | None]]) -> str:
+def delta_chart(title: str, items: Sequence[tuple[str, float | None]]) -> Chart:
     """Diverging horizontal bars around 0%: green right for faster, red left for slower."""
     values = [abs(v) for _, v in items if v is not None]
     vmax = _nice_max(max(values, default=0.0) * 1.15)
     plot_w = CHART_WIDTH - LABEL_WIDTH - 20
     mid = LABEL_WIDTH + plot_w / 2
-    y, body = 8.0, []
+    y = 8.0
+    body: list[dict[str, Any]] = []
     for label, v in items:
-        body.append(
-            f'<text x="{LABEL_WIDTH - 8}" y="{y + BAR_HEIGHT - 4}" text-anchor="end">'
-            f"<title>{_e(label)}</title>{_e(_short(label))}</text>"
-        )
+        text_y = y + BAR_HEIGHT - 4
+        body.append(_text(LABEL_WIDTH - 8, text_y, _short(label), anchor="end", title=label))
         if v is None:
-            body.append(
-                f'<text x="{mid + 4:.1f}" y="{y + BAR_HEIGHT - 4}" fill="{MUTED}">- no pair</text>'
-            )
+            body.append(_text(f"{mid + 4:.1f}", text_y, "- no pair", fill=MUTED))
         else:
             w = plot_w / 2 * abs(v) / vmax
             x = mid if v >= 0 else mid - w
-            fill = GOOD if v >= 0 else BAD
             tx, anchor = (mid + w + 4, "start") if v >= 0 else (mid - w - 4, "end")
-            body.append(
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 1.0):.1f}" height="{BAR_HEIGHT}" '
-                f'fill="{fill}"><title>{_e(label)}: {v:+.2f}%</title></rect>'
-                f'<text x="{tx:.1f}" y="{y + BAR_HEIGHT - 4}" text-anchor="{anchor}">'
-                f"{v:+.2f}%</text>"
-            )
+            bar = {"kind": "rect", "x": f"{x:.1f}", "y": f"{y:.1f}", "width": f"{max(w, 1.0):.1f}"}
+            bar |= {"height": BAR_HEIGHT, "fill": GOOD if v >= 0 else BAD}
+            body.append(bar | {"title": f"{label}: {v:+.2f}%"})
+            body.append(_text(f"{tx:.1f}", text_y, f"{v:+.2f}%", anchor=anchor))
         y += BAR_HEIGHT + BAR_GAP + 2
     bottom = y
-    ticks = []
+    ticks: list[dict[str, Any]] = []
     for i in range(-2, 3):
-        x = mid + plot_w / 2 * i / 2
-        ticks.append(
-            f'<line x1="{x:.1f}" y1="8" x2="{x:.1f}" y2="{bottom:.1f}" '
-            f'stroke="{"#9e9e9e" if i == 0 else "#e0e0e0"}"/>'
-            f'<text x="{x:.1f}" y="{bottom + 14:.1f}" text-anchor="middle" fill="{MUTED}">'
-            f"{vmax * i / 2:+g}%</text>"
-        )
-    height = bottom + 24
-    return (
-        f"<h3>{_e(title)}</h3>"
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{height:.0f}" '
-        f'viewBox="0 0 {CHART_WIDTH} {height:.0f}" role="img" aria-label="{_e(title)}">'
-        f"{''.join(ticks)}{''.join(body)}</svg>"
-    )
+        x = f"{mid + plot_w / 2 * i / 2:.1f}"
+        stroke = ZERO if i == 0 else GRID
+        ticks.append({"kind": "line", "x1": x, "y1": 8, "x2": x, "y2": f"{bottom:.1f}"})
+        ticks[-1]["stroke"] = stroke
+        label = f"{vmax * i / 2:+g}%"
+        ticks.append(_text(x, f"{bottom + 14:.1f}", label, anchor="middle", fill=MUTED))
+    return Chart(title, f"{bottom + 24:.0f}", ticks + body)
 
 
 def line_chart(
@@ -245,7 +232,7 @@ def line_chart(
     series: Sequence[tuple[str, Sequence[float | None]]],
     tips: Sequence[Sequence[str]],
     unit: str,
-) -> str:
+) -> Chart:
     """Lines over runs; xlabels are (tick text, full run id), tips one hover text per point.
 
     A missing point (case absent or without that workload) breaks its line. The y axis spans
@@ -263,154 +250,95 @@ def line_chart(
     hi = step * math.ceil(hi / step + 0.5)
     n = len(xlabels)
 
-    def px(i: int) -> float:
-        return left + (plot_w * i / (n - 1) if n > 1 else plot_w / 2)
+    def px(i: int) -> str:
+        return f"{left + (plot_w * i / (n - 1) if n > 1 else plot_w / 2):.1f}"
 
-    def py(v: float) -> float:
-        return top + plot_h * (1 - (v - lo) / (hi - lo))
+    def py(v: float) -> str:
+        return f"{top + plot_h * (1 - (v - lo) / (hi - lo)):.1f}"
 
-    parts = []
+    def rule(v: float, stroke: str) -> dict[str, Any]:
+        y = py(v)
+        return {"kind": "line", "x1": left, "y1": y, "x2": left + plot_w, "y2": y, "stroke": stroke}
+
+    out: list[dict[str, Any]] = []
     for k in range(round((hi - lo) / step) + 1):
         v = lo + step * k
-        parts.append(
-            f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + plot_w}" y2="{py(v):.1f}" '
-            f'stroke="#e0e0e0"/><text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end" '
-            f'fill="{MUTED}">{"0" if abs(v) < step / 1e6 else f"{v:+g}"}</text>'
-        )
-    parts.append(
-        f'<line x1="{left}" y1="{py(0.0):.1f}" x2="{left + plot_w}" y2="{py(0.0):.1f}" '
-        'stroke="#9e9e9e"/>'
-    )
+        out.append(rule(v, GRID))
+        label = "0" if abs(v) < step / 1e6 else f"{v:+g}"
+        y = f"{top + plot_h * (1 - (v - lo) / (hi - lo)) + 4:.1f}"
+        out.append(_text(left - 6, y, label, anchor="end", fill=MUTED))
+    out.append(rule(0.0, ZERO))
     bottom = top + plot_h
     for i, (tick, full) in enumerate(xlabels):
-        parts.append(
-            f'<text x="{px(i):.1f}" y="{bottom + 14}" text-anchor="end" fill="{MUTED}" '
-            f'transform="rotate(-30 {px(i):.1f} {bottom + 14})"><title>{_e(full)}</title>'
-            f"{_e(tick)}</text>"
-        )
-    legend = []
+        turn = f"rotate(-30 {px(i)} {bottom + 14})"
+        out.append(_text(px(i), bottom + 14, tick, anchor="end", fill=MUTED, transform=turn))
+        out[-1]["title"] = full
+    chart = Chart(title, str(bottom + 80), note=f"{unit}. Hover a point for its run and tok/s.")
     for si, ((name, vs), tip) in enumerate(zip(series, tips, strict=True)):
         colour = PALETTE[si % len(PALETTE)]
         dash = DASHES[(si // len(PALETTE)) % len(DASHES)]
-        legend.append((name, colour, dash))
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        segment: list[str] = []
-        segments = [segment]
+        chart.legend.append(_swatch(name, colour, dash))
+        segments: list[list[str]] = [[]]
         for i, v in enumerate(vs):
             if v is None:
-                segment = []
-                segments.append(segment)
+                segments.append([])
                 continue
-            segment.append(f"{px(i):.1f},{py(v):.1f}")
-            parts.append(
-                f'<circle cx="{px(i):.1f}" cy="{py(v):.1f}" r="3" fill="{colour}">'
-                f"<title>{_e(tip[i])}</title></circle>"
-            )
-        parts += [
-            f'<polyline points="{" ".join(s)}" fill="none" stroke="{colour}" '
-            f'stroke-width="2"{dash_attr}/>'
+            segments[-1].append(f"{px(i)},{py(v)}")
+            out.append({"kind": "circle", "cx": px(i), "cy": py(v), "r": 3, "fill": colour})
+            out[-1]["title"] = tip[i]
+        out += [
+            {"kind": "polyline", "points": " ".join(s), "stroke": colour, "dash": dash}
             for s in segments
             if len(s) > 1
         ]
-    height = bottom + 80
-    return (
-        f"<h3>{_e(title)}</h3>{_legend(legend)}"
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_WIDTH}" height="{height}" '
-        f'viewBox="0 0 {CHART_WIDTH} {height}" role="img" aria-label="{_e(title)}">'
-        f"{''.join(parts)}</svg>"
-        f'<p class="muted">{_e(unit)}. Hover a point for its run and tok/s.</p>'
-    )
+    chart.elements = out
+    return chart
 
 
 # --------------------------------------------------------------------------- page sections
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]], left: int) -> str:
-    """An HTML table of already-escaped cells; the first `left` columns are text, left-aligned."""
-    th = "".join(f"<th{' class=l' if i < left else ''}>{h}</th>" for i, h in enumerate(header))
-    rows = [
-        "<tr>"
-        + "".join(f"<td{' class=l' if i < left else ''}>{c}</td>" for i, c in enumerate(r))
-        + "</tr>"
-        for r in body
-    ]
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-
-
-def topology_table_html(run: Run, metric: str) -> str:
+def _topology_table(run: Run, metric: str) -> dict[str, Any]:
     """The seeds' table (Model | TP | DCP | MTP | [Variant] | columns | Errors | Status)."""
-    cols = run.columns
     multi = len(run.variants) > 1
     header = ["Model", "TP", "DCP", "MTP"] + (["Variant"] if multi else [])
-    header = [_e(h) for h in header] + [_e(c) for _, c in cols] + ["Errors", "Status"]
-    body = []
+    header += [c for _, c in run.columns] + ["Errors"]
+    rows = []
     for r in run.ordered:
-        line = [_e(r.model), _e(r.tp), _e(r.dcp), _e(r.mtp)]
-        if multi:
-            line.append(_e(r.variant))
-        line += [_e(_fmt(r.mean_of(name, metric))) for name, _ in cols]
-        line += [
-            _e(r.errors),
-            '<span class="pill ok">ok</span>'
-            if r.passed
-            else '<span class="pill bad">FAILED</span>',
-        ]
-        body.append(line)
-    return _table(header, body, left=1)
+        cells: list[Any] = [r.model, r.tp, r.dcp, r.mtp] + ([r.variant] if multi else [])
+        cells += [_fmt(r.mean_of(name, metric)) for name, _ in run.columns] + [r.errors]
+        rows.append({"cells": cells, "passed": r.passed})
+    return {"header": header, "rows": rows}
 
 
-def _latency_section(run: Run) -> str:
-    header, body = latency_table(run)
-    if not body:
-        return ""
-    table = _table([_e(h) for h in header], [[_e(c) for c in r] for r in body], left=2)
-    return f"<h2>Latency per request (ms)</h2><p>{_e(LATENCY_NOTE)}</p>{table}"
-
-
-def _throughput_charts(run: Run) -> str:
-    variants = run.variants
-    ordered = run.ordered
-    if not ordered:
-        return '<p class="muted">No case has finished yet.</p>'
+def _throughput_charts(run: Run) -> list[Chart]:
     topologies: dict[str, dict[str, CaseResult]] = {}
-    for r in ordered:
+    for r in run.ordered:
         topologies.setdefault(r.topology_id, {})[r.variant] = r
     out = []
     for name, column in run.columns:
         groups = [
             (
                 topo,
-                [(v, by_v[v].mean_of(name), not by_v[v].passed) for v in variants if v in by_v],
+                [(v, by_v[v].mean_of(name), not by_v[v].passed) for v in run.variants if v in by_v],
             )
             for topo, by_v in topologies.items()
         ]
-        out.append(bar_chart(f"{column}: aggregate output tok/s per topology", groups, variants))
-    return "".join(out)
+        out.append(
+            bar_chart(f"{column}: aggregate output tok/s per topology", groups, run.variants)
+        )
+    return out
 
 
-def _delta_section(run: Run) -> str:
-    deltas = paired_deltas(run)
-    if not deltas:
-        return ""
-    by_pair: dict[tuple[str, str], list[PairedDelta]] = {}
-    for d in deltas:
-        by_pair.setdefault((d.baseline, d.candidate), []).append(d)
-    out = ["<h2>Paired variants</h2>"]
-    for (base, cand), ds in by_pair.items():
-        items = [(f"{d.topology_id} {d.column}", d.delta_pct) for d in ds]
-        out.append(delta_chart(f"{cand} vs {base}: aggregate tok/s delta", items))
-    return "".join(out)
-
-
-def _tokens_section(run: Run) -> str:
-    """The same_tokens checks (orchestrator/tokens.py), one line each, as report.md has them."""
-    items = [
-        f"<li>{_e(topo)} {_e(w)}: <b>{_e(verdict)}</b> &mdash; {_e(sentence)}</li>"
-        for topo, w, verdict, sentence in token_checks(run)
+def _delta_charts(run: Run) -> list[Chart]:
+    by_pair: dict[tuple[str, str], list[tuple[str, float | None]]] = {}
+    for d in paired_deltas(run):
+        item = (f"{d.topology_id} {d.column}", d.delta_pct)
+        by_pair.setdefault((d.baseline, d.candidate), []).append(item)
+    return [
+        delta_chart(f"{cand} vs {base}: aggregate tok/s delta", items)
+        for (base, cand), items in by_pair.items()
     ]
-    if not items:
-        return ""
-    return "<h2>Same tokens (greedy, request by request)</h2><ul>" + "".join(items) + "</ul>"
 
 
 def _run_label(run: Run) -> str:
@@ -418,17 +346,18 @@ def _run_label(run: Run) -> str:
     return created[:16].replace("T", " ") if created else str(run.manifest.run_id)
 
 
-def _trend_section(run: Run, history: Sequence[Run]) -> str:
+def _trend(run: Run, history: Sequence[Run]) -> tuple[int, list[Chart]]:
+    """(runs shown, one chart per workload column); no runs without two of them."""
     # The current run is the last point; it is added if the caller's history left it out.
     current = run.root.resolve()
     runs = [h for h in history if h.root.resolve() != current] + [run]
     runs.sort(key=lambda h: str(h.manifest.created_at or ""))
     runs = runs[-MAX_TREND_RUNS:]
     if len(runs) < 2:
-        return ""
+        return 0, []
     xlabels = [(_run_label(h), str(h.manifest.run_id)) for h in runs]
     by_run = [{r.case_id: r for r in h.results} for h in runs]
-    out = [f"<h2>Trend over {len(runs)} runs</h2>"]
+    charts = []
     # Relative to each case's first run in the window: absolute tok/s of 60-125 on one axis
     # flatten a 5% regression into a pixel; as % change every case's drift reads the same.
     for name, column in run.columns:
@@ -449,7 +378,7 @@ def _trend_section(run: Run, history: Sequence[Run]) -> str:
                 ]
             )
         if series:
-            out.append(
+            charts.append(
                 line_chart(
                     f"{column}: aggregate output tok/s per case, change since its first run",
                     xlabels,
@@ -458,69 +387,40 @@ def _trend_section(run: Run, history: Sequence[Run]) -> str:
                     unit="% change of aggregate tok/s against the case's first run shown",
                 )
             )
-    return "".join(out)
+    return len(runs), charts
 
 
-def _comparison_section(comparison: Comparison) -> str:
-    pill = (
-        '<span class="pill ok">no regression</span>'
-        if comparison.ok
-        else '<span class="pill bad">REGRESSION</span>'
-    )
-    out = [
-        f"<h2>Comparison with {_e(comparison.base_run)}</h2><p>{pill} {_e(comparison.verdict())}</p>"
-    ]
-    if comparison.regressions:
-        out.append("<ul>")
-        out += [f"<li><b>{_e(r.case_id)}</b>: {_e(r.message)}</li>" for r in comparison.regressions]
-        out.append("</ul>")
-    if comparison.new_findings:
-        out.append("<h3>New findings</h3><ul>")
-        out += [
-            f'<li>{_e(f.case_id)}: <span class="pill sev-{_e(f.severity)}">{_e(f.severity)}</span> '
-            f"<code>{_e(f.signature)}</code> {_e(f.location)}: <code>{_e(f.text)}</code></li>"
-            for f in comparison.new_findings
-        ]
-        out.append("</ul>")
-    if comparison.cleared_findings:
-        out.append("<h3>Cleared findings</h3><ul>")
-        out += [
-            f"<li>{_e(f.case_id)}: <code>{_e(f.signature)}</code> ({_e(f.severity)})</li>"
-            for f in comparison.cleared_findings
-        ]
-        out.append("</ul>")
-    return "".join(out)
-
-
-def _finding_html(case_id: str, f: Finding) -> str:
-    sev = str(f.severity or "")
-    lines = [_e(x) for x in f.context_before]
-    lines.append(f"<mark>{_e(f.text)}</mark>")
-    lines += [_e(x) for x in f.context_after]
-    notes = "".join(
-        f'<div class="muted">{label}: {_e(value)}</div>'
-        for value, label in ((f.meaning, "Meaning"), (f.action, "Action"))
-        if value
-    )
-    return (
-        f'<div class="finding"><div><span class="pill sev-{_e(sev)}">{_e(sev)}</span> '
-        f"<b>{_e(case_id)}</b> <code>{_e(f.signature)}</code> "
-        f"({_e(f.category)})</div>"
-        f'<div class="where">{_e(f.location())}</div>'
-        f'<pre class="excerpt">{chr(10).join(lines)}</pre>{notes}</div>'
-    )
-
-
-def _audit_section(run: Run) -> str:
-    out = ["<h2>Log audit</h2>", f"<p>{_e(audit_sentence(run.results))}</p>"]
+def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> dict[str, Any]:
+    """Everything the template shows, computed: the run's figures, tables and charts."""
+    m = run.manifest
+    ordered = run.ordered
+    failed = [r for r in ordered if not r.passed]
+    latency_header, latency_body = latency_table(run)
+    trend_runs, trend_charts = _trend(run, history)
     listed = findings(run)
-    out += [_finding_html(cid, f) for cid, f in listed[:MAX_FINDINGS]]
-    if len(listed) > MAX_FINDINGS:
-        out.append(
-            f'<p class="muted">{len(listed) - MAX_FINDINGS} more findings are in each '
-            "case's audit.json.</p>"
-        )
-    return "".join(out)
+    return {
+        "run_id": run.run_id,
+        "status": "bad" if failed else "warn" if len(ordered) < len(m.cases) else "ok",
+        "matrix_path": m.matrix_path or "",
+        "matrix_name": m.matrix.get("name", ""),
+        "created_at": m.created_at or "-",
+        "finished": len(ordered),
+        "total": len(m.cases),
+        "versions": {name: m.version(name) for name in ("vllm", "fusedq", "torch", "ray")},
+        "commit": m.commit,
+        "comparison": comparison,
+        "tables": [_topology_table(run, "aggregate_tok_s"), _topology_table(run, "per_user_tok_s")],
+        "throughput_charts": _throughput_charts(run) if ordered else [],
+        "latency": {"note": LATENCY_NOTE, "header": latency_header, "body": latency_body},
+        "delta_charts": _delta_charts(run),
+        "token_checks": token_checks(run),
+        "trend_runs": trend_runs,
+        "trend_charts": trend_charts,
+        "failed": failed,
+        "audit_sentence": audit_sentence(run.results),
+        "findings": listed[:MAX_FINDINGS],
+        "more_findings": max(0, len(listed) - MAX_FINDINGS),
+    }
 
 
 def render_html(
@@ -529,55 +429,8 @@ def render_html(
     comparison: Comparison | None = None,
 ) -> str:
     """The whole page as a string; `history` adds the trend, `comparison` its verdict."""
-    m = run.manifest
-    ordered = run.ordered
-    failed = [r for r in ordered if not r.passed]
-    status = (
-        '<span class="pill bad">FAILED</span>'
-        if failed
-        else '<span class="pill warn">incomplete</span>'
-        if len(ordered) < len(m.cases)
-        else '<span class="pill ok">all passed</span>'
-    )
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>Run {_e(run.run_id)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>Run {_e(run.run_id)} {status}</h1>",
-        f"<p>Matrix <code>{_e(m.matrix_path or '')}</code> "
-        f"({_e(m.matrix.get('name', ''))}), created {_e(m.created_at or '-')}; "
-        f"{len(ordered)}/{len(m.cases)} cases finished, {len(failed)} failed. "
-        f"vLLM {_e(m.version('vllm'))}, fusedq {_e(m.version('fusedq'))}, "
-        f"torch {_e(m.version('torch'))}, Ray {_e(m.version('ray'))}, "
-        f"commit <code>{_e(m.commit)}</code>.</p>",
-    ]
-    if comparison is not None:
-        parts.append(_comparison_section(comparison))
-    parts += [
-        "<h2>Aggregate output tok/s</h2>",
-        "<p>Mean over repeats of aggregate output tok/s; every long-context case includes the "
-        "prefill-to-decode transition. Servers were measured one at a time.</p>",
-        topology_table_html(run, "aggregate_tok_s"),
-        _throughput_charts(run),
-        "<h2>Active per-user output tok/s (time to first token excluded)</h2>",
-        topology_table_html(run, "per_user_tok_s"),
-        _latency_section(run),
-        _delta_section(run),
-        _tokens_section(run),
-        _trend_section(run, history or []),
-    ]
-    if failed:
-        # A reason is its root cause, what happened and the log's last lines: preformatted,
-        # or the lines run together into one paragraph.
-        parts.append("<h2>Failed cases</h2><ul>")
-        parts += [
-            f'<li><b>{_e(r.case_id)}</b><pre class="excerpt reason">{_e(r.reason)}</pre></li>'
-            for r in failed
-        ]
-        parts.append("</ul>")
-    parts += [_audit_section(run), "</body></html>"]
-    return "\n".join(p for p in parts if p) + "\n"
+    template = _ENV.get_template("report.html.j2")
+    return template.render(page=_page(run, history or [], comparison))
 
 
 def write_html(

@@ -10,10 +10,11 @@ failed. See root cause above." chain.
 
 from __future__ import annotations
 
-import html
 import importlib.util
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import markupsafe
 
 from orchestrator.audit import Finding, audit_logs, mark_root_cause
 from orchestrator.case_run import REASON_TAIL_LINES, failure_reason
@@ -119,7 +120,8 @@ def test_every_report_shows_the_root_cause_first_and_the_tail_preformatted(tmp_p
     assert "  ````text\n" + "".join(f"  {x}\n" for x in rest.splitlines()) + "  ````" in section
 
     page = render_html(store)
-    assert f'<pre class="excerpt reason">{html.escape(reason, quote=True)}</pre>' in page
+    # Escaped as the page's template escapes (autoescape: ' and " as &#39; and &#34;).
+    assert f'<pre class="excerpt reason">{markupsafe.escape(reason)}</pre>' in page
 
     root = ET.fromstring(render_junit(store).encode())
     [failure] = [f for f in root.iter("failure") if f.get("type") == "failed"]

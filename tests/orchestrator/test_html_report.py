@@ -118,7 +118,7 @@ def test_log_text_is_escaped_and_page_is_self_contained(nightly_like):
     assert "<script" not in page and "<img" not in page and "</pre></body>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in page
     assert "decode step 812 &lt;ok&gt; &amp; fine" in page  # context lines too
-    assert "&lt;img src=x onerror=&quot;alert(2)&quot;&gt; &amp; &lt;/pre&gt;" in page
+    assert "&lt;img src=x onerror=&#34;alert(2)&#34;&gt; &amp; &lt;/pre&gt;" in page
     # Self-contained: no element that fetches or runs anything, no attribute that points
     # elsewhere, no CSS import (the SVG namespace is a name, not a fetch).
     tags = _Tags()
