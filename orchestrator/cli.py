@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from orchestrator.runner import RunSummary
 
 app = typer.Typer(
     add_completion=False,
@@ -115,6 +118,13 @@ def run(
             "orchestrator: interrupted; finished cases are kept, continue with --resume", err=True
         )
         raise typer.Exit(130) from None
+    _print_outcome(summary)
+    if summary.failed:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+def _print_outcome(summary: RunSummary) -> None:
+    """Where the run went, what it skipped, its closing table, and each failed case's reason."""
     report = summary.run_dir / "report.md"
     typer.echo(f"run directory: {summary.run_dir}")
     typer.echo(f"report: {report}")
@@ -132,7 +142,6 @@ def run(
                 reason = str(row.reason).replace("\n", "\n    ")
                 typer.echo(f"FAILED {row.case_id}{when}: {reason}", err=True)
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
-        raise typer.Exit(EXIT_FINDINGS)
 
 
 def _print_summary(run_dir: Path) -> None:

@@ -158,16 +158,9 @@ def _summarise_bench(rows: list[dict[str, Any]] | None) -> dict[str, Any]:
     return out
 
 
-def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
-    """Run every round; return the result (also written to the output directory)."""
-    from orchestrator.audit import audit_logs
-    from orchestrator.launch import Launcher, LaunchError
-    from orchestrator.matrix import expand
-    from orchestrator.probes import git_commit
-    from orchestrator.store import write_json_atomic, write_text_atomic
-
-    tps = sorted(set(opts.tps))
-    if not tps or any(t < 1 for t in tps):
+def _checked_out_dir(opts: GpuCheckOptions) -> Path:
+    """The options' mistakes, each named, before anything starts; the output directory made."""
+    if not opts.tps or any(t < 1 for t in opts.tps):
         raise GpuCheckError(f"--tp: {list(opts.tps)} must be positive GPU counts")
     if opts.tests is not None and not (opts.tests / "conftest.py").exists():
         raise GpuCheckError(f"--tests: {opts.tests} is not the fusedq test directory")
@@ -175,6 +168,28 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
     if out.exists() and any(out.iterdir()):
         raise GpuCheckError(f"--out: {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _worker_env(opts: GpuCheckOptions) -> dict[str, str]:
+    worker_env = {"PYTHONUNBUFFERED": "1"}
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        # NVLink multicast stays off in every process (the shared hosts' rule), whatever the
+        # caller's environment says.
+        worker_env[key] = "0" if key == "NCCL_NVLS_ENABLE" else "1"
+    if opts.allow_cpu:
+        worker_env["TRITON_INTERPRET"] = "1"
+    return worker_env
+
+
+def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
+    """Run every round; return the result (also written to the output directory)."""
+    from orchestrator.audit import audit_logs
+    from orchestrator.launch import Launcher
+    from orchestrator.probes import git_commit
+    from orchestrator.store import write_json_atomic, write_text_atomic
+
+    out = _checked_out_dir(opts)
     started = dt.datetime.now(dt.timezone.utc)
     commit = git_commit()["commit"]
     result: dict[str, Any] = {
@@ -183,14 +198,7 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
         "heads": opts.heads,
         "rounds": [],
     }
-    worker_env = {"PYTHONUNBUFFERED": "1"}
-    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        # NVLink multicast stays off in every process (the shared hosts' rule), whatever the
-        # caller's environment says.
-        worker_env[key] = "0" if key == "NCCL_NVLS_ENABLE" else "1"
-    if opts.allow_cpu:
-        worker_env["TRITON_INTERPRET"] = "1"
-
+    worker_env = _worker_env(opts)
     base = _round_matrix(1, 1, opts.heads, _PORT_HOST)
     t0 = time.monotonic()
     with Launcher(
@@ -198,47 +206,10 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
     ) as launcher:
         result["cluster"] = launcher.cluster
         result["fusedq_fingerprint"] = launcher.driver_fingerprints.get("fusedq")
-        nodes = launcher.cluster["nodes"]
-        for tp in tps:
-            fits = sum(n["gpus"] // tp for n in nodes)
+        for tp in sorted(set(opts.tps)):
             rnd: dict[str, Any] = {"tp": tp, "bundles": []}
             result["rounds"].append(rnd)
-            if fits == 0:
-                rnd["skipped"] = (
-                    f"no node has {tp} GPUs (largest: {max((n['gpus'] for n in nodes), default=0)})"
-                )
-                opts.log(f"tp{tp}: skipped: {rnd['skipped']}")
-                continue
-            heads, note = bench_heads(tp, opts.heads)
-            if note:
-                rnd["bench_note"] = note
-            opts.log(f"tp{tp}: placing {fits} bundle(s) of {tp} GPU(s) side by side")
-            cases = expand(_round_matrix(tp, fits, opts.heads, _PORT_HOST))
-            handles = []
-            try:
-                for case in cases:
-                    handles.append(launcher.place(case, opts.placement_timeout_s))
-            except LaunchError as exc:
-                rnd["error"] = str(exc)
-                opts.log(f"tp{tp}: {exc}")
-                for h in handles:
-                    launcher.release(h)
-                continue
-            try:
-                for h in handles:
-                    _start_worker(launcher, h, tp, heads, opts, out, worker_env, commit)
-                _wait_all(launcher, handles, opts.round_timeout_s)
-            finally:
-                for h in handles:
-                    # stop() copies a remote node's log while the actor that reads it lives.
-                    h.info["exit_code"] = launcher.stop(
-                        h, grace_s=5.0, log_dest=out / f"tp{tp}-{h.case.variant.name}.log"
-                    )
-            cuda = not opts.allow_cpu
-            for h in handles:
-                rnd["bundles"].append(_bundle_entry(h, tp, out))
-            rnd["placement_problems"] = placement_problems(tp, rnd["bundles"], cuda=cuda)
-            opts.log(_round_line(rnd))
+            _run_round(launcher, rnd, opts, out, worker_env, commit)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     audit = audit_logs([out], since=started, include_kernel_log=True, include_gpu_state=True)
     result["audit"] = {
@@ -250,6 +221,59 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
     write_json_atomic(out / "gpu-check.json", result)
     write_text_atomic(out / "gpu-check.md", render_markdown(result))
     return result
+
+
+def _run_round(
+    launcher: Any,
+    rnd: dict[str, Any],
+    opts: GpuCheckOptions,
+    out: Path,
+    worker_env: dict[str, str],
+    commit: str | None,
+) -> None:
+    """One round: as many bundles of `rnd["tp"]` GPUs as the nodes hold, side by side, each
+    running the worker; what each saw goes into `rnd`."""
+    from orchestrator.launch import LaunchError
+    from orchestrator.matrix import expand
+
+    tp = rnd["tp"]
+    nodes = launcher.cluster["nodes"]
+    fits = sum(n["gpus"] // tp for n in nodes)
+    if fits == 0:
+        rnd["skipped"] = (
+            f"no node has {tp} GPUs (largest: {max((n['gpus'] for n in nodes), default=0)})"
+        )
+        opts.log(f"tp{tp}: skipped: {rnd['skipped']}")
+        return
+    heads, note = bench_heads(tp, opts.heads)
+    if note:
+        rnd["bench_note"] = note
+    opts.log(f"tp{tp}: placing {fits} bundle(s) of {tp} GPU(s) side by side")
+    cases = expand(_round_matrix(tp, fits, opts.heads, _PORT_HOST))
+    handles = []
+    try:
+        for case in cases:
+            handles.append(launcher.place(case, opts.placement_timeout_s))
+    except LaunchError as exc:
+        rnd["error"] = str(exc)
+        opts.log(f"tp{tp}: {exc}")
+        for h in handles:
+            launcher.release(h)
+        return
+    try:
+        for h in handles:
+            _start_worker(launcher, h, tp, heads, opts, out, worker_env, commit)
+        _wait_all(launcher, handles, opts.round_timeout_s)
+    finally:
+        for h in handles:
+            # stop() copies a remote node's log while the actor that reads it lives.
+            h.info["exit_code"] = launcher.stop(
+                h, grace_s=5.0, log_dest=out / f"tp{tp}-{h.case.variant.name}.log"
+            )
+    for h in handles:
+        rnd["bundles"].append(_bundle_entry(h, tp, out))
+    rnd["placement_problems"] = placement_problems(tp, rnd["bundles"], cuda=not opts.allow_cpu)
+    opts.log(_round_line(rnd))
 
 
 def _start_worker(

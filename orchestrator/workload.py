@@ -319,6 +319,48 @@ def _token_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
     ]
 
 
+def _take_chunk(rec: RequestRecord, chunk: dict[str, Any], now: float) -> int:
+    """Record one streamed chunk's choices into `rec`; the number of tokens it carried."""
+    record = rec.token_ids is not None
+    counted = 0
+    for choice in chunk.get("choices") or []:
+        ids = choice.get("token_ids")
+        n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
+        if choice.get("finish_reason"):
+            rec.finish_reason = choice["finish_reason"]
+        if record and ids:
+            rec.token_ids.extend(int(i) for i in ids)
+            rec.top_logprobs.extend(_token_logprobs(choice))
+        if n == 0:
+            continue
+        if rec.first_token_s is None:
+            rec.first_token_s = now
+        rec.chunk_s.append(now)
+        rec.chunk_tokens.append(n)
+        counted += n
+    return counted
+
+
+def _check_answer(rec: RequestRecord, usage: dict[str, Any] | None, counted: int) -> None:
+    """Fill `rec`'s token counts from usage (else the streamed count) and hold the answer to
+    the exact-length contract: a mismatch means the numbers describe another workload."""
+    try:
+        rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
+        rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
+    except (KeyError, TypeError, ValueError) as exc:
+        rec.error = f"malformed usage {usage!r}: {exc}"[:500]
+        return
+    problems = []
+    if rec.prompt_tokens != rec.requested_prompt_tokens:
+        problems.append(f"prompt_tokens {rec.prompt_tokens} != {rec.requested_prompt_tokens}")
+    if rec.output_tokens != rec.requested_output_tokens:
+        problems.append(f"output_tokens {rec.output_tokens} != {rec.requested_output_tokens}")
+    if rec.first_token_s is None:
+        problems.append("no token streamed")
+    if problems:
+        rec.error = "; ".join(problems)
+
+
 async def _one_request(
     client: httpx.AsyncClient,
     model: str,
@@ -351,20 +393,8 @@ async def _one_request(
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                for choice in chunk.get("choices") or []:
-                    ids = choice.get("token_ids")
-                    n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
-                    if choice.get("finish_reason"):
-                        rec.finish_reason = choice["finish_reason"]
-                    if record and ids:
-                        rec.token_ids.extend(int(i) for i in ids)
-                        rec.top_logprobs.extend(_token_logprobs(choice))
-                    if n == 0:
-                        continue
-                    if rec.first_token_s is None:
-                        rec.first_token_s = now
-                    rec.chunk_s.append(now)
-                    rec.chunk_tokens.append(n)
+                n = _take_chunk(rec, chunk, now)
+                if n:
                     counted += n
                     on_tokens(n)
 
@@ -383,151 +413,156 @@ async def _one_request(
         rec.error = f"{type(exc).__name__}: {exc}"[:500]
     if rec.end_s is None:
         rec.end_s = time.monotonic() - t0
-    if rec.error is not None:
-        return timed_out
-    try:
-        rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
-        rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
-    except (KeyError, TypeError, ValueError) as exc:
-        rec.error = f"malformed usage {usage!r}: {exc}"[:500]
-        return
-    # The exact-length contract: a mismatch means the numbers describe another workload.
-    problems = []
-    if rec.prompt_tokens != rec.requested_prompt_tokens:
-        problems.append(f"prompt_tokens {rec.prompt_tokens} != {rec.requested_prompt_tokens}")
-    if rec.output_tokens != rec.requested_output_tokens:
-        problems.append(f"output_tokens {rec.output_tokens} != {rec.requested_output_tokens}")
-    if rec.first_token_s is None:
-        problems.append("no token streamed")
-    if problems:
-        rec.error = "; ".join(problems)
-    return False
+    if rec.error is None:
+        _check_answer(rec, usage, counted)
+    return timed_out
 
 
-async def _run_repeat(
-    client: httpx.AsyncClient,
-    model: str,
-    params: WorkloadParams,
-    repeat: int,
-    *,
-    vocab_size: int,
-    seed: int,
-    timeout_s: float,
-    alive: Callable[[], bool] | None,
-    progress: Callable[[dict[str, Any]], None] | None,
-    deadline: float | None = None,
-) -> list[RequestRecord]:
-    records: list[RequestRecord] = []
-    total = params.total_requests
-    t0 = time.monotonic()
-    end_at = t0 + params.duration_s if params.duration_s is not None else math.inf
-    next_index = 0
-    tokens = 0
+class _Repeat:
+    """One repeat of a workload: `concurrency` users sending requests, and a monitor that
+    watches the server and the case deadline and reports progress."""
 
-    def count(n: int) -> None:
-        nonlocal tokens
-        tokens += n
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        model: str,
+        params: WorkloadParams,
+        repeat: int,
+        *,
+        vocab_size: int,
+        seed: int,
+        timeout_s: float,
+        alive: Callable[[], bool] | None,
+        progress: Callable[[dict[str, Any]], None] | None,
+        deadline: float | None,
+    ) -> None:
+        self.client, self.model, self.params, self.repeat = client, model, params, repeat
+        self.vocab_size, self.seed, self.timeout_s = vocab_size, seed, timeout_s
+        self.alive, self.progress, self.deadline = alive, progress, deadline
+        self.records: list[RequestRecord] = []
+        self.total = params.total_requests
+        self.t0 = time.monotonic()
+        self.end_at = self.t0 + params.duration_s if params.duration_s is not None else math.inf
+        self.next_index = 0
+        self.tokens = 0
 
-    def report() -> None:
-        if progress is None:
+    def count(self, n: int) -> None:
+        self.tokens += n
+
+    def report(self) -> None:
+        if self.progress is None:
             return
+        params, records = self.params, self.records
         done = sum(1 for r in records if r.end_s is not None)
-        elapsed = time.monotonic() - t0
+        elapsed = time.monotonic() - self.t0
         info = {
             "workload": params.name,
-            "repeat": repeat + 1,
+            "repeat": self.repeat + 1,
             "repeats": params.repeats,
             "done": done,
-            "total": total,
+            "total": self.total,
             "errors": sum(1 for r in records if r.error),
             "elapsed_s": round(elapsed, 2),
-            "tok_s": round(tokens / elapsed, 2) if elapsed > 0 else 0.0,
+            "tok_s": round(self.tokens / elapsed, 2) if elapsed > 0 else 0.0,
         }
         if params.duration_s is not None:
             info["duration_s"] = params.duration_s
         try:
-            progress(info)
+            self.progress(info)
         except Exception:  # a broken live view must not cost a measurement
             log.exception("progress callback failed")
 
-    async def user(u: int) -> None:
-        nonlocal next_index
-        while True:
-            if total is not None and next_index >= total:
-                return
-            if time.monotonic() >= end_at:
-                return
-            i = next_index
-            next_index += 1
-            prompt = make_prompt(
-                params.prompt_tokens,
-                vocab_size=vocab_size,
-                seed=seed,
-                key=f"{params.name}/{repeat}/{i}",
+    def where(self) -> str:
+        done = sum(1 for r in self.records if r.end_s is not None and r.error is None)
+        return f"workload {self.params.name!r} (repeat {self.repeat + 1}, {done} requests done)"
+
+    def _next_request(self, u: int) -> tuple[list[int], RequestRecord] | None:
+        """The next request's prompt and record for user `u`, or None when the repeat has
+        sent enough. The prompt is made before the clock starts: it is not server time."""
+        if self.total is not None and self.next_index >= self.total:
+            return None
+        if time.monotonic() >= self.end_at:
+            return None
+        i = self.next_index
+        self.next_index += 1
+        params = self.params
+        prompt = make_prompt(
+            params.prompt_tokens,
+            vocab_size=self.vocab_size,
+            seed=self.seed,
+            key=f"{params.name}/{self.repeat}/{i}",
+        )
+        rec = RequestRecord(
+            repeat=self.repeat,
+            index=i,
+            user=u,
+            started_at=time.time(),
+            start_s=time.monotonic() - self.t0,
+            requested_prompt_tokens=params.prompt_tokens,
+            requested_output_tokens=params.output_tokens,
+            token_ids=[] if params.record_tokens else None,
+            top_logprobs=[] if params.record_tokens else None,
+        )
+        self.records.append(rec)
+        return prompt, rec
+
+    async def user(self, u: int) -> None:
+        params = self.params
+        while (request := self._next_request(u)) is not None:
+            prompt, rec = request
+            timed_out = await _one_request(
+                self.client, self.model, prompt, rec, self.t0, self.timeout_s, self.count
             )
-            rec = RequestRecord(
-                repeat=repeat,
-                index=i,
-                user=u,
-                started_at=time.time(),
-                start_s=time.monotonic() - t0,
-                requested_prompt_tokens=params.prompt_tokens,
-                requested_output_tokens=params.output_tokens,
-                token_ids=[] if params.record_tokens else None,
-                top_logprobs=[] if params.record_tokens else None,
-            )
-            records.append(rec)
-            timed_out = await _one_request(client, model, prompt, rec, t0, timeout_s, count)
-            report()
+            self.report()
             if timed_out:
                 raise WorkloadTimeoutError(
-                    f"request {i} of workload {params.name!r} (repeat {repeat + 1}) got no "
-                    f"complete answer within the request timeout ({timeout_s:.0f} s)"
+                    f"request {rec.index} of workload {params.name!r} (repeat {self.repeat + 1})"
+                    f" got no complete answer within the request timeout ({self.timeout_s:.0f} s)"
                 )
             if rec.error and params.duration_s is not None:
                 await asyncio.sleep(_ERROR_BACKOFF_S)
 
-    def where() -> str:
-        done = sum(1 for r in records if r.end_s is not None and r.error is None)
-        return f"workload {params.name!r} (repeat {repeat + 1}, {done} requests done)"
-
-    async def monitor() -> None:
+    async def monitor(self) -> None:
         last = time.monotonic()
         while True:
             await asyncio.sleep(_MONITOR_S)
-            if alive is not None and not await asyncio.to_thread(alive):
-                raise ServerDiedError(f"server died during {where()}")
-            if deadline is not None and time.monotonic() > deadline:
-                raise WorkloadTimeoutError(f"case deadline passed during {where()}")
+            if self.alive is not None and not await asyncio.to_thread(self.alive):
+                raise ServerDiedError(f"server died during {self.where()}")
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise WorkloadTimeoutError(f"case deadline passed during {self.where()}")
             if time.monotonic() - last >= _PROGRESS_EVERY_S:
                 last = time.monotonic()
-                report()
+                self.report()
 
-    users = [asyncio.ensure_future(user(u)) for u in range(params.concurrency)]
-    watch = asyncio.ensure_future(monitor())
-    try:
-        pending: set[asyncio.Future[None]] = {*users, watch}
-        while not all(u.done() for u in users):
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                # The monitor only ends by raising; a user ends by raising on a timeout.
-                exc = task.exception()
-                if exc is None:
-                    continue
-                if isinstance(exc, WorkloadAborted):
-                    exc.records = [asdict(r) for r in records]
-                raise exc
-    finally:
-        # Every other user stops too: its numbers would describe a broken server.
-        for task in (*users, watch):
-            task.cancel()
-        await asyncio.gather(*users, watch, return_exceptions=True)
-    if alive is not None and await _gone(alive, records):
-        # Requests fail faster than the watch polls (a killed server's connections reset and
-        # new ones are refused at once): errors from a dead server are not a measurement.
-        raise ServerDiedError(f"server died during {where()}", [asdict(r) for r in records])
-    report()
-    return records
+    async def run(self) -> list[RequestRecord]:
+        users = [asyncio.ensure_future(self.user(u)) for u in range(self.params.concurrency)]
+        watch = asyncio.ensure_future(self.monitor())
+        try:
+            pending: set[asyncio.Future[None]] = {*users, watch}
+            while not all(u.done() for u in users):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    # The monitor only ends by raising; a user ends by raising on a timeout.
+                    exc = task.exception()
+                    if exc is None:
+                        continue
+                    if isinstance(exc, WorkloadAborted):
+                        exc.records = [asdict(r) for r in self.records]
+                    raise exc
+        finally:
+            # Every other user stops too: its numbers would describe a broken server.
+            for task in (*users, watch):
+                task.cancel()
+            await asyncio.gather(*users, watch, return_exceptions=True)
+        if self.alive is not None and await _gone(self.alive, self.records):
+            # Requests fail faster than the watch polls (a killed server's connections reset
+            # and new ones are refused at once): errors from a dead server are not a
+            # measurement.
+            raise ServerDiedError(
+                f"server died during {self.where()}", [asdict(r) for r in self.records]
+            )
+        self.report()
+        return self.records
 
 
 async def _gone(alive: Callable[[], bool], records: list[RequestRecord]) -> bool:
@@ -573,21 +608,19 @@ async def arun_workload(
         headers=headers,
     ) as client:
         for r in range(params.repeats):
-            recs = [
-                asdict(x)
-                for x in await _run_repeat(
-                    client,
-                    model,
-                    params,
-                    r,
-                    vocab_size=vocab_size,
-                    seed=seed,
-                    timeout_s=request_timeout_s,
-                    alive=alive,
-                    progress=progress,
-                    deadline=deadline,
-                )
-            ]
+            repeat = _Repeat(
+                client,
+                model,
+                params,
+                r,
+                vocab_size=vocab_size,
+                seed=seed,
+                timeout_s=request_timeout_s,
+                alive=alive,
+                progress=progress,
+                deadline=deadline,
+            )
+            recs = [asdict(x) for x in await repeat.run()]
             records += recs
             repeats.append({"repeat": r + 1, **repeat_metrics(recs)})
     return WorkloadResult(params=params, repeats=repeats, records=records)

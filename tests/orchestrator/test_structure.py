@@ -1,0 +1,138 @@
+"""The orchestrator's shape, checked from its source: no import cycle, no overlong function.
+
+Both are read with `ast` (nothing is imported), so the check costs milliseconds and keeps
+true what a review once had to draw by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "orchestrator"
+MAX_FUNCTION_LINES = 80
+# A longer function stays only with a comment in it that argues its length.
+LENGTH_ARGUED = "# long because"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules(root: Path = PACKAGE) -> dict[str, Path]:
+    return {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in it (a function-local or
+    TYPE_CHECKING import hides a cycle from the interpreter, not from the design).
+
+    `from pkg import sub` names the submodule; the implicit import of a module's own parent
+    package is no edge (every package's __init__ would otherwise close a loop)."""
+    modules = _modules(root)
+    top = root.name
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    target = node.module or ""
+                subs = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                # Names that are not submodules come from the module itself.
+                if len(subs) < len(node.names):
+                    deps.add(target)
+                deps |= subs
+        graph[name] = {
+            d for d in deps if d.split(".")[0] == top and d in modules and d not in (name, top)
+        }
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_orchestrator_has_no_import_cycle() -> None:
+    graph = import_graph()
+    assert "orchestrator.reports.html" in graph  # the walk found the packages' modules
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
+    # The checker itself: a loop through a package's __init__ and a function-local import.
+    pkg = tmp_path / "orchestrator"
+    (pkg / "reports").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "compare.py").write_text("from orchestrator.reports import markdown\n")
+    (pkg / "reports" / "__init__.py").write_text("")
+    (pkg / "reports" / "markdown.py").write_text("from .run import Run\n")
+    (pkg / "reports" / "run.py").write_text("def f():\n    from orchestrator import compare\n")
+    assert find_cycle(import_graph(pkg)) == [
+        "orchestrator.compare",
+        "orchestrator.reports.markdown",
+        "orchestrator.reports.run",
+        "orchestrator.compare",
+    ]
+    (pkg / "reports" / "run.py").write_text("import json\n")
+    assert find_cycle(import_graph(pkg)) is None
+
+
+def _long_functions(root: Path = PACKAGE) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source, str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            body = lines[node.lineno - 1 : node.end_lineno]
+            if length > MAX_FUNCTION_LINES and not any(LENGTH_ARGUED in line for line in body):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} {length}")
+    return found
+
+
+def test_no_function_needs_more_than_a_screen() -> None:
+    assert _long_functions() == [], (
+        f"functions over {MAX_FUNCTION_LINES} lines: split them, or argue the length "
+        f"in a '{LENGTH_ARGUED} ...' comment"
+    )
+
+
+def test_the_length_check_finds_a_long_function(tmp_path: Path) -> None:
+    pkg = tmp_path / "orchestrator"
+    pkg.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "m.py").write_text(f"def long():\n{body}")
+    assert _long_functions(pkg) == [f"orchestrator/m.py:1 long {MAX_FUNCTION_LINES + 1}"]
+    (pkg / "m.py").write_text(f"def long():\n    {LENGTH_ARGUED} it is a table\n{body}")
+    assert _long_functions(pkg) == []
