@@ -37,10 +37,18 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fusedq.limits import KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE, QUALIFIED_HEADS, QUERY_WIDTH
+
+# The environment probes and the Markdown table have one home, in the orchestrator (the same
+# distribution); importing this module runs fusedq/__init__, which loads torch: their imports
+# cost nothing beside it.
+from orchestrator.probes import NvidiaSmiError, git_commit, nvidia_smi
+from orchestrator.reports.markdown import md_table
 
 FORMATS = ("bf16", "mxfp8", "e4m3")
 # H200 L2 is 60 MB; rotating over 2x that keeps every layer's weight out of L2.
@@ -51,7 +59,7 @@ TARGETS = {"bf16": (0.40, 1.3), "mxfp8": (0.35, None), "e4m3": (None, None)}
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    heads: tuple[int, ...] = (8, 11, 16)
+    heads: tuple[int, ...] = QUALIFIED_HEADS
     ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     formats: tuple[str, ...] = FORMATS
     samples: int = 1000
@@ -157,7 +165,7 @@ def staged_vllm(q_nope, w, q_pe, q_scale=None):
     if _CONCAT_QUANT is None:
         _CONCAT_QUANT = _concat_quant_kernel()
     m, h, _ = q_nope.shape
-    out = torch.empty(m, h, 576, dtype=torch.float8_e4m3fn, device=q_nope.device)
+    out = torch.empty(m, h, QUERY_WIDTH, dtype=torch.float8_e4m3fn, device=q_nope.device)
     _CONCAT_QUANT[(m * h,)](
         ql_nope, q_pe, out, q_scale, h,
         ql_nope.stride(0), ql_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -237,29 +245,30 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
     import fusedq
 
     dev = torch.device("cuda")
-    bf16_bytes = h * 192 * 512 * 2
-    fused_bytes = h * 192 * 512 + h * 192 * 16 if fmt == "mxfp8" else bf16_bytes
+    bf16_bytes = h * QK_NOPE * KV_LORA * 2
+    mxfp8_bytes = h * QK_NOPE * KV_LORA + h * QK_NOPE * (KV_LORA // MX_BLOCK)
+    fused_bytes = mxfp8_bytes if fmt == "mxfp8" else bf16_bytes
     n_layers = _layers(min(bf16_bytes, fused_bytes), opts)
     staged_w, fused_w, copy_src, copy_dst = [], [], [], []
     for _ in range(n_layers):
         # vLLM's W_UK_T: kv_b_proj.weight.T viewed [H, P+V, L], sliced to the P rows.
-        base = torch.randn(h, 192 + 256, 512, device=dev, dtype=torch.bfloat16) * 0.05
-        w = base[:, :192, :]
+        base = torch.randn(h, QK_NOPE + 256, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
+        w = base[:, :QK_NOPE, :]
         staged_w.append(w)
         fused_w.append(fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w)
         copy_src.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
         copy_dst.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
-    q = torch.randn(m, h, 256, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
     out_dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
     q_scale = torch.tensor([opts.q_scale], device=dev) if fmt == "e4m3" else None
-    out = torch.empty(m, h, 576, device=dev, dtype=out_dtype)
+    out = torch.empty(m, h, QUERY_WIDTH, device=dev, dtype=out_dtype)
     # Random bytes for the floor kernels too: never time on zeros.
     for src in copy_src:
         src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, device=dev))
     ctas = -(-fused_bytes // (4 * min(FLOOR_READ_WORDS)))
     sink = torch.empty(max(FLOOR_EMPTY_CTAS, ctas), dtype=torch.int32, device=dev)
     return Layers(
-        staged_w, fused_w, copy_src, copy_dst, q[..., :192], q[..., 192:], out, q_scale,
+        staged_w, fused_w, copy_src, copy_dst, q[..., :QK_NOPE], q[..., QK_NOPE:], out, q_scale,
         out_dtype, fused_bytes, sink,
     )  # fmt: skip
 
@@ -344,8 +353,8 @@ def _producers(lay: Layers) -> Producers:
         q2d=q.view(m, h * 256),
         q_c=torch.randn(m, Q_LORA_RANK, device=dev, dtype=torch.bfloat16),
         w_qb=torch.randn(Q_LORA_RANK, h * 256, device=dev, dtype=torch.bfloat16) * 0.02,
-        kv_new=torch.randn(m, 576, device=dev, dtype=torch.bfloat16),
-        kv_row=torch.empty(m, 576, device=dev, dtype=torch.bfloat16),
+        kv_new=torch.randn(m, QUERY_WIDTH, device=dev, dtype=torch.bfloat16),
+        kv_row=torch.empty(m, QUERY_WIDTH, device=dev, dtype=torch.bfloat16),
     )
 
 
@@ -520,63 +529,43 @@ def environment(commit: str | None) -> dict:
         "commit": commit or _git_commit(),
         "FUSEDQ_PDL": os.environ.get("FUSEDQ_PDL", "0"),
     }
+    query = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,driver_version"
     try:
-        query = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,driver_version"
-        res = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
-        )  # fmt: skip
-        env["nvidia_smi"] = dict(
-            zip(query.split(","), res.stdout.strip().split(", "), strict=False)
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
+        out = nvidia_smi([f"--query-gpu={query}", "--format=csv,noheader"])
+        env["nvidia_smi"] = dict(zip(query.split(","), out.strip().split(", "), strict=False))
+    except NvidiaSmiError as exc:
         env["nvidia_smi"] = f"unavailable: {exc}"
     return env
 
 
 def _git_commit() -> str:
-    """HEAD, with "+dirty" when tracked files differ from it: a copied tree (the device
-    machine's, for one) can carry a stale .git, and the figures must not claim its HEAD."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
+    """HEAD of the working directory's checkout, with "+dirty" when tracked files differ from
+    it: a copied tree (the device machine's, for one) can carry a stale .git, and the figures
+    must not claim its HEAD."""
+    state = git_commit(Path.cwd())
+    if state["commit"] is None:
         return "unknown"
-    return head + ("+dirty" if dirty else "")
+    return state["commit"] + ("+dirty" if state["dirty"] else "")
 
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of benchmark rows, with the targets each row meets."""
     floors = any("read_us" in r for r in rows)
-    extra = " empty µs | read µs | read/staged |" if floors else ""
-    head = (
-        "| format | H | M | fused µs | staged µs | copy µs | fused/staged | fused/copy |"
-        + extra
-        + " target |\n|"
-        + "---|" * (9 + 3 * floors)
-    )
-    lines = [head]
+    header = ["format", "H", "M", "fused µs", "staged µs", "copy µs", "fused/staged", "fused/copy"]
+    header += ["empty µs", "read µs", "read/staged"] * floors + ["target"]
+    body = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['format']} | {r['H']} | {r['M']} | error: {r['error']} |")
+            body.append([r["format"], r["H"], r["M"], f"error: {r['error']}"])
             continue
-        cells = (
-            f" {r['empty_us']:.2f} | {r['read_us']:.2f} | {r['read_over_staged']:.2f} |"
-            if "read_us" in r
-            else " - | - | - |" * floors
-        )
-        lines.append(
-            f"| {r['format']} | {r['H']} | {r['M']} | {r['fused_us']:.2f} | {r['staged_us']:.2f} "
-            f"| {r['copy_us']:.2f} | {r['fused_over_staged']:.2f} | {r['fused_over_copy']:.2f} |"
-            + cells
-            + f" {verdict(r)} |"
-        )
-    return "\n".join(lines)
+        keys = ("fused_us", "staged_us", "copy_us", "fused_over_staged", "fused_over_copy")
+        cells = [r["format"], r["H"], r["M"], *(f"{r[k]:.2f}" for k in keys)]
+        if "read_us" in r:
+            cells += [f"{r[k]:.2f}" for k in ("empty_us", "read_us", "read_over_staged")]
+        elif floors:
+            cells += ["-"] * 3
+        body.append([*cells, verdict(r)])
+    return md_table(header, body)
 
 
 def verdict(row: dict) -> str:
