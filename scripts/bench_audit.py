@@ -1,14 +1,21 @@
 """Benchmark the log auditor against `grep -E -c` with the same patterns, side by side.
 
-Generates a synthetic vLLM/NCCL server log (default 1 GiB, a realistic line mix with a
-handful of injected faults) under /tmp, warms the page cache, then times in one run:
+Builds a log under /tmp, warms the page cache, then times in one run:
 
   * grep -E -c '<the catalogue's alternation>' in the C locale and in the caller's locale
-  * orchestrator.audit.audit_logs() with each prefilter (grep -F, pure Python)
+  * orchestrator.audit.audit_logs() with each prefilter (GNU grep, pure Python)
 
-and prints MB/s for each and the ratio to grep. Usage:
+and prints MB/s for each and the ratio to grep. Two kinds of log (--lines):
 
-    .venv/bin/python scripts/bench_audit.py [--size-gb 1] [--path /tmp/bench_audit.log] [--json]
+  * real (the default): the lines of the real vLLM server logs in the repository (the audit
+    tests' fixtures and the validation runs' server logs) that match no signature, repeated
+    to the size asked, with one Xid line in the middle: what a healthy server writes, where
+    a needle that ordinary lines hold (``fault`` in ``default``) costs Python time.
+  * synthetic: a generated vLLM/NCCL line mix with six injected faults.
+
+Usage:
+
+    .venv/bin/python scripts/bench_audit.py [--lines real] [--size-gb 0.35] [--json]
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -28,6 +36,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.audit import audit_logs, grep_binary, load_catalogue
+
+REPO = Path(__file__).resolve().parents[1]
 
 # One line shape per source a vLLM TP8 server log interleaves; weights ~ a busy server
 # with request logging on (request echo lines are the near misses that must not fire).
@@ -145,6 +155,42 @@ def generate(path: Path, size: int, seed: int = 4) -> int:
     return len(FAULTS)
 
 
+# The real vLLM server logs the repository holds: the audit tests' (CPU vLLM 0.32, a TP4 GPU
+# run, a shutdown) and the H200 validation runs' (vLLM 0.26).
+REAL_LOGS = ("tests/orchestrator/fixtures/audit/vllm_*.log", "docs/validation/**/server.log")
+# The one fault of the real log: the kernel line of the silent-MTP Xid 31 (tests' dmesg fixture).
+REAL_FAULT = (
+    "2026-11-29T14:02:11,123456+00:00 NVRM: Xid (PCI:0000:65:00): 31, pid=4242, name=python3, "
+    "Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ "
+    "0x7f3c_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ"
+)
+
+
+def real_lines(pattern: str) -> list[bytes]:
+    """The real logs' lines that match no signature (blank ones dropped), in file order."""
+    regex = re.compile(pattern.encode())
+    lines = []
+    for glob in REAL_LOGS:
+        for path in sorted(REPO.glob(glob)):
+            lines += [ln for ln in path.read_bytes().split(b"\n") if ln.strip()]
+    return [ln + b"\n" for ln in lines if not regex.search(ln)]
+
+
+def generate_real(path: Path, size: int, pattern: str) -> int:
+    """Write ``size`` bytes of the real logs' clean lines, repeated, with REAL_FAULT halfway;
+    returns the fault count (1)."""
+    block = b"".join(real_lines(pattern))
+    if not block:
+        raise SystemExit(f"no real vLLM log under {REPO} matches {REAL_LOGS}")
+    copies = max(1, size // len(block))
+    with path.open("wb") as fh:
+        for i in range(copies):
+            if i == copies // 2:
+                fh.write(REAL_FAULT.encode() + b"\n")
+            fh.write(block)
+    return 1
+
+
 def _cpu() -> float:
     # CPU seconds of this process and its waited-for children (grep, wc): unlike wall time
     # it barely moves when other jobs share the 2-core sandbox.
@@ -168,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument("--lines", choices=("real", "synthetic"), default="real")
+    ap.add_argument("--size-gb", type=float, default=0.35)
     ap.add_argument("--path", type=Path, default=Path("/tmp/bench_audit.log"))
     ap.add_argument("--reuse", action="store_true", help="reuse --path if it is already big enough")
     ap.add_argument("--keep", action="store_true", help="keep the generated log")
@@ -177,13 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     size = int(args.size_gb * (1 << 30))
+    cat = load_catalogue()
+    pattern = cat.grep_pattern()
     if not (args.reuse and args.path.exists() and args.path.stat().st_size >= size):
-        t, _, _ = _time(lambda: generate(args.path, size))
+        if args.lines == "real":
+            t, _, _ = _time(lambda: generate_real(args.path, size, pattern))
+        else:
+            t, _, _ = _time(lambda: generate(args.path, size))
         mib = args.path.stat().st_size / 2**20
         print(f"generated {args.path} ({mib:.0f} MiB) in {t:.1f} s", file=sys.stderr)
     mib = args.path.stat().st_size / 2**20
-    cat = load_catalogue()
-    pattern = cat.grep_pattern()
     # Warm the page cache so both tools read from memory.
     subprocess.run(["cat", str(args.path)], stdout=subprocess.DEVNULL, check=True)
 
@@ -228,10 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio"] = round(r["mb_s"] / base["mb_s"], 2)
         r["cpu_ratio"] = round(r["cpu_mb_s"] / base["cpu_mb_s"], 2)
     if args.json:
-        print(json.dumps({"file_mib": round(mib), "cpus": os.cpu_count(), "rows": rows}, indent=2))
+        doc = {"file_mib": round(mib), "lines": args.lines, "cpus": os.cpu_count(), "rows": rows}
+        print(json.dumps(doc, indent=2))
     else:
         print(
-            f"log: {args.path} ({mib:.0f} MiB), {os.cpu_count()} CPUs, catalogue v{cat.version}, "
+            f"log: {args.path} ({mib:.0f} MiB, {args.lines} lines), {os.cpu_count()} CPUs, "
+            f"catalogue v{cat.version}, "
             f"best of {args.repeat}; ratio = MB/s / MB/s of grep -E -c (LC_ALL=C)"
         )
         print(
