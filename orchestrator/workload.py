@@ -29,19 +29,22 @@ Only httpx and the standard library are imported.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import httpx
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _MONITOR_S = 0.25  # how often alive() is asked and progress is reported
 _DEATH_GRACE_S = 3.0  # after failed requests: how long to watch for the server's death
@@ -592,7 +595,7 @@ async def arun_workload(
     deadline: float | None = None,
     api_key: str | None = None,
 ) -> WorkloadResult:
-    """The async form of `run_workload`, for callers that already run an event loop."""
+    """`run_workload` for callers that already run an event loop."""
     # One connection per user; trust_env=False keeps proxy variables from routing
     # loopback traffic elsewhere.
     limits = httpx.Limits(max_connections=params.concurrency + 1, max_keepalive_connections=None)
@@ -626,36 +629,26 @@ async def arun_workload(
     return WorkloadResult(params=params, repeats=repeats, records=records)
 
 
-def run_workload(
-    base_url: str,
-    model: str,
-    params: WorkloadParams,
-    *,
-    vocab_size: int,
-    seed: int = 0,
-    request_timeout_s: float = 600.0,
-    alive: Callable[[], bool] | None = None,
-    progress: Callable[[dict[str, Any]], None] | None = None,
-    deadline: float | None = None,
-    api_key: str | None = None,
-) -> WorkloadResult:
+def _blocking(fn: Callable[P, Coroutine[Any, Any, R]], name: str, doc: str) -> Callable[P, R]:
+    """The blocking form of a coroutine function: the same arguments, run in a new event loop."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        return asyncio.run(fn(*args, **kwargs))
+
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = doc
+    return run
+
+
+run_workload = _blocking(
+    arun_workload,
+    "run_workload",
     """Run `params` against a ready server; each repeat is measured separately.
 
-    Raises ServerDiedError within about a second of `alive()` turning False, and
-    WorkloadTimeoutError when a request runs past `request_timeout_s` or the clock passes
-    `deadline` (time.monotonic()). `api_key` is sent as a bearer token.
-    """
-    return asyncio.run(
-        arun_workload(
-            base_url,
-            model,
-            params,
-            vocab_size=vocab_size,
-            seed=seed,
-            request_timeout_s=request_timeout_s,
-            alive=alive,
-            progress=progress,
-            deadline=deadline,
-            api_key=api_key,
-        )
-    )
+Raises ServerDiedError within about a second of `alive()` turning False, and
+WorkloadTimeoutError when a request runs past `request_timeout_s` or the clock passes
+`deadline` (time.monotonic()). `api_key` is sent as a bearer token. `arun_workload` is the
+same for callers that already run an event loop.
+""",
+)
