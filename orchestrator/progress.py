@@ -16,7 +16,6 @@ not hundreds of thousands. Everything goes to stderr: stdout is for results.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from orchestrator.estimate import Eta, human_s
+from orchestrator.logline import HEADER_RE, LABEL_RE, strip_ansi
 from orchestrator.redact import redact_text
 from orchestrator.results import CaseResult
 
@@ -35,12 +35,6 @@ PLAIN_MAX_EVERY_S = 60.0
 _TICK_S = 1.0
 _LOG_TAIL_BYTES = 16384
 _LOG_LINE_CHARS = 120
-_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-# vLLM's log prefix: "(EngineCore_DP0 pid=12) INFO 11-30 10:02:03 [loader.py:52] message".
-_VLLM_PREFIX = re.compile(
-    r"^(?:\([^)]*pid=\d+\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+"
-    r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+(?:\[[^\]]*\]\s+)?"
-)
 
 
 def last_log_line(path: Path, secrets: tuple[str, ...] = ()) -> str | None:
@@ -61,13 +55,15 @@ def last_log_line(path: Path, secrets: tuple[str, ...] = ()) -> str | None:
     # tqdm bars redraw with \r: the last segment of a line is what a terminal would show.
     for raw in reversed(tail.splitlines()):
         shown = [seg for seg in raw.split("\r") if seg.strip()]
-        line = _ANSI_RE.sub("", shown[-1] if shown else "").strip()
+        line = strip_ansi(shown[-1] if shown else "").strip()
         if not line:
             continue
-        m = _VLLM_PREFIX.match(line)
+        label = LABEL_RE.match(line)
+        body = line[label.end() :] if label else line
+        m = HEADER_RE.match(body)
         if m:
-            level = "" if m.group(1) in ("DEBUG", "INFO") else f"{m.group(1)} "
-            line = level + line[m.end() :]
+            level = "" if m.group("level") in ("DEBUG", "INFO") else f"{m.group('level')} "
+            line = level + body[m.end() :]
         line = redact_text(line, secrets)
         return line if len(line) <= _LOG_LINE_CHARS else line[: _LOG_LINE_CHARS - 1] + "…"
     return None

@@ -35,6 +35,7 @@ from orchestrator.audit.prefilter import (
     start_wc,
 )
 from orchestrator.audit.sources import open_log, read_chunks
+from orchestrator.logline import HEADER_RE, LABEL_RE, strip_ansi
 from orchestrator.severity import Severity
 
 # A "line" without a newline for this long (a binary dump, a runaway progress bar) is
@@ -51,20 +52,6 @@ MAX_FINDINGS_PER_SIGNATURE = 20
 TRACEBACK_MAX_LINES = 2000
 
 
-# ANSI CSI sequences (colours, cursor moves): vLLM and Ray colour the process prefix.
-_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
-# vLLM prefixes every line of a child process: "(Worker_TP3 pid=1234) ",
-# "(EngineCore_DP0 pid=…) ", "(VllmWorker rank=2 pid=…) ", "(APIServer pid=…) ",
-# Ray adds ", ip=…". torch.distributed's elastic launcher prefixes "[rank3]: ".
-_LABEL_RE = re.compile(
-    r"^\((?P<name>[A-Za-z][\w.-]*)(?: rank=(?P<rank>\d+))? pid=\d+(?:, ip=[\d.:a-fA-F]+)?\) ?"
-    r"|^\[rank(?P<trank>\d+)\]: ?"
-)
-# vLLM's log header "ERROR 10-15 08:32:29 [core.py:708] " (optionally with milliseconds);
-# stripped before deciding whether a traceback line is a frame or the exception.
-_LOG_HEADER_RE = re.compile(
-    r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ?"
-)
 _TRACEBACK_CONT_RE = re.compile(
     r"^(?:During handling of the above exception|The above exception was the direct cause)"
 )
@@ -84,14 +71,11 @@ def _escape(text: str, limit: int, around: int | None = None) -> str:
 
 
 def _clean(raw: bytes) -> str:
-    text = raw.decode("utf-8", "replace")
-    if "\x1b" in text:
-        text = _ANSI_RE.sub("", text)
-    return text
+    return strip_ansi(raw.decode("utf-8", "replace"))
 
 
 def _split_label(text: str) -> tuple[str | None, str]:
-    m = _LABEL_RE.match(text)
+    m = LABEL_RE.match(text)
     if not m:
         return None, text
     if m.group("trank") is not None:
@@ -427,7 +411,7 @@ class _Scanner:
             label, body = _split_label(seg)
             tb = st.tracebacks.get(label)
             if tb is not None:
-                core = _LOG_HEADER_RE.sub("", body, count=1)
+                core = HEADER_RE.sub("", body, count=1)
                 if self._traceback_body(tb, core):
                     # Frames and source lines are code, not events: a quoted
                     # `raise RuntimeError("Engine core initialization failed")` is no finding.
