@@ -320,17 +320,9 @@ def _load_q(q_rows, m_mask, k_mask, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr)
     return q0, q1, q2
 
 
-@triton.jit
-def _dot(q, w, acc, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        # The interpreter multiplies raw bf16 bit patterns in some versions: go through fp32.
-        acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(q, w, acc)
-    return acc
-
-
-@triton.jit(
+# Both kernels (MMA and FMA) take the same arguments and leave specialisation to the host
+# (see the module docstring): one list for the two.
+_JIT_OPTIONS = dict(
     do_not_specialize=[
         "M",
         "stride_qm",
@@ -348,6 +340,19 @@ def _dot(q, w, acc, INTERPRET: tl.constexpr):
     ],
     do_not_specialize_on_alignment=["q_ptr", "qpe_ptr", "w_ptr", "ws_ptr", "out_ptr", "qs_ptr"],
 )
+
+
+@triton.jit
+def _dot(q, w, acc, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        # The interpreter multiplies raw bf16 bit patterns in some versions: go through fp32.
+        acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(q, w, acc)
+    return acc
+
+
+@triton.jit(**_JIT_OPTIONS)
 def _mla_query_kernel(
     q_ptr,
     qpe_ptr,
@@ -535,24 +540,7 @@ def _fma_row(q0, q1, q2, w0, w1, w2, acc, m, offs_m):
     return tl.where(offs_m[:, None] == m, row[None, :], acc)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "M",
-        "stride_qm",
-        "stride_qh",
-        "stride_pm",
-        "stride_ph",
-        "stride_wh",
-        "stride_wk",
-        "stride_wn",
-        "stride_sh",
-        "stride_sk",
-        "stride_sn",
-        "stride_om",
-        "stride_oh",
-    ],
-    do_not_specialize_on_alignment=["q_ptr", "qpe_ptr", "w_ptr", "ws_ptr", "out_ptr", "qs_ptr"],
-)
+@triton.jit(**_JIT_OPTIONS)
 def _mla_query_fma_kernel(
     q_ptr,
     qpe_ptr,
