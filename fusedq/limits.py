@@ -22,3 +22,9 @@ MAX_M = 32
 E4M3_MAX = 448.0
 # MX block size along N (OCP MX spec: one E8M0 scale per 32 elements).
 MX_BLOCK = 32
+
+# What a profiler trace calls the fused query: the Triton kernels' names (the JIT functions in
+# kernels/triton_mla_query.py, as CUDA launches them) and the custom op's name (what a CPU
+# trace records). orchestrator/trace.py attributes a layer's query step by them.
+KERNEL_NAMES = ("_mla_query_kernel", "_mla_query_fma_kernel")
+OP_NAME = "fusedq::mla_query_projection"

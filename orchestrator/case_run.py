@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import shutil
 import time
@@ -27,6 +28,7 @@ from orchestrator.engines.vllm import (
     describe_exit,
     is_port_clash,
     log_tail,
+    profile_request,
     serve_argv,
     serve_env,
     wait_ready,
@@ -40,7 +42,13 @@ from orchestrator.matrix import (
     WorkloadSpec,
 )
 from orchestrator.redact import redact, redact_argv, redact_file
-from orchestrator.results import SCHEMA_VERSION, AuditSummary, CaseResult, WorkloadSummary
+from orchestrator.results import (
+    SCHEMA_VERSION,
+    AuditSummary,
+    CaseResult,
+    ProfileResult,
+    WorkloadSummary,
+)
 from orchestrator.store import RunStore, write_json_atomic
 from orchestrator.workload import (
     ServerDiedError,
@@ -58,6 +66,11 @@ PORT_ATTEMPTS = 3
 # cause is usually dozens of lines further up (vLLM's "Engine core initialization failed.
 # See root cause above." chain), so the reason leads with the audit's root cause instead.
 REASON_TAIL_LINES = 10
+# The profile phase's traces, under the case directory (of the server's node, then the run's).
+PROFILE_DIR = "profile"
+# A trace file is complete when every rank's is there and no size changed for this long (a
+# worker gzips its trace in /stop_profile; a remote node's disk may lag the answer).
+TRACE_SETTLE_S = 2.0
 
 
 class CaseFailed(Exception):
@@ -119,6 +132,7 @@ class CaseRun:
         self.server: dict[str, Any] | None = None  # node facts, argv, port, exit code
         self.warmup: dict[str, int] | None = None
         self.workloads: dict[str, WorkloadSummary] = {}
+        self.profile: ProfileResult | None = None
         self.status, self.reason = "passed", None
         # The server's last words, for a case whose server ended on its own (None: not shown).
         self.tail: str | None = None
@@ -160,6 +174,8 @@ class CaseRun:
             self._fail(f"{type(exc).__name__}: {exc}")
         finally:
             self._stop()
+        if self.profile is not None and self.status == "passed":
+            self._read_traces()
         if self.status == "passed" and self.exited_early is not None:
             how = describe_exit(self.exited_early)
             self._fail(f"server process {how} before the orchestrator stopped it")
@@ -211,6 +227,9 @@ class CaseRun:
             self._warm_up(vocab, key)
         for wl in self.matrix.workloads:
             self._measure(wl, vocab, key)
+        if self.matrix.profile is not None:
+            # After the workloads: the profiler's overhead never touches a measured figure.
+            self._profile(model_path, vocab, key)
 
     def _start(self, model_path: str, env: dict[str, str], key: str | None) -> None:
         """Place the case and start its server until it is ready; a port lost to another
@@ -228,6 +247,11 @@ class CaseRun:
                 served_name=case.model.served_name or case.model.label,
                 extra_args=list(case.args),
                 vllm_bin=_absolute_if_path(self.matrix.engine.vllm_bin),
+                # The case directory of the node the server runs on (launcher.start has
+                # placed it before it asks for the argv).
+                profiler_dir=str(Path(self.handle.info["case_dir"]) / PROFILE_DIR)
+                if self.matrix.profile is not None
+                else None,
             )
 
         clashes: list[int] = []
@@ -336,6 +360,95 @@ class CaseRun:
             f"errors {summary.errors}"
         )
 
+    def _profile(self, model_path: str, vocab: int, key: str | None) -> None:
+        """Profile exactly `decode_steps` model steps of one request, alone on the server, and
+        wait until every rank's trace is written (orchestrator.trace reads them after the
+        stop, once a remote node's files are home)."""
+        spec = self.matrix.profile
+        assert spec is not None
+        self.progress.update(self.case_id, "profile")
+        self.profile = ProfileResult(
+            decode_steps=spec.decode_steps,
+            prompt_tokens=spec.prompt_tokens,
+            layers=_query_layers(self.case, model_path),
+            dir=PROFILE_DIR,
+        )
+        timeout = self.matrix.timeouts.request_s
+        with self._timed("profile_s"):
+            try:
+                profile_request(self.handle.base_url, "start", timeout_s=timeout, api_key=key)
+                run = run_workload(
+                    self.handle.base_url,
+                    self.case.model.served_name or self.case.model.label,
+                    WorkloadParams(
+                        "profile",
+                        prompt_tokens=spec.prompt_tokens,
+                        output_tokens=spec.decode_steps,
+                        requests=1,
+                    ),
+                    vocab_size=vocab,
+                    seed=self.matrix.seed,
+                    request_timeout_s=timeout,
+                    alive=lambda: self.launcher.alive(self.handle),
+                    deadline=self.t0 + self.matrix.timeouts.case_s,
+                    api_key=key,
+                )
+                profile_request(self.handle.base_url, "stop", timeout_s=timeout, api_key=key)
+            except RuntimeError as exc:
+                raise CaseFailed(f"profile: {exc}") from None
+            summary = run.to_dict()
+            if summary["errors"]:
+                first = (summary.get("error_samples") or ["?"])[0]
+                raise CaseFailed(f"profile: the profiled request failed: {first}")
+            found = self._wait_for_traces(spec.wait_s)
+        self.log(f"{self.case_id}: profile: {len(found)} rank trace(s) written")
+
+    def _wait_for_traces(self, wait_s: float) -> dict[str, int]:
+        """The ranks' trace files, once there is one per rank and none has grown for
+        TRACE_SETTLE_S; CaseFailed naming what is missing after `wait_s`."""
+        from orchestrator.trace import RANK_TRACE
+
+        deadline = time.monotonic() + wait_s
+        last: dict[str, int] = {}
+        steady_since = time.monotonic()
+        while True:
+            files = {
+                name: size
+                for name, size in self.launcher.case_files(self.handle).items()
+                if name.startswith(f"{PROFILE_DIR}/") and RANK_TRACE.match(Path(name).name)
+            }
+            if files != last:
+                last, steady_since = files, time.monotonic()
+            elif len(files) >= self.case.tp and time.monotonic() - steady_since >= TRACE_SETTLE_S:
+                return files
+            if time.monotonic() > deadline:
+                raise CaseFailed(
+                    f"profile: {len(files)} of {self.case.tp} rank traces written "
+                    f"{wait_s:g} s after /stop_profile ({sorted(files) or 'none'})"
+                )
+            time.sleep(0.5)
+
+    def _read_traces(self) -> None:
+        """Each rank's figures (orchestrator.trace), from the traces now in the run's case
+        directory; a trace that cannot be read fails the case, naming the file."""
+        from orchestrator.trace import TraceError, find_rank_traces, read_trace
+
+        assert self.profile is not None
+        with self._timed("trace_read_s"):
+            try:
+                traces = [read_trace(p) for p in find_rank_traces(self.dir / PROFILE_DIR)]
+            except TraceError as exc:
+                self.profile.error = str(exc)
+                self._fail(f"profile: {exc}")
+                return
+        for t in traces:
+            # Relative to the case directory: the run directory may move.
+            t.file = str(Path(t.file).relative_to(self.dir))
+        self.profile.traces = traces
+        if len(traces) < self.case.tp:
+            self.profile.error = f"{len(traces)} of {self.case.tp} rank traces came home"
+            self._fail(f"profile: {self.profile.error}")
+
     def _stop(self) -> None:
         """Stop the server (if one was placed), redact its log, remove our temp directory."""
         if self.handle is not None:
@@ -403,6 +516,8 @@ class CaseRun:
             row["warmup"] = self.warmup
         if same_tokens:
             row["same_tokens"] = same_tokens
+        if self.profile is not None:
+            row["profile"] = self.profile
         row.update(
             status=self.status,
             reason=self.reason,
@@ -505,6 +620,18 @@ def _set_aside(server_log: Path, secrets: tuple[str, ...]) -> Path | None:
     redact_file(server_log, secrets)
     os.replace(server_log, dest)
     return dest
+
+
+def _query_layers(case: Case, model_path: str) -> int | None:
+    """Query steps one model step runs: the decoder layers, plus one MTP draft pass per
+    speculative token (each runs the MTP layer's attention); None where the model's config
+    cannot be read (a hub id)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        layers = int(cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return layers + case.mtp
 
 
 def _vocab_size(model_path: str) -> int:

@@ -144,6 +144,90 @@ def _print_outcome(summary: RunSummary) -> None:
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
 
 
+@app.command()
+def profile(
+    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    decode_steps: int | None = typer.Option(
+        None, "--decode-steps", help="Model steps to profile (default: the matrix's, else 4)."
+    ),
+    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    run_id: str | None = typer.Option(None, "--run-id", help="Name of the new run."),
+    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", help="Where run directories go."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+    ),
+    only: list[str] = typer.Option([], "--only", help="Run only cases whose id contains this."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
+) -> None:
+    """Run a matrix with its profile phase on (`profile:` in the matrix, or --decode-steps):
+    every case's decode is profiled after its workloads, and the report gets the paired
+    table of each staged/fused pair. Exit codes as `run`."""
+    from orchestrator.matrix import MatrixError, load_matrix
+
+    try:
+        given = load_matrix(matrix, sets=sets).profile
+    except MatrixError as exc:
+        raise _fail(str(exc)) from None
+    if decode_steps is not None:
+        sets = [*sets, f"profile.decode_steps={decode_steps}"]
+    elif given is None:
+        sets = [*sets, "profile.decode_steps=4"]
+    run(
+        matrix=matrix,
+        sets=sets,
+        resume=None,
+        retry_failed=False,
+        run_id=run_id,
+        logs_dir=logs_dir,
+        ray_address=ray_address,
+        only=only,
+        quiet=quiet,
+        kill_leftovers=False,
+    )
+
+
+@app.command("trace-summary")
+def trace_summary(
+    traces: list[Path] = typer.Argument(..., help="Torch-profiler traces (.pt.trace.json[.gz])."),
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+    steps: int | None = typer.Option(
+        None, "--steps", min=1, help="Decode steps the traces hold (default: vLLM's annotations)."
+    ),
+    top: int = typer.Option(10, "--top", min=1, help="Kernels listed by total time."),
+) -> None:
+    """Kernel events, span, busy time, runtime/driver call counts, the decode query step and
+    the top kernels of each trace (a rank), then their mean over the ranks. Exit 2 naming
+    the file that is missing or not a trace."""
+    import json
+
+    from orchestrator.reports.markdown import md_table
+    from orchestrator.reports.profile import mean_rows, trace_rows
+    from orchestrator.trace import TraceError, read_trace
+
+    try:
+        figures = [read_trace(p, top=top) for p in traces]
+    except TraceError as exc:
+        raise _fail(str(exc)) from None
+    if json_out:
+        out: dict[str, Any] = {"traces": [f.model_dump(mode="json") for f in figures]}
+        if len(figures) > 1:
+            out["mean_over_ranks"] = dict(mean_rows(figures, steps))
+        typer.echo(json.dumps(out, indent=2))
+        return
+    for f in figures:
+        typer.echo(f"## {f.file}\n")
+        typer.echo(md_table(["Figure", "Value"], trace_rows(f, steps)) + "\n")
+        body = [[k.name, f"{k.count:,}", f"{k.total_us:,.3f}"] for k in f.top]
+        typer.echo(md_table(["Top kernels" if f.domain == "kernel" else "Top CPU ops",
+                             "Count", "Total (us)"], body) + "\n")  # fmt: skip
+        calls = [[name, f"{n:,}"] for name, n in f.runtime_calls.items()]
+        if calls:
+            typer.echo(md_table(["Runtime/driver call", "Count"], calls) + "\n")
+    if len(figures) > 1:
+        typer.echo(f"## Mean over {len(figures)} traces (range)\n")
+        typer.echo(md_table(["Figure", "Mean"], mean_rows(figures, steps)))
+
+
 def _print_summary(run_dir: Path) -> None:
     """The closing table of a run (every case of it, resumed ones too), after the paths:
     what a person reads first when the run ends. Failed cases' reasons follow on stderr."""

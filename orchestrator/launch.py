@@ -242,6 +242,15 @@ class _ServerActor:
                     found.append(path.relative_to(root).as_posix())
         return sorted(found)
 
+    def file_sizes(self) -> dict[str, int]:
+        """`files()` with their sizes now (a writer still at work shows growing sizes)."""
+        root = None if self.log_path is None else self.log_path.parent
+        sizes = {}
+        for name in self.files():
+            with contextlib.suppress(OSError):  # gone between the listing and the stat
+                sizes[name] = (root / name).stat().st_size  # type: ignore[operator]
+        return sizes
+
     def read_file(self, name: str, offset: int, max_bytes: int = _CHUNK) -> bytes:
         root = None if self.log_path is None else self.log_path.parent
         path = None if root is None else (root / name).resolve()
@@ -515,12 +524,6 @@ class Launcher:
 
         ray = self._ray
         host = self.bind_host(handle)
-        port = ray.get(handle.actor.free_port.remote(host), timeout=30)
-        argv = argv_for_port(port, host)
-        handle.info["port"] = port
-        handle.info["argv"] = argv
-        unspecified = host in ("0.0.0.0", "::")
-        handle.info["connect_host"] = handle.info["node_ip"] if unspecified else host
         env = dict(env)
         env[NODE_ENV] = handle.info["node_id"]
         if self.matrix.host == NODE_HOST:
@@ -540,9 +543,23 @@ class Launcher:
             handle.mirror = Path(log_path)
             handle.mirrored = 0
             handle.info["node_case_dir"] = own
+        # Known before the argv is built: a path the server is told (its profiler's trace
+        # directory) is a path of the node it runs on.
+        handle.info["case_dir"] = str(node_log.parent.absolute())
+        port = ray.get(handle.actor.free_port.remote(host), timeout=30)
+        argv = argv_for_port(port, host)
+        handle.info["port"] = port
+        handle.info["argv"] = argv
+        unspecified = host in ("0.0.0.0", "::")
+        handle.info["connect_host"] = handle.info["node_ip"] if unspecified else host
         handle.info["server_pid"] = ray.get(
             handle.actor.start.remote(argv, env, str(node_log), rebase), timeout=60
         )
+
+    def case_files(self, handle: ServerHandle) -> dict[str, int]:
+        """The files the server has written into its case directory so far, on whatever node
+        it runs (paths relative to that directory, with their sizes); not its log."""
+        return self._ray.get(handle.actor.file_sizes.remote(), timeout=60)
 
     def missing_paths(self, handle: ServerHandle, paths: Sequence[str]) -> list[str]:
         """Which of `paths` do not exist on the node the server will run on."""

@@ -248,6 +248,27 @@ class AuditSpec(_Strict):
     kernel_log: bool = Field(True, description="Also scan the kernel log (Xid lines land there).")
 
 
+class ProfileSpec(_Strict):
+    """A profile phase per case (orchestrator.case_run): after the measured workloads, so it
+    never disturbs them, the server's torch profiler records exactly `decode_steps` model
+    steps of one request (a `prompt_tokens` prompt, `decode_steps` output tokens, alone on
+    the server), and every rank's trace is brought into the case directory and read
+    (orchestrator.trace)."""
+
+    decode_steps: int = Field(
+        4, gt=0, le=4096, description="Output tokens of the profiled request: its model steps."
+    )
+    prompt_tokens: int = Field(
+        1,
+        gt=0,
+        description="Prompt of the profiled request; 1 (ctx0) keeps every step a decode step "
+        "(vLLM's MLA runs a one-token prompt through the decode path).",
+    )
+    wait_s: float = Field(
+        300, gt=0, description="How long to wait for every rank's trace after /stop_profile."
+    )
+
+
 class RaySpec(_Strict):
     address: str | None = Field(None, description="Join this cluster; default: a local Ray.")
 
@@ -267,6 +288,9 @@ class Matrix(_Strict):
     timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
     audit: AuditSpec = Field(default_factory=AuditSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
+    profile: ProfileSpec | None = Field(
+        None, description="Profile each case's decode after its workloads (see ProfileSpec)."
+    )
     host: str = Field(
         "127.0.0.1",
         description="Address servers bind; loopback unless you need more: `node` binds the "
@@ -633,9 +657,23 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
                     f"MTP > 0 but models[{mi}] ({model.label}) has_mtp: false",
                 )
     cases = expand(m)
+    if m.profile is not None:
+        owner = next((c for c in cases if any(_profiler_flag(a) for a in c.args)), None)
+        if owner is not None:
+            raise MatrixError(
+                source,
+                "profile",
+                f"case {owner.case_id!r} passes --profiler-config itself; the profile phase "
+                "sets it (remove it from args, or the profile key)",
+            )
     dup = _dups(c.case_id for c in cases)
     if dup:
         raise MatrixError(source, "topologies", f"case {dup[0]!r} appears twice")
+
+
+def _profiler_flag(arg: str) -> bool:
+    # vLLM's spellings: --profiler-config JSON, and its dotted --profiler-config.profiler=...
+    return arg.split("=", 1)[0].replace("_", "-").split(".", 1)[0] == "--profiler-config"
 
 
 def expand(m: Matrix) -> list[Case]:

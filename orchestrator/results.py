@@ -45,8 +45,10 @@ __all__ = [
     "CaseResult",
     "Distribution",
     "Finding",
+    "ProfileResult",
     "RunManifest",
     "Severity",
+    "TraceFigures",
     "WorkloadSummary",
 ]
 
@@ -299,6 +301,72 @@ class AuditSummary(_Record):
         return [f for f in self.findings if f.breaks_case]
 
 
+# --------------------------------------------------------------------------- profiles
+
+
+class KernelTotal(_Record):
+    """One kernel (or CPU op) name of a trace: how often it ran and for how long in all."""
+
+    name: str = ""
+    count: int = 0
+    total_us: float = 0.0
+
+
+class QueryStep(_Record):
+    """The decode query step found in one trace (orchestrator.trace's rule): how many layer
+    steps, their time in all and per layer step, and which path ran them."""
+
+    # "fused", "staged", "mixed" (both in one trace), or None (no query step found).
+    path: str | None = None
+    occurrences: int = 0
+    fused: int = 0
+    staged: int = 0
+    events: int = 0  # trace events counted in query steps: 2 per staged step with a concat
+    total_us: float = 0.0
+    names: dict[str, int] = Field(default_factory=dict)
+    # What launched the counted kernels, where the trace says (eager: the CPU op around the
+    # launch; CUDA graphs: cudaGraphLaunch): the rule's ground truth where one exists.
+    launched_by: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def per_layer_us(self) -> float | None:
+        return self.total_us / self.occurrences if self.occurrences else None
+
+
+class TraceFigures(_Record):
+    """The figures of one torch-profiler trace (one rank of a server), from orchestrator.trace.
+
+    ``domain`` is what the device work is: ``kernel`` (GPU kernel events) or ``cpu_op`` (a CPU
+    build's trace, whose work is CPU ops); events, span and busy time are of that domain.
+    """
+
+    file: str = ""
+    rank: int | None = None
+    domain: str = "kernel"
+    trace_events: int = 0
+    kernel_events: int = 0
+    work_events: int = 0
+    work_us: float = 0.0
+    span_us: float | None = None
+    busy_us: float | None = None
+    steps_seen: int | None = None
+    calls: dict[str, int] = Field(default_factory=dict)
+    runtime_calls: dict[str, int] = Field(default_factory=dict)
+    top: list[KernelTotal] = Field(default_factory=list)
+    query: QueryStep = Field(default_factory=QueryStep)
+
+
+class ProfileResult(_Record):
+    """A case's profile phase: what was asked, where the traces are, each rank's figures."""
+
+    decode_steps: int = 0
+    prompt_tokens: int = 1
+    layers: int | None = None  # query steps one model step should run (decoder + MTP draft)
+    dir: str = "profile"
+    traces: list[TraceFigures] = Field(default_factory=list)
+    error: str | None = None
+
+
 # --------------------------------------------------------------------------- the case
 
 
@@ -363,6 +431,7 @@ class CaseResult(_Record):
     workloads: dict[str, WorkloadSummary] = Field(default_factory=dict)
     errors: int = 0
     audit: AuditSummary = Field(default_factory=AuditSummary)
+    profile: ProfileResult | None = None
     timings: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("audit", "server", "same_tokens", "workloads", "timings", mode="before")

@@ -38,6 +38,14 @@ _OWNED_FLAGS = {
 }
 # Only owned when the caller names the served model.
 _SERVED_NAME_FLAG = "--served-model-name"
+# vLLM's torch profiler. Both releases the orchestrator runs take it as one JSON flag:
+# 0.32.0 (the CPU build: vllm/config/profiler.py) and 0.26.0 (the H200's: seen serving with
+# it, docs/profiling.md), and both answer POST /start_profile and /stop_profile only when it
+# is given (0.32 reads no VLLM_TORCH_PROFILER_DIR variable any more). Each worker then
+# writes dp*_pp*_tp*_dcp*_ep*_rank*.<id>.pt.trace.json.gz into the directory on
+# /stop_profile, and the API server its own <host>_<pid>.async_llm.<id>... CPU trace.
+PROFILER_FLAG = "--profiler-config"
+PROFILE_ENDPOINTS = {"start": "/start_profile", "stop": "/stop_profile"}
 
 # Environment variables that point vLLM's and torch's caches and temp files at the run
 # directory; otherwise each server litters ~/.cache and /tmp and runs share stale state.
@@ -144,11 +152,13 @@ def serve_argv(
     served_name: str | None = None,
     extra_args: Sequence[str] = (),
     vllm_bin: str | None = None,
+    profiler_dir: str | None = None,
 ) -> list[str]:
     """The argv of `vllm serve` for one topology (a list, never a shell string).
 
-    Raises ValueError for impossible topologies and for passthrough args that would
-    clash with a flag the topology owns.
+    `profiler_dir`, an absolute directory on the server's node, turns vLLM's torch profiler
+    on (``profiler_config``). Raises ValueError for impossible topologies and for
+    passthrough args that would clash with a flag the topology owns.
     """
     if tp < 1 or dcp < 1 or tp % dcp:
         raise ValueError(f"dcp={dcp} must be >= 1 and divide tp={tp}")
@@ -159,6 +169,8 @@ def serve_argv(
     owned = dict(_OWNED_FLAGS)
     if served_name is not None:
         owned[_SERVED_NAME_FLAG] = "set from the model's served name"
+    if profiler_dir is not None:
+        owned[PROFILER_FLAG] = "set by the matrix's profile phase"
     for arg in extra_args:
         name = _flag_name(arg)
         # `--speculative-config.method mtp` is vLLM's dotted form of the same flag.
@@ -175,8 +187,47 @@ def serve_argv(
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if served_name is not None:
         argv += [_SERVED_NAME_FLAG, served_name]
+    if profiler_dir is not None:
+        argv += [PROFILER_FLAG, profiler_config(profiler_dir)]
     argv += list(extra_args)
     return argv
+
+
+def profiler_config(trace_dir: str) -> str:
+    """`--profiler-config` for torch-profiler traces in `trace_dir` (absolute: vLLM makes a
+    relative one absolute against its own working directory). No Python stacks: they
+    multiply a trace's size and the profiler's overhead, and the figures need none."""
+    if not os.path.isabs(trace_dir):
+        raise ValueError(f"profiler directory {trace_dir!r} must be absolute")
+    config = {"profiler": "torch", "torch_profiler_dir": trace_dir}
+    config["torch_profiler_with_stack"] = False
+    return json.dumps(config, separators=(",", ":"))
+
+
+def profile_request(
+    base_url: str, what: str, *, timeout_s: float, api_key: str | None = None
+) -> float:
+    """POST /start_profile or /stop_profile (`what`: start, stop); the seconds it took.
+
+    /stop_profile answers once every worker has stopped its profiler, which writes its trace
+    before it returns; the caller still checks the files (a remote node's disk, a slow gzip).
+    Raises RuntimeError naming the endpoint and the answer when it is not a 200.
+    """
+    url = base_url.rstrip("/") + PROFILE_ENDPOINTS[what]
+    t0 = time.monotonic()
+    try:
+        with httpx.Client(timeout=timeout_s, trust_env=False, headers=auth_headers(api_key)) as c:
+            reply = c.post(url)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"POST {url}: {type(exc).__name__}: {exc}") from None
+    if reply.status_code != 200:
+        hint = (
+            f" (the server was not started with {PROFILER_FLAG})"
+            if reply.status_code == 404
+            else ""
+        )
+        raise RuntimeError(f"POST {url}: HTTP {reply.status_code}{hint}: {reply.text[:200]}")
+    return time.monotonic() - t0
 
 
 def is_loopback(host: str) -> bool:

@@ -390,6 +390,25 @@ def _trend(run: Run, history: Sequence[Run]) -> tuple[int, list[Chart]]:
     return len(runs), charts
 
 
+def _profile(run: Run) -> dict[str, Any]:
+    """The decode profile as the template shows it: each pair's table, sentences and ranks,
+    or the profiled cases' rows where nothing is paired (orchestrator.reports.profile)."""
+    from orchestrator.reports.profile import case_profile_rows, profile_pairs
+
+    pairs = [
+        {
+            "title": f"{p.topology_id}: {p.baseline} vs {p.candidate}",
+            "header": ["Metric", p.baseline.title(), p.candidate.title(), "Delta"],
+            "rows": p.table(),
+            "sentences": [p.identity(), p.sync(), p.paths() + "."],
+            "ranks": p.per_rank(),
+        }
+        for p in profile_pairs(run.ordered, run.variants)
+    ]
+    header, body = ([], []) if pairs else case_profile_rows(run.ordered)
+    return {"pairs": pairs, "header": header, "rows": body}
+
+
 def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> dict[str, Any]:
     """Everything the template shows, computed: the run's figures, tables and charts."""
     m = run.manifest
@@ -414,6 +433,7 @@ def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> di
         "latency": {"note": LATENCY_NOTE, "header": latency_header, "body": latency_body},
         "delta_charts": _delta_charts(run),
         "token_checks": token_checks(run),
+        "profile": _profile(run),
         "trend_runs": trend_runs,
         "trend_charts": trend_charts,
         "failed": failed,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from orchestrator.reports.profile import profile_pairs
 from orchestrator.reports.run import Run, audit_sentence, paired_deltas
 from orchestrator.reports.summary import LATENCIES, QUANTILES
 from orchestrator.results import WorkloadSummary
@@ -55,9 +56,11 @@ def render_json(run: Run) -> dict[str, Any]:
                     for k, c in r.same_tokens.items()
                 },
                 "workloads": {name: _workload(w) for name, w in r.workloads.items()},
+                "profile": None if r.profile is None else r.profile.model_dump(mode="json"),
             }
             for r in rows
         ],
         "paired": [asdict(d) for d in paired_deltas(run)],
+        "profile_pairs": [p.to_dict() for p in profile_pairs(rows, run.variants)],
         "audit_summary": audit_sentence(run.results),
     }

@@ -82,6 +82,33 @@ def _paired_section(run: Run) -> list[str]:
     return [f"## Paired variants: {base} vs {cand}", "", md_table(header, body), ""]
 
 
+def _profile_section(run: Run) -> list[str]:
+    """The decode profile: the seeds' paired table per staged/fused pair (averaged over
+    ranks, then rank by rank), or each profiled case's figures where nothing is paired."""
+    from orchestrator.reports.profile import case_profile_rows, profile_pairs
+
+    pairs = profile_pairs(run.ordered, run.variants)
+    out: list[str] = []
+    if pairs:
+        out += ["## Decode profile, paired", ""]
+        out.append(
+            "Torch-profiler traces of the same decode steps on each server, after its measured "
+            "workloads; each figure is the mean over ranks, with the range over ranks in "
+            "parentheses where they differ (docs/profiling.md)."
+        )
+        for p in pairs:
+            out += ["", f"### {p.topology_id}: {p.baseline} vs {p.candidate}", ""]
+            header = ["Metric", p.baseline.title(), p.candidate.title(), "Delta"]
+            out += [md_table(header, p.table()), ""]
+            out += [f"- {p.identity()}", f"- {p.sync()}", f"- {p.paths()}.", ""]
+            out += [md_table(*p.per_rank())]
+        return [*out, ""]
+    header, body = case_profile_rows(run.ordered)
+    if body:
+        out += ["## Decode profile", "", md_table(header, body), ""]
+    return out
+
+
 def _failed_case(case_id: str, reason: str) -> list[str]:
     """A bullet with the reason's first line (its root cause, when known); the rest (what
     happened, the log's last lines) as a code block inside the bullet, so log lines keep
@@ -139,6 +166,7 @@ def render_markdown(run: Run) -> str:
     out += [topology_table(run, "per_user_tok_s"), ""]
     out += _latency_section(run)
     out += _paired_section(run)
+    out += _profile_section(run)
     checks = [f"- {t} {w}: **{v}** -- {s}" for t, w, v, s in token_checks(run)]
     if checks:
         out += ["## Same tokens (greedy, request by request)", "", *checks, ""]
