@@ -577,9 +577,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(workdir: Path, env: dict[str, str], *, tp: int = 1, expect_ready: bool = True):
+def vllm_server(
+    workdir: Path,
+    env: dict[str, str],
+    *,
+    tp: int = 1,
+    expect_ready: bool = True,
+    profile_dir: Path | None = None,
+):
     """Start ``vllm serve`` on the tiny model (loopback only), yield (port, log path), stop it
-    (SIGTERM to its process group, SIGKILL after 20 s)."""
+    (SIGTERM to its process group, SIGKILL after 20 s). `profile_dir`: with vLLM's torch
+    profiler writing there (the orchestrator's profile phase's flag)."""
+    from orchestrator.engines.vllm import PROFILER_FLAG, profiler_config
     from orchestrator.tinymodel import build_tiny_model
 
     model = build_tiny_model()
@@ -612,6 +621,8 @@ def vllm_server(workdir: Path, env: dict[str, str], *, tp: int = 1, expect_ready
         "--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096",
         "--tensor-parallel-size", str(tp), "--max-num-seqs", "4",
     ]  # fmt: skip
+    if profile_dir is not None:
+        argv += [PROFILER_FLAG, profiler_config(str(profile_dir.absolute()))]
     log = workdir / "server.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
@@ -665,6 +676,27 @@ def greedy(port: int) -> tuple[list[int], list[float]]:
     return ids, lp["token_logprobs"]
 
 
+# Decode steps the staged and fused servers are profiled for (interpreted fused query: ~1 s
+# per layer and step).
+PROFILE_STEPS = 2
+
+
+def profile_decode(port: int) -> None:
+    """What the orchestrator's profile phase does: start the profiler, one one-token request
+    of PROFILE_STEPS output tokens alone on the server, stop the profiler."""
+    import httpx
+
+    from orchestrator.engines.vllm import profile_request
+
+    base = f"http://127.0.0.1:{port}"
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    profile_request(base, "start", timeout_s=120)
+    body = {"model": model, "prompt": [5], "max_tokens": PROFILE_STEPS, "min_tokens":
+            PROFILE_STEPS, "ignore_eos": True, "temperature": 0}  # fmt: skip
+    httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
+    profile_request(base, "stop", timeout_s=300)
+
+
 def log_lines(log: Path, needle: str) -> list[str]:
     return [ln for ln in log.read_text(errors="replace").splitlines() if needle in ln]
 
@@ -686,8 +718,12 @@ def runs(tmp_path_factory):
         "fused": {"TRITON_INTERPRET": "1"},
     }
     for name, env in configs.items():
-        with vllm_server(base / name, env) as (port, log):
+        # The staged and fused servers are profiled too (test_e2e_profile_...).
+        profile = base / name / "profile" if name != "plain" else None
+        with vllm_server(base / name, env, profile_dir=profile) as (port, log):
             results[name] = (greedy(port), log)
+            if profile is not None:
+                profile_decode(port)
     return results
 
 
@@ -730,6 +766,45 @@ def test_e2e_fused_matches_staged(runs):
         torch.testing.assert_close(
             torch.tensor(fused_lp), torch.tensor(staged_lp), atol=LOGPROB_TOL, rtol=0
         )
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(E2E_TIMEOUT_S)
+def test_e2e_profile_attributes_the_query_step(runs):
+    """The trace reader's query-step rule on real traces whose answer is known: the tiny
+    model's 2 layers x PROFILE_STEPS steps, each found once, as vLLM's aten::bmm + aten::cat
+    in the staged server's trace and as the fused op in the fused server's; the fused trace
+    holds no staged query step (the W_UK_T bmm is gone, not added to)."""
+    from orchestrator.reports.profile import ProfilePair
+    from orchestrator.results import ProfileResult
+    from orchestrator.trace import find_rank_traces, read_trace
+
+    layers = 2
+    got = {}
+    for name in ("off", "fused"):
+        profile_dir = runs[name][1].parent / "profile"
+        paths = find_rank_traces(profile_dir)
+        assert len(paths) == 1, sorted(p.name for p in profile_dir.iterdir())
+        got[name] = read_trace(paths[0])
+    staged, fused = got["off"].query, got["fused"].query
+    n = layers * PROFILE_STEPS
+    assert got["off"].steps_seen == got["fused"].steps_seen == PROFILE_STEPS
+    assert (staged.path, staged.occurrences) == ("staged", n), staged
+    assert staged.names == {"aten::bmm": n, "aten::cat": n}
+    assert (fused.path, fused.occurrences) == ("fused", n), fused
+    assert fused.names == {"fusedq::mla_query_projection": n}
+    # W_UK_T's bmm left the decode step: the fused trace keeps only W_UV's.
+    bmm = {k: {t.name: t.count for t in got[k].top}.get("aten::bmm") for k in got}
+    print(f"staged {staged.per_layer_us:.1f} us/layer, fused {fused.per_layer_us:.1f}; {bmm}")
+    pair = ProfilePair(
+        "tiny/tp1", "staged", "fused",
+        ProfileResult(decode_steps=PROFILE_STEPS, layers=layers, traces=[got["off"]]),
+        ProfileResult(decode_steps=PROFILE_STEPS, layers=layers, traces=[got["fused"]]),
+    )  # fmt: skip
+    rows = {m: (b, c) for m, b, c, _ in pair.table()}
+    assert rows["Query step per layer (us)"][0] == f"{staged.per_layer_us:,.3f}"
+    assert "CPU trace has no CUDA runtime calls" in pair.sync()
 
 
 @pytest.mark.slow

@@ -17,11 +17,15 @@ import pytest
 from orch_cli import REPO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+PROFILE_STEPS = 3
 
 SMALL = [
     "workloads[0].output_tokens=16",
     "workloads[1].prompt_tokens=256",
     "workloads[1].output_tokens=16",
+    # The profile phase rides on the same servers (a few seconds a case): TP2 brings two
+    # ranks' traces home.
+    f"profile.decode_steps={PROFILE_STEPS}",
 ]
 
 
@@ -114,6 +118,33 @@ def test_every_case_passes_with_throughput(smoke_run):
         assert r["timings"]["startup_s"] > 0
         # One unmeasured request warmed the server before the workloads (matrix default).
         assert r["warmup"] == {"requests": 1, "errors": 0} and r["timings"]["warmup_s"] > 0
+
+
+def test_profile_phase_brings_every_rank_trace(smoke_run):
+    """Each case profiled its decode after the workloads: one trace per rank in its case
+    directory, read into figures; at MTP 0 the query step of every layer of every step is
+    found, and it is vLLM's staged bmm + cat (the plugin declines on CPU without Triton's
+    interpreter)."""
+    from orchestrator.reports.run import Run
+    from orchestrator.store import case_slug
+
+    run = Run.load(smoke_run["dir"])
+    for r in run.ordered:
+        p = r.profile
+        assert p is not None and p.error is None, r.case_id
+        assert p.decode_steps == PROFILE_STEPS and p.layers == 2 + r.mtp, r.case_id
+        assert sorted(t.rank for t in p.traces) == list(range(r.tp)), r.case_id
+        for t in p.traces:
+            assert (run.root / "cases" / case_slug(r.case_id) / t.file).is_file(), t.file
+            assert t.domain == "cpu_op" and t.work_events > 0 and t.busy_us > 0
+            if r.mtp == 0:
+                assert t.steps_seen == PROFILE_STEPS
+                assert t.query.path == "staged"
+                assert t.query.occurrences == 2 * PROFILE_STEPS, t.query
+                assert t.query.names == {"aten::bmm": 6, "aten::cat": 6}
+        assert r.timings["profile_s"] > 0
+    md = (smoke_run["dir"] / "report.md").read_text()
+    assert "## Decode profile" in md and "tiny-mla/tp2-dcp1-mtp0/default | 2 | staged |" in md
 
 
 def test_resume_skips_finished_cases_without_duplicates(smoke_run):
