@@ -657,18 +657,24 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
                     f"MTP > 0 but models[{mi}] ({model.label}) has_mtp: false",
                 )
     cases = expand(m)
-    if m.profile is not None:
-        owner = next((c for c in cases if any(_profiler_flag(a) for a in c.args)), None)
-        if owner is not None:
-            raise MatrixError(
-                source,
-                "profile",
-                f"case {owner.case_id!r} passes --profiler-config itself; the profile phase "
-                "sets it (remove it from args, or the profile key)",
-            )
+    _check_profile(m, cases, source)
     dup = _dups(c.case_id for c in cases)
     if dup:
         raise MatrixError(source, "topologies", f"case {dup[0]!r} appears twice")
+
+
+def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
+    """The profile phase owns vLLM's profiler flag: a case that passes its own is refused."""
+    if m.profile is None:
+        return
+    owner = next((c for c in cases if any(_profiler_flag(a) for a in c.args)), None)
+    if owner is not None:
+        raise MatrixError(
+            source,
+            "profile",
+            f"case {owner.case_id!r} passes --profiler-config itself; the profile phase "
+            "sets it (remove it from args, or the profile key)",
+        )
 
 
 def _profiler_flag(arg: str) -> bool:
