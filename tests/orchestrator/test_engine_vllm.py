@@ -85,6 +85,26 @@ def test_argv_rejects_owned_flags(arg: str) -> None:
         eng.serve_argv("/m", tp=2, dcp=1, mtp=0, host="h", port=1, extra_args=[arg])
 
 
+def test_profiler_flag_when_profiling() -> None:
+    argv = eng.serve_argv(
+        "/m", tp=1, dcp=1, mtp=0, host="127.0.0.1", port=8000, profiler_dir="/run/c/profile"
+    )
+    config = json.loads(argv[argv.index("--profiler-config") + 1])
+    # The keys vLLM 0.26 was seen taking on the H200, and 0.32's config accepts.
+    assert config == {
+        "profiler": "torch",
+        "torch_profiler_dir": "/run/c/profile",
+        "torch_profiler_with_stack": False,
+    }
+    with pytest.raises(ValueError, match="--profiler-config: set by the matrix's profile"):
+        eng.serve_argv(
+            "/m", tp=1, dcp=1, mtp=0, host="h", port=1, profiler_dir="/p",
+            extra_args=["--profiler-config.profiler=torch"],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="must be absolute"):
+        eng.profiler_config("profile")
+
+
 def test_served_name_owned_only_when_given() -> None:
     extra = ["--served-model-name", "x"]
     argv = eng.serve_argv("/m", tp=1, dcp=1, mtp=0, host="h", port=1, extra_args=extra)

@@ -209,11 +209,20 @@ def test_a_remote_servers_log_and_files_come_back_and_its_directory_goes(
     from orchestrator.engines.vllm import serve_env
 
     env = serve_env({}, host=NODE_HOST, run_dir=run_case, extra={"VLLM_TORCH_PROFILER_DIR": "p"})
-    lau.start(h, lambda port, host: [sys.executable, "-c", server], env, run_case / "server.log")
+    seen = []  # the case directory the argv is built with: the node's (a profiler's path)
+
+    def argv_for(port: int, host: str) -> list[str]:
+        seen.append(h.info["case_dir"])
+        return [sys.executable, "-c", server]
+
+    lau.start(h, argv_for, env, run_case / "server.log")
     own = Path(h.info["node_case_dir"])
     assert own.parent == node_tmp and h.mirror == run_case / "server.log"
+    assert seen == [str(own)]
     while lau.exit_code(h) is None:
         time.sleep(0.05)
+    # The profile phase watches the traces grow there, before they come home.
+    assert lau.case_files(h) == {"profile/trace.json": 2}
     lau.fetch_log(h)
     text = (run_case / "server.log").read_text()
     # Caches and temp files in the node's own case directory, not at the driver's paths; this
