@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from fusedq import ops
-from fusedq.capability import explain
+from fusedq.capability import OUT_DTYPES, explain
 from fusedq.kernels import triton_mla_query as kernel
 from fusedq.kernels.triton_mla_query import HEAD_K, HEAD_N, OUT_WIDTH, ROPE
 from fusedq.mxfp8 import MXFP8Weight
@@ -53,9 +53,10 @@ def _validate(
     weight: Weight,
     q_pe: torch.Tensor,
     out: torch.Tensor | None,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
     q_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
+    """Check every argument; returns the weight's parts and the resolved output dtype."""
     _check_activation("q_nope", q_nope, HEAD_K, None)
     device = q_nope.device
     m, num_heads, _ = q_nope.shape
@@ -67,8 +68,9 @@ def _validate(
         raise ValueError(f"weight: {values.shape[0]} heads, q_nope has {num_heads}")
     if values.device != device:
         raise ValueError(f"weight: device {values.device} differs from q_nope's {device}")
-    if out_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
-        raise ValueError(f"out_dtype: {out_dtype} must be torch.bfloat16 or torch.float8_e4m3fn")
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise ValueError(f"out: {type(out).__name__} is not a tensor")
+    out_dtype = resolve_out_dtype(out, out_dtype)
     if out_dtype == torch.bfloat16:
         if q_scale is not None:
             raise ValueError("q_scale: must be None for bf16 output (it is for E4M3 only)")
@@ -85,10 +87,6 @@ def _validate(
         if q_scale.device != device:
             raise ValueError(f"q_scale: device {q_scale.device} differs from q_nope's {device}")
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"out: {type(out).__name__} is not a tensor")
-        if out.dtype != out_dtype:
-            raise ValueError(f"out: dtype {out.dtype} differs from out_dtype={out_dtype}")
         if tuple(out.shape) != (m, num_heads, OUT_WIDTH):
             raise ValueError(
                 f"out: shape {tuple(out.shape)} must be [{m}, {num_heads}, {OUT_WIDTH}]"
@@ -97,11 +95,30 @@ def _validate(
             raise ValueError(f"out: last-dim stride {out.stride(2)} must be 1")
         if out.device != device:
             raise ValueError(f"out: device {out.device} differs from q_nope's {device}")
-    return values, scales
+    return values, scales, out_dtype
+
+
+def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.dtype:
+    """``out_dtype``, or when it is ``None`` the dtype of ``out`` (BF16 without ``out``);
+    ``ValueError`` naming both dtypes when they disagree or naming the unsupported one."""
+    if out_dtype is None:
+        if out is None:
+            return torch.bfloat16
+        if out.dtype not in OUT_DTYPES:
+            raise ValueError(
+                f"out: dtype {out.dtype} must be torch.bfloat16 or torch.float8_e4m3fn "
+                "(the output dtype is taken from out when out_dtype is None)"
+            )
+        return out.dtype
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: {out_dtype} must be torch.bfloat16 or torch.float8_e4m3fn")
+    if out is not None and out.dtype != out_dtype:
+        raise ValueError(f"out: dtype {out.dtype} differs from out_dtype={out_dtype}")
+    return out_dtype
 
 
 def _call(op, q_nope, weight, q_pe, out, out_dtype, q_scale, *extra) -> torch.Tensor:
-    values, scales = _validate(q_nope, weight, q_pe, out, out_dtype, q_scale)
+    values, scales, out_dtype = _validate(q_nope, weight, q_pe, out, out_dtype, q_scale)
     if out is None:
         m, num_heads, _ = q_nope.shape
         out = torch.empty((m, num_heads, OUT_WIDTH), dtype=out_dtype, device=q_nope.device)
@@ -115,7 +132,7 @@ def mla_query_projection(
     q_pe: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
     q_scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -127,17 +144,19 @@ def mla_query_projection(
     weight : bf16 ``[H, 192, 512]`` with any strides (vLLM's ``W_UK_T`` view), or an
         ``MXFP8Weight``.
     q_pe : bf16 ``[M, H, 64]``, any strides with a unit last stride (e.g. ``q[..., 192:]``).
-    out : optional ``[M, H, 576]`` of ``out_dtype`` with a unit last stride; rows and heads
-        may be pitched. Written and returned; allocated when ``None``.
+    out : optional ``[M, H, 576]`` of the output dtype with a unit last stride; rows and
+        heads may be pitched. Written and returned; allocated when ``None``.
     out_dtype : ``torch.bfloat16``, or ``torch.float8_e4m3fn`` to write
         ``clamp(bf16(q_nope @ W) / q_scale, ±448)`` and ``clamp(q_pe / q_scale, ±448)``.
+        ``None`` (the default) takes ``out.dtype`` when ``out`` is given, else BF16; given
+        together with ``out``, the two must agree.
     q_scale : one-element fp32 tensor; required for E4M3 output, rejected for bf16.
     backend : ``"auto"`` (fused where ``can_implement``, else staged), ``"triton"``
         (fused or ``ValueError`` with the reason), ``"staged"`` (the reference path).
 
     Returns
     -------
-    ``out``, ``[M, H, 576]`` of ``out_dtype``.
+    ``out``, ``[M, H, 576]`` of the output dtype.
     """
     if backend not in ops.BACKENDS:
         raise ValueError(f"backend: {backend!r} must be one of {ops.BACKENDS}")
@@ -153,7 +172,7 @@ def staged_mla_query(
     q_pe: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
     q_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The staged reference (``bmm`` -> ``cat`` -> quant), same arguments and result as

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from fusedq_cases import (
@@ -306,3 +308,49 @@ def test_register_path_configs(pdl, block_m, m, fmt, out_dtype, device):
     config = kernel.LaunchConfig(block_m=block_m, block_n=16, num_warps=1, pdl=pdl, fma=True)
     # Two heads: the per-head offsets of q, q_pe and out are exercised.
     _launch_matches_staged(config, fmt, out_dtype, 2, m, device, 100 + block_m, pitched=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The output dtype comes from `out` when out_dtype is None.
+
+OUT_CHOICES = {"none": None, "bf16": torch.bfloat16, "e4m3": E4M3}
+
+
+@pytest.mark.parametrize("with_scale", [False, True], ids=["no_scale", "scale"])
+@pytest.mark.parametrize("out_dtype", list(OUT_CHOICES), ids=lambda v: f"out_dtype_{v}")
+@pytest.mark.parametrize("out_kind", list(OUT_CHOICES), ids=lambda v: f"out_{v}")
+def test_output_dtype_from_out(out_kind, out_dtype, with_scale, device):
+    """Every combination of out (none, bf16, E4M3), out_dtype (None, bf16, E4M3) and q_scale:
+    the output dtype is out_dtype, else out's, else BF16; a mismatch names both dtypes."""
+    gen = torch.Generator().manual_seed(31)
+    h, m = 8, 1
+    w = make_weight(h, "vllm", device, gen)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out_t = OUT_CHOICES[out_kind]
+    out = None if out_t is None else poison(torch.empty(m, h, 576, dtype=out_t, device=device))
+    q_scale = torch.tensor([Q_SCALE], device=device) if with_scale else None
+    dtype = OUT_CHOICES[out_dtype]
+    call = functools.partial(
+        fusedq.mla_query_projection, q_nope, w, q_pe, out=out, out_dtype=dtype, q_scale=q_scale
+    )
+    want = dtype or out_t or torch.bfloat16
+    if dtype is not None and out_t is not None and dtype != out_t:
+        with pytest.raises(ValueError, match=f"out: dtype {out_t} differs from out_dtype={dtype}"):
+            call()
+        return
+    if (want == E4M3) != with_scale:
+        with pytest.raises(ValueError, match="q_scale"):
+            call()
+        return
+    got = call(backend="triton")
+    assert got.dtype == want and (out is None or got.data_ptr() == out.data_ptr())
+    ref = fusedq.staged_mla_query(q_nope, w, q_pe, out_dtype=want, q_scale=q_scale)
+    assert_matches(got, ref, "bf16")
+
+
+def test_output_dtype_from_out_names_an_unsupported_dtype(device):
+    args, kwargs = _good(device)
+    kwargs["out"] = kwargs["out"].half()
+    del kwargs["out_dtype"]
+    with pytest.raises(ValueError, match=r"out: dtype torch.float16 must be .*taken from out"):
+        fusedq.mla_query_projection(*args, **kwargs)
