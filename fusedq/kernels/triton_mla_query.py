@@ -66,8 +66,10 @@ FMA_BLOCK_MS = (1, 2, 4, 8)
 ALIGN_BYTES = 16
 
 # FUSEDQ_PDL=1 launches with programmatic dependent launch (see LaunchConfig.pdl). Off by
-# default: it only pays where the previous kernel lets dependents start early.
+# default: it only pays where the previous kernel lets dependents start early. Read once, at
+# import: a decode step must not read the environment per call (callers pass ``pdl=``).
 PDL_ENV = "FUSEDQ_PDL"
+DEFAULT_PDL = HAS_PDL and os.environ.get(PDL_ENV, "0") == "1"
 
 # Weight layouts the kernel distinguishes at compile time (which axis has unit stride).
 W_GENERIC, W_UNIT_N, W_UNIT_K = 0, 1, 2
@@ -138,10 +140,12 @@ class LaunchConfig:
         out_fp8: bool = False,
         *,
         allow_fma: bool = True,
+        pdl: bool | None = None,
     ) -> LaunchConfig:
         """The heuristic choice for ``m`` tokens of ``num_heads`` heads (see ``TUNED`` and
-        ``FMA_TUNED``); ``allow_fma=False`` gives the tl.dot path's choice."""
-        pdl = HAS_PDL and os.environ.get(PDL_ENV, "0") == "1"
+        ``FMA_TUNED``); ``allow_fma=False`` gives the tl.dot path's choice. ``pdl=None`` is
+        ``DEFAULT_PDL``."""
+        pdl = DEFAULT_PDL if pdl is None else pdl
         fma_m = triton.next_power_of_2(max(m, 1))
         fma = FMA_TUNED.get((weight_format, out_fp8, fma_m), {}) if allow_fma else {}
         if interpreting():
@@ -207,24 +211,43 @@ def _weight_layout(stride_k: int, stride_n: int) -> int:
     return W_GENERIC
 
 
-def _aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+def _strides_aligned(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
     vec = ALIGN_BYTES // t.element_size()
-    return t.data_ptr() % ALIGN_BYTES == 0 and all(s % vec == 0 for s in strides)
+    return all(s % vec == 0 for s in strides)
 
 
-def weight_traits(values: torch.Tensor) -> tuple[int, bool]:
-    """(layout, aligned) of a [H, 192, 512] weight tensor, as the kernel key needs them."""
+def pointer_aligned(ptr: int) -> bool:
+    """Whether an address sits on the 16-byte boundary the alignment hints promise."""
+    return ptr % ALIGN_BYTES == 0
+
+
+def weight_stride_traits(values: torch.Tensor) -> tuple[int, bool]:
+    """(layout, strides aligned) of a [H, 192, 512] weight: the part of ``weight_traits``
+    that does not depend on the address."""
     _, s_k, s_n = values.stride()
     layout = _weight_layout(s_k, s_n)
     non_unit = tuple(s for s in values.stride() if s != 1)
     # Only the unit-stride axis can be vectorised, and only when all other strides keep
     # every row on a 16-byte boundary.
-    return layout, layout != W_GENERIC and _aligned(values, non_unit)
+    return layout, layout != W_GENERIC and _strides_aligned(values, non_unit)
+
+
+def weight_traits(values: torch.Tensor) -> tuple[int, bool]:
+    """(layout, aligned) of a [H, 192, 512] weight tensor, as the kernel key needs them."""
+    layout, strides_ok = weight_stride_traits(values)
+    return layout, strides_ok and pointer_aligned(values.data_ptr())
+
+
+def io_strides_aligned(q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the row and head strides of q_nope, q_pe and out are 16-byte multiples."""
+    return all(_strides_aligned(t, t.stride()[:2]) for t in (q_nope, q_pe, out))
 
 
 def io_aligned(q_nope: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether q_nope, q_pe and out rows all start on 16-byte boundaries."""
-    return all(_aligned(t, t.stride()[:2]) for t in (q_nope, q_pe, out))
+    return io_strides_aligned(q_nope, q_pe, out) and all(
+        pointer_aligned(t.data_ptr()) for t in (q_nope, q_pe, out)
+    )
 
 
 @triton.jit
@@ -733,6 +756,58 @@ def kernel_key(
     )
 
 
+def grid_for(config: LaunchConfig, num_heads: int) -> tuple[int, int]:
+    """(N tiles, heads): the launch grid of ``config``."""
+    return HEAD_N // config.block_n, num_heads
+
+
+def kernel_for(config: LaunchConfig):
+    """The ``@triton.jit`` kernel ``config`` runs (register path or tl.dot)."""
+    return _mla_query_fma_kernel if config.fma else _mla_query_kernel
+
+
+def launch_arguments(
+    q_nope: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    out: torch.Tensor,
+    key: KernelKey,
+) -> tuple[tuple[int, ...], dict[str, object]]:
+    """The integer arguments (M, then the strides, in the kernel's order) and the constexprs
+    of a launch under ``key``."""
+    cfg = key.config
+    # Unused pointer arguments still need a tensor; the weight is always valid memory.
+    ws = scales if scales is not None else values
+    ints = (
+        q_nope.shape[0],
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        *values.stride(),
+        *ws.stride(),
+        out.stride(0),
+        out.stride(1),
+    )
+    constexprs = {
+        "K": HEAD_K,
+        "N": HEAD_N,
+        "R": ROPE,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "W_LAYOUT": key.w_layout,
+        "W_ALIGNED": key.w_aligned,
+        "IO_ALIGNED": key.io_aligned,
+        "MXFP8": scales is not None,
+        "OUT_FP8": key.out_fp8,
+        "INTERPRET": interpreting(),
+        "USE_PDL": cfg.pdl,
+    }
+    return ints, constexprs
+
+
 def launch(
     q_nope: torch.Tensor,
     values: torch.Tensor,
@@ -748,13 +823,27 @@ def launch(
     Raises ``RuntimeError`` when called under CUDA-graph capture with a key that was never
     compiled (call ``fusedq.prewarm`` before capturing).
     """
+    return launch_compiled(q_nope, values, scales, q_pe, out, q_scale, config=config)[0]
+
+
+def launch_compiled(
+    q_nope: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    out: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    *,
+    config: LaunchConfig | None = None,
+):
+    """``launch``, also returning Triton's compiled kernel (``None`` under the interpreter or
+    for M = 0), whose launcher ``fast_launch`` calls directly afterwards."""
     m, num_heads, _ = q_nope.shape
-    weight_format = "mxfp8" if scales is not None else "bf16"
     out_fp8 = out.dtype == torch.float8_e4m3fn
     key = kernel_key(
         values,
         m,
-        weight_format=weight_format,
+        weight_format="mxfp8" if scales is not None else "bf16",
         out_fp8=out_fp8,
         io_is_aligned=io_aligned(q_nope, q_pe, out),
         config=config,
@@ -769,45 +858,18 @@ def launch(
             "before capturing."
         )
     if m == 0:
-        return key
+        return key, None
     cfg = key.config
-    # Unused pointer arguments still need a tensor; the weight is always valid memory.
-    ws = scales if scales is not None else values
-    qs = q_scale if q_scale is not None else values
-    s_sh, s_sk, s_sn = ws.stride()
-    grid = (HEAD_N // cfg.block_n, num_heads)
-    kernel_fn = _mla_query_fma_kernel if cfg.fma else _mla_query_kernel
-    kernel_fn[grid](
+    ints, constexprs = launch_arguments(q_nope, values, scales, q_pe, out, key)
+    compiled = kernel_for(cfg)[grid_for(cfg, num_heads)](
         q_nope,
         q_pe,
         values,
-        ws,
+        scales if scales is not None else values,
         out,
-        qs,
-        m,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        *values.stride(),
-        s_sh,
-        s_sk,
-        s_sn,
-        out.stride(0),
-        out.stride(1),
-        K=HEAD_K,
-        N=HEAD_N,
-        R=ROPE,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        W_LAYOUT=key.w_layout,
-        W_ALIGNED=key.w_aligned,
-        IO_ALIGNED=key.io_aligned,
-        MXFP8=scales is not None,
-        OUT_FP8=out_fp8,
-        INTERPRET=interpreting(),
-        USE_PDL=cfg.pdl,
+        q_scale if q_scale is not None else values,
+        *ints,
+        **constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if cfg.pdl else {}),
@@ -815,7 +877,7 @@ def launch(
     if not known:
         with _compiled_lock:
             _compiled.add(key)
-    return key
+    return key, None if interpreting() else compiled
 
 
 def register_interpreted(key: KernelKey) -> bool:
@@ -836,21 +898,29 @@ def _operands(m: int, num_heads: int, device: torch.device, out_dtype, aligned: 
 
 
 def prewarm(
-    values: torch.Tensor, scales: torch.Tensor | None, m: int, out_dtype: torch.dtype
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    m: int,
+    out_dtype: torch.dtype,
+    *,
+    pdl: bool | None = None,
 ) -> int:
     """Compile the variants a launch with ``m`` tokens on this weight can need (rows of q and
-    out aligned or not); returns how many were new."""
+    out aligned or not; ``pdl`` as the calls will pass it); returns how many were new."""
     num_heads = values.shape[0]
     out_fp8 = out_dtype == torch.float8_e4m3fn
+    weight_format = "bf16" if scales is None else "mxfp8"
+    config = LaunchConfig.for_problem(num_heads, m, weight_format, out_fp8, pdl=pdl)
     q_scale = torch.ones(1, dtype=torch.float32, device=values.device) if out_fp8 else None
     new = 0
     for aligned in (True, False):
         key = kernel_key(
             values,
             m,
-            weight_format="bf16" if scales is None else "mxfp8",
+            weight_format=weight_format,
             out_fp8=out_fp8,
             io_is_aligned=aligned,
+            config=config,
         )
         if key in compiled_keys():
             continue
@@ -858,7 +928,7 @@ def prewarm(
             new += register_interpreted(key)
             continue
         q_nope, q_pe, out = _operands(m, num_heads, values.device, out_dtype, aligned)
-        launched = launch(q_nope, values, scales, q_pe, out, q_scale)
+        launched = launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
         assert launched == key, (launched, key)
         new += 1
     return new
