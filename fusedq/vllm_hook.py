@@ -86,9 +86,8 @@ def decode_query(
     fmt = weight_format(weight)
     if not qualifies(num_heads, m, fmt, out_dtype, q_nope.device):
         return None
-    if out is None:
-        # Contiguous token-major [B, N, 576]: backends and DCP's all-gather take it as is.
-        out = torch.empty((m, num_heads, QUERY_WIDTH), dtype=out_dtype, device=q_nope.device)
+    # Without `out` the op allocates a contiguous token-major [B, N, 576], which backends and
+    # DCP's all-gather take as is (and fresh memory needs no per-call overlap check).
     return fusedq.mla_query_projection(
         q_nope.transpose(0, 1),
         weight,

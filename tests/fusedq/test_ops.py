@@ -7,7 +7,16 @@ import torch
 from fusedq_cases import E4M3, Q_SCALE, assert_matches, make_out, make_q, make_weight
 
 import fusedq
+from fusedq import dispatch
 from fusedq.kernels import triton_mla_query as kernel
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """As in a new process: no kernel variant known to fusedq, no call plan cached (a cached
+    plan launches its compiled variants directly, without the capture guard)."""
+    monkeypatch.setattr(kernel, "_compiled", set())
+    dispatch.clear_plans()
 
 
 def _operands(device, h=8, m=5, seed=21):
@@ -56,9 +65,8 @@ def test_prewarm_counts_new_variants(device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,out_dtype", [("bf16", torch.bfloat16), ("mxfp8", E4M3)])
-def test_cuda_graph_replay_sees_mutated_inputs(fmt, out_dtype, monkeypatch):
+def test_cuda_graph_replay_sees_mutated_inputs(fmt, out_dtype, fresh_process):
     device = torch.device("cuda")
-    monkeypatch.setattr(kernel, "_compiled", set())
     h, m = 16, 7
     gen = torch.Generator().manual_seed(5)
     w = make_weight(h, "vllm", device, gen)
@@ -91,9 +99,8 @@ def test_cuda_graph_replay_sees_mutated_inputs(fmt, out_dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_capture_without_prewarm_raises(monkeypatch):
+def test_capture_without_prewarm_raises(fresh_process):
     device = torch.device("cuda")
-    monkeypatch.setattr(kernel, "_compiled", set())
     w, q_nope, q_pe = _operands(device, h=11, m=3)
     out = torch.empty(3, 11, 576, dtype=torch.bfloat16, device=device)
     torch.cuda.synchronize()

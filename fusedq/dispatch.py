@@ -1,0 +1,336 @@
+"""Argument validation and the per-signature call plan: checked once, then run.
+
+In eager decode every layer of every step calls the query projection, so what a call checks
+is paid ~78 times per step. A call's *signature* is everything the checks and the path
+choice read: for each tensor its type, dtype, shape, strides and device, plus ``out_dtype``,
+``backend`` and ``pdl``. The first call with a signature runs ``validate`` and ``explain``,
+picks the path (fused or staged) and binds the launch (``fast_launch.BoundLaunch``); the plan
+is cached under the signature, as FlashInfer's ``skip_check`` does. Later calls build the key
+(one tuple), probe the cache and run the plan. A call with any new stride, dtype or shape
+misses the cache and is checked in full, so bad input still gets its error.
+
+Two things depend on addresses and stay per call: ``out`` must not overlap an input (the byte
+extents are computed once, the comparison per call), and the pointers' alignment picks among
+the compiled variants (inside ``BoundLaunch``).
+
+``explain`` depends on process-wide facts besides the signature (Triton importable, the
+device's capability, ``TRITON_INTERPRET``); they do not change within a process, and
+``clear_plans`` forgets every plan where a test changes them.
+
+Every check here reads metadata only, so ``validate`` also runs while ``torch.compile``
+traces with fake tensors (``through_op``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedq.capability import OUT_DTYPES, explain
+from fusedq.kernels import fast_launch
+from fusedq.kernels import triton_mla_query as kernel
+from fusedq.kernels.triton_mla_query import HEAD_K, HEAD_N, OUT_WIDTH, ROPE
+from fusedq.mxfp8 import SCALE_BLOCKS, MXFP8Weight
+from fusedq.reference import staged_into
+
+BACKENDS = ("auto", "triton", "staged")
+# Signatures are few in practice (one per M per weight layout); a caller whose shapes never
+# repeat must not grow the cache without bound.
+MAX_PLANS = 4096
+
+Weight = torch.Tensor | MXFP8Weight
+
+
+# --- validation (metadata only) -------------------------------------------------------------
+
+
+def split_weight(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scale bytes) of an ``MXFP8Weight``, or (weight, None)."""
+    if isinstance(weight, MXFP8Weight):
+        return weight.values, weight.scales
+    return weight, None
+
+
+def _check_activation(name: str, t: object, width: int, device: torch.device | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: {type(t).__name__} is not a tensor")
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{name}: dtype {t.dtype} must be torch.bfloat16")
+    if t.dim() != 3 or t.shape[2] != width:
+        raise ValueError(f"{name}: shape {tuple(t.shape)} must be [M, H, {width}]")
+    if t.stride(2) != 1:
+        raise ValueError(f"{name}: last-dim stride {t.stride(2)} must be 1")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: device {t.device} differs from q_nope's {device}")
+
+
+def check_weight(values: object, scales: object) -> None:
+    """A bf16 ``[H, 192, 512]`` tensor, or the parts of an ``MXFP8Weight`` (which checked them
+    at construction; the custom op receives them apart)."""
+    if scales is None:
+        if not isinstance(values, torch.Tensor):
+            raise ValueError(f"weight: {type(values).__name__} is neither a tensor nor MXFP8Weight")
+        if values.dtype != torch.bfloat16:
+            raise ValueError(
+                f"weight: dtype {values.dtype} must be torch.bfloat16 (or pass an MXFP8Weight)"
+            )
+    elif not (
+        isinstance(values, torch.Tensor)
+        and isinstance(scales, torch.Tensor)
+        and values.dtype == torch.float8_e4m3fn
+        and scales.dtype == torch.uint8
+        and tuple(scales.shape) == (*values.shape[:2], SCALE_BLOCKS)
+        and scales.device == values.device
+    ):
+        raise ValueError(
+            "weight: MXFP8 parts must be float8_e4m3fn values [H, 192, 512] and uint8 scales "
+            f"[H, 192, {SCALE_BLOCKS}] on one device (build them with MXFP8Weight)"
+        )
+    if values.dim() != 3 or tuple(values.shape[1:]) != (HEAD_K, HEAD_N):
+        raise ValueError(f"weight: shape {tuple(values.shape)} must be [H, {HEAD_K}, {HEAD_N}]")
+
+
+def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.dtype:
+    """``out_dtype``, or when it is ``None`` the dtype of ``out`` (BF16 without ``out``);
+    ``ValueError`` naming both dtypes when they disagree or naming the unsupported one."""
+    if out_dtype is None:
+        if out is None:
+            return torch.bfloat16
+        if out.dtype not in OUT_DTYPES:
+            raise ValueError(
+                f"out: dtype {out.dtype} must be torch.bfloat16 or torch.float8_e4m3fn "
+                "(the output dtype is taken from out when out_dtype is None)"
+            )
+        return out.dtype
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: {out_dtype} must be torch.bfloat16 or torch.float8_e4m3fn")
+    if out is not None and out.dtype != out_dtype:
+        raise ValueError(f"out: dtype {out.dtype} differs from out_dtype={out_dtype}")
+    return out_dtype
+
+
+def _check_q_scale(q_scale: object, out_dtype: torch.dtype, device: torch.device) -> None:
+    if out_dtype == torch.bfloat16:
+        if q_scale is not None:
+            raise ValueError("q_scale: must be None for bf16 output (it is for E4M3 only)")
+        return
+    if q_scale is None:
+        raise ValueError("q_scale: a one-element fp32 tensor is required for E4M3 output")
+    if not isinstance(q_scale, torch.Tensor):
+        raise ValueError(f"q_scale: {type(q_scale).__name__} is not a tensor")
+    if q_scale.dtype != torch.float32 or q_scale.numel() != 1:
+        raise ValueError(
+            f"q_scale: dtype {q_scale.dtype} with {q_scale.numel()} elements must be a "
+            "one-element torch.float32 tensor"
+        )
+    if q_scale.device != device:
+        raise ValueError(f"q_scale: device {q_scale.device} differs from q_nope's {device}")
+
+
+def _check_out(out: object, m: int, num_heads: int, device: torch.device) -> None:
+    if tuple(out.shape) != (m, num_heads, OUT_WIDTH):
+        raise ValueError(f"out: shape {tuple(out.shape)} must be [{m}, {num_heads}, {OUT_WIDTH}]")
+    if out.stride(2) != 1:
+        raise ValueError(f"out: last-dim stride {out.stride(2)} must be 1")
+    if out.device != device:
+        raise ValueError(f"out: device {out.device} differs from q_nope's {device}")
+
+
+def validate(
+    q_nope: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    q_scale: torch.Tensor | None,
+    backend: str,
+    pdl: bool | None,
+) -> tuple[torch.dtype, bool]:
+    """Check every argument (``ValueError`` naming the first bad one); returns the output
+    dtype (see ``resolve_out_dtype``) and ``pdl`` resolved (``None`` is ``DEFAULT_PDL``)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} must be one of {BACKENDS}")
+    if pdl not in (None, True, False):
+        raise ValueError(f"pdl: {pdl!r} must be True, False or None (the FUSEDQ_PDL default)")
+    _check_activation("q_nope", q_nope, HEAD_K, None)
+    device = q_nope.device
+    m, num_heads, _ = q_nope.shape
+    _check_activation("q_pe", q_pe, ROPE, device)
+    if tuple(q_pe.shape[:2]) != (m, num_heads):
+        raise ValueError(f"q_pe: shape {tuple(q_pe.shape)} must be [{m}, {num_heads}, {ROPE}]")
+    check_weight(values, scales)
+    if values.shape[0] != num_heads:
+        raise ValueError(f"weight: {values.shape[0]} heads, q_nope has {num_heads}")
+    if values.device != device:
+        raise ValueError(f"weight: device {values.device} differs from q_nope's {device}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise ValueError(f"out: {type(out).__name__} is not a tensor")
+    out_dtype = resolve_out_dtype(out, out_dtype)
+    _check_q_scale(q_scale, out_dtype, device)
+    if out is not None:
+        _check_out(out, m, num_heads, device)
+    return out_dtype, kernel.DEFAULT_PDL if pdl is None else bool(pdl)
+
+
+# --- plans ----------------------------------------------------------------------------------
+
+
+def _extent(t: torch.Tensor | None) -> int:
+    """Bytes from a tensor's first to one past its last element (0: nothing to overlap)."""
+    if t is None or t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * (
+        t.element_size()
+    )
+
+
+INPUT_NAMES = ("q_nope", "q_pe", "weight", "weight scales", "q_scale")
+
+
+class Plan:
+    """What every call of one signature runs: allocate or overlap-check ``out``, then
+    ``launch`` (a ``BoundLaunch``, or the staged reference)."""
+
+    __slots__ = ("device", "extents", "fused", "launch", "out_dtype", "out_shape")
+
+    def __init__(self, launch, fused: bool, out_shape, out_dtype, device, extents) -> None:
+        self.launch = launch
+        self.fused = fused
+        self.out_shape = out_shape
+        self.out_dtype = out_dtype
+        self.device = device
+        # (out extent, input extents in INPUT_NAMES order), or None when out is allocated.
+        self.extents = extents
+
+    def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> torch.Tensor:
+        if out is None:
+            # Fresh memory cannot overlap an input: no check needed.
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        elif self.extents is not None:
+            self._check_overlap(out, (q_nope, q_pe, values, scales, q_scale))
+        self.launch(q_nope, values, scales, q_pe, out, q_scale)
+        return out
+
+    def _check_overlap(self, out, inputs) -> None:
+        out_extent, extents = self.extents
+        lo = out.data_ptr()
+        hi = lo + out_extent
+        for t, extent, name in zip(inputs, extents, INPUT_NAMES, strict=True):
+            if extent:
+                start = t.data_ptr()
+                if start < hi and lo < start + extent:
+                    raise ValueError(
+                        f"out: overlaps the memory of {name}; it must not alias an input"
+                    )
+
+
+class _OpPlan:
+    """Tensor subclasses (fake, functional, ...) go through the custom op, whose fake twin
+    the active mode traces: no addresses to read, nothing to launch."""
+
+    __slots__ = ("backend", "out_dtype", "pdl")
+
+    def __init__(self, out_dtype: torch.dtype, backend: str, pdl: bool) -> None:
+        self.out_dtype, self.backend, self.pdl = out_dtype, backend, pdl
+
+    def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> torch.Tensor:
+        if out is None:
+            m, num_heads, _ = q_nope.shape
+            out = q_nope.new_empty((m, num_heads, OUT_WIDTH), dtype=self.out_dtype)
+        torch.ops.fusedq.mla_query_projection(
+            q_nope, values, scales, q_pe, out, q_scale, self.backend, self.pdl
+        )
+        return out
+
+
+_plans: dict[tuple, Plan | _OpPlan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every plan (the next call of each signature is checked again)."""
+    _plans.clear()
+
+
+def plan_count() -> int:
+    return len(_plans)
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (type(t), t.dtype, t.shape, t.stride(), t.device)
+
+
+def call(
+    q_nope: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    q_pe: torch.Tensor,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    q_scale: torch.Tensor | None,
+    backend: str,
+    pdl: bool | None,
+) -> torch.Tensor:
+    """Run the query projection eagerly through its signature's plan; returns ``out``."""
+    try:
+        key = (
+            _meta(q_nope),
+            _meta(values),
+            None if scales is None else _meta(scales),
+            _meta(q_pe),
+            None if out is None else _meta(out),
+            None if q_scale is None else _meta(q_scale),
+            out_dtype,
+            backend,
+            pdl,
+        )
+        plan = _plans.get(key)
+    except Exception:  # an argument without tensor metadata, or unhashable: validate names it
+        key, plan = None, None
+    if plan is None:
+        plan = _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl)
+        if key is not None:
+            if len(_plans) >= MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan(q_nope, values, scales, q_pe, out, q_scale)
+
+
+def _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl):
+    out_dtype, pdl = validate(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl)
+    tensors = (q_nope, values, scales, q_pe, out, q_scale)
+    if any(t is not None and type(t) is not torch.Tensor for t in tensors):
+        return _OpPlan(out_dtype, backend, pdl)
+    m, num_heads, _ = q_nope.shape
+    device = q_nope.device
+    out_shape = (m, num_heads, OUT_WIDTH)
+    extents = None
+    if out is not None and out.numel():
+        extents = (_extent(out), tuple(_extent(t) for t in (q_nope, q_pe, values, scales, q_scale)))
+    if backend != "staged":
+        weight_format = "bf16" if scales is None else "mxfp8"
+        why = explain(num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device)
+        if why is None:
+            example = (
+                out if out is not None else torch.empty(out_shape, dtype=out_dtype, device=device)
+            )
+            config = kernel.LaunchConfig.for_problem(
+                num_heads, m, weight_format, out_dtype == torch.float8_e4m3fn, pdl=pdl
+            )
+            bound = fast_launch.BoundLaunch(q_nope, values, scales, q_pe, example, config)
+            return Plan(bound, True, out_shape, out_dtype, device, extents)
+        if backend == "triton":
+            raise ValueError(f"backend='triton' cannot run this call: {why}")
+    return Plan(staged_into, False, out_shape, out_dtype, device, extents)
+
+
+def prepare_traced(
+    q_nope, weight, q_pe, out, out_dtype, q_scale, backend: str, pdl: bool | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
+    """The traced path (``torch.compile``) before its custom-op call: validate, split the
+    weight, allocate ``out``; returns (values, scales, out, pdl resolved)."""
+    values, scales = split_weight(weight)
+    out_dtype, pdl = validate(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl)
+    if out is None:
+        m, num_heads, _ = q_nope.shape
+        out = torch.empty((m, num_heads, OUT_WIDTH), dtype=out_dtype, device=q_nope.device)
+    return values, scales, out, pdl
