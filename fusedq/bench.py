@@ -27,6 +27,8 @@ the graph's per-launch cost) and ``read`` (one launch that only reads the layer'
 contiguous, 16-byte vectors, every load issued before any use; the fastest of five tile sizes
 ``read_w{256,...,4096}``, each timed). ``read / staged`` is the lowest fused/staged ratio any
 one-launch kernel could show, since the fused kernel must at least read those bytes.
+
+``--eager`` measures something else: host time per call outside graphs (``bench_eager``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class Options:
     sweep_fma: tuple[str, ...] = ()
     sweep_fma_pdl: tuple[str, ...] = ()
     floors: bool = False
+    # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
+    eager: bool = False
+    eager_calls: int = 2000
+    eager_repeats: int = 5
     commit: str | None = None
 
 
@@ -584,9 +590,14 @@ def run(opts: Options) -> dict:
     """Run the benchmark (or the sweep) and return every figure."""
     import torch
 
+    from fusedq import bench_eager
+
     if not torch.cuda.is_available():
-        raise SystemExit("fusedq-bench needs a CUDA GPU")
+        raise SystemExit(bench_eager.NO_CUDA if opts.eager else "fusedq-bench needs a CUDA GPU")
     result = {"environment": environment(opts.commit), "options": dataclasses.asdict(opts)}
+    if opts.eager:
+        result["eager"] = bench_eager.run(opts)
+        return result
     rows: list[dict] = []
     for fmt in opts.formats:
         for h in opts.heads:
@@ -661,13 +672,32 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--sweep-pdl", type=int, nargs="+", default=list(Options.sweep_pdl))
     p.add_argument("--sweep-fma", nargs="*", default=[], help="register-path BLOCK_N:WARPS")
     p.add_argument("--sweep-fma-pdl", nargs="*", default=[], help="the same, with PDL")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
+        "vLLM's staged block",
+    )
+    p.add_argument("--calls", type=int, default=Options.eager_calls, help="--eager: calls per run")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=Options.eager_repeats,
+        help="--eager: runs per path (best taken)",
+    )
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
     p.add_argument("--json", default=None, help="write every figure to this path")
     a = p.parse_args(argv)
+    if a.eager:
+        clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
+        if clash:
+            p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
+    if a.calls < 1 or a.repeats < 1:
+        p.error(f"--calls {a.calls} and --repeats {a.repeats} must be at least 1")
     opts = Options(
         heads=tuple(a.heads), ms=tuple(a.ms), formats=tuple(a.formats), samples=a.samples,
         warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, chain=a.chain, sweep=a.sweep,
-        floors=a.floors,
+        floors=a.floors, eager=a.eager, eager_calls=a.calls, eager_repeats=a.repeats,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl), commit=a.commit,
@@ -678,7 +708,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     opts, json_path = parse_args(argv)
     result = run(opts)
-    if not opts.sweep:
+    if opts.eager:
+        from fusedq import bench_eager
+
+        print(bench_eager.format_table(result["eager"]))
+    elif not opts.sweep:
         print(format_table(result["rows"]))
     if json_path:
         with open(json_path, "w") as f:

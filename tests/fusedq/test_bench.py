@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from fusedq_cases import assert_matches
 
-from fusedq import bench
+import fusedq
+from fusedq import bench, bench_eager
 
 
 def test_abba_order_alternates_direction():
@@ -119,3 +121,93 @@ def test_recorded_commit_says_when_the_tree_is_not_head(tmp_path, monkeypatch):
     assert bench._git_commit() == head + "+dirty"
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
     assert bench._git_commit() not in (head, head + "+dirty") and "+" not in bench._git_commit()
+
+
+# --- --eager ---------------------------------------------------------------------------------
+
+
+def test_eager_arguments():
+    opts, path = bench.parse_args(
+        ["--eager", "--calls", "100", "--repeats", "3", "--heads", "16", "--m", "1", "--json", "e"]
+    )
+    assert opts.eager and opts.eager_calls == 100 and opts.eager_repeats == 3
+    assert opts.heads == (16,) and opts.ms == (1,) and path == "e"
+    defaults = bench.parse_args([])[0]
+    assert not defaults.eager and defaults.eager_calls == 2000 and defaults.eager_repeats == 5
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--eager", "--floors"], "--floors"),
+        (["--eager", "--chain"], "--chain"),
+        (["--eager", "--calls", "0"], "--calls 0"),
+    ],
+)
+def test_eager_argument_errors_name_the_option(argv, named, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args(argv)
+    assert info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_eager_row_takes_the_best_run_and_the_ratios():
+    per_call = {name: [30.0, 20.0, 25.0] for name in bench_eager.PATHS}
+    per_call["public"] = [12.0, 11.0, 40.0]
+    per_call["hook"] = [14.0, 13.0, 13.5]
+    row = bench_eager.eager_row("bf16", 16, 1, per_call)
+    assert row["public_us"] == 11.0 and row["public_median_us"] == 12.0
+    assert row["staged_032_us"] == 20.0
+    assert row["public_over_staged"] == 11.0 / 20.0 and row["hook_over_staged"] == 13.0 / 20.0
+    table = bench_eager.format_table(
+        [row, {"format": "mxfp8", "H": 8, "M": 4, "error": "boom"}]
+    ).splitlines()
+    assert table[0].count("|") == table[1].count("|") == table[2].count("|")
+    assert table[2].startswith("| bf16 | 16 | 1 | 11.0 | 20.0 | 13.0 |")
+    assert table[2].endswith("| 0.55 | 0.65 |")
+    assert "error: boom" in table[3]
+    assert "eager bf16 H=16 M=1 µs/call: public=11.0" in bench_eager.one_line(row)
+
+
+def test_eager_refuses_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--eager", "--heads", "8", "--m", "1"])
+    assert "needs a CUDA GPU" in str(info.value) and "interpreter" in str(info.value)
+
+
+@pytest.mark.gpu
+def test_eager_shape_is_measured_and_correct():
+    opts = bench.Options(eager=True, eager_calls=50, eager_repeats=2, warmup=3)
+    row = bench_eager.eager_shape("bf16", 16, 3, opts)
+    assert all(row[f"{p}_us"] > 0 for p in bench_eager.PATHS)
+    assert row["max_abs_err_vs_staged"] < 0.05
+    assert row["public_over_staged"] > 0
+
+
+@pytest.mark.parametrize("fmt", bench.FORMATS)
+def test_every_eager_path_computes_the_query(fmt, device):
+    """Each timed closure does the work it is named for (here through the interpreter on
+    CPU): the fused paths write the query of the fused weight, the two staged blocks agree
+    bit for bit and (but for MXFP8, whose baseline is the unquantised BF16 weight) match it."""
+    import torch
+
+    ops = bench_eager.eager_operands(fmt, 8, 1, 0.02, device)
+    paths = bench_eager.eager_paths(ops)
+    assert set(paths) == set(bench_eager.PATHS)
+    ref = fusedq.staged_mla_query(
+        ops.q_nope, ops.fused_w, ops.q_pe, out_dtype=ops.out_dtype, q_scale=ops.q_scale
+    )
+    weight_format = "mxfp8" if fmt == "mxfp8" else "bf16"
+    staged = paths["staged_032"]()
+    assert torch.equal(paths["staged_026"]().view(torch.uint8), staged.view(torch.uint8))
+    if fmt != "mxfp8":
+        assert_matches(staged, ref, weight_format)
+    for name in ("public", "hook"):
+        assert_matches(paths[name](), ref, weight_format)
+    for name in ("public_out", "custom_op", "bare"):
+        ops.out.zero_()
+        paths[name]()
+        assert_matches(ops.out, ref, weight_format)

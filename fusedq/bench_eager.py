@@ -1,0 +1,235 @@
+"""``fusedq-bench --eager``: host time per call of the query step outside CUDA graphs.
+
+Wherever the query step runs eagerly (``--enforce-eager``, piecewise graphs that leave
+attention out, batch sizes past the captured ones, MTP verification), each layer of each
+step pays the host time of its launch path; the GPU work is a few µs, so host time is what
+counts. Side by side in one run, for each (format, H, M), on vLLM's strided ``W_UK_T`` and a
+sliced ``q``:
+
+- ``public``: ``fusedq.mla_query_projection`` allocating ``out`` (as the vLLM hook calls it);
+- ``public_out``: the same with a preallocated ``out`` (adds the per-call overlap check);
+- ``hook``: ``vllm_hook.decode_query`` — exactly what replaces vLLM's staged block;
+- ``custom_op``: ``torch.ops.fusedq.mla_query_projection`` (the dispatcher + the plan);
+- ``bare``: ``kernels.triton_mla_query.launch`` (no validation, no plan: the config, the key
+  and Triton's JIT launch on every call);
+- ``staged_032`` / ``staged_026``: vLLM's block, BF16: ``bmm`` into a token-major buffer
+  through a transposed view (0.32) or into a head-major buffer then transposed (0.26), then
+  the ``torch.cat`` with ``q_pe`` that the backends do. MXFP8's baseline is the BF16 block
+  (as in the graph benchmark). For E4M3 output the block is followed by a torch-native
+  quantisation (``x / q_scale``, clamp, cast), a stand-in for vLLM's one-kernel
+  ``QuantFP8`` op that costs more host time than it.
+
+Each path runs ``calls`` times back to back with ``torch.cuda.synchronize`` only before and
+after; the figure is the best of ``repeats`` such runs (paths interleaved ABBA between
+repeats), in µs per call. With the GPU work far shorter than the host time, the queue never
+backs up and the wall time per call is the host time.
+
+On a machine without CUDA this mode refuses: under ``TRITON_INTERPRET=1`` the kernel itself
+runs in Python, so the host time would measure the interpreter, not the launch path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
+# The fused paths compared with the staged block, and the staged variant each is divided by.
+RATIOS = {
+    "public_over_staged": ("public", "staged_032"),
+    "hook_over_staged": ("hook", "staged_032"),
+}
+NO_CUDA = (
+    "fusedq-bench --eager needs a CUDA GPU: on CPU the Triton interpreter runs the kernel in "
+    "Python, so the host time per call would measure the interpreter, not the launch path"
+)
+
+
+@dataclasses.dataclass
+class EagerOperands:
+    """One (format, H, M): the tensors every path reads, as vLLM holds them."""
+
+    q_nope: object  # [M, H, 192] slice of q
+    q_nope_t: object  # vLLM's (N, B, P) transposed view of it
+    q_pe: object
+    staged_w: object  # bf16 W_UK_T view [H, 192, 512] of a [H, 448, 512] tensor
+    fused_w: object  # the same, or its MXFP8 quantisation
+    out: object
+    out_dtype: object
+    q_scale: object
+
+
+def eager_operands(fmt: str, h: int, m: int, q_scale: float, device=None) -> EagerOperands:
+    import torch
+
+    import fusedq
+
+    dev = torch.device(device or "cuda")
+    w = (torch.randn(h, 192 + 256, 512, device=dev, dtype=torch.bfloat16) * 0.05)[:, :192, :]
+    q = torch.randn(m, h, 256, device=dev, dtype=torch.bfloat16)
+    out_dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
+    return EagerOperands(
+        q_nope=q[..., :192],
+        q_nope_t=q[..., :192].transpose(0, 1),
+        q_pe=q[..., 192:],
+        staged_w=w,
+        fused_w=fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w,
+        out=torch.empty(m, h, 576, device=dev, dtype=out_dtype),
+        out_dtype=out_dtype,
+        q_scale=torch.tensor([q_scale], device=dev) if fmt == "e4m3" else None,
+    )
+
+
+def eager_paths(ops: EagerOperands) -> dict[str, Callable[[], object]]:
+    """One call of each path on ``ops``, as zero-argument closures."""
+    import torch
+
+    import fusedq
+    from fusedq.dispatch import split_weight
+    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.reference import quantize_e4m3
+    from fusedq.vllm_hook import decode_query
+
+    values, scales = split_weight(ops.fused_w)
+    q_nope, q_nope_t, q_pe, w = ops.q_nope, ops.q_nope_t, ops.q_pe, ops.staged_w
+    out, out_dtype, q_scale = ops.out, ops.out_dtype, ops.q_scale
+    n, b, _ = q_nope_t.shape
+    pdl = kernel.DEFAULT_PDL
+    custom_op = torch.ops.fusedq.mla_query_projection
+
+    def finish(ql_nope):
+        cat = torch.cat((ql_nope, q_pe), dim=-1)
+        return cat if q_scale is None else quantize_e4m3(cat, q_scale)
+
+    def staged_032():
+        ql_nope = q_nope_t.new_empty((b, n, 512))
+        torch.bmm(q_nope_t, w, out=ql_nope.transpose(0, 1))
+        return finish(ql_nope)
+
+    def staged_026():
+        ql_nope = q_nope_t.new_empty((n, b, 512))
+        torch.bmm(q_nope_t, w, out=ql_nope)
+        return finish(ql_nope.transpose(0, 1))
+
+    return {
+        "public": lambda: fusedq.mla_query_projection(
+            q_nope, ops.fused_w, q_pe, out_dtype=out_dtype, q_scale=q_scale
+        ),
+        "public_out": lambda: fusedq.mla_query_projection(
+            q_nope, ops.fused_w, q_pe, out=out, q_scale=q_scale
+        ),
+        "hook": lambda: decode_query(
+            q_nope_t, ops.fused_w, q_pe, out_dtype=out_dtype, q_scale=q_scale
+        ),
+        "custom_op": lambda: custom_op(q_nope, values, scales, q_pe, out, q_scale, "auto", pdl),
+        "bare": lambda: kernel.launch(q_nope, values, scales, q_pe, out, q_scale),
+        "staged_032": staged_032,
+        "staged_026": staged_026,
+    }
+
+
+def time_paths(
+    paths: dict[str, Callable[[], object]], calls: int, repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """µs per call of every path, one figure per repeat; paths ABBA-interleaved."""
+    import torch
+
+    from fusedq.bench import abba_order
+
+    for fn in paths.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    per_call: dict[str, list[float]] = {name: [] for name in paths}
+    for name in abba_order(list(paths), repeats):
+        fn = paths[name]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_call[name].append((time.perf_counter() - start) / calls * 1e6)
+    return per_call
+
+
+def eager_row(fmt: str, h: int, m: int, per_call: dict[str, list[float]]) -> dict:
+    """The figures of one shape: best and median µs per call of each path, and the ratios."""
+    import statistics
+
+    row: dict = {"format": fmt, "H": h, "M": m}
+    for name, runs in per_call.items():
+        row[f"{name}_us"] = min(runs)
+        row[f"{name}_median_us"] = statistics.median(runs)
+    for ratio, (fused, staged) in RATIOS.items():
+        if f"{fused}_us" in row and f"{staged}_us" in row:
+            row[ratio] = row[f"{fused}_us"] / row[f"{staged}_us"]
+    return row
+
+
+def eager_shape(fmt: str, h: int, m: int, opts) -> dict:
+    """Measure every path at one shape; the fused result is checked against staged too."""
+    import torch
+
+    import fusedq
+
+    ops = eager_operands(fmt, h, m, opts.q_scale)
+    per_call = time_paths(eager_paths(ops), opts.eager_calls, opts.eager_repeats, opts.warmup)
+    row = eager_row(fmt, h, m, per_call)
+    got = fusedq.mla_query_projection(
+        ops.q_nope, ops.fused_w, ops.q_pe, out_dtype=ops.out_dtype, q_scale=ops.q_scale
+    )
+    ref = fusedq.staged_mla_query(
+        ops.q_nope, ops.fused_w, ops.q_pe, out_dtype=ops.out_dtype, q_scale=ops.q_scale
+    )
+    row["max_abs_err_vs_staged"] = float((got.float() - ref.float()).abs().max())
+    row["calls"], row["repeats"] = opts.eager_calls, opts.eager_repeats
+    del ops
+    torch.cuda.synchronize()
+    return row
+
+
+def run(opts) -> list[dict]:
+    """Every (format, H, M) of ``opts``; refuses without CUDA (see the module docstring)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(NO_CUDA)
+    rows = []
+    for fmt in opts.formats:
+        for h in opts.heads:
+            for m in opts.ms:
+                try:
+                    row = eager_shape(fmt, h, m, opts)
+                except Exception as exc:  # one broken shape must not lose the others
+                    row = {"format": fmt, "H": h, "M": m, "error": repr(exc)}
+                print(one_line(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def one_line(row: dict) -> str:
+    if "error" in row:
+        return f"eager {row['format']} H={row['H']} M={row['M']}: FAILED {row['error']}"
+    paths = " ".join(f"{p}={row[f'{p}_us']:.1f}" for p in PATHS if f"{p}_us" in row)
+    return f"eager {row['format']} H={row['H']} M={row['M']} µs/call: {paths}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table: best µs per call of every path, and fused/staged."""
+    names = list(PATHS)
+    head = (
+        "| format | H | M | "
+        + " | ".join(f"{p} µs" for p in names)
+        + " | public/staged | hook/staged |\n|"
+        + "---|" * (3 + len(names) + 2)
+    )
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['format']} | {r['H']} | {r['M']} | error: {r['error']} |")
+            continue
+        cells = " | ".join(f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in names)
+        ratios = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in RATIOS)
+        lines.append(f"| {r['format']} | {r['H']} | {r['M']} | {cells} | {ratios} |")
+    return "\n".join(lines)
