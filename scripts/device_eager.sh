@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 15 on one H200 (the eager fast path, the output dtype rule, and the floors): the GPU
+# tests, then `fusedq-bench --eager`, then `fusedq-bench --floors`, each figure to $OUT.
+#
+#   OUT=/some/dir scripts/device_eager.sh        (from a copy of the repository; no network)
+#
+# Needs only what the H200 image has (torch 2.11, triton 3.6, pytest): the project runs from
+# the copied tree through PYTHONPATH, not installed, so the entry point is `python -m
+# fusedq.bench`. About 4 minutes in all: the GPU tests compile most kernel variants into
+# Triton's cache, which the benchmarks then reuse. Every step runs even when one before it
+# failed; the exit status is non-zero when any failed. Knobs (environment):
+#   EAGER_CALLS (1000) and EAGER_REPEATS (5): back-to-back calls per run, runs per path;
+#   FLOOR_SAMPLES (300): graph replays per path of --floors (the bench's default is 1000);
+#   STEP_LIMIT (200): seconds each step may run.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+: "${OUT:?set OUT to the folder that receives the results}"
+PY="${PYTHON:-python3}"
+EAGER_CALLS="${EAGER_CALLS:-1000}"
+EAGER_REPEATS="${EAGER_REPEATS:-5}"
+FLOOR_SAMPLES="${FLOOR_SAMPLES:-300}"
+STEP_LIMIT="${STEP_LIMIT:-200}"
+
+cd "$REPO"
+mkdir -p "$OUT"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+failed=()
+
+# step NAME COMMAND...: run with a time limit, the whole log to $OUT/NAME.log, its tail here.
+step() {
+    local name=$1 start rc
+    shift
+    echo "== $name: $*"
+    start=$(date +%s)
+    timeout "$STEP_LIMIT" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    tail -n 40 "$OUT/$name.log"
+    echo "== $name: exit $rc after $(($(date +%s) - start)) s"
+    [[ $rc -eq 0 ]] || failed+=("$name (exit $rc)")
+}
+
+step environment "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
+triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+step pytest_gpu "$PY" -m pytest -m gpu tests/fusedq -q -p no:cacheprovider \
+    --junitxml "$OUT/pytest_gpu.xml"
+# The eager host time per call, every path side by side (bench_eager's docstring says which).
+step eager "$PY" -m fusedq.bench --eager --heads 8 11 16 --m 1 4 32 \
+    --calls "$EAGER_CALLS" --repeats "$EAGER_REPEATS" --json "$OUT/eager.json"
+# The issue's bar: every H and M, every format, fused against the read-only floor.
+step floors "$PY" -m fusedq.bench --floors --samples "$FLOOR_SAMPLES" --json "$OUT/floors.json"
+
+if ((${#failed[@]})); then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "all steps passed; results in $OUT"
