@@ -28,6 +28,9 @@ from fusedq.kernels import triton_mla_query as kernel
 
 # The pointer parameters every kernel variant opens with, in order; the launch tail follows.
 POINTER_PARAMS = ("q_ptr", "qpe_ptr", "w_ptr", "ws_ptr", "out_ptr", "qs_ptr")
+# Low address bits that must be zero for the alignment hints (kernel.pointer_aligned, inlined:
+# this runs on every call).
+_MISALIGNED = kernel.ALIGN_BYTES - 1
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 # Triton's own choice of stream getter (torch's raw-stream accessor, a C function).
@@ -93,8 +96,8 @@ class BoundLaunch:
     def variant(self, p_q: int, p_pe: int, p_w: int, p_out: int) -> int:
         """The alignment variant these addresses select (the strides were checked once)."""
         return variant_index(
-            self.io_strides and kernel.pointer_aligned(p_q | p_pe | p_out),
-            self.w_strides and kernel.pointer_aligned(p_w),
+            self.io_strides and not (p_q | p_pe | p_out) & _MISALIGNED,
+            self.w_strides and not p_w & _MISALIGNED,
         )
 
     def __call__(
