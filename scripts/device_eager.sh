@@ -11,7 +11,7 @@
 # failed; the exit status is non-zero when any failed. Knobs (environment):
 #   EAGER_CALLS (1000) and EAGER_REPEATS (5): back-to-back calls per run, runs per path;
 #   FLOOR_SAMPLES (300): graph replays per path of --floors (the bench's default is 1000);
-#   STEP_LIMIT (200): seconds each step may run.
+#   STEP_LIMIT (300): seconds each step may run.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,7 +20,7 @@ PY="${PYTHON:-python3}"
 EAGER_CALLS="${EAGER_CALLS:-1000}"
 EAGER_REPEATS="${EAGER_REPEATS:-5}"
 FLOOR_SAMPLES="${FLOOR_SAMPLES:-300}"
-STEP_LIMIT="${STEP_LIMIT:-200}"
+STEP_LIMIT="${STEP_LIMIT:-300}"
 
 cd "$REPO"
 mkdir -p "$OUT"

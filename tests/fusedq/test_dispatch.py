@@ -255,7 +255,7 @@ def _fused_plan() -> dispatch.Plan:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 11, 16])
-@pytest.mark.parametrize("m", [1, 3, 7, 32])
+@pytest.mark.parametrize("m", [1, 7, 32])
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "e4m3"])
 def test_direct_launch_matches_staged(h, m, recipe):
     device = torch.device("cuda")
