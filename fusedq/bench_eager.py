@@ -34,6 +34,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
+
 PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
 # The fused paths compared with the staged block, and the staged variant each is divided by.
 RATIOS = {
@@ -66,16 +68,19 @@ def eager_operands(fmt: str, h: int, m: int, q_scale: float, device=None) -> Eag
     import fusedq
 
     dev = torch.device(device or "cuda")
-    w = (torch.randn(h, 192 + 256, 512, device=dev, dtype=torch.bfloat16) * 0.05)[:, :192, :]
-    q = torch.randn(m, h, 256, device=dev, dtype=torch.bfloat16)
+    # vLLM's W_UK_T is a strided view into kv_b_proj's [H, qk_nope + v_head, kv_lora] weight
+    # (v_head 256 in GLM-5), and q_nope / q_pe are slices of one [M, H, qk_nope + rope] q.
+    w = torch.randn(h, QK_NOPE + 256, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
+    w = w[:, :QK_NOPE, :]
+    q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
     out_dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
     return EagerOperands(
-        q_nope=q[..., :192],
-        q_nope_t=q[..., :192].transpose(0, 1),
-        q_pe=q[..., 192:],
+        q_nope=q[..., :QK_NOPE],
+        q_nope_t=q[..., :QK_NOPE].transpose(0, 1),
+        q_pe=q[..., QK_NOPE:],
         staged_w=w,
         fused_w=fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w,
-        out=torch.empty(m, h, 576, device=dev, dtype=out_dtype),
+        out=torch.empty(m, h, QUERY_WIDTH, device=dev, dtype=out_dtype),
         out_dtype=out_dtype,
         q_scale=torch.tensor([q_scale], device=dev) if fmt == "e4m3" else None,
     )
