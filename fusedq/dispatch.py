@@ -269,10 +269,17 @@ def call(
     q_scale: torch.Tensor | None,
     backend: str,
     pdl: bool | None,
+    *,
+    real: bool = False,
 ) -> torch.Tensor:
-    """Run the query projection eagerly through its signature's plan; returns ``out``."""
+    """Run the query projection eagerly through its signature's plan; returns ``out``.
+
+    ``real``: the caller is a custom op's real implementation, so the tensors are real and
+    must be launched on, never handed back to the custom op (which would call this again).
+    """
     try:
         key = (
+            real,
             _meta(q_nope),
             _meta(values),
             None if scales is None else _meta(scales),
@@ -287,7 +294,9 @@ def call(
     except Exception:  # an argument without tensor metadata, or unhashable: validate names it
         key, plan = None, None
     if plan is None:
-        plan = _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl)
+        plan = _new_plan(
+            q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl, real=real
+        )
         if key is not None:
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
@@ -295,10 +304,17 @@ def call(
     return plan(q_nope, values, scales, q_pe, out, q_scale)
 
 
-def _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl):
+def _is_plain(t: torch.Tensor) -> bool:
+    # Parameters (vLLM's weights are Parameter subclasses) hold real storage: launch on them.
+    # Found by vLLM's CPU e2e test: treating them as subclasses sent the call to the custom
+    # op, whose real implementation came back here, until the recursion limit.
+    return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+
+
+def _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl, *, real):
     out_dtype, pdl = validate(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl)
     tensors = (q_nope, values, scales, q_pe, out, q_scale)
-    if any(t is not None and type(t) is not torch.Tensor for t in tensors):
+    if not real and any(t is not None and not _is_plain(t) for t in tensors):
         return _OpPlan(out_dtype, backend, pdl)
     m, num_heads, _ = q_nope.shape
     device = q_nope.device

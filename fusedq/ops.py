@@ -26,7 +26,7 @@ def mla_query_projection_op(
     pdl: bool,
 ) -> None:
     """Fused (or, per ``backend``, staged) query projection into ``out``."""
-    dispatch.call(q_nope, w_values, w_scales, q_pe, out, None, q_scale, backend, pdl)
+    dispatch.call(q_nope, w_values, w_scales, q_pe, out, None, q_scale, backend, pdl, real=True)
 
 
 @mla_query_projection_op.register_fake
@@ -46,7 +46,7 @@ def staged_mla_query_op(
     q_scale: torch.Tensor | None,
 ) -> None:
     """The staged reference (bmm + cat + quant) into ``out``."""
-    dispatch.call(q_nope, w_values, w_scales, q_pe, out, None, q_scale, "staged", False)
+    dispatch.call(q_nope, w_values, w_scales, q_pe, out, None, q_scale, "staged", False, real=True)
 
 
 @staged_mla_query_op.register_fake

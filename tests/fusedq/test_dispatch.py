@@ -195,6 +195,40 @@ def test_fake_tensors_go_through_the_custom_op(device):
     assert any(isinstance(p, dispatch._OpPlan) for p in dispatch._plans.values())
 
 
+class _VllmLikeParameter(torch.nn.Parameter):
+    """vLLM's weights are Parameter subclasses (ModelWeightParameter and friends)."""
+
+
+@pytest.mark.parametrize("wrap", [torch.nn.Parameter, _VllmLikeParameter])
+def test_parameters_are_launched_on_not_sent_through_the_custom_op(wrap, device):
+    # Found by vLLM's CPU e2e test: a Parameter weight was planned as a subclass, the custom
+    # op's real implementation planned it the same way, and the two called each other until
+    # the recursion limit.
+    gen = torch.Generator().manual_seed(9)
+    w = make_weight(8, "contiguous", device, gen)
+    weight = wrap(w, requires_grad=False)
+    q_nope, q_pe = make_q(3, 8, device, gen)
+    with torch.inference_mode():
+        got = fusedq.mla_query_projection(q_nope, weight, q_pe)
+    assert_matches(got, fusedq.staged_mla_query(q_nope, w, q_pe), "bf16")
+    assert all(isinstance(p, dispatch.Plan) for p in dispatch._plans.values())
+
+
+def test_the_custom_ops_real_implementation_never_hands_back_to_the_op(device):
+    # Whatever the tensors' types, the op's real implementation launches: planning it as the
+    # custom op again would recurse.
+    class Tagged(torch.Tensor):
+        pass
+
+    gen = torch.Generator().manual_seed(10)
+    w = make_weight(8, "vllm", device, gen)
+    q_nope, q_pe = make_q(2, 8, device, gen)
+    out = torch.empty(2, 8, 576, dtype=torch.bfloat16, device=device)
+    tagged = q_nope.as_subclass(Tagged)
+    dispatch.call(tagged, w, None, q_pe, out, None, None, "auto", False, real=True)
+    assert_matches(out, fusedq.staged_mla_query(q_nope, w, q_pe), "bf16")
+
+
 @pytest.mark.parametrize("fma", [False, True])
 def test_launch_tail_follows_the_kernel_parameters(fma, device):
     gen = torch.Generator().manual_seed(9)
