@@ -301,7 +301,23 @@ def call(
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
+    if not real and isinstance(plan, Plan) and _profiling():
+        # Under torch's profiler the call goes through the custom op, so traces name it
+        # (a cpu_op fusedq::mla_query_projection) as they did before the fast path: the trace
+        # reader's query-step rule reads that name where no kernel event exists (the CPU
+        # build), and an eager GPU kernel's launcher is its ground truth. Otherwise the check
+        # costs ~30 ns.
+        if out is None:
+            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+        pdl = kernel.DEFAULT_PDL if pdl is None else bool(pdl)
+        torch.ops.fusedq.mla_query_projection(
+            q_nope, values, scales, q_pe, out, q_scale, backend, pdl
+        )
+        return out
     return plan(q_nope, values, scales, q_pe, out, q_scale)
+
+
+_profiling = torch.autograd._profiler_enabled
 
 
 def _is_plain(t: torch.Tensor) -> bool:

@@ -195,6 +195,26 @@ def test_fake_tensors_go_through_the_custom_op(device):
     assert any(isinstance(p, dispatch._OpPlan) for p in dispatch._plans.values())
 
 
+def test_a_profiled_call_is_named_in_the_trace_once(device):
+    # The trace reader (orchestrator/trace.py) finds the fused step by this op name where a
+    # trace has no kernel events (vLLM's CPU build), and the fast path skips the dispatcher
+    # that used to record it. Found by the profile phase's CPU e2e test.
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedq.limits import OP_NAME
+
+    gen = torch.Generator().manual_seed(11)
+    w = make_weight(8, "vllm", device, gen)
+    q_nope, q_pe = make_q(2, 8, device, gen)
+    fusedq.mla_query_projection(q_nope, w, q_pe)  # planned before the profiler starts
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = fusedq.mla_query_projection(q_nope, w, q_pe)
+        fusedq.mla_query_projection(q_nope, w, q_pe, out=torch.empty_like(got))
+    names = [e.name for e in prof.events()]
+    assert names.count(OP_NAME) == 2, names
+    assert_matches(got, fusedq.staged_mla_query(q_nope, w, q_pe), "bf16")
+
+
 class _VllmLikeParameter(torch.nn.Parameter):
     """vLLM's weights are Parameter subclasses (ModelWeightParameter and friends)."""
 
