@@ -191,9 +191,9 @@ class Plan:
     """What every call of one signature runs: allocate or overlap-check ``out``, then
     ``launch`` (a ``BoundLaunch``, or the staged reference)."""
 
-    __slots__ = ("device", "extents", "fused", "launch", "out_dtype", "out_shape")
+    __slots__ = ("device", "extents", "fused", "launch", "out_dtype", "out_shape", "pdl")
 
-    def __init__(self, launch, fused: bool, out_shape, out_dtype, device, extents) -> None:
+    def __init__(self, launch, fused: bool, out_shape, out_dtype, device, extents, pdl) -> None:
         self.launch = launch
         self.fused = fused
         self.out_shape = out_shape
@@ -201,11 +201,15 @@ class Plan:
         self.device = device
         # (out extent, input extents in INPUT_NAMES order), or None when out is allocated.
         self.extents = extents
+        self.pdl = pdl  # as validate resolved it (None is DEFAULT_PDL)
+
+    def new_out(self) -> torch.Tensor:
+        return torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
 
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> torch.Tensor:
         if out is None:
             # Fresh memory cannot overlap an input: no check needed.
-            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+            out = self.new_out()
         elif self.extents is not None:
             self._check_overlap(out, (q_nope, q_pe, values, scales, q_scale))
         self.launch(q_nope, values, scales, q_pe, out, q_scale)
@@ -308,10 +312,9 @@ def call(
         # build), and an eager GPU kernel's launcher is its ground truth. Otherwise the check
         # costs ~30 ns.
         if out is None:
-            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
-        pdl = kernel.DEFAULT_PDL if pdl is None else bool(pdl)
+            out = plan.new_out()
         torch.ops.fusedq.mla_query_projection(
-            q_nope, values, scales, q_pe, out, q_scale, backend, pdl
+            q_nope, values, scales, q_pe, out, q_scale, backend, plan.pdl
         )
         return out
     return plan(q_nope, values, scales, q_pe, out, q_scale)
@@ -349,10 +352,10 @@ def _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pd
                 num_heads, m, weight_format, out_dtype == torch.float8_e4m3fn, pdl=pdl
             )
             bound = fast_launch.BoundLaunch(q_nope, values, scales, q_pe, example, config)
-            return Plan(bound, True, out_shape, out_dtype, device, extents)
+            return Plan(bound, True, out_shape, out_dtype, device, extents, pdl)
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run this call: {why}")
-    return Plan(staged_into, False, out_shape, out_dtype, device, extents)
+    return Plan(staged_into, False, out_shape, out_dtype, device, extents, pdl)
 
 
 def prepare_traced(
