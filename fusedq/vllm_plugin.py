@@ -203,8 +203,13 @@ class _Report:
 _report = _Report()
 
 
-def enabled_line(num_heads: int, fmt: str, prewarmed: str) -> str:
-    return f"fusedq: fused MLA query enabled (heads={num_heads}, format={fmt}, prewarmed M={prewarmed})"
+def enabled_line(num_heads: int, fmt: str, prewarmed: str, pdl: bool) -> str:
+    # pdl is the process default the decode hook's calls resolve to (FUSEDQ_PDL, read at
+    # import): a run's server log then says which launch mode a measurement ran under.
+    return (
+        f"fusedq: fused MLA query enabled (heads={num_heads}, format={fmt}, "
+        f"prewarmed M={prewarmed}, pdl={'on' if pdl else 'off'})"
+    )
 
 
 def disabled_line(reason: str) -> str:
@@ -654,7 +659,9 @@ def setup_layer(layer) -> None:
         return
     if note:
         logger.info("fusedq: layer %s: %s", name, note)
-    first = _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed))
+    from fusedq.kernels.triton_mla_query import DEFAULT_PDL
+
+    first = _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed, DEFAULT_PDL))
     if _report.new(("enabled", plan.num_heads, plan.weight_format)) and not first:
         logger.info(
             "fusedq: fused MLA query also enabled for layer %s (heads=%d, format=%s)",

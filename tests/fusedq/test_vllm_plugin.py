@@ -480,7 +480,7 @@ def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "fused MLA query enabled" in r.getMessage()]
     assert lines == [
         "fusedq: fused MLA query enabled (heads=8, format=bf16, prewarmed M=none "
-        "[no CUDA graphs on cpu])"
+        "[no CUDA graphs on cpu], pdl=off)"
     ]
 
 
