@@ -574,6 +574,51 @@ def format_table(rows: list[dict]) -> str:
     return md_table(header, body)
 
 
+# Issue 15's bar, measured against the floor in the same run: fused / read-only floor per
+# weight format, and E4M3 output / BF16 output of the same recipe (BF16 weights), per shape.
+FLOOR_BARS = {"bf16": 1.15, "mxfp8": 1.25}
+E4M3_OVER_BF16_BAR = 1.10
+
+
+def floor_bars(rows: list[dict]) -> list[dict]:
+    """Per (H, M): BF16 and MXFP8 fused / read floor, and E4M3 / BF16 fused time, each with
+    its bar and whether it holds (``None`` where the run lacks the rows that ratio needs)."""
+    by = {(r["format"], r["H"], r["M"]): r for r in rows if "error" not in r}
+    shapes = sorted({(h, m) for _, h, m in by})
+    out = []
+    for h, m in shapes:
+        row: dict = {"H": h, "M": m}
+        for fmt, bar in FLOOR_BARS.items():
+            r = by.get((fmt, h, m))
+            ratio = r["fused_us"] / r["read_us"] if r and "read_us" in r else None
+            row[f"{fmt}_over_read"] = ratio
+            row[f"{fmt}_ok"] = None if ratio is None else ratio <= bar
+        e4, bf = by.get(("e4m3", h, m)), by.get(("bf16", h, m))
+        ratio = e4["fused_us"] / bf["fused_us"] if e4 and bf else None
+        row["e4m3_over_bf16"] = ratio
+        row["e4m3_ok"] = None if ratio is None else ratio <= E4M3_OVER_BF16_BAR
+        out.append(row)
+    return out
+
+
+def format_floor_bars(bars: list[dict]) -> str:
+    """The bar table: each ratio with ok/MISS against its bar."""
+
+    def cell(ratio: float | None, ok: bool | None) -> str:
+        return "-" if ratio is None else f"{ratio:.2f} {'ok' if ok else 'MISS'}"
+
+    header = [
+        "H", "M", f"BF16 fused/read (≤{FLOOR_BARS['bf16']})",
+        f"MXFP8 fused/read (≤{FLOOR_BARS['mxfp8']})", f"E4M3/BF16 out (≤{E4M3_OVER_BF16_BAR})",
+    ]  # fmt: skip
+    ratios = (("bf16_over_read", "bf16_ok"), ("mxfp8_over_read", "mxfp8_ok"))
+    ratios += (("e4m3_over_bf16", "e4m3_ok"),)
+    body = [[b["H"], b["M"], *(cell(b[r], b[ok]) for r, ok in ratios)] for b in bars]
+    met = [b[f"{k}_ok"] for b in bars for k in ("bf16", "mxfp8", "e4m3")]
+    measured = [ok for ok in met if ok is not None]
+    return md_table(header, body) + f"\n\nbars met: {sum(measured)} of {len(measured)}"
+
+
 def verdict(row: dict) -> str:
     max_staged, max_copy = TARGETS[row["format"]]
     parts = []
@@ -714,6 +759,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(bench_eager.format_table(result["eager"]))
     elif not opts.sweep:
         print(format_table(result["rows"]))
+        if opts.floors:
+            result["floor_bars"] = floor_bars(result["rows"])
+            print(format_floor_bars(result["floor_bars"]))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

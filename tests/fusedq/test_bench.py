@@ -35,6 +35,28 @@ def test_verdict_and_table_state_the_targets():
     assert "error: boom" in table
 
 
+def test_floor_bars_judge_each_ratio_against_its_own_bar():
+    """Issue 15's bar: BF16 fused <= 1.15x read, MXFP8 <= 1.25x read, E4M3 <= 1.10x the BF16
+    output's time at the same shape; a shape missing a row has no verdict for that ratio."""
+    rows = [
+        {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.3, "read_us": 2.0},  # 1.15: ok
+        {"format": "mxfp8", "H": 8, "M": 1, "fused_us": 2.6, "read_us": 2.0},  # 1.30: miss
+        {"format": "e4m3", "H": 8, "M": 1, "fused_us": 2.6, "read_us": 2.0},  # 2.6/2.3: miss
+        {"format": "bf16", "H": 16, "M": 4, "fused_us": 2.5, "read_us": 2.0},  # 1.25: miss
+        {"format": "e4m3", "H": 16, "M": 4, "fused_us": 2.7, "read_us": 2.0},  # 1.08: ok
+        {"format": "mxfp8", "H": 16, "M": 4, "error": "boom"},
+    ]
+    b8, b16 = bench.floor_bars(rows)
+    assert (b8["H"], b8["M"], b16["H"], b16["M"]) == (8, 1, 16, 4)
+    assert b8["bf16_ok"] is True and b8["mxfp8_ok"] is False and b8["e4m3_ok"] is False
+    assert b8["e4m3_over_bf16"] == pytest.approx(2.6 / 2.3)
+    assert b16["bf16_ok"] is False and b16["e4m3_ok"] is True and b16["mxfp8_ok"] is None
+    table = bench.format_floor_bars([b8, b16])
+    assert "| 8 | 1 | 1.15 ok | 1.30 MISS | 1.13 MISS |" in table
+    assert "| 16 | 4 | 1.25 MISS | - | 1.08 ok |" in table
+    assert table.endswith("bars met: 2 of 5")
+
+
 def _floor_layers(device, n_bytes: int, layers: int = 2) -> bench.Layers:
     import torch
 
