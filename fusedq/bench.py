@@ -79,6 +79,8 @@ class Options:
     # of them to time with PDL as well.
     sweep_fma: tuple[str, ...] = ()
     sweep_fma_pdl: tuple[str, ...] = ()
+    # The CuTe DSL MXFP8 kernel (cute_mla_query) as one more sweep variant, "cute".
+    sweep_cute: bool = False
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -481,19 +483,44 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
     return configs
 
 
+def cute_step(lay: Layers, fmt: str) -> tuple[Callable[[int], None] | None, str | None]:
+    """Layer i's call of the CuTe DSL kernel, or None and why it cannot run here."""
+    from fusedq.kernels import cute_mla_query as cute
+
+    if fmt != "mxfp8":
+        return None, f"the CuTe kernel takes MXFP8 weights, not {fmt}"
+    reason = cute.unavailable_reason()
+    if reason is None:
+        w = lay.fused_w[0]
+        reason = cute.unsupported_reason(lay.q_nope, w.values, w.scales, lay.q_pe, lay.out)
+    if reason is not None:
+        return None, reason
+
+    def step(i: int) -> None:
+        w = lay.fused_w[i]
+        cute.launch(lay.q_nope, w.values, w.scales, lay.q_pe, lay.out)
+
+    return step, None
+
+
 def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
     import torch
 
     lay = build_layers(fmt, h, m, opts)
     n = len(lay.fused_w)
     configs = sweep_configs(fmt, h, m, opts)
-    graphs = {
-        name: _capture(_every_layer(lay, _fused_step(lay, cfg))) for name, cfg in configs.items()
-    }
+    steps = {name: _fused_step(lay, cfg) for name, cfg in configs.items()}
+    if opts.sweep_cute:
+        step, reason = cute_step(lay, fmt)
+        if step is None:
+            print(f"sweep {fmt} H={h} M={m}: no cute variant: {reason}", flush=True)
+        else:
+            steps["cute"] = step
+    graphs = {name: _capture(_every_layer(lay, step)) for name, step in steps.items()}
     graphs["staged"] = _capture(_every_layer(lay, _staged_step(lay)))
     times = time_graphs(graphs, opts.samples, opts.warmup)
     errors = {}
-    for name in configs:  # every variant's output, checked against the staged path
+    for name in steps:  # every variant's output, checked against the staged path
         lay.out.fill_(float("nan") if lay.out.dtype == torch.bfloat16 else 0)
         graphs[name].replay()
         torch.cuda.synchronize()
@@ -661,14 +688,18 @@ def run(opts: Options) -> dict:
 def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
     if opts.sweep:
         new = sweep_shape(fmt, h, m, opts)
-        best = min((r for r in new if r["config"]), key=lambda r: r["us"])
+        best = min((r for r in new if r["variant"] != "staged"), key=lambda r: r["us"])
         staged = next(r for r in new if r["variant"] == "staged")
         print(
             f"sweep {fmt} H={h} M={m}: best {best['variant']} {best['us']:.2f} µs, "
             f"staged {staged['us']:.2f} µs; "
             + " ".join(
                 f"{r['variant']}={r['us']:.2f}"
-                + (f"(err {r['max_abs_err_vs_staged']:.2g})" if r["config"] else "")
+                + (
+                    f"(err {r['max_abs_err_vs_staged']:.2g})"
+                    if r["max_abs_err_vs_staged"] is not None
+                    else ""
+                )
                 for r in new
             ),
             flush=True,
@@ -718,6 +749,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--sweep-fma", nargs="*", default=[], help="register-path BLOCK_N:WARPS")
     p.add_argument("--sweep-fma-pdl", nargs="*", default=[], help="the same, with PDL")
     p.add_argument(
+        "--sweep-cute",
+        action="store_true",
+        help="--sweep: also time the CuTe DSL MXFP8 kernel (needs nvidia-cutlass-dsl)",
+    )
+    p.add_argument(
         "--eager",
         action="store_true",
         help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
@@ -737,6 +773,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
         if clash:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
+    if a.sweep_cute and not a.sweep:
+        p.error("--sweep-cute adds a variant to --sweep; pass --sweep too")
     if a.calls < 1 or a.repeats < 1:
         p.error(f"--calls {a.calls} and --repeats {a.repeats} must be at least 1")
     opts = Options(
@@ -745,7 +783,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         floors=a.floors, eager=a.eager, eager_calls=a.calls, eager_repeats=a.repeats,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
-        sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl), commit=a.commit,
+        sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
+        sweep_cute=a.sweep_cute, commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

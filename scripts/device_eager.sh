@@ -25,20 +25,8 @@ STEP_LIMIT="${STEP_LIMIT:-300}"
 cd "$REPO"
 mkdir -p "$OUT"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-failed=()
-
-# step NAME COMMAND...: run with a time limit, the whole log to $OUT/NAME.log, its tail here.
-step() {
-    local name=$1 start rc
-    shift
-    echo "== $name: $*"
-    start=$(date +%s)
-    timeout "$STEP_LIMIT" "$@" >"$OUT/$name.log" 2>&1
-    rc=$?
-    tail -n 40 "$OUT/$name.log"
-    echo "== $name: exit $rc after $(($(date +%s) - start)) s"
-    [[ $rc -eq 0 ]] || failed+=("$name (exit $rc)")
-}
+# shellcheck source=scripts/device_steps.sh
+source "$REPO/scripts/device_steps.sh"
 
 step environment "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
@@ -50,8 +38,4 @@ step eager "$PY" -m fusedq.bench --eager --heads 8 11 16 --m 1 4 32 \
 # The issue's bar: every H and M, every format, fused against the read-only floor.
 step floors "$PY" -m fusedq.bench --floors --samples "$FLOOR_SAMPLES" --json "$OUT/floors.json"
 
-if ((${#failed[@]})); then
-    echo "FAILED: ${failed[*]}"
-    exit 1
-fi
-echo "all steps passed; results in $OUT"
+finish

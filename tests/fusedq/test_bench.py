@@ -26,6 +26,19 @@ def test_arguments():
     assert not bench.parse_args([])[0].chain
 
 
+def test_sweep_cute_arguments(capsys):
+    assert bench.parse_args(["--sweep", "--sweep-cute"])[0].sweep_cute
+    assert not bench.parse_args(["--sweep"])[0].sweep_cute
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sweep-cute"])
+    assert "pass --sweep too" in capsys.readouterr().err
+
+
+def test_cute_variant_is_mxfp8_only():
+    step, reason = bench.cute_step(None, "bf16")
+    assert step is None and "MXFP8" in reason
+
+
 def test_verdict_and_table_state_the_targets():
     row = {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.0, "staged_us": 4.0, "copy_us": 2.0,
            "fused_over_staged": 0.5, "fused_over_copy": 1.0}  # fmt: skip

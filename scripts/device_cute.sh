@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 15's CuTe DSL MXFP8 kernel on one H200: install nvidia-cutlass-dsl from the wheel
+# chunks, then its GPU tests, then `fusedq-bench --sweep --sweep-cute` (MXFP8, every H, M 1..32:
+# the kernel beside the Triton kernel's `auto` and `dot` choices, in one graph set), to $OUT.
+#
+#   OUT=/some/dir scripts/device_cute.sh        (from a copy of the repository; no network)
+#
+# The H200 image has no CUTLASS DSL and no network: the wheels come as
+# .cutewheels.part.00, .01, ... at the repository root (a tar of wheels/*.whl split into
+# <= 58 MiB pieces; carry them with the run). They are installed with pip --target into
+# $CUTE_DIR (default /tmp/cute), once: a later run on the same machine finds them there.
+# Knobs: SWEEP_SAMPLES (300) graph replays per variant; STEP_LIMIT (420) s per step.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+: "${OUT:?set OUT to the folder that receives the results}"
+PY="${PYTHON:-python3}"
+CUTE_DIR="${CUTE_DIR:-/tmp/cute}"
+SWEEP_SAMPLES="${SWEEP_SAMPLES:-300}"
+STEP_LIMIT="${STEP_LIMIT:-420}"
+
+cd "$REPO"
+mkdir -p "$OUT"
+# shellcheck source=scripts/device_steps.sh
+source "$REPO/scripts/device_steps.sh"
+
+install_cute() {
+    if [[ -d "$CUTE_DIR/site/nvidia_cutlass_dsl" ]]; then
+        echo "already installed in $CUTE_DIR/site"
+        return 0
+    fi
+    local parts=("$REPO"/.cutewheels.part.*)
+    [[ -e ${parts[0]} ]] || { echo "no $REPO/.cutewheels.part.* (carry them with the run)"; return 1; }
+    mkdir -p "$CUTE_DIR" || return 1
+    cat "${parts[@]}" | tar -x -C "$CUTE_DIR" || return 1
+    ls -l "$CUTE_DIR/wheels"
+    # --no-deps: the set is complete; the image's numpy (and typing_extensions) serve.
+    "$PY" -m pip install --no-index --no-deps --target "$CUTE_DIR/site" "$CUTE_DIR"/wheels/*.whl
+}
+
+step install_cute install_cute
+# pip --target does not run the wheel's .pth, which puts python_packages on the path.
+export PYTHONPATH="$REPO:$CUTE_DIR/site:$CUTE_DIR/site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
+step environment "$PY" -c "import torch, triton, cutlass, cuda.bindings; \
+from fusedq.kernels import cute_mla_query as c; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'cutlass-dsl', cutlass.__file__, 'cuda-bindings', cuda.bindings.__version__, \
+torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'unavailable:', \
+c.unavailable_reason())"
+step pytest_cute "$PY" -m pytest tests/fusedq/test_cute_mla_query.py tests/fusedq/test_bench.py \
+    -q -p no:cacheprovider -rs --junitxml "$OUT/pytest_cute.xml"
+# No tl.dot grid (--sweep-block-n with no values): the Triton kernel's heuristic choices
+# `auto` and `dot`, and `cute`, each checked against the staged path after timing.
+step sweep_cute "$PY" -m fusedq.bench --sweep --sweep-cute --sweep-block-n --formats mxfp8 \
+    --heads 8 11 16 --m 1 2 4 8 16 32 --samples "$SWEEP_SAMPLES" --json "$OUT/sweep_cute.json"
+
+finish

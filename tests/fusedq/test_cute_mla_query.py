@@ -1,0 +1,119 @@
+"""The CuTe DSL MXFP8 kernel against the staged reference (GPU), and its offline trace (CPU).
+
+nvidia-cutlass-dsl is not a CI dependency: without it both tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from fusedq_cases import assert_matches, make_out, make_q, make_weight
+
+import fusedq
+from fusedq.kernels import cute_mla_query as cute
+
+HEADS = (8, 11, 16)
+MS = (1, 2, 3, 4, 8, 16, 31, 32)
+
+
+def _needs_cute() -> None:
+    reason = cute.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _check(h: int, m: int, w: torch.Tensor, q_nope, q_pe, device) -> None:
+    wq = fusedq.quantize_mxfp8(w)
+    out, buf = make_out(m, h, torch.bfloat16, device, pitched=True)
+    cute.launch(q_nope, wq.values, wq.scales, q_pe, out)
+    torch.cuda.synchronize()
+    assert_matches(out, fusedq.staged_mla_query(q_nope, wq, q_pe), "mxfp8")
+    # The pitch's spare head and columns stay poisoned: nothing written outside out.
+    assert buf[:, h:].isnan().all() and buf[..., 576:].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("h", HEADS)
+def test_matches_staged(h, m, device):
+    _needs_cute()
+    gen = torch.Generator().manual_seed(1000 * h + m)
+    w = make_weight(h, "vllm", device, gen)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    _check(h, m, w, q_nope, q_pe, device)
+
+
+@pytest.mark.gpu
+def test_scale_bytes_past_127(device):
+    # Weights ~2^16 larger get E8M0 bytes >= 128 (the test weights above stay near 116):
+    # a byte read sign-extended would turn them into huge or negative factors.
+    _needs_cute()
+    h, m = 8, 4
+    gen = torch.Generator().manual_seed(7)
+    w = (make_weight(h, "contiguous", device, gen).float() * 2.0**16).bfloat16()
+    assert (fusedq.quantize_mxfp8(w).scales >= 128).any()
+    q_nope, q_pe = make_q(m, h, device, gen)
+    q = torch.cat([q_nope * 2.0**-16, q_pe], dim=-1)  # outputs stay O(1); exact scaling
+    _check(h, m, w, q[..., :192], q[..., 192:], device)
+
+
+@pytest.mark.gpu
+def test_graph_replay_reads_new_inputs(device):
+    _needs_cute()
+    h, m = 16, 3
+    gen = torch.Generator().manual_seed(3)
+    wq = fusedq.quantize_mxfp8(make_weight(h, "vllm", device, gen))
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out, _ = make_out(m, h, torch.bfloat16, device, pitched=False)
+    cute.launch(q_nope, wq.values, wq.scales, q_pe, out)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute.launch(q_nope, wq.values, wq.scales, q_pe, out)
+    q_nope.copy_(torch.randn_like(q_nope))
+    q_pe.copy_(torch.randn_like(q_pe))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, fusedq.staged_mla_query(q_nope, wq, q_pe), "mxfp8")
+
+
+def test_unsupported_operands_are_named():
+    values = torch.zeros(8, 192, 512, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(8, 192, 16, dtype=torch.uint8)
+    q = torch.zeros(4, 8, 256, dtype=torch.bfloat16)
+    out = torch.zeros(4, 8, 576, dtype=torch.bfloat16)
+    args = (q[..., :192], values, scales, q[..., 192:], out)
+    assert "not a CUDA device" in cute.unsupported_reason(*args)
+    assert "is not bfloat16" in cute.unsupported_reason(*args[:4], out.float())
+    assert "not contiguous" in cute.unsupported_reason(
+        args[0], values.transpose(1, 2).contiguous().transpose(1, 2), *args[2:]
+    )
+    big = torch.zeros(33, 8, 256, dtype=torch.bfloat16)
+    assert "M=33" in cute.unsupported_reason(big[..., :192], values, scales, big[..., 192:], out)
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        cute.launch(*args)
+
+
+def test_m_buckets():
+    assert [cute.m_bucket(m) for m in (1, 2, 3, 5, 9, 17, 32)] == [1, 2, 4, 8, 16, 32, 32]
+    with pytest.raises(ValueError, match="M=33"):
+        cute.m_bucket(33)
+
+
+@pytest.mark.parametrize("h,bucket", [(11, 4), (16, 32)])
+def test_offline_trace(h, bucket):
+    # CUTE_DSL_DRYRUN traces the kernel to IR without a GPU: DSL authoring errors (types,
+    # layouts, dynamic control flow) surface here. A fresh process, because the DSL reads
+    # its environment once, at import.
+    if cute._import_reason() is not None:
+        pytest.skip(cute._import_reason())
+    code = f"from fusedq.kernels import cute_mla_query as c; c.compile_variant({h}, {bucket}, device=False)"
+    env = cute.dry_run_env()
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
