@@ -294,9 +294,6 @@ def _build(num_heads: int, bucket: int):
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
             k = kq * ROWS_PER_THREAD + r
             w_raw.append(tW[(None, (h, k, pid_n * COL_GROUPS + cols))].load())
-        s_raw = []
-        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
-            s_raw.append(gS[(h, kq * ROWS_PER_THREAD + r, pid_n)])
         tQ = cute.zipped_divide(gQ, (1, 1, Q_VEC))
         q_raw = []
         for i in cutlass.range_constexpr(q_loads):
@@ -309,6 +306,11 @@ def _build(num_heads: int, bucket: int):
             v = cutlass.min(tid + THREADS * i, MB * RV - 1)
             row = cutlass.min(v // RV, last)
             pe_raw.append(tP[(None, (row, h, v % RV))].load())
+        # The scale bytes last: LLVM places their (integer) processing right after each load,
+        # and no use may come before the last load is issued.
+        s_raw = []
+        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+            s_raw.append(gS[(h, kq * ROWS_PER_THREAD + r, pid_n)])
 
         # --- stage q, dequantise the weights in registers ---
         tsQ = cute.zipped_divide(sQ, (1, Q_VEC))
@@ -319,8 +321,9 @@ def _build(num_heads: int, bucket: int):
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
             # The DSL loads the byte sign-extended (ld.global.s8): mask it back to 0..255.
             s = cutlass.Int32(s_raw[r]) & 0xFF
-            bits = cutlass.select_(s == 0, E8M0_ZERO_BITS, s << 23)
-            scale = as_f32(bits)
+            # 2^(s-127) from the exponent bits; byte 0 gives 0.0 there, and max() turns it into
+            # 2^-127 (a subnormal) without an integer compare next to the load.
+            scale = cute.arch.fmax(as_f32(s << 23), as_f32(E8M0_ZERO_BITS))
             vals = w_raw[r].to(cutlass.Float32)
             w.append([vals[j] * scale for j in range(W_VEC)])
         cute.arch.sync_threads()

@@ -6,6 +6,7 @@ nvidia-cutlass-dsl is not a CI dependency: without it both tests skip and say so
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -103,17 +104,46 @@ def test_m_buckets():
         cute.m_bucket(33)
 
 
+def _compile_offline(h: int, bucket: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # A fresh process, because the DSL reads its environment once, at import.
+    if cute._import_reason() is not None:
+        pytest.skip(cute._import_reason())
+    code = (
+        "from fusedq.kernels import cute_mla_query as c; "
+        f"c.compile_variant({h}, {bucket}, device=False)"
+    )
+    env = {**env, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 @pytest.mark.parametrize("h,bucket", [(11, 4), (16, 32)])
 def test_offline_trace(h, bucket):
     # CUTE_DSL_DRYRUN traces the kernel to IR without a GPU: DSL authoring errors (types,
-    # layouts, dynamic control flow) surface here. A fresh process, because the DSL reads
-    # its environment once, at import.
-    if cute._import_reason() is not None:
-        pytest.skip(cute._import_reason())
-    code = f"from fusedq.kernels import cute_mla_query as c; c.compile_variant({h}, {bucket}, device=False)"
-    env = cute.dry_run_env()
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    # layouts, dynamic control flow) surface here.
+    proc = _compile_offline(h, bucket, cute.dry_run_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+LD_GLOBAL = re.compile(r"^\s*ld\.global\S*\s+(\{[^}]*\}|%\w+)")
+
+
+@pytest.mark.parametrize("h,bucket", [(8, 1), (16, 32)])
+def test_ptx_issues_every_load_before_any_use(h, bucket, tmp_path):
+    # The design's point, checked in the PTX the DSL generates (it writes the PTX before it
+    # needs a driver, so this runs on a machine without a GPU too): no register loaded from
+    # global memory is read before the kernel's last global load is issued.
+    env = {**cute.dry_run_env(), "CUTE_DSL_KEEP_PTX": "1", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
+    del env["CUTE_DSL_DRYRUN"]
+    proc = _compile_offline(h, bucket, env)
+    ptx_files = list(tmp_path.glob("*.ptx"))
+    assert ptx_files, proc.stderr[-3000:]
+    lines = ptx_files[0].read_bytes().replace(b"\0", b"").decode().splitlines()
+    loads = [(i, m.group(1)) for i, line in enumerate(lines) if (m := LD_GLOBAL.match(line))]
+    assert len(loads) >= 4 + 4 + 2  # weight vectors, scale bytes, q and q_pe vectors
+    last = loads[-1][0]
+    for i, dest in loads:
+        for reg in re.findall(r"%\w+", dest):
+            used = [j for j in range(i + 1, last) if re.search(rf"{reg}\b", lines[j])]
+            assert not used, f"{reg} loaded at PTX line {i} is read at {used[0]}: {lines[used[0]]}"
