@@ -64,22 +64,27 @@ def _latency_section(run: Run) -> list[str]:
 
 
 def _paired_section(run: Run) -> list[str]:
-    deltas = paired_deltas(run)
-    if not deltas:
-        return []
-    base, cand = deltas[0].baseline, deltas[0].candidate
-    body = [
-        [
-            d.topology_id,
-            d.column,
-            fmt_tok(d.baseline_tok_s),
-            fmt_tok(d.candidate_tok_s),
-            MISSING if d.delta_pct is None else f"{d.delta_pct:+.2f}%",
+    # One table per candidate variant: with three or more variants (staged, fused, fused-pdl)
+    # a single table would put every candidate under the first one's column title.
+    by_cand: dict[str, list] = {}
+    for d in paired_deltas(run):
+        by_cand.setdefault(d.candidate, []).append(d)
+    lines: list[str] = []
+    for cand, deltas in by_cand.items():
+        base = deltas[0].baseline
+        body = [
+            [
+                d.topology_id,
+                d.column,
+                fmt_tok(d.baseline_tok_s),
+                fmt_tok(d.candidate_tok_s),
+                MISSING if d.delta_pct is None else f"{d.delta_pct:+.2f}%",
+            ]
+            for d in deltas
         ]
-        for d in deltas
-    ]
-    header = ["Topology", "Workload", base.title(), cand.title(), "Delta"]
-    return [f"## Paired variants: {base} vs {cand}", "", md_table(header, body), ""]
+        header = ["Topology", "Workload", base.title(), cand.title(), "Delta"]
+        lines += [f"## Paired variants: {base} vs {cand}", "", md_table(header, body), ""]
+    return lines
 
 
 def _profile_section(run: Run) -> list[str]:

@@ -70,8 +70,8 @@ def _row(case, agg: dict[str, float | None], status="passed", clean=True) -> dic
             "workloads": wl, "audit": _audit(clean)}  # fmt: skip
 
 
-def _store(tmp_path, rows_for) -> RunStore:
-    m = parse_matrix(MATRIX, "r.yaml")
+def _store(tmp_path, rows_for, matrix: str = MATRIX) -> RunStore:
+    m = parse_matrix(matrix, "r.yaml")
     cases = expand(m)
     store = RunStore.create(tmp_path, "run")
     store.write_manifest(
@@ -118,6 +118,24 @@ def test_seed_table_and_paired_deltas(tmp_path):
         10.0,
         1.0,
     ]
+
+
+def test_three_variants_get_one_paired_table_per_candidate(tmp_path):
+    """staged / fused / fused-pdl (matrices/h200-pdl.yaml): each candidate under its own
+    title, not both under the first candidate's."""
+    matrix = MATRIX.replace("dcp: [1, 2]", "dcp: [1]").replace(
+        "{name: fused}]", "{name: fused}, {name: fused-pdl}]"
+    )
+    store = _store(
+        tmp_path,
+        lambda cs: [_row(c, {"ctx0": v, "ctx64k": v}) for c, v in zip(cs, (80.0, 88.0, 96.0))],
+        matrix,
+    )
+    md = render_markdown(Run.load(store))
+    assert "## Paired variants: staged vs fused\n" in md
+    assert "## Paired variants: staged vs fused-pdl\n" in md
+    assert "| Topology | Workload | Staged | Fused-Pdl | Delta |" in md
+    assert "| Luke BF16/tp8-dcp1-mtp0 | ctx0 | 80.00 | 96.00 | +20.00% |" in md
 
 
 def test_clean_run_sentence_lists_what_was_searched(tmp_path):
