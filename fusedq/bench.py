@@ -84,6 +84,8 @@ class Options:
     # Gluon-kernel variants "BLOCK_N:WARPS[:BLOCK_M]" (BLOCK_M defaults to the tl.dot path's
     # padded row count, 16 or 32), any M <= 32, any output.
     sweep_gluon: tuple[str, ...] = ()
+    # The same, for the Gluon variant that stages its operands through shared memory at once.
+    sweep_gluon_smem: tuple[str, ...] = ()
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -484,14 +486,17 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
             configs[f"fma_bn{bn}_w{nw}{'_pdl' if pdl else ''}"] = LaunchConfig(
                 block_m=fma_m, block_n=bn, num_warps=nw, pdl=pdl, fma=True
             )
-    for spec in opts.sweep_gluon:
+    for spec, smem in [(v, False) for v in opts.sweep_gluon] + [
+        (v, True) for v in opts.sweep_gluon_smem
+    ]:
         bn, nw, *bm = parse_gluon_spec(spec)
         bm = bm[0] if bm else block_m
         if bm < m:
             continue  # a tile of fewer rows than tokens cannot serve this M
         for pdl in opts.sweep_pdl:  # as the tl.dot grid: with PDL where that is swept
-            configs[f"gluon_bn{bn}_w{nw}_m{bm}{'_pdl' if pdl else ''}"] = LaunchConfig(
-                block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True
+            name = f"gluon{'_smem' if smem else ''}_bn{bn}_w{nw}_m{bm}{'_pdl' if pdl else ''}"
+            configs[name] = LaunchConfig(
+                block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True, gluon_smem=smem
             )
     return configs
 
@@ -779,6 +784,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         "--sweep-gluon", nargs="*", default=[], help="Gluon-kernel BLOCK_N:WARPS[:BLOCK_M]"
     )
     p.add_argument(
+        "--sweep-gluon-smem", nargs="*", default=[], help="the same, operands staged in smem"
+    )
+    p.add_argument(
         "--eager",
         action="store_true",
         help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
@@ -800,7 +808,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
     if a.sweep_cute and not a.sweep:
         p.error("--sweep-cute adds a variant to --sweep; pass --sweep too")
-    for spec in a.sweep_gluon:
+    for spec in a.sweep_gluon + a.sweep_gluon_smem:
         try:
             parse_gluon_spec(spec)
         except ValueError as exc:
@@ -814,7 +822,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
-        sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon), commit=a.commit,
+        sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
+        sweep_gluon_smem=tuple(a.sweep_gluon_smem), commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

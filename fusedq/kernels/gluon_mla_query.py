@@ -89,6 +89,14 @@ if AVAILABLE:
         )
 
     @gluon.constexpr_function
+    def _smem_layout(inner, order_inner):
+        # Swizzled so that ldmatrix rows of a bf16 tile hit distinct banks: 16-byte vectors,
+        # phases cycling every 128 bytes of the contiguous dimension.
+        per_phase = max(1, 128 // (inner * 2))
+        order = [1, 0] if order_inner == 1 else [0, 1]
+        return gl.SwizzledSharedLayout(8, per_phase, 8 // per_phase, order)
+
+    @gluon.constexpr_function
     def _vec(elem_bits, aligned):
         # 16-byte vectors where the host promised alignment; otherwise one element per thread
         # along the axis (the loads could not be vectorised anyway).
@@ -149,8 +157,8 @@ if AVAILABLE:
         y = gl.minimum(gl.maximum(y, -448.0), 448.0)
         return y.to(out_ty, fp_downcast_rounding="rtne")
 
-    @gluon.jit(**base._JIT_OPTIONS)
-    def _mla_query_gluon_kernel(
+    @gluon.jit
+    def _gluon_body(
         q_ptr,
         qpe_ptr,
         w_ptr,
@@ -183,6 +191,7 @@ if AVAILABLE:
         OUT_FP8: gl.constexpr,
         INTERPRET: gl.constexpr,
         USE_PDL: gl.constexpr,
+        SMEM_STAGING: gl.constexpr,
     ):
         gl.static_assert(not INTERPRET, "Gluon kernels do not run under TRITON_INTERPRET=1")
         gl.static_assert(BLOCK_K * 3 == K, "the Gluon kernel covers K in three exact chunks")
@@ -227,7 +236,7 @@ if AVAILABLE:
             pe_out = gl.multiple_of(pe_out, [16, 16])
         # The RoPE half is a plain copy (quantised for E4M3) by the first N-tile CTA of each
         # head: predicated rather than branched, so its load joins the one round trip.
-        pe_mask = offs_pm[:, None] < M & (pid_n == 0)
+        pe_mask = (offs_pm[:, None] < M) & (pid_n == 0)
 
         # Every global load, in program order, before any use. Weights (and scales) depend on
         # no earlier kernel, so under PDL they go before griddepcontrol.wait; q, q_pe,
@@ -272,9 +281,27 @@ if AVAILABLE:
             w1 = _dequant(w1, s1)
             w2 = _dequant(w2, s2)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
-        acc = mma_v2(gl.convert_layout(q0, a_op), gl.convert_layout(w0, b_op), acc)
-        acc = mma_v2(gl.convert_layout(q1, a_op), gl.convert_layout(w1, b_op), acc)
-        acc = mma_v2(gl.convert_layout(q2, a_op), gl.convert_layout(w2, b_op), acc)
+        if SMEM_STAGING:
+            # All six operand tiles to shared memory first, then one barrier (the membar
+            # pass places it before the first read), then ldmatrix into the operand layouts.
+            q_smem: gl.constexpr = _smem_layout(BLOCK_K, 1)
+            w_smem: gl.constexpr = _smem_layout(BLOCK_N if W_LAYOUT != 2 else BLOCK_K,
+                                                0 if W_LAYOUT == 2 else 1)  # fmt: skip
+            sq0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], q_smem, q0)
+            sq1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], q_smem, q1)
+            sq2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], q_smem, q2)
+            sw0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, BLOCK_N], w_smem, w0)
+            sw1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, BLOCK_N], w_smem, w1)
+            sw2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, BLOCK_N], w_smem, w2)
+            acc = mma_v2(sq0.load(a_op), sw0.load(b_op), acc)
+            acc = mma_v2(sq1.load(a_op), sw1.load(b_op), acc)
+            acc = mma_v2(sq2.load(a_op), sw2.load(b_op), acc)
+        else:
+            # One register-to-register conversion per operand tile (Gluon stages each through
+            # a shared scratch buffer with its own barriers).
+            acc = mma_v2(gl.convert_layout(q0, a_op), gl.convert_layout(w0, b_op), acc)
+            acc = mma_v2(gl.convert_layout(q1, a_op), gl.convert_layout(w1, b_op), acc)
+            acc = mma_v2(gl.convert_layout(q2, a_op), gl.convert_layout(w2, b_op), acc)
 
         # The result is stored from the accumulator's layout (2 adjacent columns per thread):
         # a conversion to a wider-vector layout would cost a shared-memory round trip.
@@ -293,8 +320,152 @@ if AVAILABLE:
             y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty)
         gl.store(o_ptrs, y, mask=o_mask)
 
+    # Two kernels with the shared parameter list (the launch machinery passes exactly those):
+    # operands converted register to register, or staged together through shared memory.
+    @gluon.jit(**base._JIT_OPTIONS)
+    def _mla_query_gluon_kernel(
+        q_ptr,
+        qpe_ptr,
+        w_ptr,
+        ws_ptr,
+        out_ptr,
+        qs_ptr,
+        M,
+        stride_qm,
+        stride_qh,
+        stride_pm,
+        stride_ph,
+        stride_wh,
+        stride_wk,
+        stride_wn,
+        stride_sh,
+        stride_sk,
+        stride_sn,
+        stride_om,
+        stride_oh,
+        K: gl.constexpr,
+        N: gl.constexpr,
+        R: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        W_LAYOUT: gl.constexpr,
+        W_ALIGNED: gl.constexpr,
+        IO_ALIGNED: gl.constexpr,
+        MXFP8: gl.constexpr,
+        OUT_FP8: gl.constexpr,
+        INTERPRET: gl.constexpr,
+        USE_PDL: gl.constexpr,
+    ):
+        _gluon_body(
+            q_ptr,
+            qpe_ptr,
+            w_ptr,
+            ws_ptr,
+            out_ptr,
+            qs_ptr,
+            M,
+            stride_qm,
+            stride_qh,
+            stride_pm,
+            stride_ph,
+            stride_wh,
+            stride_wk,
+            stride_wn,
+            stride_sh,
+            stride_sk,
+            stride_sn,
+            stride_om,
+            stride_oh,
+            K,
+            N,
+            R,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            W_LAYOUT,
+            W_ALIGNED,
+            IO_ALIGNED,
+            MXFP8,
+            OUT_FP8,
+            INTERPRET,
+            USE_PDL,
+            False,
+        )
+
+    @gluon.jit(**base._JIT_OPTIONS)
+    def _mla_query_gluon_smem_kernel(
+        q_ptr,
+        qpe_ptr,
+        w_ptr,
+        ws_ptr,
+        out_ptr,
+        qs_ptr,
+        M,
+        stride_qm,
+        stride_qh,
+        stride_pm,
+        stride_ph,
+        stride_wh,
+        stride_wk,
+        stride_wn,
+        stride_sh,
+        stride_sk,
+        stride_sn,
+        stride_om,
+        stride_oh,
+        K: gl.constexpr,
+        N: gl.constexpr,
+        R: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        W_LAYOUT: gl.constexpr,
+        W_ALIGNED: gl.constexpr,
+        IO_ALIGNED: gl.constexpr,
+        MXFP8: gl.constexpr,
+        OUT_FP8: gl.constexpr,
+        INTERPRET: gl.constexpr,
+        USE_PDL: gl.constexpr,
+    ):
+        _gluon_body(
+            q_ptr,
+            qpe_ptr,
+            w_ptr,
+            ws_ptr,
+            out_ptr,
+            qs_ptr,
+            M,
+            stride_qm,
+            stride_qh,
+            stride_pm,
+            stride_ph,
+            stride_wh,
+            stride_wk,
+            stride_wn,
+            stride_sh,
+            stride_sk,
+            stride_sn,
+            stride_om,
+            stride_oh,
+            K,
+            N,
+            R,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            W_LAYOUT,
+            W_ALIGNED,
+            IO_ALIGNED,
+            MXFP8,
+            OUT_FP8,
+            INTERPRET,
+            USE_PDL,
+            True,
+        )
+
 else:  # pragma: no cover - see UNAVAILABLE_REASON
-    _mla_query_gluon_kernel = None
+    _mla_query_gluon_kernel = _mla_query_gluon_smem_kernel = None
 
 
 def offline_signature(mxfp8: bool, out_fp8: bool, constexprs) -> dict[str, str]:
@@ -323,6 +494,7 @@ def offline_compile(
     w_layout: int,
     w_aligned: bool,
     io_aligned: bool,
+    smem_staging: bool = False,
     arch: int = 90,
 ):
     """Compile the kernel for ``sm_<arch>`` without a GPU (``triton.compile``); the result's
@@ -350,8 +522,9 @@ def offline_compile(
         "INTERPRET": False,
         "USE_PDL": pdl,
     }
+    fn = _mla_query_gluon_smem_kernel if smem_staging else _mla_query_gluon_kernel
     src = GluonASTSource(
-        _mla_query_gluon_kernel,
+        fn,
         offline_signature(mxfp8, out_fp8, constexprs),
         constexprs=constexprs,
     )

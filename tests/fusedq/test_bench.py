@@ -152,12 +152,13 @@ def test_sweep_times_gluon_variants_beside_triton():
     fewer rows than M is left out."""
     opts = bench.Options(
         samples=10, warmup=2, l2_factor=0.1, sweep=True, sweep_block_n=(),
-        sweep_gluon=("32:4", "64:8:32", "32:4:16"),
+        sweep_gluon=("32:4", "64:8:32", "32:4:16"), sweep_gluon_smem=("32:4",),
     )  # fmt: skip
     rows = {r["variant"]: r for r in bench.sweep_shape("mxfp8", 8, 17, opts)}
-    assert {"gluon_bn32_w4_m32", "gluon_bn64_w8_m32", "dot", "staged"} <= set(rows)
+    gluon = ("gluon_bn32_w4_m32", "gluon_bn64_w8_m32", "gluon_smem_bn32_w4_m32")
+    assert {*gluon, "dot", "staged"} <= set(rows)
     assert "gluon_bn32_w4_m16" not in rows
-    for name in ("gluon_bn32_w4_m32", "gluon_bn64_w8_m32"):
+    for name in gluon:
         assert rows[name]["us"] > 0 and rows[name]["max_abs_err_vs_staged"] < 0.05
         assert rows[name]["config"]["gluon"]
 

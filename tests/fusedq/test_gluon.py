@@ -25,14 +25,17 @@ def test_same_parameters_and_specialisation_as_the_triton_kernel():
     """fast_launch and launch_arguments address the Gluon kernel exactly as the tl.dot one."""
     if not gluon_mla_query.AVAILABLE:
         pytest.skip(gluon_mla_query.UNAVAILABLE_REASON)
-    fn = gluon_mla_query._mla_query_gluon_kernel
-    assert fn.arg_names == kernel._mla_query_kernel.arg_names
-    assert list(fn.do_not_specialize) == kernel._JIT_OPTIONS["do_not_specialize"]
-    no_align = kernel._JIT_OPTIONS["do_not_specialize_on_alignment"]
-    assert list(fn.do_not_specialize_on_alignment) == no_align
-    ints = tuple(range(13))
-    constexprs = {n: 0 for n in fn.arg_names[len(fast_launch.POINTER_PARAMS) + len(ints) :]}
-    assert fast_launch.launch_tail(fn, ints, constexprs) == ints + (0,) * len(constexprs)
+    for fn in (
+        gluon_mla_query._mla_query_gluon_kernel,
+        gluon_mla_query._mla_query_gluon_smem_kernel,
+    ):
+        assert fn.arg_names == kernel._mla_query_kernel.arg_names
+        assert list(fn.do_not_specialize) == kernel._JIT_OPTIONS["do_not_specialize"]
+        no_align = kernel._JIT_OPTIONS["do_not_specialize_on_alignment"]
+        assert list(fn.do_not_specialize_on_alignment) == no_align
+        ints = tuple(range(13))
+        constexprs = {n: 0 for n in fn.arg_names[len(fast_launch.POINTER_PARAMS) + len(ints) :]}
+        assert fast_launch.launch_tail(fn, ints, constexprs) == ints + (0,) * len(constexprs)
 
 
 @pytest.mark.parametrize(
@@ -47,6 +50,11 @@ def test_same_parameters_and_specialisation_as_the_triton_kernel():
 def test_bad_gluon_configs_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         kernel.LaunchConfig(**{"block_n": 32, **kwargs, "gluon": True})
+
+
+def test_gluon_smem_needs_gluon():
+    with pytest.raises(ValueError, match=r"gluon_smem=True .* needs gluon=True"):
+        kernel.LaunchConfig(block_m=16, block_n=32, gluon_smem=True)
 
 
 def test_the_interpreter_never_gets_gluon():
@@ -72,15 +80,17 @@ PTX_CASES = [
 
 
 @needs_gluon
+@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
 @pytest.mark.parametrize("case", PTX_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_ptx_issues_every_global_load_before_the_first_wait(case):
+def test_ptx_issues_every_global_load_before_the_first_wait(case, smem):
     """The one-round-trip property, read off the sm_90 PTX: no ld.global after the first
-    shared-memory store or barrier (the layout conversions), and the MMAs are there."""
+    shared-memory store or barrier (the layout conversions), and the MMAs are there; the
+    shared-memory variant has a single barrier."""
     bm, bn, warps, pdl, mxfp8, out_fp8, w_layout, w_aligned, io_aligned = case
     try:
         compiled = gluon_mla_query.offline_compile(
             block_m=bm, block_n=bn, num_warps=warps, pdl=pdl, mxfp8=mxfp8, out_fp8=out_fp8,
-            w_layout=w_layout, w_aligned=w_aligned, io_aligned=io_aligned,
+            w_layout=w_layout, w_aligned=w_aligned, io_aligned=io_aligned, smem_staging=smem,
         )  # fmt: skip
     except CompilationError as exc:
         if triton.__version__.startswith(gluon_mla_query.COMPILED_WITH):
@@ -90,6 +100,8 @@ def test_ptx_issues_every_global_load_before_the_first_wait(case):
     order = gluon_mla_query.ptx_memory_order(ptx)
     assert order["ld_global"] > 0 and order["st_shared"] > 0 and order["bar_sync"] > 0
     assert order["ld_global_after_first_sync"] == 0, order
+    if smem:
+        assert order["bar_sync"] == 1, order
     # 192 / 16 = 12 K steps for each [16, 8] accumulator tile a warp holds (a warp holds at
     # least one: where warps outnumber tiles they repeat one).
     assert order["mma_sync"] == 12 * max(1, (bm // 16) * (bn // 8) // warps), order
@@ -99,35 +111,50 @@ def test_ptx_issues_every_global_load_before_the_first_wait(case):
         assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
-def _gluon(m: int, block_n: int = 32, num_warps: int = 4, pdl: bool = False):
+def _gluon(m: int, block_n: int = 32, num_warps: int = 4, *, pdl: bool = False, smem: bool):
     return kernel.LaunchConfig(
-        block_m=16 if m <= 16 else 32, block_n=block_n, num_warps=num_warps, pdl=pdl, gluon=True
-    )
+        block_m=16 if m <= 16 else 32, block_n=block_n, num_warps=num_warps, pdl=pdl,
+        gluon=True, gluon_smem=smem,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["nopdl", "pdl"])
 @pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=_ids)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("h", HEADS)
-def test_gluon_matches_staged(h, m, fmt, out_dtype, pdl, device):
+def test_gluon_matches_staged(h, m, fmt, out_dtype, pdl, smem, device):
     """The shape grid of test_api (vLLM's strided W_UK_T, sliced q), pitched out for odd M."""
-    launch_matches_staged(
-        _gluon(m, pdl=pdl), fmt, out_dtype, h, m, device, 1000 * h + m, pitched=m % 2 == 1
-    )
+    config = _gluon(m, pdl=pdl, smem=smem)
+    launch_matches_staged(config, fmt, out_dtype, h, m, device, 1000 * h + m, pitched=m % 2 == 1)
+
+
+# Compiles dominate these tests' GPU time, so layouts and tiles are crossed with the recipes
+# separately rather than all together.
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
+@pytest.mark.parametrize("layout", ["vllm", "unit_k", "generic", "contiguous"])
+@pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=_ids)
+def test_gluon_weight_layouts(fmt, out_dtype, layout, smem, device):
+    """Every weight layout (unit N, unit K, generic), MXFP8 values strided like the bf16
+    weight."""
+    config = _gluon(5, smem=smem)
+    launch_matches_staged(config, fmt, out_dtype, 11, 5, device, 5, pitched=True, layout=layout)
 
 
 @pytest.mark.gpu
 @needs_gluon
-@pytest.mark.parametrize("block_n,num_warps", [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8)])
-@pytest.mark.parametrize("layout", ["vllm", "unit_k", "generic", "contiguous"])
-@pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=_ids)
-@pytest.mark.parametrize("m", [5, 17])
-def test_gluon_weight_layouts_and_tiles(m, fmt, out_dtype, layout, block_n, num_warps, device):
-    """Every weight layout (unit N, unit K, generic) and tile shape, MXFP8 values strided
-    like the bf16 weight, both row counts."""
+@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
+@pytest.mark.parametrize("block_n,num_warps", [(32, 8), (64, 4), (64, 8), (128, 8)])
+@pytest.mark.parametrize("fmt,out_dtype", [RECIPES[0], RECIPES[3]], ids=_ids)
+@pytest.mark.parametrize("layout", ["vllm", "unit_k"])
+def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, smem, device):
+    """The other N tiles and warp counts (the grid test runs 32:4), both unit-stride axes,
+    M = 17 (32-row tile, padding rows)."""
+    config = _gluon(17, block_n, num_warps, smem=smem)
     launch_matches_staged(
-        _gluon(m, block_n, num_warps), fmt, out_dtype, 11, m, device, block_n + m,
-        pitched=True, layout=layout,
-    )  # fmt: skip
+        config, fmt, out_dtype, 11, 17, device, block_n, pitched=True, layout=layout
+    )
