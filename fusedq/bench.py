@@ -84,8 +84,8 @@ class Options:
     # Gluon-kernel variants "BLOCK_N:WARPS[:BLOCK_M]" (BLOCK_M defaults to the tl.dot path's
     # padded row count, 16 or 32), any M <= 32, any output.
     sweep_gluon: tuple[str, ...] = ()
-    # The same, for the Gluon variant that stages its operands through shared memory at once.
-    sweep_gluon_smem: tuple[str, ...] = ()
+    # Each of those with each of these operand paths (gluon_mla_query.OPERANDS).
+    sweep_gluon_operands: tuple[str, ...] = ("convert", "smem", "direct")
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -486,18 +486,18 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
             configs[f"fma_bn{bn}_w{nw}{'_pdl' if pdl else ''}"] = LaunchConfig(
                 block_m=fma_m, block_n=bn, num_warps=nw, pdl=pdl, fma=True
             )
-    for spec, smem in [(v, False) for v in opts.sweep_gluon] + [
-        (v, True) for v in opts.sweep_gluon_smem
-    ]:
+    for spec in opts.sweep_gluon:
         bn, nw, *bm = parse_gluon_spec(spec)
         bm = bm[0] if bm else block_m
         if bm < m:
             continue  # a tile of fewer rows than tokens cannot serve this M
-        for pdl in opts.sweep_pdl:  # as the tl.dot grid: with PDL where that is swept
-            name = f"gluon{'_smem' if smem else ''}_bn{bn}_w{nw}_m{bm}{'_pdl' if pdl else ''}"
-            configs[name] = LaunchConfig(
-                block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True, gluon_smem=smem
-            )
+        for operands in opts.sweep_gluon_operands:
+            for pdl in opts.sweep_pdl:  # as the tl.dot grid: with PDL where that is swept
+                name = f"gluon_{operands}_bn{bn}_w{nw}_m{bm}{'_pdl' if pdl else ''}"
+                configs[name] = LaunchConfig(
+                    block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True,
+                    gluon_operands=operands,
+                )  # fmt: skip
     return configs
 
 
@@ -784,7 +784,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         "--sweep-gluon", nargs="*", default=[], help="Gluon-kernel BLOCK_N:WARPS[:BLOCK_M]"
     )
     p.add_argument(
-        "--sweep-gluon-smem", nargs="*", default=[], help="the same, operands staged in smem"
+        "--sweep-gluon-operands",
+        nargs="+",
+        choices=("convert", "smem", "direct"),
+        default=list(Options.sweep_gluon_operands),
+        help="the Gluon operand paths to time for each --sweep-gluon spec",
     )
     p.add_argument(
         "--eager",
@@ -808,7 +812,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
     if a.sweep_cute and not a.sweep:
         p.error("--sweep-cute adds a variant to --sweep; pass --sweep too")
-    for spec in a.sweep_gluon + a.sweep_gluon_smem:
+    for spec in a.sweep_gluon:
         try:
             parse_gluon_spec(spec)
         except ValueError as exc:
@@ -823,7 +827,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
         sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
-        sweep_gluon_smem=tuple(a.sweep_gluon_smem), commit=a.commit,
+        sweep_gluon_operands=tuple(a.sweep_gluon_operands), commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

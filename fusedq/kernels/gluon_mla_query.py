@@ -41,10 +41,20 @@ except ImportError as exc:  # pragma: no cover - older Triton without Gluon's mm
         f"{exc}"
     )
 
+# How the operand tiles reach the mma.sync operand layouts (one kernel each, see below):
+# "convert": loaded in coalesced blocked layouts, converted register to register (Gluon stages
+# each conversion through shared memory behind its own barriers); "smem": the same loads, all
+# six tiles stored to shared memory, one barrier, ldmatrix; "direct": loaded straight from
+# global memory in the operand layouts (no shared memory, no barrier; 16-byte vectors only
+# along K, so W_UK_T's unit-N rows come in 2-byte (bf16) or 1-byte (e4m3) pieces).
+OPERANDS = ("convert", "smem", "direct")
 # mma.sync m16n8k16: the accumulator tile of one warp's instruction.
 MMA_INSTR = (16, 8)
-# k_width of a bf16 mma.sync operand: two 16-bit elements per 32-bit register.
+# k_width of a bf16 mma.sync operand: two 16-bit elements per 32-bit register. The direct
+# variant takes 8 consecutive K elements per thread instead (A and B alike, so the sum over K
+# is only reordered): 16-byte loads along K.
 BF16_K_WIDTH = 2
+DIRECT_K_WIDTH = 8
 # Gluon's kernel is written for three unrolled 64-wide K chunks (K = 192 exactly).
 GLUON_BLOCK_K = base.BLOCK_K
 GLUON_BLOCK_MS = (16, 32)
@@ -59,6 +69,7 @@ GLUON_MAX_BLOCK_N = 128
 if AVAILABLE:
     # Globals a Gluon function reads must be constexprs.
     _K_WIDTH = gl.constexpr(BF16_K_WIDTH)
+    _DIRECT_K_WIDTH = gl.constexpr(DIRECT_K_WIDTH)
     _MX_BLOCK = gl.constexpr(base.MX_BLOCK)
 
     @gluon.constexpr_function
@@ -191,22 +202,28 @@ if AVAILABLE:
         OUT_FP8: gl.constexpr,
         INTERPRET: gl.constexpr,
         USE_PDL: gl.constexpr,
-        SMEM_STAGING: gl.constexpr,
+        PATH: gl.constexpr,  # index into OPERANDS: 0 convert, 1 smem, 2 direct
     ):
         gl.static_assert(not INTERPRET, "Gluon kernels do not run under TRITON_INTERPRET=1")
         gl.static_assert(BLOCK_K * 3 == K, "the Gluon kernel covers K in three exact chunks")
         NUM_WARPS: gl.constexpr = gl.num_warps()
         W_BITS: gl.constexpr = 8 if MXFP8 else 16
-        # Layouts: loads matched to each operand's unit-stride axis, the MMA's own for the math.
-        w_layout: gl.constexpr = _tile_layout(
-            BLOCK_K, BLOCK_N, _vec(W_BITS, W_LAYOUT != 0), 0 if W_LAYOUT == 2 else 1,
-            NUM_WARPS,
-        )  # fmt: skip
-        q_layout: gl.constexpr = _tile_layout(BLOCK_M, BLOCK_K, 8, 1, NUM_WARPS)
-        pe_layout: gl.constexpr = _tile_layout(BLOCK_M, R, 8, 1, NUM_WARPS)
         mma: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
-        a_op: gl.constexpr = gl.DotOperandLayout(0, mma, _K_WIDTH)
-        b_op: gl.constexpr = gl.DotOperandLayout(1, mma, _K_WIDTH)
+        K_WIDTH: gl.constexpr = _DIRECT_K_WIDTH if PATH == 2 else _K_WIDTH
+        a_op: gl.constexpr = gl.DotOperandLayout(0, mma, K_WIDTH)
+        b_op: gl.constexpr = gl.DotOperandLayout(1, mma, K_WIDTH)
+        # Load layouts: the operand layouts themselves (direct), or blocked layouts matched to
+        # each operand's unit-stride axis.
+        if PATH == 2:
+            w_layout: gl.constexpr = b_op
+            q_layout: gl.constexpr = a_op
+        else:
+            w_layout: gl.constexpr = _tile_layout(
+                BLOCK_K, BLOCK_N, _vec(W_BITS, W_LAYOUT != 0), 0 if W_LAYOUT == 2 else 1,
+                NUM_WARPS,
+            )  # fmt: skip
+            q_layout: gl.constexpr = _tile_layout(BLOCK_M, BLOCK_K, 8, 1, NUM_WARPS)
+        pe_layout: gl.constexpr = _tile_layout(BLOCK_M, R, 8, 1, NUM_WARPS)
 
         pid_n = gl.program_id(0)
         h = gl.program_id(1)
@@ -281,7 +298,11 @@ if AVAILABLE:
             w1 = _dequant(w1, s1)
             w2 = _dequant(w2, s2)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
-        if SMEM_STAGING:
+        if PATH == 2:
+            acc = mma_v2(q0, w0, acc)
+            acc = mma_v2(q1, w1, acc)
+            acc = mma_v2(q2, w2, acc)
+        elif PATH == 1:
             # All six operand tiles to shared memory first, then one barrier (the membar
             # pass places it before the first read), then ldmatrix into the operand layouts.
             q_smem: gl.constexpr = _smem_layout(BLOCK_K, 1)
@@ -320,8 +341,8 @@ if AVAILABLE:
             y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty)
         gl.store(o_ptrs, y, mask=o_mask)
 
-    # Two kernels with the shared parameter list (the launch machinery passes exactly those):
-    # operands converted register to register, or staged together through shared memory.
+    # One kernel per OPERANDS choice, each with the shared parameter list (the launch
+    # machinery passes exactly those, so the choice cannot be one more constexpr).
     @gluon.jit(**base._JIT_OPTIONS)
     def _mla_query_gluon_kernel(
         q_ptr,
@@ -390,7 +411,7 @@ if AVAILABLE:
             OUT_FP8,
             INTERPRET,
             USE_PDL,
-            False,
+            0,
         )
 
     @gluon.jit(**base._JIT_OPTIONS)
@@ -461,11 +482,91 @@ if AVAILABLE:
             OUT_FP8,
             INTERPRET,
             USE_PDL,
-            True,
+            1,
+        )
+
+    @gluon.jit(**base._JIT_OPTIONS)
+    def _mla_query_gluon_direct_kernel(
+        q_ptr,
+        qpe_ptr,
+        w_ptr,
+        ws_ptr,
+        out_ptr,
+        qs_ptr,
+        M,
+        stride_qm,
+        stride_qh,
+        stride_pm,
+        stride_ph,
+        stride_wh,
+        stride_wk,
+        stride_wn,
+        stride_sh,
+        stride_sk,
+        stride_sn,
+        stride_om,
+        stride_oh,
+        K: gl.constexpr,
+        N: gl.constexpr,
+        R: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        W_LAYOUT: gl.constexpr,
+        W_ALIGNED: gl.constexpr,
+        IO_ALIGNED: gl.constexpr,
+        MXFP8: gl.constexpr,
+        OUT_FP8: gl.constexpr,
+        INTERPRET: gl.constexpr,
+        USE_PDL: gl.constexpr,
+    ):
+        _gluon_body(
+            q_ptr,
+            qpe_ptr,
+            w_ptr,
+            ws_ptr,
+            out_ptr,
+            qs_ptr,
+            M,
+            stride_qm,
+            stride_qh,
+            stride_pm,
+            stride_ph,
+            stride_wh,
+            stride_wk,
+            stride_wn,
+            stride_sh,
+            stride_sk,
+            stride_sn,
+            stride_om,
+            stride_oh,
+            K,
+            N,
+            R,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            W_LAYOUT,
+            W_ALIGNED,
+            IO_ALIGNED,
+            MXFP8,
+            OUT_FP8,
+            INTERPRET,
+            USE_PDL,
+            2,
         )
 
 else:  # pragma: no cover - see UNAVAILABLE_REASON
-    _mla_query_gluon_kernel = _mla_query_gluon_smem_kernel = None
+    _mla_query_gluon_kernel = _mla_query_gluon_smem_kernel = _mla_query_gluon_direct_kernel = None
+
+
+def kernel_for_operands(operands: str):
+    """The Gluon kernel of an ``OPERANDS`` choice."""
+    return {
+        "convert": _mla_query_gluon_kernel,
+        "smem": _mla_query_gluon_smem_kernel,
+        "direct": _mla_query_gluon_direct_kernel,
+    }[operands]
 
 
 def offline_signature(mxfp8: bool, out_fp8: bool, constexprs) -> dict[str, str]:
@@ -494,7 +595,7 @@ def offline_compile(
     w_layout: int,
     w_aligned: bool,
     io_aligned: bool,
-    smem_staging: bool = False,
+    operands: str = "convert",
     arch: int = 90,
 ):
     """Compile the kernel for ``sm_<arch>`` without a GPU (``triton.compile``); the result's
@@ -522,7 +623,7 @@ def offline_compile(
         "INTERPRET": False,
         "USE_PDL": pdl,
     }
-    fn = _mla_query_gluon_smem_kernel if smem_staging else _mla_query_gluon_kernel
+    fn = kernel_for_operands(operands)
     src = GluonASTSource(
         fn,
         offline_signature(mxfp8, out_fp8, constexprs),

@@ -134,9 +134,9 @@ class LaunchConfig:
     # before the first layout conversion): block_m 16|32, K in three 64-wide chunks. Never
     # chosen by for_problem until the GPU measures it; never under the interpreter.
     gluon: bool = False
-    # With gluon: the six operand tiles staged through shared memory together (one barrier)
-    # instead of one register-to-register conversion each (a barrier pair each).
-    gluon_smem: bool = False
+    # With gluon: how the operand tiles reach the MMA layouts, one of
+    # gluon_mla_query.OPERANDS ("convert" | "smem" | "direct"; the reasons are there).
+    gluon_operands: str = "convert"
 
     @classmethod
     def for_problem(
@@ -177,8 +177,11 @@ class LaunchConfig:
             raise ValueError("pdl=True needs Triton's griddepcontrol support (Triton >= 3.3)")
         if self.block_k not in (BLOCK_K, SINGLE_BLOCK_K):
             raise ValueError(f"block_k={self.block_k} must be {BLOCK_K} or {SINGLE_BLOCK_K}")
-        if self.gluon_smem and not self.gluon:
-            raise ValueError("gluon_smem=True selects a Gluon kernel variant: it needs gluon=True")
+        if self.gluon_operands != "convert" and not self.gluon:
+            raise ValueError(
+                f"gluon_operands={self.gluon_operands!r} selects a Gluon kernel variant: it "
+                "needs gluon=True"
+            )
         if self.gluon:
             self._check_gluon()
         elif self.fma:
@@ -203,6 +206,10 @@ class LaunchConfig:
         if self.block_n > gluon_mla_query.GLUON_MAX_BLOCK_N:
             raise ValueError(
                 f"gluon: block_n={self.block_n} must be <= {gluon_mla_query.GLUON_MAX_BLOCK_N}"
+            )
+        if self.gluon_operands not in gluon_mla_query.OPERANDS:
+            raise ValueError(
+                f"gluon_operands={self.gluon_operands!r} must be one of {gluon_mla_query.OPERANDS}"
             )
         if not gluon_mla_query.AVAILABLE:
             raise ValueError(f"gluon=True: {gluon_mla_query.UNAVAILABLE_REASON}")
@@ -800,9 +807,7 @@ def kernel_for(config: LaunchConfig):
     if config.gluon:
         from fusedq.kernels import gluon_mla_query
 
-        if config.gluon_smem:
-            return gluon_mla_query._mla_query_gluon_smem_kernel
-        return gluon_mla_query._mla_query_gluon_kernel
+        return gluon_mla_query.kernel_for_operands(config.gluon_operands)
     return _mla_query_fma_kernel if config.fma else _mla_query_kernel
 
 

@@ -140,8 +140,10 @@ def test_one_shape_is_measured_and_correct(chain):
 
 
 def test_sweep_gluon_arguments():
-    opts, _ = bench.parse_args(["--sweep", "--sweep-gluon", "32:4", "64:8:32"])
-    assert opts.sweep_gluon == ("32:4", "64:8:32")
+    opts, _ = bench.parse_args(
+        ["--sweep", "--sweep-gluon", "32:4", "64:8:32", "--sweep-gluon-operands", "direct"]
+    )
+    assert opts.sweep_gluon == ("32:4", "64:8:32") and opts.sweep_gluon_operands == ("direct",)
     assert [bench.parse_gluon_spec(s) for s in opts.sweep_gluon] == [(32, 4), (64, 8, 32)]
     assert bench.parse_args([])[0].sweep_gluon == ()
 
@@ -152,12 +154,14 @@ def test_sweep_times_gluon_variants_beside_triton():
     fewer rows than M is left out."""
     opts = bench.Options(
         samples=10, warmup=2, l2_factor=0.1, sweep=True, sweep_block_n=(),
-        sweep_gluon=("32:4", "64:8:32", "32:4:16"), sweep_gluon_smem=("32:4",),
+        sweep_gluon=("32:4", "64:8:32", "32:4:16"),
     )  # fmt: skip
     rows = {r["variant"]: r for r in bench.sweep_shape("mxfp8", 8, 17, opts)}
-    gluon = ("gluon_bn32_w4_m32", "gluon_bn64_w8_m32", "gluon_smem_bn32_w4_m32")
+    gluon = [
+        f"gluon_{o}_bn{t}_m32" for o in ("convert", "smem", "direct") for t in ("32_w4", "64_w8")
+    ]
     assert {*gluon, "dot", "staged"} <= set(rows)
-    assert "gluon_bn32_w4_m16" not in rows
+    assert not [name for name in rows if name.endswith("_m16")]
     for name in gluon:
         assert rows[name]["us"] > 0 and rows[name]["max_abs_err_vs_staged"] < 0.05
         assert rows[name]["config"]["gluon"]

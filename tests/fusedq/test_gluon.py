@@ -25,10 +25,7 @@ def test_same_parameters_and_specialisation_as_the_triton_kernel():
     """fast_launch and launch_arguments address the Gluon kernel exactly as the tl.dot one."""
     if not gluon_mla_query.AVAILABLE:
         pytest.skip(gluon_mla_query.UNAVAILABLE_REASON)
-    for fn in (
-        gluon_mla_query._mla_query_gluon_kernel,
-        gluon_mla_query._mla_query_gluon_smem_kernel,
-    ):
+    for fn in map(gluon_mla_query.kernel_for_operands, gluon_mla_query.OPERANDS):
         assert fn.arg_names == kernel._mla_query_kernel.arg_names
         assert list(fn.do_not_specialize) == kernel._JIT_OPTIONS["do_not_specialize"]
         no_align = kernel._JIT_OPTIONS["do_not_specialize_on_alignment"]
@@ -52,9 +49,12 @@ def test_bad_gluon_configs_are_named(kwargs, match):
         kernel.LaunchConfig(**{"block_n": 32, **kwargs, "gluon": True})
 
 
-def test_gluon_smem_needs_gluon():
-    with pytest.raises(ValueError, match=r"gluon_smem=True .* needs gluon=True"):
-        kernel.LaunchConfig(block_m=16, block_n=32, gluon_smem=True)
+def test_gluon_operands_need_gluon_and_a_known_path():
+    with pytest.raises(ValueError, match=r"gluon_operands='smem' .* needs gluon=True"):
+        kernel.LaunchConfig(block_m=16, block_n=32, gluon_operands="smem")
+    if gluon_mla_query.AVAILABLE and not kernel.interpreting():
+        with pytest.raises(ValueError, match="gluon_operands='tma' must be one of"):
+            kernel.LaunchConfig(block_m=16, block_n=32, gluon=True, gluon_operands="tma")
 
 
 def test_the_interpreter_never_gets_gluon():
@@ -80,17 +80,17 @@ PTX_CASES = [
 
 
 @needs_gluon
-@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
+@pytest.mark.parametrize("operands", gluon_mla_query.OPERANDS)
 @pytest.mark.parametrize("case", PTX_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_ptx_issues_every_global_load_before_the_first_wait(case, smem):
+def test_ptx_issues_every_global_load_before_the_first_wait(case, operands):
     """The one-round-trip property, read off the sm_90 PTX: no ld.global after the first
     shared-memory store or barrier (the layout conversions), and the MMAs are there; the
-    shared-memory variant has a single barrier."""
+    shared-memory path has a single barrier, the direct path none and no shared memory."""
     bm, bn, warps, pdl, mxfp8, out_fp8, w_layout, w_aligned, io_aligned = case
     try:
         compiled = gluon_mla_query.offline_compile(
             block_m=bm, block_n=bn, num_warps=warps, pdl=pdl, mxfp8=mxfp8, out_fp8=out_fp8,
-            w_layout=w_layout, w_aligned=w_aligned, io_aligned=io_aligned, smem_staging=smem,
+            w_layout=w_layout, w_aligned=w_aligned, io_aligned=io_aligned, operands=operands,
         )  # fmt: skip
     except CompilationError as exc:
         if triton.__version__.startswith(gluon_mla_query.COMPILED_WITH):
@@ -98,10 +98,9 @@ def test_ptx_issues_every_global_load_before_the_first_wait(case, smem):
         pytest.skip(f"Triton {triton.__version__}'s Gluon cannot compile the kernel: {exc}"[:400])
     ptx = compiled.asm["ptx"]
     order = gluon_mla_query.ptx_memory_order(ptx)
-    assert order["ld_global"] > 0 and order["st_shared"] > 0 and order["bar_sync"] > 0
-    assert order["ld_global_after_first_sync"] == 0, order
-    if smem:
-        assert order["bar_sync"] == 1, order
+    assert order["ld_global"] > 0 and order["ld_global_after_first_sync"] == 0, order
+    barriers = {"convert": order["bar_sync"] > 1, "smem": order["bar_sync"] == 1}
+    assert barriers.get(operands, order["bar_sync"] == order["st_shared"] == 0), order
     # 192 / 16 = 12 K steps for each [16, 8] accumulator tile a warp holds (a warp holds at
     # least one: where warps outnumber tiles they repeat one).
     assert order["mma_sync"] == 12 * max(1, (bm // 16) * (bn // 8) // warps), order
@@ -111,23 +110,23 @@ def test_ptx_issues_every_global_load_before_the_first_wait(case, smem):
         assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
-def _gluon(m: int, block_n: int = 32, num_warps: int = 4, *, pdl: bool = False, smem: bool):
+def _gluon(m: int, block_n: int = 32, num_warps: int = 4, *, pdl: bool = False, operands: str):
     return kernel.LaunchConfig(
         block_m=16 if m <= 16 else 32, block_n=block_n, num_warps=num_warps, pdl=pdl,
-        gluon=True, gluon_smem=smem,
+        gluon=True, gluon_operands=operands,
     )  # fmt: skip
 
 
 @pytest.mark.gpu
 @needs_gluon
-@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
+@pytest.mark.parametrize("operands", gluon_mla_query.OPERANDS)
 @pytest.mark.parametrize("pdl", [False, True], ids=["nopdl", "pdl"])
 @pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=_ids)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("h", HEADS)
-def test_gluon_matches_staged(h, m, fmt, out_dtype, pdl, smem, device):
+def test_gluon_matches_staged(h, m, fmt, out_dtype, pdl, operands, device):
     """The shape grid of test_api (vLLM's strided W_UK_T, sliced q), pitched out for odd M."""
-    config = _gluon(m, pdl=pdl, smem=smem)
+    config = _gluon(m, pdl=pdl, operands=operands)
     launch_matches_staged(config, fmt, out_dtype, h, m, device, 1000 * h + m, pitched=m % 2 == 1)
 
 
@@ -135,26 +134,26 @@ def test_gluon_matches_staged(h, m, fmt, out_dtype, pdl, smem, device):
 # separately rather than all together.
 @pytest.mark.gpu
 @needs_gluon
-@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
+@pytest.mark.parametrize("operands", gluon_mla_query.OPERANDS)
 @pytest.mark.parametrize("layout", ["vllm", "unit_k", "generic", "contiguous"])
 @pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=_ids)
-def test_gluon_weight_layouts(fmt, out_dtype, layout, smem, device):
+def test_gluon_weight_layouts(fmt, out_dtype, layout, operands, device):
     """Every weight layout (unit N, unit K, generic), MXFP8 values strided like the bf16
     weight."""
-    config = _gluon(5, smem=smem)
+    config = _gluon(5, operands=operands)
     launch_matches_staged(config, fmt, out_dtype, 11, 5, device, 5, pitched=True, layout=layout)
 
 
 @pytest.mark.gpu
 @needs_gluon
-@pytest.mark.parametrize("smem", [False, True], ids=["convert", "smem"])
+@pytest.mark.parametrize("operands", gluon_mla_query.OPERANDS)
 @pytest.mark.parametrize("block_n,num_warps", [(32, 8), (64, 4), (64, 8), (128, 8)])
 @pytest.mark.parametrize("fmt,out_dtype", [RECIPES[0], RECIPES[3]], ids=_ids)
 @pytest.mark.parametrize("layout", ["vllm", "unit_k"])
-def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, smem, device):
+def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, operands, device):
     """The other N tiles and warp counts (the grid test runs 32:4), both unit-stride axes,
     M = 17 (32-row tile, padding rows)."""
-    config = _gluon(17, block_n, num_warps, smem=smem)
+    config = _gluon(17, block_n, num_warps, operands=operands)
     launch_matches_staged(
         config, fmt, out_dtype, 11, 17, device, block_n, pitched=True, layout=layout
     )
