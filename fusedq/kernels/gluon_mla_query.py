@@ -1,20 +1,19 @@
-"""Gluon (explicit-layout) variant of the fused MLA decode query projection.
+"""Gluon (explicit-layout) kernels for the fused MLA decode query projection.
 
 Same arguments, constexprs and specialisation options as ``_mla_query_kernel`` (the launch
-machinery, ``KernelKey`` and ``fast_launch`` treat both alike); ``LaunchConfig(gluon=True)``
-selects it. Why it exists: plain Triton puts the layout conversion of a loaded fp8 tile (and
+machinery, ``KernelKey`` and ``fast_launch`` treat them alike); ``LaunchConfig(gluon=True,
+gluon_operands=...)`` selects one. Why it exists: plain Triton puts the layout conversion of a loaded fp8 tile (and
 of the MXFP8 scales) right after its load, so MXFP8 on the ``tl.dot`` path waits on DRAM two
 or three times in series (docs/fusedq.md, "Why MXFP8 keeps two memory waits"). Here every
 layout is chosen by hand:
 
-- each global load (q chunks, scales, weight chunks, the RoPE CTA's q_pe, q_scale) uses a
-  blocked layout matched to the operand's unit-stride axis, and all of them are issued, in
-  program order, before any loaded value is used: one memory round trip per CTA;
+- every global load (q chunks, scales, weight chunks, the RoPE CTA's q_pe, q_scale) is
+  issued, in program order, before any loaded value is used: one memory round trip per CTA;
 - scales are loaded in a slice (or the whole) of the weight's own layout, so the MXFP8
   dequantisation broadcasts in registers with no conversion;
-- only then: dequantise → bf16 → ``convert_layout`` to the mma.sync operand layouts (through
-  shared memory, after all loads) → ``mma_v2`` → epilogue stored straight from the
-  accumulator's layout (no conversion of the result).
+- only then: dequantise → bf16 → to the mma.sync operand layouts (one of ``OPERANDS``) →
+  ``mma_v2`` → epilogue stored straight from the accumulator's layout (no conversion of the
+  result).
 
 Gluon is an optional import (``triton.experimental.gluon``, Triton >= 3.5 era); without it
 ``AVAILABLE`` is False and ``UNAVAILABLE_REASON`` says why. Gluon kernels do not run under
@@ -62,7 +61,7 @@ GLUON_BLOCK_MS = (16, 32)
 # Gluon's API moves between releases; on others a compile failure is a version limitation.
 COMPILED_WITH = ("3.6.", "3.9.")
 # Wider N tiles would hold three [64, BLOCK_N] weight chunks in registers per CTA: 128 is
-# already 96 KB of bf16 over 4-8 warps.
+# already 48 KB of bf16 in the registers of 4-8 warps.
 GLUON_MAX_BLOCK_N = 128
 
 
