@@ -81,6 +81,11 @@ class Options:
     sweep_fma_pdl: tuple[str, ...] = ()
     # The CuTe DSL MXFP8 kernel (cute_mla_query) as one more sweep variant, "cute".
     sweep_cute: bool = False
+    # Gluon-kernel variants "BLOCK_N:WARPS[:BLOCK_M]" (BLOCK_M defaults to the tl.dot path's
+    # padded row count, 16 or 32), any M <= 32, any output.
+    sweep_gluon: tuple[str, ...] = ()
+    # Each of those with each of these operand paths (gluon_mla_query.OPERANDS).
+    sweep_gluon_operands: tuple[str, ...] = ("convert", "smem", "direct")
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -454,7 +459,8 @@ def add_floor_ratios(row: dict) -> None:
 
 def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
     """Launch configs to time for one shape: the tl.dot grid, the tl.dot path's current
-    choice (``dot``), the default choice (``auto``), and the register-path variants."""
+    choice (``dot``), the default choice (``auto``), the register-path and the Gluon
+    variants."""
     from fusedq.kernels.triton_mla_query import FMA_BLOCK_MS, LaunchConfig
 
     weight_format = "mxfp8" if fmt == "mxfp8" else "bf16"
@@ -480,6 +486,18 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
             configs[f"fma_bn{bn}_w{nw}{'_pdl' if pdl else ''}"] = LaunchConfig(
                 block_m=fma_m, block_n=bn, num_warps=nw, pdl=pdl, fma=True
             )
+    for spec in opts.sweep_gluon:
+        bn, nw, *bm = parse_gluon_spec(spec)
+        bm = bm[0] if bm else block_m
+        if bm < m:
+            continue  # a tile of fewer rows than tokens cannot serve this M
+        for operands in opts.sweep_gluon_operands:
+            for pdl in opts.sweep_pdl:  # as the tl.dot grid: with PDL where that is swept
+                name = f"gluon_{operands}_bn{bn}_w{nw}_m{bm}{'_pdl' if pdl else ''}"
+                configs[name] = LaunchConfig(
+                    block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True,
+                    gluon_operands=operands,
+                )  # fmt: skip
     return configs
 
 
@@ -501,6 +519,15 @@ def cute_step(lay: Layers, fmt: str) -> tuple[Callable[[int], None] | None, str 
         cute.launch(lay.q_nope, w.values, w.scales, lay.q_pe, lay.out)
 
     return step, None
+
+
+def parse_gluon_spec(spec: str) -> tuple[int, ...]:
+    """``BLOCK_N:WARPS[:BLOCK_M]`` of ``--sweep-gluon`` as integers (ValueError naming the
+    spec otherwise)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--sweep-gluon {spec!r}: expected BLOCK_N:WARPS or BLOCK_N:WARPS:BLOCK_M")
+    return tuple(int(p) for p in parts)
 
 
 def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
@@ -754,6 +781,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         help="--sweep: also time the CuTe DSL MXFP8 kernel (needs nvidia-cutlass-dsl)",
     )
     p.add_argument(
+        "--sweep-gluon", nargs="*", default=[], help="Gluon-kernel BLOCK_N:WARPS[:BLOCK_M]"
+    )
+    p.add_argument(
+        "--sweep-gluon-operands",
+        nargs="+",
+        choices=("convert", "smem", "direct"),
+        default=list(Options.sweep_gluon_operands),
+        help="the Gluon operand paths to time for each --sweep-gluon spec",
+    )
+    p.add_argument(
         "--eager",
         action="store_true",
         help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
@@ -775,6 +812,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
     if a.sweep_cute and not a.sweep:
         p.error("--sweep-cute adds a variant to --sweep; pass --sweep too")
+    for spec in a.sweep_gluon:
+        try:
+            parse_gluon_spec(spec)
+        except ValueError as exc:
+            p.error(str(exc))
     if a.calls < 1 or a.repeats < 1:
         p.error(f"--calls {a.calls} and --repeats {a.repeats} must be at least 1")
     opts = Options(
@@ -784,7 +826,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
-        sweep_cute=a.sweep_cute, commit=a.commit,
+        sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
+        sweep_gluon_operands=tuple(a.sweep_gluon_operands), commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

@@ -130,6 +130,13 @@ class LaunchConfig:
     pdl: bool = False
     # Register path (no tl.dot): block_m rows unrolled, K in three 64-wide chunks.
     fma: bool = False
+    # The Gluon kernel (fusedq.kernels.gluon_mla_query: explicit layouts, every load issued
+    # before the first layout conversion): block_m 16|32, K in three 64-wide chunks. Never
+    # chosen by for_problem until the GPU measures it; never under the interpreter.
+    gluon: bool = False
+    # With gluon: how the operand tiles reach the MMA layouts, one of
+    # gluon_mla_query.OPERANDS ("convert" | "smem" | "direct"; the reasons are there).
+    gluon_operands: str = "convert"
 
     @classmethod
     def for_problem(
@@ -170,7 +177,14 @@ class LaunchConfig:
             raise ValueError("pdl=True needs Triton's griddepcontrol support (Triton >= 3.3)")
         if self.block_k not in (BLOCK_K, SINGLE_BLOCK_K):
             raise ValueError(f"block_k={self.block_k} must be {BLOCK_K} or {SINGLE_BLOCK_K}")
-        if self.fma:
+        if self.gluon_operands != "convert" and not self.gluon:
+            raise ValueError(
+                f"gluon_operands={self.gluon_operands!r} selects a Gluon kernel variant: it "
+                "needs gluon=True"
+            )
+        if self.gluon:
+            self._check_gluon()
+        elif self.fma:
             if self.block_m not in FMA_BLOCK_MS or self.block_k != BLOCK_K:
                 raise ValueError(
                     f"fma: block_m={self.block_m} must be in {FMA_BLOCK_MS} and "
@@ -178,6 +192,32 @@ class LaunchConfig:
                 )
         elif self.block_m < MIN_BLOCK_M or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m={self.block_m} must be a power of two >= {MIN_BLOCK_M}")
+
+    def _check_gluon(self) -> None:
+        from fusedq.kernels import gluon_mla_query
+
+        if self.fma:
+            raise ValueError("gluon=True and fma=True exclude each other (two different kernels)")
+        if self.block_m not in gluon_mla_query.GLUON_BLOCK_MS or self.block_k != BLOCK_K:
+            raise ValueError(
+                f"gluon: block_m={self.block_m} must be in {gluon_mla_query.GLUON_BLOCK_MS} and "
+                f"block_k={self.block_k} must be {BLOCK_K}"
+            )
+        if self.block_n > gluon_mla_query.GLUON_MAX_BLOCK_N:
+            raise ValueError(
+                f"gluon: block_n={self.block_n} must be <= {gluon_mla_query.GLUON_MAX_BLOCK_N}"
+            )
+        if self.gluon_operands not in gluon_mla_query.OPERANDS:
+            raise ValueError(
+                f"gluon_operands={self.gluon_operands!r} must be one of {gluon_mla_query.OPERANDS}"
+            )
+        if not gluon_mla_query.AVAILABLE:
+            raise ValueError(f"gluon=True: {gluon_mla_query.UNAVAILABLE_REASON}")
+        if interpreting():
+            raise ValueError(
+                "gluon=True: Gluon kernels do not run under TRITON_INTERPRET=1 (they are "
+                "compiled for the GPU only); use the Triton kernels there"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,7 +802,12 @@ def grid_for(config: LaunchConfig, num_heads: int) -> tuple[int, int]:
 
 
 def kernel_for(config: LaunchConfig):
-    """The ``@triton.jit`` kernel ``config`` runs (register path or tl.dot)."""
+    """The jit kernel ``config`` runs (Gluon, register path or tl.dot); all three take the
+    same parameters."""
+    if config.gluon:
+        from fusedq.kernels import gluon_mla_query
+
+        return gluon_mla_query.kernel_for_operands(config.gluon_operands)
     return _mla_query_fma_kernel if config.fma else _mla_query_kernel
 
 

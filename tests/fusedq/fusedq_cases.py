@@ -13,6 +13,10 @@ Q_SCALE = 0.005
 # Weights of magnitude ~0.05 keep the outputs O(1), like a trained W_UK_T.
 W_SCALE = 0.05
 
+HEADS = (8, 11, 16)
+MS = (1, 2, 3, 7, 16, 17, 31, 32)
+RECIPES = [("bf16", torch.bfloat16), ("mxfp8", torch.bfloat16), ("bf16", E4M3), ("mxfp8", E4M3)]
+
 # The tolerance table (fusedq.reference.TOLERANCES) is shared with `orchestrator gpu-check`'s
 # DCP comparison, so it lives in the package; each entry's justification is there.
 TOLERANCES = fusedq.reference.TOLERANCES
@@ -65,6 +69,18 @@ def weight_for(fmt: str, w: torch.Tensor):
     return fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w
 
 
+def weight_in_layout(fmt: str, layout: str, h: int, device, gen: torch.Generator):
+    """A weight of format ``fmt`` in ``layout`` (see make_weight); MXFP8 values get the same
+    strides as the bf16 weight would have."""
+    w = make_weight(h, layout, device, gen)
+    weight = weight_for(fmt, w)
+    if fmt == "mxfp8" and layout != "contiguous":
+        values = torch.empty_strided(w.shape, w.stride(), dtype=E4M3, device=device)
+        values.copy_(weight.values)
+        weight = fusedq.MXFP8Weight(values, weight.scales)
+    return weight
+
+
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, fmt: str) -> None:
     """512-wide part within the tolerance table, RoPE part bit-exact, nothing left unwritten."""
     atol, rtol = TOLERANCES[(fmt, out.dtype)]
@@ -97,3 +113,24 @@ def staged_decode_query(
     cat = torch.cat((ql_nope, q_pe), dim=-1).float() / q_scale.reshape(()).float()
     e4m3_max = torch.finfo(torch.float8_e4m3fn).max
     return cat.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
+
+
+def launch_matches_staged(
+    config, fmt, out_dtype, h, m, device, seed, *, pitched, layout: str = "vllm"
+) -> None:
+    """kernel.launch with `config` on fresh operands (sliced q, a weight in `layout`), against
+    the staged path; a pitched out's padding must stay unwritten."""
+    from fusedq.kernels import triton_mla_query as kernel
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = weight_in_layout(fmt, layout, h, device, gen)
+    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
+    q_nope, q_pe = make_q(m, h, device, gen)
+    out, buf = make_out(m, h, out_dtype, device, pitched=pitched)
+    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
+    kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
+    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
+    assert_matches(out, ref, fmt)
+    if buf.shape != out.shape:
+        pad = torch.cat([buf[:, h:].flatten(), buf[:, :h, N + R :].flatten()])
+        assert pad.float().isnan().all()  # the poison (NaN in both dtypes) is untouched

@@ -8,20 +8,22 @@ import pytest
 import torch
 from fusedq_cases import (
     E4M3,
+    HEADS,
+    MS,
     Q_SCALE,
+    RECIPES,
     assert_matches,
+    launch_matches_staged,
     make_out,
     make_q,
     make_weight,
     poison,
     weight_for,
+    weight_in_layout,
 )
 
 import fusedq
 
-HEADS = (8, 11, 16)
-MS = (1, 2, 3, 7, 16, 17, 31, 32)
-RECIPES = [("bf16", torch.bfloat16), ("mxfp8", torch.bfloat16), ("bf16", E4M3), ("mxfp8", E4M3)]
 # The interpreter needs ~1 s per call, so on CPU two recipes that between them cover both
 # weight formats and both output dtypes run the whole H x M grid and the other two a
 # subset (one M per block-M bucket plus the largest); on a GPU every recipe runs it all.
@@ -68,13 +70,7 @@ def test_matches_staged(h, m, fmt, out_dtype, device):
 def test_weight_layouts(layout, fmt, out_dtype, device):
     gen = torch.Generator().manual_seed(7)
     h, m = 11, 5
-    w = make_weight(h, layout, device, gen)
-    weight = weight_for(fmt, w)
-    if fmt == "mxfp8" and layout != "contiguous":
-        # MXFP8 values in the same strided layout as the bf16 weight.
-        values = torch.empty_strided(w.shape, w.stride(), dtype=E4M3, device=device)
-        values.copy_(weight.values)
-        weight = fusedq.MXFP8Weight(values, weight.scales)
+    weight = weight_in_layout(fmt, layout, h, device, gen)
     q_nope, q_pe = make_q(m, h, device, gen)
     out, _ = make_out(m, h, out_dtype, device, pitched=True)
     _, ref = _run_both(q_nope, weight, q_pe, out, out_dtype, device)
@@ -268,21 +264,6 @@ def test_wrong_device_named():
         fusedq.mla_query_projection(*args, **kwargs)
 
 
-def _launch_matches_staged(config, fmt, out_dtype, h, m, device, seed, *, pitched) -> None:
-    """kernel.launch with `config` on fresh operands, against the staged path."""
-    from fusedq.kernels import triton_mla_query as kernel
-
-    gen = torch.Generator().manual_seed(seed)
-    weight = weight_for(fmt, make_weight(h, "vllm", device, gen))
-    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
-    q_nope, q_pe = make_q(m, h, device, gen)
-    out, _ = make_out(m, h, out_dtype, device, pitched=pitched)
-    q_scale = torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
-    kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
-    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
-    assert_matches(out, ref, fmt)
-
-
 @pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("block_k", [64, 256])
 @pytest.mark.parametrize("block_n", [32, 64])
@@ -293,7 +274,7 @@ def test_launch_configs(pdl, block_k, block_n, fmt, out_dtype, device):
 
     config = kernel.LaunchConfig(block_m=16, block_n=block_n, block_k=block_k, pdl=pdl)
     # One head is enough here (the launcher has no head gate) and keeps the interpreter fast.
-    _launch_matches_staged(config, fmt, out_dtype, 1, 3, device, block_k + block_n, pitched=False)
+    launch_matches_staged(config, fmt, out_dtype, 1, 3, device, block_k + block_n, pitched=False)
 
 
 @pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
@@ -307,7 +288,7 @@ def test_register_path_configs(pdl, block_m, m, fmt, out_dtype, device):
     # BLOCK_N 16 with one warp on the GPU (the interpreter's layouts do not depend on it).
     config = kernel.LaunchConfig(block_m=block_m, block_n=16, num_warps=1, pdl=pdl, fma=True)
     # Two heads: the per-head offsets of q, q_pe and out are exercised.
-    _launch_matches_staged(config, fmt, out_dtype, 2, m, device, 100 + block_m, pitched=True)
+    launch_matches_staged(config, fmt, out_dtype, 2, m, device, 100 + block_m, pitched=True)
 
 
 # ---------------------------------------------------------------------------------------

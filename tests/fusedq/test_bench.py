@@ -139,6 +139,34 @@ def test_one_shape_is_measured_and_correct(chain):
     assert ("fused_pdl_us" in row) == chain
 
 
+def test_sweep_gluon_arguments():
+    opts, _ = bench.parse_args(
+        ["--sweep", "--sweep-gluon", "32:4", "64:8:32", "--sweep-gluon-operands", "direct"]
+    )
+    assert opts.sweep_gluon == ("32:4", "64:8:32") and opts.sweep_gluon_operands == ("direct",)
+    assert [bench.parse_gluon_spec(s) for s in opts.sweep_gluon] == [(32, 4), (64, 8, 32)]
+    assert bench.parse_args([])[0].sweep_gluon == ()
+
+
+@pytest.mark.gpu
+def test_sweep_times_gluon_variants_beside_triton():
+    """Gluon variants join the sweep's graph set and get their output checked; a tile of
+    fewer rows than M is left out."""
+    opts = bench.Options(
+        samples=10, warmup=2, l2_factor=0.1, sweep=True, sweep_block_n=(),
+        sweep_gluon=("32:4", "64:8:32", "32:4:16"),
+    )  # fmt: skip
+    rows = {r["variant"]: r for r in bench.sweep_shape("mxfp8", 8, 17, opts)}
+    gluon = [
+        f"gluon_{o}_bn{t}_m32" for o in ("convert", "smem", "direct") for t in ("32_w4", "64_w8")
+    ]
+    assert {*gluon, "dot", "staged"} <= set(rows)
+    assert not [name for name in rows if name.endswith("_m16")]
+    for name in gluon:
+        assert rows[name]["us"] > 0 and rows[name]["max_abs_err_vs_staged"] < 0.05
+        assert rows[name]["config"]["gluon"]
+
+
 def test_recorded_commit_says_when_the_tree_is_not_head(tmp_path, monkeypatch):
     import subprocess
 
@@ -177,6 +205,8 @@ def test_eager_arguments():
         (["--eager", "--floors"], "--floors"),
         (["--eager", "--chain"], "--chain"),
         (["--eager", "--calls", "0"], "--calls 0"),
+        (["--sweep", "--sweep-gluon", "32"], "--sweep-gluon '32'"),
+        (["--sweep", "--sweep-gluon", "32:4:x"], "--sweep-gluon '32:4:x'"),
     ],
 )
 def test_eager_argument_errors_name_the_option(argv, named, capsys):
