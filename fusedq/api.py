@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from fusedq import dispatch, ops  # noqa: F401 (ops registers the custom ops used below)
-from fusedq.capability import explain
+from fusedq.capability import explain, kernel_choice
 from fusedq.kernels import triton_mla_query as kernel
 from fusedq.mxfp8 import MXFP8Weight
 
@@ -47,8 +47,10 @@ def mla_query_projection(
         ``None`` (the default) takes ``out.dtype`` when ``out`` is given, else BF16; given
         together with ``out``, the two must agree.
     q_scale : one-element fp32 tensor; required for E4M3 output, rejected for bf16.
-    backend : ``"auto"`` (fused where ``can_implement``, else staged), ``"triton"``
-        (fused or ``ValueError`` with the reason), ``"staged"`` (the reference path).
+    backend : ``"auto"`` (fused where ``can_implement``, else staged; the fused kernel as
+        ``fusedq.kernel_choice`` picks it: the CuTe DSL kernel for MXFP8 -> BF16 at small M
+        where nvidia-cutlass-dsl is installed, else Triton), ``"triton"`` or ``"cute"`` (that
+        kernel, or ``ValueError`` with the reason), ``"staged"`` (the reference path).
     pdl : launch the fused kernel with programmatic dependent launch; ``None`` takes the
         process default (``FUSEDQ_PDL=1``, read once at import).
 
@@ -118,4 +120,12 @@ def prewarm(
         )  # fmt: skip
         if why is None:
             compiled += kernel.prewarm(values, scales, m, out_dtype, pdl=pdl)
+            path, _ = kernel_choice(
+                values.shape[0], m, weight_format=weight_format, out_dtype=out_dtype,
+                device=values.device, pdl=kernel.DEFAULT_PDL if pdl is None else pdl,
+            )  # fmt: skip
+            if path == "cute":  # the Triton variants stay compiled: the misaligned fallback
+                from fusedq.kernels import cute_mla_query
+
+                compiled += cute_mla_query.prewarm(values.shape[0], m, values.device)
     return compiled

@@ -286,8 +286,9 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
     )  # fmt: skip
 
 
-def _fused_step(lay: Layers, config=None) -> Callable[[int], None]:
-    """Layer i's fused call: the public op, or the kernel launched with ``config``."""
+def _fused_step(lay: Layers, config=None, backend: str = "auto") -> Callable[[int], None]:
+    """Layer i's fused call: the public op (``backend``: "auto" is the product's own choice of
+    kernel, "triton"/"cute" that kernel), or the Triton kernel launched with ``config``."""
     import fusedq
     from fusedq.kernels import triton_mla_query as kernel
 
@@ -296,13 +297,36 @@ def _fused_step(lay: Layers, config=None) -> Callable[[int], None]:
         if config is None:
             fusedq.mla_query_projection(
                 lay.q_nope, w, lay.q_pe, out=lay.out, out_dtype=lay.out_dtype,
-                q_scale=lay.q_scale, backend="triton",
+                q_scale=lay.q_scale, backend=backend,
             )  # fmt: skip
         else:
             values, scales = (w.values, w.scales) if hasattr(w, "scales") else (w, None)
             kernel.launch(lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config)
 
     return step
+
+
+def _kernel_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
+    """Each fused kernel that can run this format, forced, beside the "auto" choice: so one
+    run shows what the choice picked and what it passed over (MXFP8: Triton and, where
+    nvidia-cutlass-dsl is installed, CuTe)."""
+    import fusedq
+    from fusedq.capability import cute_problem
+
+    m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
+    weight_format = "mxfp8" if fmt == "mxfp8" else "bf16"
+    path, why = fusedq.kernel_choice(
+        h, m, weight_format=weight_format, out_dtype=lay.out_dtype, device=lay.q_nope.device
+    )
+    if path == "staged":
+        raise RuntimeError(f"{fmt} H={h} M={m}: the fused kernel cannot run here: {why}")
+    steps = {}
+    if cute_problem(weight_format, lay.out_dtype) is None:
+        steps = {
+            "triton": _fused_step(lay, backend="triton"),
+            "cute": _fused_step(lay, backend="cute"),
+        }
+    return steps
 
 
 def _staged_step(lay: Layers) -> Callable[[int], None]:
@@ -331,6 +355,16 @@ def _max_error(lay: Layers) -> float:
         lay.q_nope, lay.fused_w[-1], lay.q_pe, out_dtype=lay.out_dtype, q_scale=lay.q_scale
     )
     return float((lay.out.float() - ref.float()).abs().max())
+
+
+def _graph_error(lay: Layers, graph) -> float:
+    """``_max_error`` of one graph's own output: ``out`` poisoned, that graph replayed alone."""
+    import torch
+
+    lay.out.fill_(float("nan") if lay.out.dtype == torch.bfloat16 else 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    return _max_error(lay)
 
 
 def _median_us(ms: list[float], n_layers: int) -> float:
@@ -396,6 +430,7 @@ def _steps(
     from fusedq.kernels import triton_mla_query as kernel
 
     steps = {"fused": _fused_step(lay), "staged": _staged_step(lay), "copy": _copy_step(lay)}
+    steps.update(_kernel_steps(lay, fmt))
     if pdl and kernel.HAS_PDL:
         m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
         cfg = kernel.LaunchConfig.for_problem(
@@ -548,10 +583,7 @@ def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
     times = time_graphs(graphs, opts.samples, opts.warmup)
     errors = {}
     for name in steps:  # every variant's output, checked against the staged path
-        lay.out.fill_(float("nan") if lay.out.dtype == torch.bfloat16 else 0)
-        graphs[name].replay()
-        torch.cuda.synchronize()
-        errors[name] = _max_error(lay)
+        errors[name] = _graph_error(lay, graphs[name])
     rows = []
     for name, ms in times.items():
         cfg = configs.get(name)
@@ -749,6 +781,7 @@ def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
                 if "read_us" in r
                 else ""
             )
+            + "".join(f"{k} {r[f'{k}_us']:.2f} µs, " for k in ("triton", "cute") if f"{k}_us" in r)
             + f"err {r['max_abs_err_vs_staged']:.3g} ({time.time() - t0:.1f} s)",
             flush=True,
         )

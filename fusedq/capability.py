@@ -119,6 +119,53 @@ def explain(
     return None
 
 
+# Which fused kernel ``backend="auto"`` runs. The CuTe DSL kernel (kernels/cute_mla_query.py:
+# MXFP8 weights, BF16 out, one memory round trip, SIMT FMAs) measured faster than the Triton
+# kernel at M <= 4 on the H200 (fusedq-bench --sweep --sweep-cute, 2026-11-30: M=1 2.48 vs
+# 2.68 us at H=8, 2.80 vs 3.13 at H=16; M=4 3.04 vs 3.56, 3.55 vs 4.13) and far slower at
+# M=32 (9.5-10 vs 4.0-5.0 us: its FMAs do not scale with M).
+CUTE_MAX_M = 4
+
+
+def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = False) -> str | None:
+    """Why the CuTe DSL kernel cannot run this recipe here (it is optional: nvidia-cutlass-dsl
+    is not a requirement, and every recipe also has the Triton kernel), or ``None``."""
+    if weight_format != "mxfp8":
+        return "BF16 weights run the Triton kernel (the CuTe kernel is for MXFP8 only)"
+    if out_dtype != torch.bfloat16:
+        return "E4M3 output runs the Triton kernel (the CuTe kernel writes BF16 only)"
+    if pdl:
+        return "pdl=True runs the Triton kernel (the CuTe kernel has no PDL launch)"
+    from fusedq.kernels import cute_mla_query
+
+    return cute_mla_query.unavailable_reason()
+
+
+def kernel_choice(
+    num_heads: int,
+    m: int,
+    *,
+    weight_format: str = "bf16",
+    out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    pdl: bool = False,
+) -> tuple[str, str]:
+    """(path, why) of ``backend="auto"`` for one call's problem: path is ``"cute"``,
+    ``"triton"`` or ``"staged"``, and why says what decided it, e.g. MXFP8 falling back to
+    the Triton kernel because nvidia-cutlass-dsl is not installed."""
+    why = explain(num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device)
+    if why is not None:
+        return "staged", why
+    if _resolve_device(device).type != "cuda":
+        return "triton", "CPU tensors run the Triton kernel in its interpreter"
+    problem = cute_problem(weight_format, out_dtype, pdl=pdl)
+    if problem is not None:
+        return "triton", problem
+    if m > CUTE_MAX_M:
+        return "triton", f"M={m} > {CUTE_MAX_M}: the Triton kernel measured faster there"
+    return "cute", f"MXFP8 -> BF16 at M <= {CUTE_MAX_M}: the CuTe DSL kernel measured faster"
+
+
 def can_implement(
     num_heads: int,
     max_m: int,

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from fusedq.capability import OUT_DTYPES, explain
+from fusedq.capability import OUT_DTYPES, cute_problem, explain, kernel_choice
 from fusedq.kernels import fast_launch
 from fusedq.kernels import triton_mla_query as kernel
 from fusedq.kernels.triton_mla_query import HEAD_K, HEAD_N, OUT_WIDTH, ROPE
 from fusedq.mxfp8 import SCALE_BLOCKS, MXFP8Weight
 from fusedq.reference import staged_into
 
-BACKENDS = ("auto", "triton", "staged")
+BACKENDS = ("auto", "triton", "cute", "staged")
 # Signatures are few in practice (one per M per weight layout); a caller whose shapes never
 # repeat must not grow the cache without bound.
 MAX_PLANS = 4096
@@ -352,10 +352,39 @@ def _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pd
                 num_heads, m, weight_format, out_dtype == torch.float8_e4m3fn, pdl=pdl
             )
             bound = fast_launch.BoundLaunch(q_nope, values, scales, q_pe, example, config)
+            if backend != "triton":
+                bound = _cute_or(bound, backend, (q_nope, values, scales, q_pe, example), pdl)
             return Plan(bound, True, out_shape, out_dtype, device, extents, pdl)
-        if backend == "triton":
-            raise ValueError(f"backend='triton' cannot run this call: {why}")
+        if backend in ("triton", "cute"):
+            raise ValueError(f"backend={backend!r} cannot run this call: {why}")
     return Plan(staged_into, False, out_shape, out_dtype, device, extents, pdl)
+
+
+def _cute_or(triton_launch, backend: str, operands: tuple, pdl: bool):
+    """The CuTe kernel's launch where ``backend`` asks for it (``"cute"``) or ``"auto"``
+    chooses it (``kernel_choice``), with the Triton launch as its fallback for misaligned
+    addresses; else ``triton_launch``. ``backend="cute"`` names why it cannot run."""
+    q_nope, values, scales, q_pe, out = operands
+    m, num_heads, _ = q_nope.shape
+    weight_format = "bf16" if scales is None else "mxfp8"
+    if backend == "cute":
+        why = cute_problem(weight_format, out.dtype, pdl=pdl)
+    else:
+        path, why = kernel_choice(
+            num_heads, m, weight_format=weight_format, out_dtype=out.dtype, device=out.device,
+            pdl=pdl,
+        )  # fmt: skip
+        if path != "cute":
+            return triton_launch
+    if why is None:
+        from fusedq.kernels import cute_mla_query
+
+        why = cute_mla_query.unsupported_reason(q_nope, values, scales, q_pe, out)
+        if why is None:
+            return cute_mla_query.BoundCute(None if backend == "cute" else triton_launch)
+    if backend == "cute":
+        raise ValueError(f"backend='cute' cannot run this call: {why}")
+    return triton_launch
 
 
 def prepare_traced(

@@ -169,6 +169,18 @@ def launch(
     reason = unsupported_reason(q_nope, values, scales, q_pe, out)
     if reason is not None:
         raise ValueError(reason)
+    launch_unchecked(q_nope, values, scales, q_pe, out)
+
+
+def launch_unchecked(
+    q_nope: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    q_pe: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``launch`` without ``unsupported_reason``: for callers that checked the operands'
+    signature once (``BoundCute``) and only the addresses per call."""
     m, h = q_nope.shape[:2]
     compiled = _compiled_for(h, m_bucket(m), q_nope.device.index or 0)
     import cutlass
@@ -191,6 +203,40 @@ def launch(
         out.stride(1),
         stream,
     )
+
+
+class BoundCute:
+    """One signature's launch through the CuTe kernel (its strides, dtypes and shapes were
+    checked once by the caller with ``unsupported_reason``). Per call only the addresses are
+    checked: an operand off the 16-byte boundary goes to ``fallback`` (the Triton launch of
+    the same signature), or raises when ``fallback`` is None (``backend="cute"``)."""
+
+    __slots__ = ("fallback",)
+
+    def __init__(self, fallback) -> None:
+        self.fallback = fallback
+
+    def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
+        ptrs = q_nope.data_ptr() | q_pe.data_ptr() | values.data_ptr() | scales.data_ptr()
+        if (ptrs | out.data_ptr()) % VEC_BYTES:
+            if self.fallback is None:
+                raise ValueError(
+                    f"backend='cute': an operand's address is not {VEC_BYTES}-byte aligned"
+                )
+            self.fallback(q_nope, values, scales, q_pe, out, q_scale)
+            return
+        launch_unchecked(q_nope, values, scales, q_pe, out)
+
+
+def prewarm(num_heads: int, m: int, device: torch.device) -> int:
+    """Compile the variant calls with ``m`` tokens use (before CUDA-graph capture); returns
+    1 when it was compiled now, 0 when it already was."""
+    key = (num_heads, m_bucket(m), device.index or 0)
+    if key in _compiled:
+        return 0
+    with torch.cuda.device(device):
+        _compiled_for(*key)
+    return 1
 
 
 def _compiled_for(num_heads: int, bucket: int, device_index: int):

@@ -63,3 +63,50 @@ def test_cpu_needs_interpreter(monkeypatch):
 
 def test_interpreter_state_matches_environment():
     assert interpreting() == (not torch.cuda.is_available())
+
+
+def _cuda_here(monkeypatch, *, cute_reason: str | None) -> None:
+    """Pretend a qualified CUDA device (explain passes) and a CuTe kernel that is, or is not,
+    available: kernel_choice's own rule is what these tests check."""
+    from fusedq.kernels import cute_mla_query
+
+    monkeypatch.setattr(capability, "explain", lambda *a, **k: None)
+    monkeypatch.setattr(capability, "_resolve_device", lambda d: torch.device("cuda", 0))
+    monkeypatch.setattr(cute_mla_query, "unavailable_reason", lambda: cute_reason)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "path", "why"),
+    [
+        ({"weight_format": "mxfp8", "m": 1}, "cute", "CuTe DSL kernel measured faster"),
+        ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M}, "cute", "M <= "),
+        ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M + 1}, "triton", "Triton kernel measured faster"),
+        ({"weight_format": "bf16", "m": 1}, "triton", "BF16 weights run the Triton kernel"),
+        ({"weight_format": "mxfp8", "m": 1, "out_dtype": torch.float8_e4m3fn}, "triton", "writes BF16 only"),
+        ({"weight_format": "mxfp8", "m": 1, "pdl": True}, "triton", "no PDL launch"),
+    ],
+)  # fmt: skip
+def test_kernel_choice_rule(monkeypatch, kwargs, path, why):
+    _cuda_here(monkeypatch, cute_reason=None)
+    m = kwargs.pop("m")
+    got = fusedq.kernel_choice(16, m, **kwargs)
+    assert got[0] == path and why in got[1]
+
+
+def test_kernel_choice_says_why_mxfp8_falls_back_to_triton(monkeypatch):
+    """Where nvidia-cutlass-dsl is absent (CPU CI, a plain install) MXFP8 runs the Triton
+    kernel, and the choice names the reason."""
+    _cuda_here(monkeypatch, cute_reason="nvidia-cutlass-dsl does not import (ModuleNotFoundError)")
+    assert fusedq.kernel_choice(8, 1, weight_format="mxfp8") == (
+        "triton",
+        "nvidia-cutlass-dsl does not import (ModuleNotFoundError)",
+    )
+
+
+def test_kernel_choice_off_the_gpu():
+    path, why = fusedq.kernel_choice(16, 1, weight_format="mxfp8", device="cpu")
+    if interpreting():
+        assert (path, why) == ("triton", "CPU tensors run the Triton kernel in its interpreter")
+    else:
+        assert path == "staged" and "TRITON_INTERPRET" in why
+    assert fusedq.kernel_choice(4, 1)[0] == "staged"  # an unqualified head count

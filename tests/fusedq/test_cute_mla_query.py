@@ -147,3 +147,37 @@ def test_ptx_issues_every_load_before_any_use(h, bucket, tmp_path):
         for reg in re.findall(r"%\w+", dest):
             used = [j for j in range(i + 1, last) if re.search(rf"{reg}\b", lines[j])]
             assert not used, f"{reg} loaded at PTX line {i} is read at {used[0]}: {lines[used[0]]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (1, 2, 3, 4, 5))
+def test_public_op_auto_picks_cute_at_small_m(m, device):
+    """backend="auto" runs the CuTe kernel for MXFP8 -> BF16 at M <= CUTE_MAX_M (the plan's
+    launch is a BoundCute), Triton above; both match the staged path. A misaligned out falls
+    back to Triton; backend="cute" refuses it by name."""
+    _needs_cute()
+    from fusedq import dispatch
+    from fusedq.capability import CUTE_MAX_M
+
+    h = 16
+    gen = torch.Generator().manual_seed(50 + m)
+    wq = fusedq.quantize_mxfp8(make_weight(h, "vllm", device, gen))
+    q_nope, q_pe = make_q(m, h, device, gen)
+    ref = fusedq.staged_mla_query(q_nope, wq, q_pe)
+    dispatch.clear_plans()
+    out = fusedq.mla_query_projection(q_nope, wq, q_pe)
+    torch.cuda.synchronize()
+    assert_matches(out, ref, "mxfp8")
+    (plan,) = dispatch._plans.values()
+    assert isinstance(plan.launch, cute.BoundCute) == (m <= CUTE_MAX_M)
+    if m > CUTE_MAX_M:
+        return
+    # One element of lead-in: out rows off the 16-byte boundary (same signature's strides).
+    buf = torch.empty(1 + m * h * 576, dtype=torch.bfloat16, device=device)
+    odd = buf[1:].view(m, h, 576)
+    fusedq.mla_query_projection(q_nope, wq, q_pe, out=odd)
+    torch.cuda.synchronize()
+    assert_matches(odd, ref, "mxfp8")
+    with pytest.raises(ValueError, match="backend='cute': an operand's address is not 16-byte"):
+        fusedq.mla_query_projection(q_nope, wq, q_pe, out=odd, backend="cute")
+    assert fusedq.prewarm(wq, [m]) >= 0  # compiled already: prewarm finds it (no error)

@@ -394,3 +394,26 @@ def test_launch_hooks_take_the_normal_path():
     torch.cuda.synchronize()
     assert names and "mla_query" in names[0]
     assert_matches(got, fusedq.staged_mla_query(q_nope, w, q_pe), "bf16")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "why"),
+    [("bf16", "BF16 weights run the Triton kernel"), ("mxfp8", "nvidia-cutlass-dsl")],
+)
+def test_backend_cute_names_why_it_cannot_run(fmt, why, device):
+    """backend="cute" is that kernel or a ValueError with the reason, never a silent other
+    path: on CPU (the interpreter) the CuTe kernel cannot run (no DSL, or no MXFP8 weight)."""
+    if device.type == "cuda":
+        pytest.skip("on a GPU the CuTe kernel may run: test_cute_mla_query covers it")
+    from fusedq.kernels import cute_mla_query
+
+    if fmt == "mxfp8" and cute_mla_query.unavailable_reason() is None:
+        pytest.skip("nvidia-cutlass-dsl is installed here")
+    gen = torch.Generator().manual_seed(3)
+    w = make_weight(8, "vllm", device, gen)
+    q_nope, q_pe = make_q(1, 8, device, gen)
+    weight = fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w
+    with pytest.raises(ValueError, match=rf"backend='cute' cannot run this call: .*{why}"):
+        fusedq.mla_query_projection(q_nope, weight, q_pe, backend="cute")
+    with pytest.raises(ValueError, match="must be one of \\('auto', 'triton', 'cute', 'staged'\\)"):
+        fusedq.mla_query_projection(q_nope, weight, q_pe, backend="cutlass")

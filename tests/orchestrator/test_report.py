@@ -128,7 +128,9 @@ def test_three_variants_get_one_paired_table_per_candidate(tmp_path):
     )
     store = _store(
         tmp_path,
-        lambda cs: [_row(c, {"ctx0": v, "ctx64k": v}) for c, v in zip(cs, (80.0, 88.0, 96.0))],
+        lambda cs: [
+            _row(c, {"ctx0": v, "ctx64k": v}) for c, v in zip(cs, (80.0, 88.0, 96.0), strict=True)
+        ],
         matrix,
     )
     md = render_markdown(Run.load(store))
