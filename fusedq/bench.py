@@ -45,12 +45,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fusedq.limits import KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE, QUALIFIED_HEADS, QUERY_WIDTH
+from orchestrator.mdtable import md_table
 
 # The environment probes and the Markdown table have one home, in the orchestrator (the same
 # distribution); importing this module runs fusedq/__init__, which loads torch: their imports
 # cost nothing beside it.
 from orchestrator.probes import NvidiaSmiError, git_commit, nvidia_smi
-from orchestrator.reports.markdown import md_table
 
 FORMATS = ("bf16", "mxfp8", "e4m3")
 # H200 L2 is 60 MB; rotating over 2x that keeps every layer's weight out of L2.

@@ -200,7 +200,7 @@ def trace_summary(
     the file that is missing or not a trace."""
     import json
 
-    from orchestrator.reports.markdown import md_table
+    from orchestrator.mdtable import md_table
     from orchestrator.reports.profile import mean_rows, trace_rows
     from orchestrator.trace import TraceError, read_trace
 

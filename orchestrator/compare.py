@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from orchestrator.reports.markdown import md_table
+from orchestrator.mdtable import md_table
 from orchestrator.reports.run import Run, plural
 from orchestrator.reports.run import fmt_tok as _fmt
 from orchestrator.results import CaseResult, Finding, Severity

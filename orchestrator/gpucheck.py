@@ -35,7 +35,7 @@ import yaml
 
 from orchestrator.fusedq_limits import limits
 from orchestrator.gpucheck_worker import MARKER
-from orchestrator.reports.markdown import md_table
+from orchestrator.mdtable import md_table
 
 DEFAULT_TPS = (1, 2, 4, 8)
 MODEL_HEADS = 64  # GLM-5 / DeepSeek-V3: the head count the per-rank shapes derive from

@@ -7,8 +7,8 @@ build theirs with it too.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
+from orchestrator.mdtable import md_table
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     MISSING,
@@ -25,19 +25,6 @@ from orchestrator.reports.summary import latency_table
 
 # Findings listed in report.md; the rest are in each case's audit.json.
 MAX_FINDINGS = 50
-
-
-def md_cell(value: object) -> str:
-    """A table cell: a '|' in it (a label, a log line) would end the cell early."""
-    return str(value).replace("|", "\\|")
-
-
-def md_table(header: Sequence[object], body: Sequence[Sequence[object]]) -> str:
-    """A GitHub-flavoured Markdown table; every cell escaped (md_cell)."""
-    lines = ["| " + " | ".join(map(md_cell, header)) + " |"]
-    lines.append("|" + "|".join("---" for _ in header) + "|")
-    lines += ["| " + " | ".join(map(md_cell, r)) + " |" for r in body]
-    return "\n".join(lines)
 
 
 def topology_table(run: Run, metric: str) -> str:

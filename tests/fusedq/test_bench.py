@@ -276,3 +276,15 @@ def test_every_eager_path_computes_the_query(fmt, device):
         ops.out.zero_()
         paths[name]()
         assert_matches(ops.out, ref, weight_format)
+
+
+def test_bench_imports_without_the_orchestrators_pydantic_stack():
+    """GPU machines have torch and Triton but not the orchestrator's pydantic: fusedq-bench
+    must start there (found on the H200: the Markdown table's old home imported the result
+    model)."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['pydantic'] = None; import fusedq.bench"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
