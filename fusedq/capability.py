@@ -120,11 +120,12 @@ def explain(
 
 
 # Which fused kernel ``backend="auto"`` runs. The CuTe DSL kernel (kernels/cute_mla_query.py:
-# MXFP8 weights, BF16 out, one memory round trip, SIMT FMAs) measured faster than the Triton
-# kernel at M <= 4 on the H200 (fusedq-bench --sweep --sweep-cute, 2026-11-30: M=1 2.48 vs
-# 2.68 us at H=8, 2.80 vs 3.13 at H=16; M=4 3.04 vs 3.56, 3.55 vs 4.13) and far slower at
-# M=32 (9.5-10 vs 4.0-5.0 us: its FMAs do not scale with M).
-CUTE_MAX_M = 4
+# MXFP8 weights, BF16 out, one memory round trip, SIMT FMAs) measured fastest at M=1 on the
+# H200 (2026-11-30: 2.48 us at H=8, 2.80 at H=16, against Triton's register path 2.68/3.13
+# and the Gluon kernel 2.79/3.03); at M=4 the Gluon kernel wins (2.80/3.02 against CuTe's
+# 3.04/3.55), and at M=32 CuTe is far behind (9.5-10 us: its FMAs do not scale with M).
+# M=2 lies between; it takes CuTe (its M=2 figures are in the floors run, docs/fusedq.md).
+CUTE_MAX_M = 2
 
 
 def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = False) -> str | None:

@@ -376,6 +376,7 @@ def _cute_or(triton_launch, backend: str, operands: tuple, pdl: bool):
         )  # fmt: skip
         if path != "cute":
             return triton_launch
+        why = None  # chosen: what remains to check is this signature's operands
     if why is None:
         from fusedq.kernels import cute_mla_query
 

@@ -116,6 +116,23 @@ FMA_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int]]] = {
 }
 
 
+# The Gluon kernel replaces the tl.dot kernel where it measured faster (fusedq-bench --sweep
+# --sweep-gluon, H200, 2026-11-30, 200 samples, H 8/16 x M 1/4/32; every output checked):
+# (weight format, E4M3 out) -> how its operands reach the MMA layouts. BF16 and MXFP8 -> BF16:
+# "convert", 8-32 % under tl.dot at M 4 and 32 (MXFP8 H=16 M=32: 3.37 vs 4.96 us); BF16 ->
+# E4M3: "smem", 5-11 % under at M=4 and H=8 M=32 (H=16 M=32: 4.40 vs 4.46, a tie). MXFP8 ->
+# E4M3 was not swept and keeps tl.dot. Shapes with a register-path entry (FMA_TUNED) keep it.
+GLUON_TUNED: dict[tuple[str, bool], str] = {
+    ("bf16", False): "convert",
+    ("mxfp8", False): "convert",
+    ("bf16", True): "smem",
+}
+# 64-wide N tiles at 16 heads (128 CTAs), 32-wide below (128 at H=8, 176 at H=11): measured
+# 2.98 vs 3.20 us (H=8 M=32, BF16) and 3.37 vs 3.62 (H=16 M=32, MXFP8).
+GLUON_WIDE_N_HEADS = 16
+GLUON_NUM_WARPS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """Block sizes and launch options of one compiled variant."""
@@ -131,8 +148,8 @@ class LaunchConfig:
     # Register path (no tl.dot): block_m rows unrolled, K in three 64-wide chunks.
     fma: bool = False
     # The Gluon kernel (fusedq.kernels.gluon_mla_query: explicit layouts, every load issued
-    # before the first layout conversion): block_m 16|32, K in three 64-wide chunks. Never
-    # chosen by for_problem until the GPU measures it; never under the interpreter.
+    # before the first layout conversion): block_m 16|32, K in three 64-wide chunks.
+    # for_problem picks it per GLUON_TUNED; never under the interpreter.
     gluon: bool = False
     # With gluon: how the operand tiles reach the MMA layouts, one of
     # gluon_mla_query.OPERANDS ("convert" | "smem" | "direct"; the reasons are there).
@@ -164,6 +181,13 @@ class LaunchConfig:
             block_n, num_warps = fma[num_heads]
             return cls(fma_m, block_n, num_warps=num_warps, pdl=pdl, fma=True)
         block_m = max(MIN_BLOCK_M, fma_m)
+        operands = GLUON_TUNED.get((weight_format, out_fp8))
+        if operands is not None and _gluon_available():
+            block_n = 64 if num_heads >= GLUON_WIDE_N_HEADS else 32
+            return cls(
+                block_m, block_n, num_warps=GLUON_NUM_WARPS, pdl=pdl, gluon=True,
+                gluon_operands=operands,
+            )  # fmt: skip
         tuned = TUNED.get((weight_format, out_fp8, block_m), {})
         block_n, num_warps, block_k = tuned.get(
             num_heads, (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, BLOCK_K)
@@ -218,6 +242,12 @@ class LaunchConfig:
                 "gluon=True: Gluon kernels do not run under TRITON_INTERPRET=1 (they are "
                 "compiled for the GPU only); use the Triton kernels there"
             )
+
+
+def _gluon_available() -> bool:
+    from fusedq.kernels import gluon_mla_query
+
+    return gluon_mla_query.AVAILABLE
 
 
 @dataclasses.dataclass(frozen=True)

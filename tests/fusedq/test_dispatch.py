@@ -417,3 +417,26 @@ def test_backend_cute_names_why_it_cannot_run(fmt, why, device):
         fusedq.mla_query_projection(q_nope, weight, q_pe, backend="cute")
     with pytest.raises(ValueError, match="must be one of \\('auto', 'triton', 'cute', 'staged'\\)"):
         fusedq.mla_query_projection(q_nope, weight, q_pe, backend="cutlass")
+
+
+def test_auto_binds_the_cute_launch_when_kernel_choice_picks_it(monkeypatch):
+    """The plan's launch is the CuTe one when kernel_choice says "cute" and the operands
+    qualify, with the Triton launch as its fallback; else the Triton launch itself. (Found on
+    the H200: the chosen path's reason string was read as a refusal.)"""
+    from fusedq.kernels import cute_mla_query
+
+    triton_launch = object()
+    gen = torch.Generator().manual_seed(5)
+    wq = fusedq.quantize_mxfp8(make_weight(8, "vllm", torch.device("cpu"), gen))
+    q_nope, q_pe = make_q(1, 8, torch.device("cpu"), gen)
+    out = torch.empty(1, 8, 576, dtype=torch.bfloat16)
+    operands = (q_nope, wq.values, wq.scales, q_pe, out)
+    monkeypatch.setattr(cute_mla_query, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
+    bound = dispatch._cute_or(triton_launch, "auto", operands, False)
+    assert isinstance(bound, cute_mla_query.BoundCute) and bound.fallback is triton_launch
+    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("triton", "M=8 > 2"))
+    assert dispatch._cute_or(triton_launch, "auto", operands, False) is triton_launch
+    monkeypatch.setattr(cute_mla_query, "unsupported_reason", lambda *a: "out: not aligned")
+    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
+    assert dispatch._cute_or(triton_launch, "auto", operands, False) is triton_launch

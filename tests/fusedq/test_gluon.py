@@ -192,3 +192,30 @@ def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, operands, devic
     launch_matches_staged(
         config, fmt, out_dtype, 11, 17, device, block_n, pitched=True, layout=layout
     )
+
+
+@pytest.mark.parametrize(
+    ("h", "m", "fmt", "out_fp8", "expect"),
+    [
+        (16, 4, "bf16", False, ("gluon", "convert", 64)),
+        (8, 32, "mxfp8", False, ("gluon", "convert", 32)),
+        (11, 16, "bf16", True, ("gluon", "smem", 32)),
+        (8, 1, "bf16", False, ("fma", None, 32)),  # the register path keeps its shapes
+        (16, 4, "mxfp8", True, ("dot", None, None)),  # not swept: tl.dot
+    ],
+)  # fmt: skip
+def test_for_problem_picks_gluon_where_it_measured_faster(monkeypatch, h, m, fmt, out_fp8, expect):
+    """On a GPU with Gluon, the tl.dot shapes of the swept recipes take the Gluon kernel
+    (GLUON_TUNED); the register path and the unswept MXFP8 -> E4M3 stay."""
+    monkeypatch.setattr(kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel, "_gluon_available", lambda: True)
+    monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
+    cfg = kernel.LaunchConfig.for_problem(h, m, fmt, out_fp8, pdl=False)
+    path = "gluon" if cfg.gluon else "fma" if cfg.fma else "dot"
+    assert path == expect[0]
+    if path == "gluon":
+        assert (cfg.gluon_operands, cfg.block_n, cfg.num_warps) == (expect[1], expect[2], 4)
+    elif path == "fma":
+        assert cfg.block_n == expect[2]
+    monkeypatch.setattr(kernel, "_gluon_available", lambda: False)  # an older Triton
+    assert not kernel.LaunchConfig.for_problem(h, m, fmt, out_fp8, pdl=False).gluon
