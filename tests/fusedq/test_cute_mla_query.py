@@ -178,6 +178,12 @@ def test_public_op_auto_picks_cute_at_small_m(m, device):
     fusedq.mla_query_projection(q_nope, wq, q_pe, out=odd)
     torch.cuda.synchronize()
     assert_matches(odd, ref, "mxfp8")
+    # backend="cute": a signature first seen with a misaligned out is refused when its plan is
+    # made, one first seen aligned per call (same strides, the address differs).
+    with pytest.raises(ValueError, match=r"backend='cute' cannot run this call: out: pointer"):
+        fusedq.mla_query_projection(q_nope, wq, q_pe, out=odd, backend="cute")
+    dispatch.clear_plans()
+    fusedq.mla_query_projection(q_nope, wq, q_pe, out=torch.empty_like(odd), backend="cute")
     with pytest.raises(ValueError, match="backend='cute': an operand's address is not 16-byte"):
         fusedq.mla_query_projection(q_nope, wq, q_pe, out=odd, backend="cute")
     assert fusedq.prewarm(wq, [m]) >= 0  # compiled already: prewarm finds it (no error)
