@@ -207,9 +207,10 @@ def launch_unchecked(
 
 class BoundCute:
     """One signature's launch through the CuTe kernel (its strides, dtypes and shapes were
-    checked once by the caller with ``unsupported_reason``). Per call only the addresses are
-    checked: an operand off the 16-byte boundary goes to ``fallback`` (the Triton launch of
-    the same signature), or raises when ``fallback`` is None (``backend="cute"``)."""
+    checked once by the caller with ``unsupported_reason``). With a ``fallback`` (the Triton
+    launch of the same signature; ``backend="auto"``) the CuTe kernel runs only under CUDA-graph
+    capture, and an operand off the 16-byte boundary also goes to the fallback; without one
+    (``backend="cute"``) every call runs it, and a misaligned address raises."""
 
     __slots__ = ("fallback",)
 
@@ -217,6 +218,13 @@ class BoundCute:
         self.fallback = fallback
 
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
+        if self.fallback is not None and not torch.cuda.is_current_stream_capturing():
+            # Eager: a CuTe DSL call costs ~85 us of host time (its argument marshalling),
+            # against ~14 us for the Triton fast path (fusedq-bench --eager, H200): the
+            # GPU's 0.2-0.3 us gain cannot pay for it. Inside a CUDA-graph capture the host
+            # cost is paid once, and replays run the faster kernel.
+            self.fallback(q_nope, values, scales, q_pe, out, q_scale)
+            return
         ptrs = q_nope.data_ptr() | q_pe.data_ptr() | values.data_ptr() | scales.data_ptr()
         if (ptrs | out.data_ptr()) % VEC_BYTES:
             if self.fallback is None:

@@ -172,6 +172,21 @@ def test_public_op_auto_picks_cute_at_small_m(m, device):
     assert isinstance(plan.launch, cute.BoundCute) == (m <= CUTE_MAX_M)
     if m > CUTE_MAX_M:
         return
+    # Eagerly that was the Triton fallback (the CuTe call's host cost); a captured graph runs
+    # the CuTe kernel: its replay matches too.
+    fusedq.prewarm(wq, [m])
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    launched = []
+    real = cute.launch_unchecked
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cute, "launch_unchecked", lambda *a: (launched.append(1), real(*a)))
+        with torch.cuda.graph(graph):
+            fusedq.mla_query_projection(q_nope, wq, q_pe, out=out)
+    assert launched == [1]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, ref, "mxfp8")
     # One element of lead-in: out rows off the 16-byte boundary (same signature's strides).
     buf = torch.empty(1 + m * h * 576, dtype=torch.bfloat16, device=device)
     odd = buf[1:].view(m, h, 576)
