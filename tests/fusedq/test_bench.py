@@ -64,6 +64,7 @@ def test_floor_bars_judge_each_ratio_against_its_own_bar():
     assert b8["bf16_ok"] is True and b8["mxfp8_ok"] is False and b8["e4m3_ok"] is False
     assert b8["e4m3_over_bf16"] == pytest.approx(2.6 / 2.3)
     assert b16["bf16_ok"] is False and b16["e4m3_ok"] is True and b16["mxfp8_ok"] is None
+    assert b8["bf16_store_over_read"] is None  # a run without the read+store floor
     table = bench.format_floor_bars([b8, b16])
     assert "| 8 | 1 | 1.15 ok | 1.30 MISS | 1.13 MISS |" in table
     assert "| 16 | 4 | 1.25 MISS | - | 1.08 ok |" in table
@@ -82,7 +83,10 @@ def _floor_layers(device, n_bytes: int, layers: int = 2) -> bench.Layers:
         dtype=torch.int32,
         device=device,
     )
-    return bench.Layers([], [None] * layers, srcs, [], None, None, None, None, None, n_bytes, sink)
+    out_words = torch.full((3 * 8 * 576 * 2 // 4,), -1, dtype=torch.int32, device=device)
+    return bench.Layers(
+        [], [None] * layers, srcs, [], None, None, None, None, None, n_bytes, sink, out_words
+    )
 
 
 def test_floor_kernels_read_every_byte_and_store_per_cta(device):
@@ -93,7 +97,11 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
     n_bytes = 8 * 192 * 528  # the MXFP8 layer size at H=8: not a multiple of any tile
     lay = _floor_layers(device, n_bytes)
     steps = bench._floor_steps(lay)
-    assert set(steps) == {f"read_w{w}" for w in bench.FLOOR_READ_WORDS} | {"empty"}
+    assert set(steps) == (
+        {f"read_w{w}" for w in bench.FLOOR_READ_WORDS}
+        | {f"store_w{w}" for w in bench.FLOOR_STORE_WORDS}
+        | {"empty"}
+    )
     words = lay.copy_src[1].view(torch.int32).to(torch.int64)
     for w in bench.FLOOR_READ_WORDS:
         lay.floor_sink.fill_(-1)
@@ -103,6 +111,17 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
         want = padded.view(ctas, w).sum(1)
         want = ((want + 2**31) % 2**32 - 2**31).to(torch.int32)  # int32 wrap-around, as the kernel
         assert torch.equal(lay.floor_sink[:ctas].cpu(), want.cpu()), w
+    # The read+store floor writes every output word, each CTA its share, holding its sum.
+    for w in bench.FLOOR_STORE_WORDS:
+        lay.floor_out.fill_(-1)
+        steps[f"store_w{w}"](1)
+        ctas = -(-words.numel() // w)
+        padded = torch.nn.functional.pad(words, (0, ctas * w - words.numel()))
+        sums = ((padded.view(ctas, w).sum(1) + 2**31) % 2**32 - 2**31).to(torch.int32)
+        share = -(-lay.floor_out.numel() // ctas)
+        share = max(16, 1 << (share - 1).bit_length())
+        want = sums.repeat_interleave(share)[: lay.floor_out.numel()]
+        assert torch.equal(lay.floor_out.cpu(), want.cpu()), w
     lay.floor_sink.fill_(-1)
     steps["empty"](0)
     got = lay.floor_sink[: bench.FLOOR_EMPTY_CTAS].cpu()
@@ -288,3 +307,16 @@ def test_bench_imports_without_the_orchestrators_pydantic_stack():
     code = "import sys; sys.modules['pydantic'] = None; import fusedq.bench"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_floor_bars_show_the_read_store_floor_where_measured():
+    rows = [
+        {"format": "bf16", "H": 16, "M": 32, "fused_us": 3.6, "read_us": 2.5, "store_us": 3.0},
+        {"format": "mxfp8", "H": 16, "M": 32, "fused_us": 3.4, "read_us": 2.0},
+    ]
+    (b,) = bench.floor_bars(rows)
+    assert b["bf16_store_over_read"] == pytest.approx(1.2) and b["mxfp8_store_over_read"] is None
+    table = bench.format_floor_bars([b])
+    assert "| H | M | BF16 fused/read (≤1.15) | MXFP8 fused/read (≤1.25) |" in table
+    assert "| BF16 read+store/read | MXFP8 read+store/read |" in table
+    assert "| 16 | 32 | 1.44 MISS | 1.70 MISS | - | 1.20 | - |" in table
