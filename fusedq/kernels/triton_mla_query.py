@@ -127,8 +127,10 @@ GLUON_TUNED: dict[tuple[str, bool], str] = {
     ("mxfp8", False): "convert",
     ("bf16", True): "smem",
 }
-# 64-wide N tiles at 16 heads (128 CTAs), 32-wide below (128 at H=8, 176 at H=11): measured
-# 2.98 vs 3.20 us (H=8 M=32, BF16) and 3.37 vs 3.62 (H=16 M=32, MXFP8).
+# "convert": 64-wide N tiles at 16 heads (128 CTAs), 32-wide below (128 at H=8, 176 at
+# H=11): measured 2.98 vs 3.20 us (H=8 M=32, BF16) and 3.37 vs 3.62 (H=16 M=32, MXFP8).
+# "smem" (E4M3 out) keeps 32-wide tiles at every H: 4.40 vs 4.61 us at H=16 M=32 (the floors
+# run of 903d85b still had 64 there: 4.56 us).
 GLUON_WIDE_N_HEADS = 16
 GLUON_NUM_WARPS = 4
 
@@ -183,7 +185,8 @@ class LaunchConfig:
         block_m = max(MIN_BLOCK_M, fma_m)
         operands = GLUON_TUNED.get((weight_format, out_fp8))
         if operands is not None and _gluon_available():
-            block_n = 64 if num_heads >= GLUON_WIDE_N_HEADS else 32
+            wide = operands == "convert" and num_heads >= GLUON_WIDE_N_HEADS
+            block_n = 64 if wide else 32
             return cls(
                 block_m, block_n, num_warps=GLUON_NUM_WARPS, pdl=pdl, gluon=True,
                 gluon_operands=operands,

@@ -200,6 +200,7 @@ def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, operands, devic
         (16, 4, "bf16", False, ("gluon", "convert", 64)),
         (8, 32, "mxfp8", False, ("gluon", "convert", 32)),
         (11, 16, "bf16", True, ("gluon", "smem", 32)),
+        (16, 32, "bf16", True, ("gluon", "smem", 32)),  # smem keeps 32-wide tiles at H=16
         (8, 1, "bf16", False, ("fma", None, 32)),  # the register path keeps its shapes
         (16, 4, "mxfp8", True, ("dot", None, None)),  # not swept: tl.dot
     ],
