@@ -1,7 +1,7 @@
 """fusedq: the fused MLA decode query projection for vLLM (BF16 and MXFP8 weights)."""
 
 from fusedq.api import mla_query_projection, prewarm, staged_mla_query
-from fusedq.capability import can_implement, explain, kernel_choice
+from fusedq.capability import can_implement, explain, kernel_choice, kernel_summary
 from fusedq.mxfp8 import MXFP8Weight, dequantize_mxfp8, quantize_mxfp8
 
 __version__ = "0.1.0"
@@ -13,6 +13,7 @@ __all__ = [
     "dequantize_mxfp8",
     "explain",
     "kernel_choice",
+    "kernel_summary",
     "mla_query_projection",
     "prewarm",
     "quantize_mxfp8",

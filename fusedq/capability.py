@@ -167,6 +167,52 @@ def kernel_choice(
     return "cute", f"MXFP8 -> BF16 at M <= {CUTE_MAX_M}: the CuTe DSL kernel measured faster"
 
 
+def kernel_summary(
+    num_heads: int,
+    ms,
+    *,
+    weight_format: str = "bf16",
+    out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    pdl: bool = False,
+) -> str:
+    """Which kernel ``backend="auto"`` runs at each of ``ms``, runs of equal M merged, e.g.
+    ``"M=1,2 cute (graphs; eager: register); M=4-16 gluon-convert"``; and, where MXFP8 -> BF16
+    could take the CuTe kernel but does not, why (``"... [CuTe: nvidia-cutlass-dsl does not
+    import (...)]"``). What a server log shows so a run says which kernels it measured."""
+    from fusedq.kernels.triton_mla_query import LaunchConfig
+
+    def triton_name(m: int) -> str:
+        cfg = LaunchConfig.for_problem(
+            num_heads, m, weight_format, out_dtype == torch.float8_e4m3fn, pdl=pdl
+        )
+        return f"gluon-{cfg.gluon_operands}" if cfg.gluon else "register" if cfg.fma else "tl.dot"
+
+    runs: list[tuple[str, list[int]]] = []
+    for m in sorted(set(ms)):
+        path, _ = kernel_choice(
+            num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
+        )
+        if path == "cute":
+            name = f"cute (graphs; eager: {triton_name(m)})"
+        else:
+            name = triton_name(m) if path == "triton" else path
+        if runs and runs[-1][0] == name:
+            runs[-1][1].append(m)
+        else:
+            runs.append((name, [m]))
+
+    def span(m_run: list[int]) -> str:
+        return str(m_run[0]) if len(m_run) == 1 else f"{m_run[0]}-{m_run[-1]}"
+
+    text = "; ".join(f"M={span(m_run)} {name}" for name, m_run in runs) or "no M"
+    if _resolve_device(device).type == "cuda" and not any(n.startswith("cute") for n, _ in runs):
+        problem = cute_problem(weight_format, out_dtype, pdl=pdl)
+        if weight_format == "mxfp8" and out_dtype == torch.bfloat16 and problem is not None:
+            text += f" [CuTe: {problem}]"
+    return text
+
+
 def can_implement(
     num_heads: int,
     max_m: int,

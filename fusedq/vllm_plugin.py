@@ -633,6 +633,31 @@ def _prewarm(layer, plan: LayerPlan) -> str:
     return ",".join(map(str, ms))
 
 
+# The M values a kernels line describes where nothing was prewarmed (no CUDA graphs).
+DECODE_MS = (1, 2, 4, 8, 16, 32)
+
+
+def _log_kernels(layer, plan: LayerPlan, prewarmed: str, pdl: bool) -> None:
+    """Beside the enabled line, once per process: which kernel each M runs
+    (``fusedq.kernel_summary``), so a server log says what a measurement ran. Never fails the
+    start-up: the decision is made, this only describes it."""
+    import fusedq
+
+    try:
+        head = prewarmed.split(" ", 1)[0]
+        ms = [int(x) for x in head.split(",")] if head[:1].isdigit() else list(DECODE_MS)
+        out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
+        text = fusedq.kernel_summary(
+            plan.num_heads, ms, weight_format=plan.weight_format, out_dtype=out_dtype,
+            device=layer.W_UK_T.device, pdl=pdl,
+        )  # fmt: skip
+    except Exception as exc:
+        text = f"unknown ({type(exc).__name__}: {exc})"
+    logger.info(
+        "fusedq: kernels (heads=%d, format=%s): %s", plan.num_heads, plan.weight_format, text
+    )
+
+
 def setup_layer(layer) -> None:
     """After vLLM processed the layer's weights: plan, prewarm, report (auto mode never
     raises; ``FUSEDQ_MLA_QUERY=1`` raises ``FusedqRequiredError`` with the reason)."""
@@ -662,6 +687,8 @@ def setup_layer(layer) -> None:
     from fusedq.kernels.triton_mla_query import DEFAULT_PDL
 
     first = _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed, DEFAULT_PDL))
+    if first:
+        _log_kernels(layer, plan, prewarmed, DEFAULT_PDL)
     if _report.new(("enabled", plan.num_heads, plan.weight_format)) and not first:
         logger.info(
             "fusedq: fused MLA query also enabled for layer %s (heads=%d, format=%s)",

@@ -110,3 +110,25 @@ def test_kernel_choice_off_the_gpu():
     else:
         assert path == "staged" and "TRITON_INTERPRET" in why
     assert fusedq.kernel_choice(4, 1)[0] == "staged"  # an unqualified head count
+
+
+def test_kernel_summary_merges_runs_and_says_why_cute_is_not_used(monkeypatch):
+    """The plugin's kernels line: equal choices over consecutive M merged; MXFP8 -> BF16
+    without the CuTe kernel says why (here: the DSL missing)."""
+    from fusedq.kernels import triton_mla_query as kernel
+
+    _cuda_here(monkeypatch, cute_reason=None)
+    monkeypatch.setattr(kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel, "_gluon_available", lambda: True)
+    monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
+    ms = (1, 2, 4, 8, 16, 32)
+    assert fusedq.kernel_summary(16, ms, weight_format="mxfp8") == (
+        "M=1-2 cute (graphs; eager: register); M=4-32 gluon-convert"
+    )
+    assert fusedq.kernel_summary(16, ms, weight_format="bf16") == (
+        "M=1 register; M=2-32 gluon-convert"
+    )
+    _cuda_here(monkeypatch, cute_reason="nvidia-cutlass-dsl does not import (X)")
+    assert fusedq.kernel_summary(8, (1, 4), weight_format="mxfp8") == (
+        "M=1 register; M=4 gluon-convert [CuTe: nvidia-cutlass-dsl does not import (X)]"
+    )

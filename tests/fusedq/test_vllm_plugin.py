@@ -482,6 +482,13 @@ def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
         "fusedq: fused MLA query enabled (heads=8, format=bf16, prewarmed M=none "
         "[no CUDA graphs on cpu], pdl=off)"
     ]
+    # Beside it, once, the kernel each decode M runs (here the interpreter's choices).
+    kernels = [r.getMessage() for r in caplog.records if "fusedq: kernels" in r.getMessage()]
+    assert kernels == [
+        "fusedq: kernels (heads=8, format=bf16): "
+        + fusedq.kernel_summary(8, vp.DECODE_MS, device=layer.W_UK_T.device)
+    ]
+    assert kernels[0].endswith("; M=4-32 tl.dot") and "M=1" in kernels[0]
 
 
 def test_setup_layer_tells_a_differing_layer_once(mla, vp, monkeypatch, caplog):
@@ -747,6 +754,8 @@ def test_e2e_fused_matches_staged(runs):
     enabled = log_lines(log, ENABLED)
     assert len(enabled) == 1, enabled
     assert "heads=8, format=bf16, prewarmed M=none [no CUDA graphs on cpu]" in enabled[0]
+    kernels = log_lines(log, "fusedq: kernels (heads=8, format=bf16): M=1")
+    assert len(kernels) == 1, kernels  # which kernel each decode M ran, once per worker
     assert len(log_lines(log, FIRST_USE)) == 1, "the fused op never ran in the decode step"
     assert not log_lines(log, DISABLED)
     same = fused_ids == staged_ids
