@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from fusedq import dispatch, ops  # noqa: F401 (ops registers the custom ops used below)
-from fusedq.capability import explain, kernel_choice
+from fusedq.capability import kernel_choice
 from fusedq.kernels import triton_mla_query as kernel
 from fusedq.mxfp8 import MXFP8Weight
 
@@ -113,19 +113,18 @@ def prewarm(
     dispatch.check_weight(values, scales)
     weight_format = "bf16" if scales is None else "mxfp8"
     compiled = 0
+    resolved_pdl = kernel.DEFAULT_PDL if pdl is None else pdl
     for m in sorted({int(m) for m in m_values}):
-        why = explain(
+        # kernel_choice answers "staged" exactly where explain gives a reason.
+        path, _ = kernel_choice(
             values.shape[0], m, weight_format=weight_format, out_dtype=out_dtype,
-            device=values.device,
+            device=values.device, pdl=resolved_pdl,
         )  # fmt: skip
-        if why is None:
-            compiled += kernel.prewarm(values, scales, m, out_dtype, pdl=pdl)
-            path, _ = kernel_choice(
-                values.shape[0], m, weight_format=weight_format, out_dtype=out_dtype,
-                device=values.device, pdl=kernel.DEFAULT_PDL if pdl is None else pdl,
-            )  # fmt: skip
-            if path == "cute":  # the Triton variants stay compiled: the misaligned fallback
-                from fusedq.kernels import cute_mla_query
+        if path == "staged":
+            continue
+        compiled += kernel.prewarm(values, scales, m, out_dtype, pdl=pdl)
+        if path == "cute":  # the Triton variants stay compiled: the misaligned fallback
+            from fusedq.kernels import cute_mla_query
 
-                compiled += cute_mla_query.prewarm(values.shape[0], m, values.device)
+            compiled += cute_mla_query.prewarm(values.shape[0], m, values.device)
     return compiled

@@ -346,7 +346,6 @@ def _kernel_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
     run shows what the choice picked and what it passed over (MXFP8: Triton and, where
     nvidia-cutlass-dsl is installed, CuTe)."""
     import fusedq
-    from fusedq.capability import cute_problem
 
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
     weight_format = "mxfp8" if fmt == "mxfp8" else "bf16"
@@ -355,13 +354,10 @@ def _kernel_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
     )
     if path == "staged":
         raise RuntimeError(f"{fmt} H={h} M={m}: the fused kernel cannot run here: {why}")
-    steps = {}
-    if cute_problem(weight_format, lay.out_dtype) is None:
-        steps = {
-            "triton": _fused_step(lay, backend="triton"),
-            "cute": _fused_step(lay, backend="cute"),
-        }
-    return steps
+    cute, _ = cute_step(lay, fmt)
+    if cute is None:
+        return {}
+    return {"triton": _fused_step(lay, backend="triton"), "cute": cute}
 
 
 def _staged_step(lay: Layers) -> Callable[[int], None]:
@@ -579,23 +575,20 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
 
 
 def cute_step(lay: Layers, fmt: str) -> tuple[Callable[[int], None] | None, str | None]:
-    """Layer i's call of the CuTe DSL kernel, or None and why it cannot run here."""
+    """Layer i's call forced onto the CuTe DSL kernel (the public op, ``backend="cute"``), or
+    None and why it cannot run here (checked before capture, which must not fail)."""
+    from fusedq.capability import cute_problem
     from fusedq.kernels import cute_mla_query as cute
 
     if fmt != "mxfp8":
         return None, f"the CuTe kernel takes MXFP8 weights, not {fmt}"
-    reason = cute.unavailable_reason()
+    reason = cute_problem("mxfp8", lay.out_dtype)
     if reason is None:
         w = lay.fused_w[0]
         reason = cute.unsupported_reason(lay.q_nope, w.values, w.scales, lay.q_pe, lay.out)
     if reason is not None:
         return None, reason
-
-    def step(i: int) -> None:
-        w = lay.fused_w[i]
-        cute.launch(lay.q_nope, w.values, w.scales, lay.q_pe, lay.out)
-
-    return step, None
+    return _fused_step(lay, backend="cute"), None
 
 
 def parse_gluon_spec(spec: str) -> tuple[int, ...]:

@@ -367,17 +367,18 @@ def _cute_or(triton_launch, backend: str, operands: tuple, pdl: bool):
     q_nope, values, scales, q_pe, out = operands
     m, num_heads, _ = q_nope.shape
     weight_format = "bf16" if scales is None else "mxfp8"
-    if backend == "cute":
-        why = cute_problem(weight_format, out.dtype, pdl=pdl)
-    else:
-        path, why = kernel_choice(
+    if backend == "auto":
+        path, _ = kernel_choice(
             num_heads, m, weight_format=weight_format, out_dtype=out.dtype, device=out.device,
             pdl=pdl,
         )  # fmt: skip
         if path != "cute":
             return triton_launch
-        why = None  # chosen: what remains to check is this signature's operands
+        why = None
+    else:
+        why = cute_problem(weight_format, out.dtype, pdl=pdl)
     if why is None:
+        # This signature's operands (strides, alignment) the CuTe kernel must also take.
         from fusedq.kernels import cute_mla_query
 
         why = cute_mla_query.unsupported_reason(q_nope, values, scales, q_pe, out)

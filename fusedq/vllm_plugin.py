@@ -617,35 +617,35 @@ def _capture_sizes(layer) -> tuple[list[int] | None, str]:
     return list(getattr(comp, "cudagraph_capture_sizes", None) or []), ""
 
 
-def _prewarm(layer, plan: LayerPlan) -> str:
+def _prewarm(layer, plan: LayerPlan) -> tuple[str, list[int]]:
+    """Prewarm the graph sizes' M values; returns (what the enabled line says, those M)."""
     import fusedq
     from fusedq.vllm_hook import prewarm_values
 
     sizes, why = _capture_sizes(layer)
     if sizes is None:
-        return f"none [{why}]"
+        return f"none [{why}]", []
     weight = plan.mx_weight if plan.mx_weight is not None else layer.W_UK_T
     out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
     ms = prewarm_values(sizes, plan.num_heads, plan.weight_format, out_dtype, layer.W_UK_T.device)
     fusedq.prewarm(weight, ms, out_dtype=out_dtype)
     if not ms:
-        return f"none [no capture size in the fused range; sizes {sizes[:4]}…]"
-    return ",".join(map(str, ms))
+        return f"none [no capture size in the fused range; sizes {sizes[:4]}…]", []
+    return ",".join(map(str, ms)), list(ms)
 
 
 # The M values a kernels line describes where nothing was prewarmed (no CUDA graphs).
 DECODE_MS = (1, 2, 4, 8, 16, 32)
 
 
-def _log_kernels(layer, plan: LayerPlan, prewarmed: str, pdl: bool) -> None:
+def _log_kernels(layer, plan: LayerPlan, prewarmed_ms: list[int], pdl: bool) -> None:
     """Beside the enabled line, once per process: which kernel each M runs
     (``fusedq.kernel_summary``), so a server log says what a measurement ran. Never fails the
     start-up: the decision is made, this only describes it."""
     import fusedq
 
     try:
-        head = prewarmed.split(" ", 1)[0]
-        ms = [int(x) for x in head.split(",")] if head[:1].isdigit() else list(DECODE_MS)
+        ms = prewarmed_ms or list(DECODE_MS)
         out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
         text = fusedq.kernel_summary(
             plan.num_heads, ms, weight_format=plan.weight_format, out_dtype=out_dtype,
@@ -665,7 +665,7 @@ def setup_layer(layer) -> None:
     required = mode() == "1"
     try:
         plan, note = plan_layer(layer)
-        prewarmed = _prewarm(layer, plan) if plan is not None else ""
+        prewarmed, prewarmed_ms = _prewarm(layer, plan) if plan is not None else ("", [])
     except Exception as exc:  # a hook must never take the server down in auto mode
         if required:
             raise
@@ -688,7 +688,7 @@ def setup_layer(layer) -> None:
 
     first = _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed, DEFAULT_PDL))
     if first:
-        _log_kernels(layer, plan, prewarmed, DEFAULT_PDL)
+        _log_kernels(layer, plan, prewarmed_ms, DEFAULT_PDL)
     if _report.new(("enabled", plan.num_heads, plan.weight_format)) and not first:
         logger.info(
             "fusedq: fused MLA query also enabled for layer %s (heads=%d, format=%s)",
