@@ -34,6 +34,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from fusedq.bench import RECIPES
 from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
 
 PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
@@ -73,16 +74,17 @@ def eager_operands(fmt: str, h: int, m: int, q_scale: float, device=None) -> Eag
     w = torch.randn(h, QK_NOPE + 256, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
     w = w[:, :QK_NOPE, :]
     q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
-    out_dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
+    weight_format, out_fp8 = RECIPES[fmt]
+    out_dtype = torch.float8_e4m3fn if out_fp8 else torch.bfloat16
     return EagerOperands(
         q_nope=q[..., :QK_NOPE],
         q_nope_t=q[..., :QK_NOPE].transpose(0, 1),
         q_pe=q[..., QK_NOPE:],
         staged_w=w,
-        fused_w=fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w,
+        fused_w=fusedq.quantize_mxfp8(w) if weight_format == "mxfp8" else w,
         out=torch.empty(m, h, QUERY_WIDTH, device=dev, dtype=out_dtype),
         out_dtype=out_dtype,
-        q_scale=torch.tensor([q_scale], device=dev) if fmt == "e4m3" else None,
+        q_scale=torch.tensor([q_scale], device=dev) if out_fp8 else None,
     )
 
 

@@ -49,26 +49,31 @@ def test_verdict_and_table_state_the_targets():
 
 
 def test_floor_bars_judge_each_ratio_against_its_own_bar():
-    """Issue 15's bar: BF16 fused <= 1.15x read, MXFP8 <= 1.25x read, E4M3 <= 1.10x the BF16
-    output's time at the same shape; a shape missing a row has no verdict for that ratio."""
+    """Issue 15's bar: BF16 fused <= 1.15x read, MXFP8 <= 1.25x read, E4M3 output <= 1.10x the
+    BF16 output's time of the same weights at the same shape (BF16: "e4m3" / "bf16"; MXFP8:
+    "mxfp8-e4m3" / "mxfp8"); a shape missing a row has no verdict for that ratio."""
     rows = [
         {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.3, "read_us": 2.0},  # 1.15: ok
         {"format": "mxfp8", "H": 8, "M": 1, "fused_us": 2.6, "read_us": 2.0},  # 1.30: miss
         {"format": "e4m3", "H": 8, "M": 1, "fused_us": 2.6, "read_us": 2.0},  # 2.6/2.3: miss
+        {"format": "mxfp8-e4m3", "H": 8, "M": 1, "fused_us": 2.8, "read_us": 2.0},  # 2.8/2.6: ok
         {"format": "bf16", "H": 16, "M": 4, "fused_us": 2.5, "read_us": 2.0},  # 1.25: miss
         {"format": "e4m3", "H": 16, "M": 4, "fused_us": 2.7, "read_us": 2.0},  # 1.08: ok
         {"format": "mxfp8", "H": 16, "M": 4, "error": "boom"},
+        {"format": "mxfp8-e4m3", "H": 16, "M": 4, "fused_us": 2.8, "read_us": 2.0},  # no pair
     ]
     b8, b16 = bench.floor_bars(rows)
     assert (b8["H"], b8["M"], b16["H"], b16["M"]) == (8, 1, 16, 4)
     assert b8["bf16_ok"] is True and b8["mxfp8_ok"] is False and b8["e4m3_ok"] is False
     assert b8["e4m3_over_bf16"] == pytest.approx(2.6 / 2.3)
+    assert b8["mxfp8_e4m3_over_mxfp8"] == pytest.approx(2.8 / 2.6) and b8["mxfp8_e4m3_ok"]
     assert b16["bf16_ok"] is False and b16["e4m3_ok"] is True and b16["mxfp8_ok"] is None
+    assert b16["mxfp8_e4m3_ok"] is None
     assert b8["bf16_store_over_read"] is None  # a run without the read+store floor
     table = bench.format_floor_bars([b8, b16])
-    assert "| 8 | 1 | 1.15 ok | 1.30 MISS | 1.13 MISS |" in table
-    assert "| 16 | 4 | 1.25 MISS | - | 1.08 ok |" in table
-    assert table.endswith("bars met: 2 of 5")
+    assert "| 8 | 1 | 1.15 ok | 1.30 MISS | 1.13 MISS | 1.08 ok |" in table
+    assert "| 16 | 4 | 1.25 MISS | - | 1.08 ok | - |" in table
+    assert table.endswith("bars met: 3 of 6")
 
 
 def _floor_layers(device, n_bytes: int, layers: int = 2) -> bench.Layers:
@@ -284,10 +289,10 @@ def test_every_eager_path_computes_the_query(fmt, device):
     ref = fusedq.staged_mla_query(
         ops.q_nope, ops.fused_w, ops.q_pe, out_dtype=ops.out_dtype, q_scale=ops.q_scale
     )
-    weight_format = "mxfp8" if fmt == "mxfp8" else "bf16"
+    weight_format = bench.RECIPES[fmt][0]
     staged = paths["staged_032"]()
     assert torch.equal(paths["staged_026"]().view(torch.uint8), staged.view(torch.uint8))
-    if fmt != "mxfp8":
+    if weight_format != "mxfp8":
         assert_matches(staged, ref, weight_format)
     for name in ("public", "hook"):
         assert_matches(paths[name](), ref, weight_format)
@@ -319,4 +324,4 @@ def test_floor_bars_show_the_read_store_floor_where_measured():
     table = bench.format_floor_bars([b])
     assert "| H | M | BF16 fused/read (≤1.15) | MXFP8 fused/read (≤1.25) |" in table
     assert "| BF16 read+store/read | MXFP8 read+store/read |" in table
-    assert "| 16 | 32 | 1.44 MISS | 1.70 MISS | - | 1.20 | - |" in table
+    assert "| 16 | 32 | 1.44 MISS | 1.70 MISS | - | - | 1.20 | - |" in table
