@@ -275,6 +275,59 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
     return steps
 
 
+# The tiled read+store floor: the fused kernel's data movement without its arithmetic. Each
+# CTA of a (N / BLOCK_N, H, KSPLIT) grid loads its [K / KSPLIT, BLOCK_N] tile of the layer's
+# real weight (vLLM's strided W_UK_T view, or the MXFP8 values and their scales), the tokens'
+# q_nope columns of that K range, and stores its [M, BLOCK_N] output tile (with KSPLIT = 1, the
+# pid_n = 0 CTAs also copy q_pe, as the fused kernels do). (BLOCK_N, KSPLIT): the fused
+# kernels' own tiles (32 and 64 columns, the whole K), a wider one, and tiles of whole 1 KB
+# weight rows that need K split across CTAs, whose cross-CTA sum this floor leaves out (so
+# for them it is a lower bound). What the read-only floor (contiguous bytes) does not show:
+# what reading the weight in tiles costs, before any arithmetic.
+FLOOR_TILES = ((32, 1), (64, 1), (128, 1), (256, 3), (512, 6), (512, 12))
+
+
+def _int_view(t):
+    """The same bytes as integers of the same width (the floor kernels move bits only)."""
+    import torch
+
+    return t.view({2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def _tile_floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
+    """The tiled read+store floor per (BLOCK_N, KSPLIT) of ``FLOOR_TILES``, on the layers'
+    real weights (see ``FLOOR_TILES``)."""
+    import torch
+    import triton
+
+    from fusedq.floor_kernels import tile_kernel
+
+    m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
+    ws = [(w.values, w.scales) if hasattr(w, "scales") else (w, None) for w in lay.fused_w]
+    values = [_int_view(v) for v, _ in ws]
+    scales = [None if sc is None else sc.view(torch.uint8) for _, sc in ws]
+    q, pe, out = _int_view(lay.q_nope), _int_view(lay.q_pe), _int_view(lay.out)
+    mxfp8 = scales[0] is not None
+    v0, s0 = values[0], scales[0] if mxfp8 else values[0]
+
+    def step(block_n: int, ksplit: int) -> Callable[[int], None]:
+        chunks = 3 if ksplit == 1 else 1
+        chunk_k = QK_NOPE // (ksplit * chunks)
+        tile_bytes = chunk_k * chunks * block_n * v0.element_size()
+        grid = (KV_LORA // block_n, h, ksplit)
+        meta = dict(
+            CHUNK_K=chunk_k, CHUNKS=chunks, BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m),
+            N=KV_LORA, R=QK_ROPE, SCALES=mxfp8, num_warps=4 if tile_bytes <= 16384 else 8,
+        )  # fmt: skip
+        return lambda i: tile_kernel[grid](
+            values[i], scales[i] if mxfp8 else values[i], q, pe, out, m,
+            v0.stride(0), v0.stride(1), s0.stride(0), s0.stride(1), q.stride(0), q.stride(1),
+            pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), **meta,
+        )  # fmt: skip
+
+    return {f"tile_n{bn}_k{ks}": step(bn, ks) for bn, ks in FLOOR_TILES}
+
+
 @dataclasses.dataclass
 class Layers:
     """Per-layer weights (rotated) and the shared activations of one (format, H, M)."""
@@ -477,6 +530,7 @@ def _steps(
         steps["fused_pdl"] = _fused_step(lay, dataclasses.replace(cfg, pdl=True))
     if floors:
         steps.update(_floor_steps(lay))
+        steps.update(_tile_floor_steps(lay))
     return steps
 
 
@@ -535,6 +589,13 @@ def add_floor_ratios(row: dict) -> None:
         best = min(stores, key=stores.get)
         row["store_us"], row["store_variant"] = stores[best], best
         row["fused_over_store"] = row["fused_us"] / row["store_us"]
+    tiles = {f"tile_n{n}_k{k}": row.get(f"tile_n{n}_k{k}_us") for n, k in FLOOR_TILES}
+    tiles = {name: us for name, us in tiles.items() if us is not None}
+    if tiles:  # and before the tiled floor existed
+        best = min(tiles, key=tiles.get)
+        row["tile_us"], row["tile_variant"] = tiles[best], best
+        row["tile_over_read"] = row["tile_us"] / row["read_us"]
+        row["fused_over_tile"] = row["fused_us"] / row["tile_us"]
 
 
 def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
@@ -687,7 +748,8 @@ def format_table(rows: list[dict]) -> str:
     stores = any("store_us" in r for r in rows)
     header = ["format", "H", "M", "fused µs", "staged µs", "copy µs", "fused/staged", "fused/copy"]
     header += ["empty µs", "read µs", "read/staged"] * floors
-    header += ["read+store µs"] * stores + ["target"]
+    tiles = any("tile_us" in r for r in rows)
+    header += ["read+store µs"] * stores + ["tiled floor µs"] * tiles + ["target"]
     body = []
     for r in rows:
         if "error" in r:
@@ -701,6 +763,8 @@ def format_table(rows: list[dict]) -> str:
             cells += ["-"] * 3
         if stores:
             cells.append(f"{r['store_us']:.2f}" if "store_us" in r else "-")
+        if tiles:
+            cells.append(f"{r['tile_us']:.2f} ({r['tile_variant']})" if "tile_us" in r else "-")
         body.append([*cells, verdict(r)])
     return md_table(header, body)
 
@@ -732,6 +796,8 @@ def floor_bars(rows: list[dict]) -> list[dict]:
             row[f"{fmt}_store_over_read"] = (
                 r["store_us"] / r["read_us"] if r and "store_us" in r else None
             )
+            # And reading the weight in tiles (the fastest of FLOOR_TILES), before any math.
+            row[f"{fmt}_tile_over_read"] = r.get("tile_over_read") if r else None
         for e4m3_fmt, bf16_fmt, key in E4M3_PAIRS:
             e4, bf = by.get((e4m3_fmt, h, m)), by.get((bf16_fmt, h, m))
             ratio = e4["fused_us"] / bf["fused_us"] if e4 and bf else None
@@ -757,12 +823,13 @@ def format_floor_bars(bars: list[dict]) -> str:
     ratios = [("bf16_over_read", "bf16_ok"), ("mxfp8_over_read", "mxfp8_ok")]
     ratios += [(f"{key}_over_{bf}", f"{key}_ok") for _, bf, key in E4M3_PAIRS]
     body = [[b["H"], b["M"], *(cell(b.get(r), b.get(ok)) for r, ok in ratios)] for b in bars]
-    if any(b.get("bf16_store_over_read") or b.get("mxfp8_store_over_read") for b in bars):
-        header += ["BF16 read+store/read", "MXFP8 read+store/read"]
-        for b, line in zip(bars, body, strict=True):
-            for fmt in FLOOR_BARS:
-                v = b.get(f"{fmt}_store_over_read")
-                line.append("-" if v is None else f"{v:.2f}")
+    for key, title in (("store", "read+store/read"), ("tile", "tiled floor/read")):
+        if any(b.get(f"{fmt}_{key}_over_read") for b in bars for fmt in FLOOR_BARS):
+            header += [f"{fmt.upper()} {title}" for fmt in FLOOR_BARS]
+            for b, line in zip(bars, body, strict=True):
+                for fmt in FLOOR_BARS:
+                    v = b.get(f"{fmt}_{key}_over_read")
+                    line.append("-" if v is None else f"{v:.2f}")
     met = [b.get(f"{k}_ok") for b in bars for k in keys]
     measured = [ok for ok in met if ok is not None]
     return md_table(header, body) + f"\n\nbars met: {sum(measured)} of {len(measured)}"

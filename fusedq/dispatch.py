@@ -383,7 +383,8 @@ def _cute_or(triton_launch, backend: str, operands: tuple, pdl: bool):
 
         why = cute_mla_query.unsupported_reason(q_nope, values, scales, q_pe, out)
         if why is None:
-            return cute_mla_query.BoundCute(None if backend == "cute" else triton_launch)
+            fallback = None if backend == "cute" else triton_launch
+            return cute_mla_query.BoundCute(fallback, num_heads, m, out.device)
     if backend == "cute":
         raise ValueError(f"backend='cute' cannot run this call: {why}")
     return triton_launch

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -210,21 +211,34 @@ class BoundCute:
     checked once by the caller with ``unsupported_reason``). With a ``fallback`` (the Triton
     launch of the same signature; ``backend="auto"``) the CuTe kernel runs only under CUDA-graph
     capture, and an operand off the 16-byte boundary also goes to the fallback; without one
-    (``backend="cute"``) every call runs it, and a misaligned address raises."""
+    (``backend="cute"``) every call runs it, and a misaligned address raises.
 
-    __slots__ = ("fallback",)
+    Binding compiles the signature's variant when it happens outside a capture (the usual
+    first call: a warm-up before capture), since the eager calls that run the fallback would
+    never compile it. A signature first seen inside a capture cannot compile there: with a
+    fallback that capture records the Triton kernel (and says so once, as a warning)."""
 
-    def __init__(self, fallback) -> None:
+    __slots__ = ("fallback", "key")
+
+    def __init__(self, fallback, num_heads: int, m: int, device: torch.device) -> None:
         self.fallback = fallback
+        self.key = (num_heads, m_bucket(m), device.index or 0)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            prewarm(num_heads, m, device)
 
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
-        if self.fallback is not None and not torch.cuda.is_current_stream_capturing():
-            # Eager: a CuTe DSL call costs ~85 us of host time (its argument marshalling),
-            # against ~14 us for the Triton fast path (fusedq-bench --eager, H200): the
-            # GPU's 0.2-0.3 us gain cannot pay for it. Inside a CUDA-graph capture the host
-            # cost is paid once, and replays run the faster kernel.
-            self.fallback(q_nope, values, scales, q_pe, out, q_scale)
-            return
+        if self.fallback is not None:
+            if not torch.cuda.is_current_stream_capturing():
+                # Eager: a CuTe DSL call costs ~85 us of host time (its argument marshalling),
+                # against ~14 us for the Triton fast path (fusedq-bench --eager, H200): the
+                # GPU's 0.2-0.3 us gain cannot pay for it. Inside a CUDA-graph capture the
+                # host cost is paid once, and replays run the faster kernel.
+                self.fallback(q_nope, values, scales, q_pe, out, q_scale)
+                return
+            if self.key not in _compiled:
+                _warn_not_compiled(self.key)
+                self.fallback(q_nope, values, scales, q_pe, out, q_scale)
+                return
         ptrs = q_nope.data_ptr() | q_pe.data_ptr() | values.data_ptr() | scales.data_ptr()
         if (ptrs | out.data_ptr()) % VEC_BYTES:
             if self.fallback is None:
@@ -234,6 +248,22 @@ class BoundCute:
             self.fallback(q_nope, values, scales, q_pe, out, q_scale)
             return
         launch_unchecked(q_nope, values, scales, q_pe, out)
+
+
+_warned: set[tuple[int, int, int]] = set()
+
+
+def _warn_not_compiled(key: tuple[int, int, int]) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        heads, bucket, index = key
+        warnings.warn(
+            f"fusedq: the CuTe variant for heads={heads} M-bucket={bucket} on cuda:{index} was "
+            "not compiled before this CUDA-graph capture; the graph runs the Triton kernel "
+            "instead (call the op once outside the capture, or fusedq.prewarm, first)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def prewarm(num_heads: int, m: int, device: torch.device) -> int:
@@ -258,7 +288,7 @@ def _compiled_for(num_heads: int, bucket: int, device_index: int):
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"cute_mla_query: heads={num_heads} M-bucket={bucket} was not compiled before "
-            "CUDA-graph capture (call once eagerly first)"
+            "CUDA-graph capture (call it once outside the capture, or fusedq.prewarm, first)"
         )
     with _compiled_lock:
         fn = _compiled.get(key)

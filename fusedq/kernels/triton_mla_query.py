@@ -109,10 +109,14 @@ FMA_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int]]] = {
     ("mxfp8", False, 1): {8: (32, 4), 11: (32, 4), 16: (32, 4)},
     ("mxfp8", False, 2): {8: (16, 1), 11: (16, 1), 16: (16, 1)},
     # E4M3 output (BF16 weights; 2026-11-29 sweep, 300 samples): 13-18 % under tl.dot at M=1,
-    # 6 % (H=8) and 3 % (H=11) at M=2; H=16 M=2 and every M=4 stay on tl.dot. MXFP8 -> E4M3
-    # was not swept and keeps tl.dot.
+    # 6 % (H=8) and 3 % (H=11) at M=2; H=16 M=2 and every M=4 stay on tl.dot (since then on
+    # Gluon, GLUON_TUNED).
     ("bf16", True, 1): {8: (32, 4), 11: (64, 4), 16: (32, 4)},
     ("bf16", True, 2): {8: (32, 4), 11: (16, 1)},
+    # MXFP8 -> E4M3 (2026-11-30 sweep, 200 samples, H 8/11/16): 2.76 / 3.04 / 3.23 us at M=1
+    # against Gluon's best 2.88 / 3.12 / 3.29 and tl.dot's 3.93 / 4.35 / 4.57. From M=2 the
+    # Gluon "smem" path wins (GLUON_TUNED).
+    ("mxfp8", True, 1): {8: (32, 4), 11: (32, 4), 16: (32, 4)},
 }
 
 
@@ -120,12 +124,16 @@ FMA_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int]]] = {
 # --sweep-gluon, H200, 2026-11-30, 200 samples, H 8/16 x M 1/4/32; every output checked):
 # (weight format, E4M3 out) -> how its operands reach the MMA layouts. BF16 and MXFP8 -> BF16:
 # "convert", 8-32 % under tl.dot at M 4 and 32 (MXFP8 H=16 M=32: 3.37 vs 4.96 us); BF16 ->
-# E4M3: "smem", 5-11 % under at M=4 and H=8 M=32 (H=16 M=32: 4.40 vs 4.46, a tie). MXFP8 ->
-# E4M3 was not swept and keeps tl.dot. Shapes with a register-path entry (FMA_TUNED) keep it.
+# E4M3: "smem", 5-11 % under at M=4 and H=8 M=32 (H=16 M=32: 4.40 vs 4.46, a tie). Shapes
+# with a register-path entry (FMA_TUNED) keep it.
 GLUON_TUNED: dict[tuple[str, bool], str] = {
     ("bf16", False): "convert",
     ("mxfp8", False): "convert",
     ("bf16", True): "smem",
+    # MXFP8 -> E4M3 (the 2026-11-30 sweep, 200 samples, H 8/11/16 x M 2/4/32): "smem" with
+    # 32-wide tiles, 26-30 % under tl.dot (H=16 M=32: 4.15 vs 5.85 us; M=4: 3.31 vs 4.55);
+    # "convert" with 64-wide tiles ties or wins by <= 1 % at H 11/16 M 2/4.
+    ("mxfp8", True): "smem",
 }
 # "convert": 64-wide N tiles at 16 heads (128 CTAs), 32-wide below (128 at H=8, 176 at
 # H=11): measured 2.98 vs 3.20 us (H=8 M=32, BF16) and 3.37 vs 3.62 (H=16 M=32, MXFP8).

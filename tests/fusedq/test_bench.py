@@ -133,6 +133,53 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
     assert torch.equal(got, torch.arange(bench.FLOOR_EMPTY_CTAS, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8-e4m3"])
+def test_tiled_floor_reads_each_tile_of_the_real_weight_and_stores_the_output(fmt, device):
+    """The tiled read+store floor (run here through the interpreter) really moves the fused
+    kernel's data: each output word of a CTA's tile holds the integer sum of its weight tile's
+    column, its q columns and (MXFP8) its scales, so no load can be dropped; the pid_n = 0
+    CTAs copy q_pe. With K split across CTAs the tile holds one K range's partial sum (the
+    interpreter runs the CTAs in order, so the last range's)."""
+    import torch
+
+    h, m = 8, 3
+    gen = torch.Generator().manual_seed(7)
+    weight_format, out_fp8 = bench.RECIPES[fmt]
+    base = torch.randn(h, 448, 512, generator=gen).to(torch.bfloat16)
+    w = base.to(device)[:, :192]  # vLLM's strided W_UK_T view
+    fused = fusedq.quantize_mxfp8(w) if weight_format == "mxfp8" else w
+    q = torch.randn(m, h, 256, generator=gen).to(torch.bfloat16).to(device)
+    out = torch.empty(m, h, 576, dtype=torch.float8_e4m3fn if out_fp8 else torch.bfloat16)
+    out = out.to(device)
+    lay = bench.Layers(
+        [], [fused], [], [], q[..., :192], q[..., 192:], out, None, out.dtype, 0
+    )  # fmt: skip
+    steps = bench._tile_floor_steps(lay)
+    assert set(steps) == {f"tile_n{n}_k{k}" for n, k in bench.FLOOR_TILES}
+    values = fused.values if weight_format == "mxfp8" else fused
+    wi = bench._int_view(values).to(torch.int64).cpu()
+    qi = bench._int_view(q[..., :192]).to(torch.int64).cpu()
+    pe = bench._int_view(q[..., 192:]).cpu()
+    sc = fused.scales.to(torch.int64).cpu() if weight_format == "mxfp8" else None
+    bits = out.element_size() * 8
+    for block_n, ksplit in bench.FLOOR_TILES:
+        out.view(torch.uint8).fill_(0xAB)
+        steps[f"tile_n{block_n}_k{ksplit}"](0)
+        k0, k1 = 192 - 192 // ksplit, 192  # the last K range
+        want = wi[:, k0:k1].sum(1) + qi[:, :, k0:k1].sum((0, 2))[:, None]
+        if sc is not None:
+            cols = sc[:, k0:k1].sum(1)  # [H, 16]: per 32-column block
+            per_tile = cols.view(h, 512 // max(block_n, 32), -1).sum(2)
+            want = want + per_tile.repeat_interleave(block_n, dim=1)
+        want = (want + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1)  # the store's wrap-around
+        got = bench._int_view(out).to(torch.int64).cpu()
+        if bits == 8:  # uint8 view: compare as unsigned
+            want = want % 256
+        assert torch.equal(got[..., :512], want[None].expand(m, h, 512)), (block_n, ksplit)
+        if ksplit == 1 and bits == 16:
+            assert torch.equal(bench._int_view(out)[..., 512:].cpu(), pe), block_n
+
+
 def test_floor_ratios_take_the_fastest_read():
     row = {"staged_us": 5.0, "fused_us": 2.5, "empty_us": 1.0}
     row.update({f"read_w{w}_us": 2.2 + w / 1e4 for w in bench.FLOOR_READ_WORDS})
@@ -148,6 +195,19 @@ def test_floor_ratios_take_the_fastest_read():
     assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 13
     assert "| 1.00 | 2.00 | 0.40 |" in table[2] and "| - | - | - |" in table[3]
     assert bench.parse_args(["--floors"])[0].floors
+    # The tiled floor: its fastest tile, as a fraction of the read floor, and in the tables.
+    row.update({f"tile_n{n}_k{k}_us": 3.0 + n / 1e3 for n, k in bench.FLOOR_TILES})
+    row["tile_n512_k12_us"] = 2.2
+    bench.add_floor_ratios(row)
+    assert row["tile_us"] == 2.2 and row["tile_variant"] == "tile_n512_k12"
+    assert row["tile_over_read"] == pytest.approx(1.1)
+    assert row["fused_over_tile"] == pytest.approx(2.5 / 2.2)
+    assert "| 2.20 (tile_n512_k12) |" in bench.format_table([{**base, **row}])
+    (bar,) = bench.floor_bars([{**base, **row}])
+    assert bar["bf16_tile_over_read"] == pytest.approx(1.1) and bar["mxfp8_tile_over_read"] is None
+    table = bench.format_floor_bars([bar])
+    assert "| BF16 tiled floor/read | MXFP8 tiled floor/read |" in table
+    assert table.splitlines()[2].endswith("| 1.10 | - |")
 
 
 @pytest.mark.gpu

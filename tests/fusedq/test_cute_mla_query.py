@@ -173,8 +173,9 @@ def test_public_op_auto_picks_cute_at_small_m(m, device):
     if m > CUTE_MAX_M:
         return
     # Eagerly that was the Triton fallback (the CuTe call's host cost); a captured graph runs
-    # the CuTe kernel: its replay matches too.
-    fusedq.prewarm(wq, [m])
+    # the CuTe kernel: its replay matches too. No prewarm: the eager call above is the usual
+    # warm-up, and binding its signature compiled the CuTe variant (found on the H200: it did
+    # not, and the capture raised).
     out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     launched = []
@@ -202,3 +203,16 @@ def test_public_op_auto_picks_cute_at_small_m(m, device):
     with pytest.raises(ValueError, match="backend='cute': an operand's address is not 16-byte"):
         fusedq.mla_query_projection(q_nope, wq, q_pe, out=odd, backend="cute")
     assert fusedq.prewarm(wq, [m]) >= 0  # compiled already: prewarm finds it (no error)
+    # A signature first seen inside a capture cannot compile there: the graph runs Triton,
+    # with a warning, and is still right.
+    dispatch.clear_plans()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.MonkeyPatch.context() as mp, pytest.warns(RuntimeWarning, match="Triton kernel"):
+        mp.setattr(cute, "_compiled", {})
+        mp.setattr(cute, "_warned", set())
+        with torch.cuda.graph(graph):
+            fusedq.mla_query_projection(q_nope, wq, q_pe, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, ref, "mxfp8")

@@ -432,11 +432,51 @@ def test_auto_binds_the_cute_launch_when_kernel_choice_picks_it(monkeypatch):
     out = torch.empty(1, 8, 576, dtype=torch.bfloat16)
     operands = (q_nope, wq.values, wq.scales, q_pe, out)
     monkeypatch.setattr(cute_mla_query, "unsupported_reason", lambda *a: None)
+    compiled = []
+    monkeypatch.setattr(cute_mla_query, "prewarm", lambda *a: compiled.append(a) or 1)
     monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
     bound = dispatch._cute_or(triton_launch, "auto", operands, False)
     assert isinstance(bound, cute_mla_query.BoundCute) and bound.fallback is triton_launch
+    # Bound outside a capture, the variant is compiled then (eager calls never run it).
+    assert compiled == [(8, 1, torch.device("cpu"))] and bound.key == (8, 1, 0)
     monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("triton", "M=8 > 2"))
     assert dispatch._cute_or(triton_launch, "auto", operands, False) is triton_launch
     monkeypatch.setattr(cute_mla_query, "unsupported_reason", lambda *a: "out: not aligned")
     monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
     assert dispatch._cute_or(triton_launch, "auto", operands, False) is triton_launch
+
+
+def test_bound_cute_runs_the_fallback_eagerly_and_in_a_capture_it_cannot_serve(monkeypatch):
+    """backend="auto"'s CuTe launch: eager calls take the Triton fallback; under capture the
+    CuTe kernel runs if its variant was compiled, else the fallback does and one warning says
+    why (found on the H200: the usual eager warm-up then capture raised, since the eager call
+    ran Triton and never compiled the CuTe variant). Without a fallback every call is CuTe."""
+    import warnings
+
+    from fusedq.kernels import cute_mla_query as cute
+
+    calls = []
+    monkeypatch.setattr(cute, "prewarm", lambda *a: 0)
+    monkeypatch.setattr(cute, "launch_unchecked", lambda *a: calls.append("cute"))
+    monkeypatch.setattr(cute, "_compiled", {})
+    monkeypatch.setattr(cute, "_warned", set())
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    bound = cute.BoundCute(lambda *a: calls.append("triton"), 16, 2, torch.device("cpu"))
+    ops = [torch.empty(16, dtype=torch.uint8)] * 5 + [None]  # aligned addresses
+    bound(*ops)
+    capturing[0] = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bound(*ops)
+        bound(*ops)
+    assert calls == ["triton"] * 3
+    (w,) = caught
+    assert "heads=16 M-bucket=2" in str(w.message) and "runs the Triton kernel" in str(w.message)
+    cute._compiled[(16, 2, 0)] = object()
+    bound(*ops)
+    assert calls[-1] == "cute"
+    forced = cute.BoundCute(None, 16, 2, torch.device("cpu"))
+    capturing[0] = False
+    forced(*ops)
+    assert calls[-1] == "cute" and len(calls) == 5

@@ -202,12 +202,13 @@ def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, operands, devic
         (11, 16, "bf16", True, ("gluon", "smem", 32)),
         (16, 32, "bf16", True, ("gluon", "smem", 32)),  # smem keeps 32-wide tiles at H=16
         (8, 1, "bf16", False, ("fma", None, 32)),  # the register path keeps its shapes
-        (16, 4, "mxfp8", True, ("dot", None, None)),  # not swept: tl.dot
+        (16, 4, "mxfp8", True, ("gluon", "smem", 32)),  # MXFP8 -> E4M3 (swept 2026-11-30)
+        (11, 1, "mxfp8", True, ("fma", None, 32)),  # ... and its register path at M=1
     ],
 )  # fmt: skip
 def test_for_problem_picks_gluon_where_it_measured_faster(monkeypatch, h, m, fmt, out_fp8, expect):
     """On a GPU with Gluon, the tl.dot shapes of the swept recipes take the Gluon kernel
-    (GLUON_TUNED); the register path and the unswept MXFP8 -> E4M3 stay."""
+    (GLUON_TUNED); the register path keeps its shapes (FMA_TUNED)."""
     monkeypatch.setattr(kernel, "interpreting", lambda: False)
     monkeypatch.setattr(kernel, "_gluon_available", lambda: True)
     monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
