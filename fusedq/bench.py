@@ -238,7 +238,39 @@ def _floor_kernels():
         o = pid * OUT_WORDS + tl.arange(0, OUT_WORDS)
         tl.store(dst_ptr + o, tl.zeros([OUT_WORDS], dtype=tl.int32) + total, mask=o < n_out)
 
-    return read_kernel, empty_kernel, read_store_kernel
+    @triton.jit
+    def grid_read_kernel(src_ptr, sink_ptr, n_words, per_cta, WORDS: tl.constexpr):
+        # read_kernel over the fused kernel's grid: per_cta words (a multiple of 16) per CTA,
+        # WORDS their power-of-two cover.
+        pid = tl.program_id(0)
+        idx = tl.arange(0, WORDS)
+        offs = pid * per_cta + idx
+        x = tl.load(src_ptr + offs, mask=(idx < per_cta) & (offs < n_words), other=0)
+        tl.store(sink_ptr + pid, tl.sum(x, axis=0))
+
+    @triton.jit
+    def split_k_kernel(
+        src_ptr, part_ptr, count_ptr, dst_ptr, n_words, n_out,
+        WORDS: tl.constexpr, SPLIT: tl.constexpr, OUT_WORDS: tl.constexpr,
+    ):  # fmt: skip
+        # The read kernel's best grid, its CTAs in groups of SPLIT (the K slices of one output
+        # tile): each adds its sum to the tile's partial and counts itself in; the last one
+        # takes the total (and resets both for the next replay) and stores the tile's share of
+        # the output. The least any split-K kernel adds: one atomic round trip to L2, then
+        # one more for the partial.
+        pid = tl.program_id(0)
+        offs = pid * WORDS + tl.arange(0, WORDS)
+        x = tl.load(src_ptr + offs, mask=offs < n_words, other=0)
+        tile = pid // SPLIT
+        tl.atomic_add(part_ptr + tile, tl.sum(x, axis=0), sem="relaxed")
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.atomic_xchg(part_ptr + tile, 0, sem="acq_rel")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
+            o = tile * OUT_WORDS + tl.arange(0, OUT_WORDS)
+            tl.store(dst_ptr + o, tl.zeros([OUT_WORDS], dtype=tl.int32) + total, mask=o < n_out)
+
+    return read_kernel, empty_kernel, read_store_kernel, grid_read_kernel, split_k_kernel
 
 
 def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
@@ -250,7 +282,7 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
     global _FLOOR_KERNELS
     if _FLOOR_KERNELS is None:
         _FLOOR_KERNELS = _floor_kernels()
-    read_kernel, empty_kernel, read_store_kernel = _FLOOR_KERNELS
+    read_kernel, empty_kernel, read_store_kernel = _FLOOR_KERNELS[:3]
     words = [src.view(torch.int32) for src in lay.copy_src]
     n_words = words[0].numel()
     sink = lay.floor_sink
@@ -275,57 +307,72 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
     return steps
 
 
-# The tiled read+store floor: the fused kernel's data movement without its arithmetic. Each
-# CTA of a (N / BLOCK_N, H, KSPLIT) grid loads its [K / KSPLIT, BLOCK_N] tile of the layer's
-# real weight (vLLM's strided W_UK_T view, or the MXFP8 values and their scales), the tokens'
-# q_nope columns of that K range, and stores its [M, BLOCK_N] output tile (with KSPLIT = 1, the
-# pid_n = 0 CTAs also copy q_pe, as the fused kernels do). (BLOCK_N, KSPLIT): the fused
-# kernels' own tiles (32 and 64 columns, the whole K), a wider one, and tiles of whole 1 KB
-# weight rows that need K split across CTAs, whose cross-CTA sum this floor leaves out (so
-# for them it is a lower bound). What the read-only floor (contiguous bytes) does not show:
-# what reading the weight in tiles costs, before any arithmetic.
-FLOOR_TILES = ((32, 1), (64, 1), (128, 1), (256, 3), (512, 6), (512, 12))
+# Why the fused kernel stays above the read floor, measured: the read floor's best grid has
+# 2-4 KB per CTA (768-1536 CTAs), while one CTA of the fused kernel owns BLOCK_N output columns
+# over the whole K (192 rows): 6-24 KB, H x 512 / BLOCK_N CTAs. Narrower column tiles waste
+# DRAM sectors (W_UK_T's rows are 1 KB); the read floor's grid needs K split across CTAs.
+# "grid": the read kernel on the fused kernel's own grid (its CTA count, the layer's bytes
+# shared evenly); "split_k": the read kernel's best grid, its CTAs in K groups of
+# FLOOR_SPLIT_K, joined with the least a split-K kernel must add (see split_k_kernel).
+FLOOR_SPLIT_WORDS = 512
+FLOOR_SPLIT_K = 6
 
 
-def _int_view(t):
-    """The same bytes as integers of the same width (the floor kernels move bits only)."""
+def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
+    """How many CTAs the fused kernel the product picks launches for one layer (a grid of
+    (512 / BLOCK_N, H); the CuTe kernel's BLOCK_N is its MX block)."""
+    import fusedq
+    from fusedq.kernels import cute_mla_query
+    from fusedq.kernels.triton_mla_query import LaunchConfig
+
+    weight_format, out_fp8 = RECIPES[fmt]
+    out_dtype = _out_dtype(out_fp8)
+    path, _ = fusedq.kernel_choice(h, m, weight_format=weight_format, out_dtype=out_dtype)
+    if path == "cute":
+        block_n = cute_mla_query.BLOCK_N
+    else:
+        block_n = LaunchConfig.for_problem(h, m, weight_format, out_fp8).block_n
+    return h * (KV_LORA // block_n)
+
+
+def _out_dtype(out_fp8: bool):
     import torch
 
-    return t.view({2: torch.int16, 1: torch.uint8}[t.element_size()])
+    return torch.float8_e4m3fn if out_fp8 else torch.bfloat16
 
 
-def _tile_floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
-    """The tiled read+store floor per (BLOCK_N, KSPLIT) of ``FLOOR_TILES``, on the layers'
-    real weights (see ``FLOOR_TILES``)."""
+def _grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
+    """The "grid" and "split_k" floors for each layer (see FLOOR_SPLIT_K)."""
     import torch
     import triton
 
-    from fusedq.floor_kernels import tile_kernel
-
+    global _FLOOR_KERNELS
+    if _FLOOR_KERNELS is None:
+        _FLOOR_KERNELS = _floor_kernels()
+    grid_read_kernel, split_k_kernel = _FLOOR_KERNELS[3:]
+    words = [src.view(torch.int32) for src in lay.copy_src]
+    n_words = words[0].numel()
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
-    ws = [(w.values, w.scales) if hasattr(w, "scales") else (w, None) for w in lay.fused_w]
-    values = [_int_view(v) for v, _ in ws]
-    scales = [None if sc is None else sc.view(torch.uint8) for _, sc in ws]
-    q, pe, out = _int_view(lay.q_nope), _int_view(lay.q_pe), _int_view(lay.out)
-    mxfp8 = scales[0] is not None
-    v0, s0 = values[0], scales[0] if mxfp8 else values[0]
+    ctas = fused_grid_ctas(fmt, h, m)
+    per_cta = -(-n_words // ctas // 16) * 16
+    cover = triton.next_power_of_2(per_cta)
+    sink, dst = lay.floor_sink, lay.floor_out
+    n_out = dst.numel()
+    tiles = -(-n_words // (FLOOR_SPLIT_WORDS * FLOOR_SPLIT_K))
+    out_words = max(16, triton.next_power_of_2(-(-n_out // tiles)))
 
-    def step(block_n: int, ksplit: int) -> Callable[[int], None]:
-        chunks = 3 if ksplit == 1 else 1
-        chunk_k = QK_NOPE // (ksplit * chunks)
-        tile_bytes = chunk_k * chunks * block_n * v0.element_size()
-        grid = (KV_LORA // block_n, h, ksplit)
-        meta = dict(
-            CHUNK_K=chunk_k, CHUNKS=chunks, BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m),
-            N=KV_LORA, R=QK_ROPE, SCALES=mxfp8, num_warps=4 if tile_bytes <= 16384 else 8,
-        )  # fmt: skip
-        return lambda i: tile_kernel[grid](
-            values[i], scales[i] if mxfp8 else values[i], q, pe, out, m,
-            v0.stride(0), v0.stride(1), s0.stride(0), s0.stride(1), q.stride(0), q.stride(1),
-            pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), **meta,
+    def grid(i: int) -> None:
+        grid_read_kernel[(ctas,)](
+            words[i], sink, n_words, per_cta, WORDS=cover, num_warps=4 if cover <= 2048 else 8
+        )
+
+    def split_k(i: int) -> None:
+        split_k_kernel[(tiles * FLOOR_SPLIT_K,)](
+            words[i], lay.floor_part, lay.floor_count, dst, n_words, n_out,
+            WORDS=FLOOR_SPLIT_WORDS, SPLIT=FLOOR_SPLIT_K, OUT_WORDS=out_words, num_warps=4,
         )  # fmt: skip
 
-    return {f"tile_n{bn}_k{ks}": step(bn, ks) for bn, ks in FLOOR_TILES}
+    return {"grid": grid, "split_k": split_k}
 
 
 @dataclasses.dataclass
@@ -345,6 +392,9 @@ class Layers:
     floor_sink: object = None
     # The read+store floor's output: as many int32 words as the layer's out has bytes / 4.
     floor_out: object = None
+    # The split-K floor's partial sums and arrival counts, one per output tile (zeros).
+    floor_part: object = None
+    floor_count: object = None
 
 
 def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
@@ -368,7 +418,7 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
         copy_src.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
         copy_dst.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
     q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
-    out_dtype = torch.float8_e4m3fn if out_fp8 else torch.bfloat16
+    out_dtype = _out_dtype(out_fp8)
     q_scale = torch.tensor([opts.q_scale], device=dev) if out_fp8 else None
     out = torch.empty(m, h, QUERY_WIDTH, device=dev, dtype=out_dtype)
     # Random bytes for the floor kernels too: never time on zeros.
@@ -379,9 +429,12 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
     floor_out = torch.empty(
         -(-out.numel() * out.element_size() // 4), dtype=torch.int32, device=dev
     )
+    tiles = -(-fused_bytes // (4 * FLOOR_SPLIT_WORDS * FLOOR_SPLIT_K))
     return Layers(
         staged_w, fused_w, copy_src, copy_dst, q[..., :QK_NOPE], q[..., QK_NOPE:], out, q_scale,
         out_dtype, fused_bytes, sink, floor_out,
+        torch.zeros(tiles, dtype=torch.int32, device=dev),
+        torch.zeros(tiles, dtype=torch.int32, device=dev),
     )  # fmt: skip
 
 
@@ -530,7 +583,7 @@ def _steps(
         steps["fused_pdl"] = _fused_step(lay, dataclasses.replace(cfg, pdl=True))
     if floors:
         steps.update(_floor_steps(lay))
-        steps.update(_tile_floor_steps(lay))
+        steps.update(_grid_floor_steps(lay, fmt))
     return steps
 
 
@@ -589,13 +642,10 @@ def add_floor_ratios(row: dict) -> None:
         best = min(stores, key=stores.get)
         row["store_us"], row["store_variant"] = stores[best], best
         row["fused_over_store"] = row["fused_us"] / row["store_us"]
-    tiles = {f"tile_n{n}_k{k}": row.get(f"tile_n{n}_k{k}_us") for n, k in FLOOR_TILES}
-    tiles = {name: us for name, us in tiles.items() if us is not None}
-    if tiles:  # and before the tiled floor existed
-        best = min(tiles, key=tiles.get)
-        row["tile_us"], row["tile_variant"] = tiles[best], best
-        row["tile_over_read"] = row["tile_us"] / row["read_us"]
-        row["fused_over_tile"] = row["fused_us"] / row["tile_us"]
+    for name in ("grid", "split_k"):  # and before the grid and split-K floors existed
+        if f"{name}_us" in row:
+            row[f"{name}_over_read"] = row[f"{name}_us"] / row["read_us"]
+            row[f"fused_over_{name}"] = row["fused_us"] / row[f"{name}_us"]
 
 
 def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
@@ -748,8 +798,8 @@ def format_table(rows: list[dict]) -> str:
     stores = any("store_us" in r for r in rows)
     header = ["format", "H", "M", "fused µs", "staged µs", "copy µs", "fused/staged", "fused/copy"]
     header += ["empty µs", "read µs", "read/staged"] * floors
-    tiles = any("tile_us" in r for r in rows)
-    header += ["read+store µs"] * stores + ["tiled floor µs"] * tiles + ["target"]
+    grids = any("grid_us" in r for r in rows)
+    header += ["read+store µs"] * stores + ["grid µs", "split-K µs"] * grids + ["target"]
     body = []
     for r in rows:
         if "error" in r:
@@ -763,8 +813,8 @@ def format_table(rows: list[dict]) -> str:
             cells += ["-"] * 3
         if stores:
             cells.append(f"{r['store_us']:.2f}" if "store_us" in r else "-")
-        if tiles:
-            cells.append(f"{r['tile_us']:.2f} ({r['tile_variant']})" if "tile_us" in r else "-")
+        if grids:
+            cells += [f"{r[k]:.2f}" if k in r else "-" for k in ("grid_us", "split_k_us")]
         body.append([*cells, verdict(r)])
     return md_table(header, body)
 
@@ -796,8 +846,9 @@ def floor_bars(rows: list[dict]) -> list[dict]:
             row[f"{fmt}_store_over_read"] = (
                 r["store_us"] / r["read_us"] if r and "store_us" in r else None
             )
-            # And reading the weight in tiles (the fastest of FLOOR_TILES), before any math.
-            row[f"{fmt}_tile_over_read"] = r.get("tile_over_read") if r else None
+            # And reading it on the fused kernel's grid, or split over K (FLOOR_SPLIT_K).
+            for name in ("grid", "split_k"):
+                row[f"{fmt}_{name}_over_read"] = r.get(f"{name}_over_read") if r else None
         for e4m3_fmt, bf16_fmt, key in E4M3_PAIRS:
             e4, bf = by.get((e4m3_fmt, h, m)), by.get((bf16_fmt, h, m))
             ratio = e4["fused_us"] / bf["fused_us"] if e4 and bf else None
@@ -823,7 +874,8 @@ def format_floor_bars(bars: list[dict]) -> str:
     ratios = [("bf16_over_read", "bf16_ok"), ("mxfp8_over_read", "mxfp8_ok")]
     ratios += [(f"{key}_over_{bf}", f"{key}_ok") for _, bf, key in E4M3_PAIRS]
     body = [[b["H"], b["M"], *(cell(b.get(r), b.get(ok)) for r, ok in ratios)] for b in bars]
-    for key, title in (("store", "read+store/read"), ("tile", "tiled floor/read")):
+    titles = (("store", "read+store/read"), ("grid", "grid/read"), ("split_k", "split-K/read"))
+    for key, title in titles:
         if any(b.get(f"{fmt}_{key}_over_read") for b in bars for fmt in FLOOR_BARS):
             header += [f"{fmt.upper()} {title}" for fmt in FLOOR_BARS]
             for b, line in zip(bars, body, strict=True):

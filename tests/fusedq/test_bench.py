@@ -133,51 +133,58 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
     assert torch.equal(got, torch.arange(bench.FLOOR_EMPTY_CTAS, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8-e4m3"])
-def test_tiled_floor_reads_each_tile_of_the_real_weight_and_stores_the_output(fmt, device):
-    """The tiled read+store floor (run here through the interpreter) really moves the fused
-    kernel's data: each output word of a CTA's tile holds the integer sum of its weight tile's
-    column, its q columns and (MXFP8) its scales, so no load can be dropped; the pid_n = 0
-    CTAs copy q_pe. With K split across CTAs the tile holds one K range's partial sum (the
-    interpreter runs the CTAs in order, so the last range's)."""
+def test_grid_and_split_k_floors_read_every_byte(device, monkeypatch):
+    """The "grid" floor reads the layer over the fused kernel's CTA count (each CTA's sum of its
+    even share lands in the sink), and the "split_k" floor's last CTA of each K group stores
+    the group's total in its share of the output and leaves the partials and counters at zero
+    for the next replay (here through the interpreter, which runs the CTAs in order)."""
     import torch
 
-    h, m = 8, 3
-    gen = torch.Generator().manual_seed(7)
-    weight_format, out_fp8 = bench.RECIPES[fmt]
-    base = torch.randn(h, 448, 512, generator=gen).to(torch.bfloat16)
-    w = base.to(device)[:, :192]  # vLLM's strided W_UK_T view
-    fused = fusedq.quantize_mxfp8(w) if weight_format == "mxfp8" else w
-    q = torch.randn(m, h, 256, generator=gen).to(torch.bfloat16).to(device)
-    out = torch.empty(m, h, 576, dtype=torch.float8_e4m3fn if out_fp8 else torch.bfloat16)
-    out = out.to(device)
-    lay = bench.Layers(
-        [], [fused], [], [], q[..., :192], q[..., 192:], out, None, out.dtype, 0
-    )  # fmt: skip
-    steps = bench._tile_floor_steps(lay)
-    assert set(steps) == {f"tile_n{n}_k{k}" for n, k in bench.FLOOR_TILES}
-    values = fused.values if weight_format == "mxfp8" else fused
-    wi = bench._int_view(values).to(torch.int64).cpu()
-    qi = bench._int_view(q[..., :192]).to(torch.int64).cpu()
-    pe = bench._int_view(q[..., 192:]).cpu()
-    sc = fused.scales.to(torch.int64).cpu() if weight_format == "mxfp8" else None
-    bits = out.element_size() * 8
-    for block_n, ksplit in bench.FLOOR_TILES:
-        out.view(torch.uint8).fill_(0xAB)
-        steps[f"tile_n{block_n}_k{ksplit}"](0)
-        k0, k1 = 192 - 192 // ksplit, 192  # the last K range
-        want = wi[:, k0:k1].sum(1) + qi[:, :, k0:k1].sum((0, 2))[:, None]
-        if sc is not None:
-            cols = sc[:, k0:k1].sum(1)  # [H, 16]: per 32-column block
-            per_tile = cols.view(h, 512 // max(block_n, 32), -1).sum(2)
-            want = want + per_tile.repeat_interleave(block_n, dim=1)
-        want = (want + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1)  # the store's wrap-around
-        got = bench._int_view(out).to(torch.int64).cpu()
-        if bits == 8:  # uint8 view: compare as unsigned
-            want = want % 256
-        assert torch.equal(got[..., :512], want[None].expand(m, h, 512)), (block_n, ksplit)
-        if ksplit == 1 and bits == 16:
-            assert torch.equal(bench._int_view(out)[..., 512:].cpu(), pe), block_n
+    n_bytes = 8 * 192 * 528  # the MXFP8 layer size at H=8
+    lay = _floor_layers(device, n_bytes)
+    lay.q_nope = torch.empty(3, 8, 192, device=device)
+    tiles = -(-n_bytes // (4 * bench.FLOOR_SPLIT_WORDS * bench.FLOOR_SPLIT_K))
+    lay.floor_part = torch.zeros(tiles, dtype=torch.int32, device=device)
+    lay.floor_count = torch.zeros(tiles, dtype=torch.int32, device=device)
+    monkeypatch.setattr(bench, "fused_grid_ctas", lambda fmt, h, m: 128)
+    steps = bench._grid_floor_steps(lay, "mxfp8")
+    assert set(steps) == {"grid", "split_k"}
+    words = lay.copy_src[1].view(torch.int32).to(torch.int64)
+
+    def wrapped(x):  # int32 wrap-around, as the kernels sum
+        return ((x + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+    lay.floor_sink.fill_(-1)
+    steps["grid"](1)
+    per_cta = -(-words.numel() // 128 // 16) * 16
+    padded = torch.nn.functional.pad(words, (0, 128 * per_cta - words.numel()))
+    assert torch.equal(lay.floor_sink[:128].cpu(), wrapped(padded.view(128, per_cta).sum(1)).cpu())
+    for _ in range(2):  # a second replay starts from the reset partials and counters
+        lay.floor_out.fill_(-1)
+        steps["split_k"](1)
+        group = bench.FLOOR_SPLIT_WORDS * bench.FLOOR_SPLIT_K
+        padded = torch.nn.functional.pad(words, (0, tiles * group - words.numel()))
+        sums = wrapped(padded.view(tiles, group).sum(1))
+        share = max(16, 1 << (-(-lay.floor_out.numel() // tiles) - 1).bit_length())
+        want = sums.repeat_interleave(share)[: lay.floor_out.numel()]
+        assert torch.equal(lay.floor_out.cpu(), want.cpu())
+        assert not lay.floor_part.any() and not lay.floor_count.any()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "h", "m", "ctas"),
+    [("bf16", 8, 1, 8 * 512 // 32), ("bf16", 16, 4, 16 * 512 // 64), ("e4m3", 16, 4, 16 * 16)],
+)
+def test_fused_grid_ctas_follow_the_launch_config(monkeypatch, fmt, h, m, ctas):
+    from fusedq.kernels import triton_mla_query as kernel
+
+    monkeypatch.setattr(kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel, "_gluon_available", lambda: True)
+    monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
+    monkeypatch.setattr(fusedq, "kernel_choice", lambda *a, **k: ("triton", "measured"))
+    assert bench.fused_grid_ctas(fmt, h, m) == ctas
+    monkeypatch.setattr(fusedq, "kernel_choice", lambda *a, **k: ("cute", "measured"))
+    assert bench.fused_grid_ctas("mxfp8", h, m) == h * 512 // 32
 
 
 def test_floor_ratios_take_the_fastest_read():
@@ -195,19 +202,18 @@ def test_floor_ratios_take_the_fastest_read():
     assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 13
     assert "| 1.00 | 2.00 | 0.40 |" in table[2] and "| - | - | - |" in table[3]
     assert bench.parse_args(["--floors"])[0].floors
-    # The tiled floor: its fastest tile, as a fraction of the read floor, and in the tables.
-    row.update({f"tile_n{n}_k{k}_us": 3.0 + n / 1e3 for n, k in bench.FLOOR_TILES})
-    row["tile_n512_k12_us"] = 2.2
+    # The grid and split-K floors, as fractions of the read floor, and in the tables.
+    row.update({"grid_us": 2.4, "split_k_us": 2.6})
     bench.add_floor_ratios(row)
-    assert row["tile_us"] == 2.2 and row["tile_variant"] == "tile_n512_k12"
-    assert row["tile_over_read"] == pytest.approx(1.1)
-    assert row["fused_over_tile"] == pytest.approx(2.5 / 2.2)
-    assert "| 2.20 (tile_n512_k12) |" in bench.format_table([{**base, **row}])
+    assert row["grid_over_read"] == pytest.approx(1.2)
+    assert row["split_k_over_read"] == pytest.approx(1.3)
+    assert row["fused_over_grid"] == pytest.approx(2.5 / 2.4)
+    assert "| 2.40 | 2.60 |" in bench.format_table([{**base, **row}])
     (bar,) = bench.floor_bars([{**base, **row}])
-    assert bar["bf16_tile_over_read"] == pytest.approx(1.1) and bar["mxfp8_tile_over_read"] is None
+    assert bar["bf16_grid_over_read"] == pytest.approx(1.2) and bar["mxfp8_grid_over_read"] is None
     table = bench.format_floor_bars([bar])
-    assert "| BF16 tiled floor/read | MXFP8 tiled floor/read |" in table
-    assert table.splitlines()[2].endswith("| 1.10 | - |")
+    assert "| BF16 grid/read | MXFP8 grid/read | BF16 split-K/read | MXFP8 split-K/read |" in table
+    assert table.splitlines()[2].endswith("| 1.20 | - | 1.30 | - |")
 
 
 @pytest.mark.gpu
@@ -219,6 +225,7 @@ def test_one_shape_is_measured_and_correct(chain):
     assert row["read_us"] == min(row[f"read_w{w}_us"] for w in bench.FLOOR_READ_WORDS)
     if not chain:  # (chained figures are increments over the predecessors: no sign promised)
         assert row["empty_us"] > 0 and row["read_us"] > 0
+        assert row["grid_us"] > 0 and row["split_k_us"] > 0 and row["store_us"] > 0
     assert row["max_abs_err_vs_staged"] < 0.05
     assert ("fused_pdl_us" in row) == chain
 
