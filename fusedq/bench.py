@@ -270,7 +270,41 @@ def _floor_kernels():
             o = tile * OUT_WORDS + tl.arange(0, OUT_WORDS)
             tl.store(dst_ptr + o, tl.zeros([OUT_WORDS], dtype=tl.int32) + total, mask=o < n_out)
 
-    return read_kernel, empty_kernel, read_store_kernel, grid_read_kernel, split_k_kernel
+    @triton.jit
+    def view_read_kernel(
+        w_ptr, s_ptr, sink_ptr, s_wh, s_wk, s_sh, s_sk,
+        BLOCK_N: tl.constexpr, CHUNK_K: tl.constexpr, SCALES: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
+    ):  # fmt: skip
+        # The fused kernel's CTA tile of the real weight view (head h, BLOCK_N columns from
+        # pid_n * BLOCK_N, all 3 x CHUNK_K rows; MXFP8: with its scales), loaded as the fused
+        # kernels load it (three K chunks, every load issued before any use), folded
+        # elementwise in the layout it arrives in, then into one word.
+        pid_n = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_k = tl.arange(0, CHUNK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = w_ptr + h.to(tl.int64) * s_wh + offs_k[:, None] * s_wk + offs_n[None, :]
+        w0 = tl.load(rows)
+        w1 = tl.load(rows + CHUNK_K * s_wk)
+        w2 = tl.load(rows + 2 * CHUNK_K * s_wk)
+        if SCALES:
+            offs_s = (pid_n * BLOCK_N) // 32 + tl.arange(0, SCALE_COLS)
+            srows = s_ptr + h.to(tl.int64) * s_sh + offs_k[:, None] * s_sk + offs_s[None, :]
+            c0 = tl.load(srows)
+            c1 = tl.load(srows + CHUNK_K * s_sk)
+            c2 = tl.load(srows + 2 * CHUNK_K * s_sk)
+        x = w0.to(tl.int32) + w1.to(tl.int32) + w2.to(tl.int32)
+        total = tl.sum(tl.sum(x, axis=1), axis=0)
+        if SCALES:
+            c = c0.to(tl.int32) + c1.to(tl.int32) + c2.to(tl.int32)
+            total += tl.sum(tl.sum(c, axis=1), axis=0)
+        tl.store(sink_ptr + h * tl.num_programs(0) + pid_n, total)
+
+    return (
+        read_kernel, empty_kernel, read_store_kernel, grid_read_kernel, split_k_kernel,
+        view_read_kernel,
+    )  # fmt: skip
 
 
 def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
@@ -313,14 +347,22 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
 # DRAM sectors (W_UK_T's rows are 1 KB); the read floor's grid needs K split across CTAs.
 # "grid": the read kernel on the fused kernel's own grid (its CTA count, the layer's bytes
 # shared evenly); "split_k": the read kernel's best grid, its CTAs in K groups of
-# FLOOR_SPLIT_K, joined with the least a split-K kernel must add (see split_k_kernel).
+# FLOOR_SPLIT_K, joined with the least a split-K kernel must add (see split_k_kernel);
+# "view": the fused kernel's own tiles of the real weight view (vLLM's W_UK_T: BLOCK_N-wide
+# segments of 1 KB rows), read as it reads them, with no math (see view_read_kernel).
 FLOOR_SPLIT_WORDS = 512
 FLOOR_SPLIT_K = 6
 
 
 def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
     """How many CTAs the fused kernel the product picks launches for one layer (a grid of
-    (512 / BLOCK_N, H); the CuTe kernel's BLOCK_N is its MX block)."""
+    (512 / BLOCK_N, H))."""
+    return h * (KV_LORA // fused_block_n(fmt, h, m))
+
+
+def fused_block_n(fmt: str, h: int, m: int) -> int:
+    """The output columns per CTA of the fused kernel the product picks (the CuTe kernel's:
+    its MX block)."""
     import fusedq
     from fusedq.kernels import cute_mla_query
     from fusedq.kernels.triton_mla_query import LaunchConfig
@@ -332,7 +374,7 @@ def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
         block_n = cute_mla_query.BLOCK_N
     else:
         block_n = LaunchConfig.for_problem(h, m, weight_format, out_fp8).block_n
-    return h * (KV_LORA // block_n)
+    return block_n
 
 
 def _out_dtype(out_fp8: bool):
@@ -342,18 +384,19 @@ def _out_dtype(out_fp8: bool):
 
 
 def _grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
-    """The "grid" and "split_k" floors for each layer (see FLOOR_SPLIT_K)."""
+    """The "grid", "split_k" and "view" floors for each layer (see FLOOR_SPLIT_K)."""
     import torch
     import triton
 
     global _FLOOR_KERNELS
     if _FLOOR_KERNELS is None:
         _FLOOR_KERNELS = _floor_kernels()
-    grid_read_kernel, split_k_kernel = _FLOOR_KERNELS[3:]
+    grid_read_kernel, split_k_kernel, view_read_kernel = _FLOOR_KERNELS[3:]
     words = [src.view(torch.int32) for src in lay.copy_src]
     n_words = words[0].numel()
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
-    ctas = fused_grid_ctas(fmt, h, m)
+    block_n = fused_block_n(fmt, h, m)
+    ctas = h * (KV_LORA // block_n)
     per_cta = -(-n_words // ctas // 16) * 16
     cover = triton.next_power_of_2(per_cta)
     sink, dst = lay.floor_sink, lay.floor_out
@@ -372,7 +415,22 @@ def _grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]
             WORDS=FLOOR_SPLIT_WORDS, SPLIT=FLOOR_SPLIT_K, OUT_WORDS=out_words, num_warps=4,
         )  # fmt: skip
 
-    return {"grid": grid, "split_k": split_k}
+    ws = [(w.values, w.scales) if hasattr(w, "scales") else (w, None) for w in lay.fused_w]
+    values = [v.view({2: torch.int16, 1: torch.uint8}[v.element_size()]) for v, _ in ws]
+    scales = [values[i] if sc is None else sc for i, (_, sc) in enumerate(ws)]
+    v0, s0 = values[0], scales[0]
+    view_meta = dict(
+        BLOCK_N=block_n, CHUNK_K=QK_NOPE // 3, SCALES=ws[0][1] is not None,
+        SCALE_COLS=max(1, block_n // MX_BLOCK), num_warps=4 if block_n <= 32 else 8,
+    )  # fmt: skip
+
+    def view(i: int) -> None:
+        view_read_kernel[(KV_LORA // block_n, h)](
+            values[i], scales[i], sink, v0.stride(0), v0.stride(1), s0.stride(0), s0.stride(1),
+            **view_meta,
+        )  # fmt: skip
+
+    return {"grid": grid, "split_k": split_k, "view": view}
 
 
 @dataclasses.dataclass
@@ -642,7 +700,7 @@ def add_floor_ratios(row: dict) -> None:
         best = min(stores, key=stores.get)
         row["store_us"], row["store_variant"] = stores[best], best
         row["fused_over_store"] = row["fused_us"] / row["store_us"]
-    for name in ("grid", "split_k"):  # and before the grid and split-K floors existed
+    for name in ("grid", "split_k", "view"):  # and before these floors existed
         if f"{name}_us" in row:
             row[f"{name}_over_read"] = row[f"{name}_us"] / row["read_us"]
             row[f"fused_over_{name}"] = row["fused_us"] / row[f"{name}_us"]
@@ -799,7 +857,8 @@ def format_table(rows: list[dict]) -> str:
     header = ["format", "H", "M", "fused µs", "staged µs", "copy µs", "fused/staged", "fused/copy"]
     header += ["empty µs", "read µs", "read/staged"] * floors
     grids = any("grid_us" in r for r in rows)
-    header += ["read+store µs"] * stores + ["grid µs", "split-K µs"] * grids + ["target"]
+    header += ["read+store µs"] * stores + ["grid µs", "split-K µs", "view µs"] * grids
+    header += ["target"]
     body = []
     for r in rows:
         if "error" in r:
@@ -814,7 +873,9 @@ def format_table(rows: list[dict]) -> str:
         if stores:
             cells.append(f"{r['store_us']:.2f}" if "store_us" in r else "-")
         if grids:
-            cells += [f"{r[k]:.2f}" if k in r else "-" for k in ("grid_us", "split_k_us")]
+            cells += [
+                f"{r[k]:.2f}" if k in r else "-" for k in ("grid_us", "split_k_us", "view_us")
+            ]
         body.append([*cells, verdict(r)])
     return md_table(header, body)
 
@@ -847,7 +908,7 @@ def floor_bars(rows: list[dict]) -> list[dict]:
                 r["store_us"] / r["read_us"] if r and "store_us" in r else None
             )
             # And reading it on the fused kernel's grid, or split over K (FLOOR_SPLIT_K).
-            for name in ("grid", "split_k"):
+            for name in ("grid", "split_k", "view"):
                 row[f"{fmt}_{name}_over_read"] = r.get(f"{name}_over_read") if r else None
         for e4m3_fmt, bf16_fmt, key in E4M3_PAIRS:
             e4, bf = by.get((e4m3_fmt, h, m)), by.get((bf16_fmt, h, m))
@@ -874,7 +935,10 @@ def format_floor_bars(bars: list[dict]) -> str:
     ratios = [("bf16_over_read", "bf16_ok"), ("mxfp8_over_read", "mxfp8_ok")]
     ratios += [(f"{key}_over_{bf}", f"{key}_ok") for _, bf, key in E4M3_PAIRS]
     body = [[b["H"], b["M"], *(cell(b.get(r), b.get(ok)) for r, ok in ratios)] for b in bars]
-    titles = (("store", "read+store/read"), ("grid", "grid/read"), ("split_k", "split-K/read"))
+    titles = (
+        ("store", "read+store/read"), ("grid", "grid/read"), ("split_k", "split-K/read"),
+        ("view", "view/read"),
+    )  # fmt: skip
     for key, title in titles:
         if any(b.get(f"{fmt}_{key}_over_read") for b in bars for fmt in FLOOR_BARS):
             header += [f"{fmt.upper()} {title}" for fmt in FLOOR_BARS]

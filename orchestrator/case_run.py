@@ -534,8 +534,8 @@ def token_checks(
     case: Case, matrix: Matrix, store: RunStore, workloads: Mapping[str, Any]
 ) -> dict[str, dict[str, Any]]:
     """For each measured ``same_tokens`` workload: this case's tokens against those of the
-    first variant of its topology (``{}`` for that first variant itself)."""
-    first = matrix.variants[0] if matrix.variants else None
+    baseline variant of its topology (``{}`` for the baseline itself)."""
+    first = matrix.baseline_variant if matrix.variants else None
     if first is None or case.variant.name == first.name:
         return {}
     reference = replace(case, variant=first)

@@ -218,6 +218,12 @@ class VariantSpec(_EnvArgs):
     expect: list[ExpectSpec] = Field(
         default_factory=list, description="Lines only this variant's servers must log."
     )
+    baseline: bool = Field(
+        False,
+        description="The variant the reports compare the others against (at most one; "
+        "default: the first). Cases still run in the matrix's order, so a baseline listed "
+        "last runs after what it is compared with.",
+    )
 
 
 class TimeoutSpec(_Strict):
@@ -298,6 +304,12 @@ class Matrix(_Strict):
         "0.0.0.0 every interface.",
     )
     max_mtp: int = Field(8, ge=0, description="Sanity bound on speculative tokens.")
+
+    @property
+    def baseline_variant(self) -> VariantSpec:
+        """The variant marked ``baseline``, else the first."""
+        return next((v for v in self.variants if v.baseline), self.variants[0])
+
     warmup_requests: int = Field(
         1,
         ge=0,
@@ -600,6 +612,17 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
         raise MatrixError(
             source, "variants", "needs at least one variant (omit the key for one default)"
         )
+    baselines = [v.name for v in m.variants if v.baseline]
+    if len(baselines) > 1:
+        raise MatrixError(
+            source, "variants", f"more than one baseline: {', '.join(map(repr, baselines))}"
+        )
+    same = [w.name for w in m.workloads if w.same_tokens]
+    if baselines and same and baselines[0] != m.variants[0].name:
+        raise MatrixError(
+            source, "variants", f"workload {same[0]!r} compares tokens against the baseline "
+            f"{baselines[0]!r}, which must run first: list it first",
+        )  # fmt: skip
     columns = _dups(w.report_column for w in m.workloads)
     if columns:
         raise MatrixError(source, "workloads", f"two workloads report into column {columns[0]!r}")

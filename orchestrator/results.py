@@ -496,8 +496,11 @@ class RunManifest(_Record):
         return [(w["name"], w.get("column") or w["name"]) for w in self.matrix.get("workloads", [])]
 
     def variants(self) -> list[str]:
-        """Variant names in matrix order (``default`` for a matrix without variants)."""
-        return [v["name"] for v in self.matrix.get("variants") or []] or ["default"]
+        """Variant names in matrix order, the baseline moved first (the reports compare the
+        others against ``variants()[0]``); ``default`` for a matrix without variants."""
+        specs = self.matrix.get("variants") or []
+        names = [v["name"] for v in specs if v.get("baseline")]
+        return names + [v["name"] for v in specs if not v.get("baseline")] or ["default"]
 
     def concurrency(self, workload: str) -> int:
         for w in self.matrix.get("workloads", []):

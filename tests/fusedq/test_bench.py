@@ -133,9 +133,10 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
     assert torch.equal(got, torch.arange(bench.FLOOR_EMPTY_CTAS, dtype=torch.int32))
 
 
-def test_grid_and_split_k_floors_read_every_byte(device, monkeypatch):
-    """The "grid" floor reads the layer over the fused kernel's CTA count (each CTA's sum of its
-    even share lands in the sink), and the "split_k" floor's last CTA of each K group stores
+def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
+    """The "view" floor reads the fused kernel's own tiles of the real weight (values and
+    scales), the "grid" floor reads the layer over the fused kernel's CTA count (each CTA's sum
+    of its even share lands in the sink), and the "split_k" floor's last CTA of each K group stores
     the group's total in its share of the output and leaves the partials and counters at zero
     for the next replay (here through the interpreter, which runs the CTAs in order)."""
     import torch
@@ -146,9 +147,19 @@ def test_grid_and_split_k_floors_read_every_byte(device, monkeypatch):
     tiles = -(-n_bytes // (4 * bench.FLOOR_SPLIT_WORDS * bench.FLOOR_SPLIT_K))
     lay.floor_part = torch.zeros(tiles, dtype=torch.int32, device=device)
     lay.floor_count = torch.zeros(tiles, dtype=torch.int32, device=device)
-    monkeypatch.setattr(bench, "fused_grid_ctas", lambda fmt, h, m: 128)
+    monkeypatch.setattr(bench, "fused_block_n", lambda fmt, h, m: 32)  # 128 CTAs at H=8
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(8, 448, 512, generator=gen).to(torch.bfloat16).to(device)[:, :192]
+    lay.fused_w = [fusedq.quantize_mxfp8(w)] * 2
     steps = bench._grid_floor_steps(lay, "mxfp8")
-    assert set(steps) == {"grid", "split_k"}
+    assert set(steps) == {"grid", "split_k", "view"}
+    # "view": CTA (pid_n, h) sums its [192, 32] tile of the weight's bytes and its scales.
+    lay.floor_sink.fill_(-1)
+    steps["view"](1)
+    vals = lay.fused_w[1].values.view(torch.uint8).to(torch.int64).cpu()
+    scl = lay.fused_w[1].scales.to(torch.int64).cpu()
+    want = vals.view(8, 192, 16, 32).sum((1, 3)) + scl.sum(1)  # [H, 16 tiles]
+    assert torch.equal(lay.floor_sink[:128].cpu().view(8, 16).to(torch.int64), want)
     words = lay.copy_src[1].view(torch.int32).to(torch.int64)
 
     def wrapped(x):  # int32 wrap-around, as the kernels sum

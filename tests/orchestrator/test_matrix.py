@@ -122,6 +122,8 @@ def test_workload_request_count_defaults_to_concurrency():
     assert m.workloads[1].request_count is None  # duration mode
 
 
+_SAME_TOKENS = {"name": "t", "prompt_tokens": 4, "output_tokens": 8, "same_tokens": True}
+
 # At least 20 malformed matrices: each must name the file, the field and (where there is one)
 # the value, in one line.
 MALFORMED = [
@@ -189,6 +191,17 @@ MALFORMED = [
         "duplicate case",
         _with("topologies.1", {"tp": 8, "dcp": [1]}),
         "case 'm/tp8-dcp1-mtp0/default' appears twice",
+    ),
+    (
+        "two baselines",
+        _with("variants", [{"name": "a", "baseline": True}, {"name": "b", "baseline": True}]),
+        "variants: more than one baseline: 'a', 'b'",
+    ),
+    (
+        "same tokens, baseline last",
+        _with("variants", [{"name": "fused"}, {"name": "staged", "baseline": True}])
+        | {"workloads": [_SAME_TOKENS]},
+        "workload 't' compares tokens against the baseline 'staged', which must run first",
     ),
 ]
 
@@ -411,3 +424,10 @@ def test_builtin_model_takes_heads_and_layers():
     m = _parse(doc)
     model = m.models[0]
     assert (model.builtin_name, model.num_heads, model.builtin_layers) == ("tiny-glm5", 64, 6)
+
+
+def test_baseline_variant_is_the_marked_one_or_the_first():
+    m = _parse(_with("variants", [{"name": "fused"}, {"name": "staged", "baseline": True}]))
+    assert m.baseline_variant.name == "staged"
+    assert [c.variant.name for c in expand(m)][:2] == ["fused", "staged"]  # run order kept
+    assert _parse(_with("variants", [{"name": "a"}, {"name": "b"}])).baseline_variant.name == "a"

@@ -158,3 +158,22 @@ def test_json_summary_and_rewrite(tmp_path):
     assert data["cases"][0]["workloads"]["ctx0"]["aggregate_tok_s"] == 5.0
     write_reports(store)  # overhead is kept from the first write
     assert "Orchestrator overhead" in (store.root / "report.md").read_text()
+
+
+def test_a_baseline_listed_last_is_still_the_baseline(tmp_path):
+    """A matrix may run the candidate first (variants: fused, then staged with baseline: true);
+    the paired tables still read staged -> fused."""
+    matrix = MATRIX.replace(
+        "variants: [{name: staged}, {name: fused}]",
+        "variants: [{name: fused}, {name: staged, baseline: true}]",
+    )
+    store = _store(
+        tmp_path,
+        lambda cs: [_row(c, {"ctx0": 88.0 if c.variant.name == "fused" else 80.0}) for c in cs],
+        matrix,
+    )
+    run = Run.load(store)
+    assert run.variants == ["staged", "fused"]
+    (d, *_) = paired_deltas(run)
+    assert (d.baseline, d.candidate, round(d.delta_pct, 6)) == ("staged", "fused", 10.0)
+    assert "| Luke BF16/tp8-dcp1-mtp0 | ctx0 | 80.00 | 88.00 | +10.00% |" in render_markdown(run)
