@@ -26,7 +26,11 @@ beat in this harness: ``empty`` (a kernel node that stores one word per CTA and 
 the graph's per-launch cost) and ``read`` (one launch that only reads the layer's weight bytes,
 contiguous, 16-byte vectors, every load issued before any use; the fastest of five tile sizes
 ``read_w{256,...,4096}``, each timed). ``read / staged`` is the lowest fused/staged ratio any
-one-launch kernel could show, since the fused kernel must at least read those bytes.
+one-launch kernel could show, since the fused kernel must at least read those bytes. Beside
+them, kernels that each do less than the fused one must, to say where the rest goes:
+``store_w*`` (the reads, then the output bytes written), ``grid`` (the read kernel on the fused
+kernel's own CTA count), ``split_k`` (the read floor's grid joined over K by atomics) and
+``view`` (the fused kernel's own tiles of the real weight view, no math); see FLOOR_SPLIT_K.
 
 ``--eager`` measures something else: host time per call outside graphs (``bench_eager``).
 """
