@@ -345,10 +345,10 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
     return steps
 
 
-# Why the fused kernel stays above the read floor, measured: the read floor's best grid has
-# 2-4 KB per CTA (768-1536 CTAs), while one CTA of the fused kernel owns BLOCK_N output columns
-# over the whole K (192 rows): 6-24 KB, H x 512 / BLOCK_N CTAs. Narrower column tiles waste
-# DRAM sectors (W_UK_T's rows are 1 KB); the read floor's grid needs K split across CTAs.
+# Why the fused kernel stays above the read floor. The read floor's best grid has 2-4 KB per
+# CTA (768-1536 CTAs), while one CTA of the fused kernel owns BLOCK_N output columns over the
+# whole K (192 rows): 6-24 KB, H x 512 / BLOCK_N CTAs, reading BLOCK_N-wide segments of
+# W_UK_T's 1 KB rows. Three floors take those apart (H200, 2026-11-30, docs/fusedq.md):
 # "grid": the read kernel on the fused kernel's own grid (its CTA count, the layer's bytes
 # shared evenly); "split_k": the read kernel's best grid, its CTAs in K groups of
 # FLOOR_SPLIT_K, joined with the least a split-K kernel must add (see split_k_kernel);
@@ -911,7 +911,7 @@ def floor_bars(rows: list[dict]) -> list[dict]:
             row[f"{fmt}_store_over_read"] = (
                 r["store_us"] / r["read_us"] if r and "store_us" in r else None
             )
-            # And reading it on the fused kernel's grid, or split over K (FLOOR_SPLIT_K).
+            # And the grid, split-K and view floors (see FLOOR_SPLIT_K).
             for name in ("grid", "split_k", "view"):
                 row[f"{fmt}_{name}_over_read"] = r.get(f"{name}_over_read") if r else None
         for e4m3_fmt, bf16_fmt, key in E4M3_PAIRS:
