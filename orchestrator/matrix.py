@@ -598,16 +598,9 @@ def _dups(names: Iterable[str]) -> list[str]:
     return sorted({n for n in names if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
 
 
-def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
-    """Semantic checks that need more than one field; raise the first problem found."""
-    for kind, names in (
-        ("models", [x.label for x in m.models]),
-        ("workloads", [x.name for x in m.workloads]),
-        ("variants", [x.name for x in m.variants]),
-    ):
-        dup = _dups(names)
-        if dup:
-            raise MatrixError(source, kind, f"duplicate name {dup[0]!r}")
+def _check_variants(m: Matrix, source: str) -> None:
+    """At least one variant, at most one baseline, and a baseline that same_tokens compares
+    against runs first."""
     if not m.variants:
         raise MatrixError(
             source, "variants", "needs at least one variant (omit the key for one default)"
@@ -623,6 +616,19 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
             source, "variants", f"workload {same[0]!r} compares tokens against the baseline "
             f"{baselines[0]!r}, which must run first: list it first",
         )  # fmt: skip
+
+
+def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
+    """Semantic checks that need more than one field; raise the first problem found."""
+    for kind, names in (
+        ("models", [x.label for x in m.models]),
+        ("workloads", [x.name for x in m.workloads]),
+        ("variants", [x.name for x in m.variants]),
+    ):
+        dup = _dups(names)
+        if dup:
+            raise MatrixError(source, kind, f"duplicate name {dup[0]!r}")
+    _check_variants(m, source)
     columns = _dups(w.report_column for w in m.workloads)
     if columns:
         raise MatrixError(source, "workloads", f"two workloads report into column {columns[0]!r}")
