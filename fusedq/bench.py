@@ -311,16 +311,21 @@ def _floor_kernels():
     )  # fmt: skip
 
 
+def _floor_kernel_set() -> tuple:
+    """The floor kernels, defined (and Triton imported) on first use."""
+    global _FLOOR_KERNELS
+    if _FLOOR_KERNELS is None:
+        _FLOOR_KERNELS = _floor_kernels()
+    return _FLOOR_KERNELS
+
+
 def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
     """The floor kernels for each layer: the empty node, the read-only kernel per tile, and the
     read+store kernel per tile."""
     import torch
     import triton
 
-    global _FLOOR_KERNELS
-    if _FLOOR_KERNELS is None:
-        _FLOOR_KERNELS = _floor_kernels()
-    read_kernel, empty_kernel, read_store_kernel = _FLOOR_KERNELS[:3]
+    read_kernel, empty_kernel, read_store_kernel = _floor_kernel_set()[:3]
     words = [src.view(torch.int32) for src in lay.copy_src]
     n_words = words[0].numel()
     sink = lay.floor_sink
@@ -356,6 +361,8 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
 # segments of 1 KB rows), read as it reads them, with no math (see view_read_kernel).
 FLOOR_SPLIT_WORDS = 512
 FLOOR_SPLIT_K = 6
+# The floors measured beside the read floor (the row keys of their best variants' times).
+FLOOR_KINDS = ("store", "grid", "split_k", "view")
 
 
 def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
@@ -372,7 +379,7 @@ def fused_block_n(fmt: str, h: int, m: int) -> int:
     from fusedq.kernels.triton_mla_query import LaunchConfig
 
     weight_format, out_fp8 = RECIPES[fmt]
-    out_dtype = _out_dtype(out_fp8)
+    out_dtype = out_dtype_of(out_fp8)
     path, _ = fusedq.kernel_choice(h, m, weight_format=weight_format, out_dtype=out_dtype)
     if path == "cute":
         block_n = cute_mla_query.BLOCK_N
@@ -381,7 +388,8 @@ def fused_block_n(fmt: str, h: int, m: int) -> int:
     return block_n
 
 
-def _out_dtype(out_fp8: bool):
+def out_dtype_of(out_fp8: bool):
+    """The output dtype of a recipe with (True) or without E4M3 output."""
     import torch
 
     return torch.float8_e4m3fn if out_fp8 else torch.bfloat16
@@ -392,10 +400,7 @@ def _grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]
     import torch
     import triton
 
-    global _FLOOR_KERNELS
-    if _FLOOR_KERNELS is None:
-        _FLOOR_KERNELS = _floor_kernels()
-    grid_read_kernel, split_k_kernel, view_read_kernel = _FLOOR_KERNELS[3:]
+    grid_read_kernel, split_k_kernel, view_read_kernel = _floor_kernel_set()[3:]
     words = [src.view(torch.int32) for src in lay.copy_src]
     n_words = words[0].numel()
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
@@ -480,7 +485,7 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
         copy_src.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
         copy_dst.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
     q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
-    out_dtype = _out_dtype(out_fp8)
+    out_dtype = out_dtype_of(out_fp8)
     q_scale = torch.tensor([opts.q_scale], device=dev) if out_fp8 else None
     out = torch.empty(m, h, QUERY_WIDTH, device=dev, dtype=out_dtype)
     # Random bytes for the floor kernels too: never time on zeros.
@@ -704,7 +709,7 @@ def add_floor_ratios(row: dict) -> None:
         best = min(stores, key=stores.get)
         row["store_us"], row["store_variant"] = stores[best], best
         row["fused_over_store"] = row["fused_us"] / row["store_us"]
-    for name in ("grid", "split_k", "view"):  # and before these floors existed
+    for name in FLOOR_KINDS[1:]:  # and before these floors existed
         if f"{name}_us" in row:
             row[f"{name}_over_read"] = row[f"{name}_us"] / row["read_us"]
             row[f"fused_over_{name}"] = row["fused_us"] / row[f"{name}_us"]
@@ -906,14 +911,11 @@ def floor_bars(rows: list[dict]) -> list[dict]:
             ratio = r["fused_us"] / r["read_us"] if r and "read_us" in r else None
             row[f"{fmt}_over_read"] = ratio
             row[f"{fmt}_ok"] = None if ratio is None else ratio <= bar
-            # Where the bar is out of reach, the measurement that shows it: a kernel that
-            # only reads the weights and writes the output already costs this much.
-            row[f"{fmt}_store_over_read"] = (
-                r["store_us"] / r["read_us"] if r and "store_us" in r else None
-            )
-            # And the grid, split-K and view floors (see FLOOR_SPLIT_K).
-            for name in ("grid", "split_k", "view"):
-                row[f"{fmt}_{name}_over_read"] = r.get(f"{name}_over_read") if r else None
+            # Where the bar is out of reach, the measurements that show why: the read+store,
+            # grid, split-K and view floors (see FLOOR_SPLIT_K), each against the read floor.
+            for name in FLOOR_KINDS:
+                has = r is not None and f"{name}_us" in r and "read_us" in r
+                row[f"{fmt}_{name}_over_read"] = r[f"{name}_us"] / r["read_us"] if has else None
         for e4m3_fmt, bf16_fmt, key in E4M3_PAIRS:
             e4, bf = by.get((e4m3_fmt, h, m)), by.get((bf16_fmt, h, m))
             ratio = e4["fused_us"] / bf["fused_us"] if e4 and bf else None

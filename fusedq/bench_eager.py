@@ -34,7 +34,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from fusedq.bench import RECIPES
+from fusedq.bench import RECIPES, out_dtype_of
 from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
 
 PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
@@ -75,7 +75,7 @@ def eager_operands(fmt: str, h: int, m: int, q_scale: float, device=None) -> Eag
     w = w[:, :QK_NOPE, :]
     q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
     weight_format, out_fp8 = RECIPES[fmt]
-    out_dtype = torch.float8_e4m3fn if out_fp8 else torch.bfloat16
+    out_dtype = out_dtype_of(out_fp8)
     return EagerOperands(
         q_nope=q[..., :QK_NOPE],
         q_nope_t=q[..., :QK_NOPE].transpose(0, 1),
