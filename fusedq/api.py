@@ -43,7 +43,8 @@ def mla_query_projection(
     out : optional ``[M, H, 576]`` of the output dtype with a unit last stride; rows and
         heads may be pitched. Written and returned; allocated when ``None``.
     out_dtype : ``torch.bfloat16``, or ``torch.float8_e4m3fn`` to write
-        ``clamp(bf16(q_nope @ W) / q_scale, ±448)`` and ``clamp(q_pe / q_scale, ±448)``.
+        ``clamp(bf16(q_nope @ W) * (1 / q_scale), ±448)`` and ``clamp(q_pe * (1 / q_scale),
+        ±448)``, as vLLM's static FP8 quant (one rounded reciprocal, then a multiply).
         ``None`` (the default) takes ``out.dtype`` when ``out`` is given, else BF16; given
         together with ``out``, the two must agree.
     q_scale : one-element fp32 tensor; required for E4M3 output, rejected for bf16.

@@ -100,6 +100,9 @@ class Options:
     sweep_gluon: tuple[str, ...] = ()
     # Each of those with each of these operand paths (gluon_mla_query.OPERANDS).
     sweep_gluon_operands: tuple[str, ...] = ("convert", "smem", "direct")
+    # E4M3 formats: each variant again as "<name>_div", quantising by an IEEE division per
+    # element (the epilogue before 2026-12-01) instead of vLLM's reciprocal multiply.
+    sweep_e4m3_div: bool = False
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -165,14 +168,15 @@ def _concat_quant_kernel():
         row = tl.program_id(0)
         m = row // H
         h = row % H
-        qs = tl.load(qs_ptr)
+        # vLLM's static_scaled_fp8_quant: 1 / scale once (IEEE), then a multiply per element.
+        inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(qs_ptr))
         offs = tl.arange(0, 512)
         x = tl.load(ql_ptr + m * s_qm + h * s_qh + offs).to(tl.float32)
-        x = tl.minimum(tl.maximum(x / qs, -448.0), 448.0)
+        x = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
         tl.store(out_ptr + m * s_om + h * s_oh + offs, x.to(out_ptr.dtype.element_ty))
         offs_r = tl.arange(0, 64)
         r = tl.load(pe_ptr + m * s_pm + h * s_ph + offs_r).to(tl.float32)
-        r = tl.minimum(tl.maximum(r / qs, -448.0), 448.0)
+        r = tl.minimum(tl.maximum(r * inv, -448.0), 448.0)
         tl.store(out_ptr + m * s_om + h * s_oh + 512 + offs_r, r.to(out_ptr.dtype.element_ty))
 
     return kernel
@@ -755,6 +759,9 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
                     block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True,
                     gluon_operands=operands,
                 )  # fmt: skip
+    if out_fp8 and opts.sweep_e4m3_div:
+        for name, cfg in list(configs.items()):
+            configs[f"{name}_div"] = dataclasses.replace(cfg, e4m3_div=True)
     return configs
 
 
@@ -1076,6 +1083,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         help="the Gluon operand paths to time for each --sweep-gluon spec",
     )
     p.add_argument(
+        "--sweep-e4m3-div",
+        action="store_true",
+        help="--sweep, E4M3 formats: time each variant again dividing by q_scale per element "
+        "(the old epilogue) instead of multiplying by its reciprocal",
+    )
+    p.add_argument(
         "--eager",
         action="store_true",
         help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
@@ -1095,8 +1108,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
         if clash:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
-    if a.sweep_cute and not a.sweep:
-        p.error("--sweep-cute adds a variant to --sweep; pass --sweep too")
+    for flag in ("sweep_cute", "sweep_e4m3_div"):
+        if getattr(a, flag) and not a.sweep:
+            name = "--" + flag.replace("_", "-")
+            p.error(f"{name} adds variants to --sweep; pass --sweep too")
     for spec in a.sweep_gluon:
         try:
             parse_gluon_spec(spec)
@@ -1112,7 +1127,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
         sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
-        sweep_gluon_operands=tuple(a.sweep_gluon_operands), commit=a.commit,
+        sweep_gluon_operands=tuple(a.sweep_gluon_operands),
+        sweep_e4m3_div=a.sweep_e4m3_div, commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

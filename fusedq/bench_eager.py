@@ -16,7 +16,7 @@ sliced ``q``:
   through a transposed view (0.32) or into a head-major buffer then transposed (0.26), then
   the ``torch.cat`` with ``q_pe`` that the backends do. MXFP8's baseline is the BF16 block
   (as in the graph benchmark). For E4M3 output the block is followed by a torch-native
-  quantisation (``x / q_scale``, clamp, cast), a stand-in for vLLM's one-kernel
+  quantisation (``x * (1 / q_scale)``, clamp, cast), a stand-in for vLLM's one-kernel
   ``QuantFP8`` op that costs more host time than it.
 
 Each path runs ``calls`` times back to back with ``torch.cuda.synchronize`` only before and

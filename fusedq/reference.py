@@ -31,8 +31,11 @@ TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
 
 
 def quantize_e4m3(x: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
-    """``clamp(x / q_scale, ±448)`` in E4M3, computed in fp32 (vLLM's static FP8 quant)."""
-    y = x.float() / q_scale.reshape(()).float()
+    """``clamp(x * (1 / q_scale), ±448)`` in E4M3, computed in fp32: vLLM's static FP8 quant.
+    Its CUDA op (``static_scaled_fp8_quant``) takes the reciprocal once, correctly rounded,
+    and multiplies, as ``QuantFP8.forward_native`` does; that is not always ``x / q_scale``
+    rounded once, so the kernels follow vLLM, not the division."""
+    y = x.float() * q_scale.reshape(()).float().reciprocal()
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 

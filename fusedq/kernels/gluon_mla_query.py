@@ -162,8 +162,12 @@ if AVAILABLE:
         return (raw.to(gl.float32) * scale).to(gl.bfloat16, fp_downcast_rounding="rtne")
 
     @gluon.jit
-    def _to_e4m3(x, q_scale, out_ty: gl.constexpr):
-        y = gl.div_rn(x, q_scale)
+    def _to_e4m3(x, factor, out_ty: gl.constexpr, OUT_FP8: gl.constexpr):
+        # factor: 1 / q_scale (base.OUT_E4M3, vLLM's quantisation) or q_scale (OUT_E4M3_DIV).
+        if OUT_FP8 == 2:  # noqa: SIM108 (a constexpr branch, as elsewhere in the kernels)
+            y = gl.div_rn(x, factor)
+        else:
+            y = x * factor
         y = gl.minimum(gl.maximum(y, -448.0), 448.0)
         return y.to(out_ty, fp_downcast_rounding="rtne")
 
@@ -281,15 +285,18 @@ if AVAILABLE:
             q1 = gl.load(q_rows + BLOCK_K, mask=q_mask, other=0.0)
             q2 = gl.load(q_rows + 2 * BLOCK_K, mask=q_mask, other=0.0)
         if OUT_FP8:
-            # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
+            # Padding rows load 1, not 0: dividing 0 (OUT_E4M3_DIV) takes div.rn's slow path.
             pe = gl.load(pe_ptrs, mask=pe_mask, other=1.0)
             q_scale = gl.load(qs_ptr)
         else:
             pe = gl.load(pe_ptrs, mask=pe_mask, other=0.0)
 
         # From here on only loaded values are used.
+        if OUT_FP8 == 1:
+            # vLLM's CUDA op: the reciprocal once, correctly rounded, then one multiply each.
+            q_scale = gl.div_rn(1.0, q_scale)
         if OUT_FP8:
-            pe = _to_e4m3(pe.to(gl.float32), q_scale, out_ptr.dtype.element_ty)
+            pe = _to_e4m3(pe.to(gl.float32), q_scale, out_ptr.dtype.element_ty, OUT_FP8)
         gl.store(pe_out, pe, mask=pe_mask)
 
         if MXFP8:
@@ -335,9 +342,11 @@ if AVAILABLE:
         y = acc.to(gl.bfloat16, fp_downcast_rounding="rtne")
         if OUT_FP8:
             # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
-            # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
-            y = gl.where(o_mask, y.to(gl.float32), 1.0)
-            y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty)
+            y = y.to(gl.float32)
+            if OUT_FP8 == 2:
+                # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored.
+                y = gl.where(o_mask, y, 1.0)
+            y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, OUT_FP8)
         gl.store(o_ptrs, y, mask=o_mask)
 
     # One kernel per OPERANDS choice, each with the shared parameter list (the launch
@@ -596,6 +605,7 @@ def offline_compile(
     io_aligned: bool,
     operands: str = "convert",
     arch: int = 90,
+    e4m3_div: bool = False,
 ):
     """Compile the kernel for ``sm_<arch>`` without a GPU (``triton.compile``); the result's
     ``asm`` holds the TTGIR and PTX. Takes the launch parameters one by one rather than a
@@ -618,7 +628,7 @@ def offline_compile(
         "W_ALIGNED": w_aligned,
         "IO_ALIGNED": io_aligned,
         "MXFP8": mxfp8,
-        "OUT_FP8": out_fp8,
+        "OUT_FP8": base.out_mode(out_fp8, e4m3_div),
         "INTERPRET": False,
         "USE_PDL": pdl,
     }

@@ -45,6 +45,15 @@ OUT_WIDTH = limits.QUERY_WIDTH
 E4M3_MAX = limits.E4M3_MAX
 MX_BLOCK = limits.MX_BLOCK
 
+# The OUT_FP8 constexpr: BF16 output, or E4M3 quantised as vLLM's static FP8 quant does it
+# (``x * (1 / q_scale)``: its CUDA op ``static_scaled_fp8_quant`` takes the reciprocal once
+# and multiplies, and so does ``QuantFP8.forward_native``), or E4M3 by an IEEE division per
+# element, the epilogue before 2026-12-01, kept only so that ``fusedq-bench --sweep`` can
+# time what the division cost (``LaunchConfig.e4m3_div``).
+OUT_BF16 = 0
+OUT_E4M3 = 1
+OUT_E4M3_DIV = 2
+
 # K=192 is not a power of two; three unrolled 64-wide chunks cover it exactly.
 BLOCK_K = 64
 # ...or one 256-wide chunk masked down to 192: one shared-memory staging instead of three.
@@ -164,6 +173,9 @@ class LaunchConfig:
     # With gluon: how the operand tiles reach the MMA layouts, one of
     # gluon_mla_query.OPERANDS ("convert" | "smem" | "direct"; the reasons are there).
     gluon_operands: str = "convert"
+    # E4M3 out only, a measurement aid: quantise by dividing every element by q_scale (the
+    # old epilogue) rather than multiplying by its reciprocal. for_problem never sets it.
+    e4m3_div: bool = False
 
     @classmethod
     def for_problem(
@@ -348,8 +360,21 @@ def _to_bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(x, q_scale, out_ty: tl.constexpr, INTERPRET: tl.constexpr):
-    y = tl.math.div_rn(x, q_scale)
+def _e4m3_factor(qs_ptr, OUT_FP8: tl.constexpr):
+    # What _to_e4m3 applies: 1 / q_scale, rounded once (as vLLM's CUDA op computes it), or
+    # q_scale itself for the dividing measurement variant.
+    q_scale = tl.load(qs_ptr)
+    if OUT_FP8 == 1:
+        q_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), q_scale)
+    return q_scale
+
+
+@triton.jit
+def _to_e4m3(x, factor, out_ty: tl.constexpr, INTERPRET: tl.constexpr, OUT_FP8: tl.constexpr):
+    if OUT_FP8 == 2:  # noqa: SIM108 (a constexpr branch)
+        y = tl.math.div_rn(x, factor)
+    else:
+        y = x * factor
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if INTERPRET:
         # Normal E4M3 keeps 3 of fp32's 23 mantissa bits; below 2^-6 the grid is 2^-9
@@ -551,7 +576,7 @@ def _mla_query_kernel(
         gdc_launch_dependents()
         q0, q1, q2 = _load_q(q_rows, m_mask, k_mask, BLOCK_K, SINGLE)
     if OUT_FP8:
-        q_scale = tl.load(qs_ptr)
+        q_scale = _e4m3_factor(qs_ptr, OUT_FP8)
 
     if pid_n == 0:
         # The RoPE half is a plain copy (quantised for E4M3); one CTA per head does it.
@@ -564,9 +589,9 @@ def _mla_query_kernel(
             pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
             pe_out = tl.multiple_of(pe_out, [16, 16])
         if OUT_FP8:
-            # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
+            # Padding rows load 1, not 0: dividing 0 (OUT_E4M3_DIV) takes div.rn's slow path.
             pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
-            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET)
+            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
         else:
             pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
         tl.store(pe_out, pe, mask=m_mask[:, None])
@@ -592,11 +617,11 @@ def _mla_query_kernel(
     if OUT_FP8:
         # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
         y = _to_bf16(acc, INTERPRET).to(tl.float32)
-        # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
-        y = tl.where(m_mask[:, None], y, 1.0)
-        tl.store(
-            o_ptrs, _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None]
-        )
+        if OUT_FP8 == 2:
+            # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
+            y = tl.where(m_mask[:, None], y, 1.0)
+        y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
+        tl.store(o_ptrs, y, mask=m_mask[:, None])
     else:
         tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
 
@@ -753,7 +778,7 @@ def _mla_query_fma_kernel(
             qg0, qg1, qg2 = _fma_load_q(q_head, 6, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
             qh0, qh1, qh2 = _fma_load_q(q_head, 7, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
     if OUT_FP8:
-        q_scale = tl.load(qs_ptr)
+        q_scale = _e4m3_factor(qs_ptr, OUT_FP8)
 
     if pid_n == 0:
         # The RoPE half is a plain copy (quantised for E4M3); one CTA per head does it.
@@ -765,9 +790,9 @@ def _mla_query_fma_kernel(
             pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
             pe_out = tl.multiple_of(pe_out, [16, 16])
         if OUT_FP8:
-            # Padding rows load 1, not 0: IEEE division of 0 takes div.rn's slow path.
+            # Padding rows load 1, not 0: dividing 0 (OUT_E4M3_DIV) takes div.rn's slow path.
             pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
-            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET)
+            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
         else:
             pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
         tl.store(pe_out, pe, mask=m_mask[:, None])
@@ -804,12 +829,12 @@ def _mla_query_fma_kernel(
     if IO_ALIGNED:
         o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
     if OUT_FP8:
-        # As the tl.dot kernel: bf16 rounding first (vLLM's staged path), padding rows divide 1.
+        # As the tl.dot kernel: bf16 rounding first (vLLM's staged path).
         y = _to_bf16(acc, INTERPRET).to(tl.float32)
-        y = tl.where(m_mask[:, None], y, 1.0)
-        tl.store(
-            o_ptrs, _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET), mask=m_mask[:, None]
-        )
+        if OUT_FP8 == 2:
+            y = tl.where(m_mask[:, None], y, 1.0)
+        y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
+        tl.store(o_ptrs, y, mask=m_mask[:, None])
     else:
         tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
 
@@ -852,6 +877,13 @@ def kernel_for(config: LaunchConfig):
     return _mla_query_fma_kernel if config.fma else _mla_query_kernel
 
 
+def out_mode(out_fp8: bool, e4m3_div: bool = False) -> int:
+    """The OUT_FP8 constexpr: OUT_BF16, OUT_E4M3, or (measurement only) OUT_E4M3_DIV."""
+    if not out_fp8:
+        return OUT_BF16
+    return OUT_E4M3_DIV if e4m3_div else OUT_E4M3
+
+
 def launch_arguments(
     q_nope: torch.Tensor,
     values: torch.Tensor,
@@ -887,7 +919,7 @@ def launch_arguments(
         "W_ALIGNED": key.w_aligned,
         "IO_ALIGNED": key.io_aligned,
         "MXFP8": scales is not None,
-        "OUT_FP8": key.out_fp8,
+        "OUT_FP8": out_mode(key.out_fp8, cfg.e4m3_div),
         "INTERPRET": interpreting(),
         "USE_PDL": cfg.pdl,
     }

@@ -103,14 +103,14 @@ def staged_decode_query(
 
     ``torch.bmm`` into a token-major buffer, then either the pair ``(ql_nope, q_pe)`` that
     backends concatenate, or — with ``q_scale`` — concat + static per-tensor E4M3 quant as
-    ``_decode_concat_quant_fp8_op`` does (``x / scale``, clamped to ±448).
+    ``_decode_concat_quant_fp8_op`` does (``x * (1 / scale)``, clamped to ±448).
     """
     n, b, _ = q_nope.shape
     ql_nope = q_nope.new_empty((b, n, w_uk_t.shape[-1]))
     torch.bmm(q_nope, w_uk_t, out=ql_nope.transpose(0, 1))
     if q_scale is None:
         return ql_nope, q_pe
-    cat = torch.cat((ql_nope, q_pe), dim=-1).float() / q_scale.reshape(()).float()
+    cat = torch.cat((ql_nope, q_pe), dim=-1).float() * q_scale.reshape(()).float().reciprocal()
     e4m3_max = torch.finfo(torch.float8_e4m3fn).max
     return cat.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
 

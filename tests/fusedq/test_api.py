@@ -335,3 +335,68 @@ def test_output_dtype_from_out_names_an_unsupported_dtype(device):
     del kwargs["out_dtype"]
     with pytest.raises(ValueError, match=r"out: dtype torch.float16 must be .*taken from out"):
         fusedq.mla_query_projection(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# E4M3 rounding: vLLM's static FP8 quant multiplies by a rounded reciprocal of q_scale, which
+# is not always the once-rounded quotient. At q_scale = 28 sixty bf16 values round to another
+# E4M3 value one way than the other; the kernels must give vLLM's.
+
+TIE_SCALE = 28.0
+
+
+@functools.cache
+def _split_values() -> torch.Tensor:
+    """The bf16 values whose E4M3 quantisation at TIE_SCALE differs between ``x * (1/s)``
+    and ``x / s`` (searched over every finite bf16, so the test cannot pass vacuously)."""
+    finite = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([finite, -finite]).float()
+    s = torch.tensor([TIE_SCALE])
+    mul = (x * s.reciprocal()).clamp(-448, 448).to(E4M3).view(torch.uint8)
+    div = (x / s).clamp(-448, 448).to(E4M3).view(torch.uint8)
+    return x[mul != div].to(torch.bfloat16)
+
+
+# (LaunchConfig fields, M): the register path, tl.dot, and each Gluon operand path (GPU only:
+# a Gluon LaunchConfig cannot even be built under the interpreter).
+E4M3_CONFIGS = [
+    pytest.param(dict(block_m=1, block_n=16, num_warps=1, fma=True), 1, id="register"),
+    pytest.param(dict(block_m=16, block_n=32), 3, id="dot"),
+    *(
+        pytest.param(
+            dict(block_m=16, block_n=32, gluon=True, gluon_operands=operands),
+            3,
+            id=f"gluon-{operands}",
+            marks=pytest.mark.gpu,
+        )
+        for operands in ("convert", "smem", "direct")
+    ),
+]
+
+
+@pytest.mark.parametrize("divide", [False, True], ids=["vllm", "e4m3_div"])
+@pytest.mark.parametrize("fields,m", E4M3_CONFIGS)
+def test_e4m3_rounds_as_vllm(fields, m, divide, device):
+    """Both halves of the output hold the split values (the 512 part through a one-hot q_nope,
+    so the bf16 product is the weight value itself); the kernels must round them as vLLM does,
+    and the e4m3_div measurement variant as the division does."""
+    from fusedq.kernels import triton_mla_query as kernel
+
+    x = _split_values()
+    assert len(x) >= 32, "no discriminating values: the test would pass either way"
+    h = 2
+    row = x.repeat(-(-512 // len(x)))[:512]
+    values = torch.randn(h, 192, 512).to(torch.bfloat16)
+    values[:, 5] = row
+    q_nope = torch.zeros(m, h, 192, dtype=torch.bfloat16)
+    q_nope[:, :, 5] = 1.0
+    q_pe = x[:64].repeat(-(-64 // len(x)))[:64].expand(m, h, 64).contiguous()
+    values, q_nope, q_pe = (t.to(device) for t in (values, q_nope, q_pe))
+    out = torch.empty(m, h, 576, dtype=E4M3, device=device)
+    s = torch.tensor([TIE_SCALE], device=device)
+    cfg = kernel.LaunchConfig(**fields, e4m3_div=divide)
+    kernel.launch(q_nope, values, None, q_pe, out, s, config=cfg)
+    want = torch.cat([values[:, 5].expand(m, h, 512), q_pe], dim=-1).float()
+    want = want / s if divide else want * s.reciprocal()
+    want = want.clamp(-448, 448).to(E4M3)
+    assert torch.equal(out.view(torch.uint8).cpu(), want.view(torch.uint8).cpu())
