@@ -226,7 +226,14 @@ if AVAILABLE:
                 NUM_WARPS,
             )  # fmt: skip
             q_layout: gl.constexpr = _tile_layout(BLOCK_M, BLOCK_K, 8, 1, NUM_WARPS)
-        pe_layout: gl.constexpr = _tile_layout(BLOCK_M, R, 8, 1, NUM_WARPS)
+        # The RoPE half: BF16 is a plain copy, done by the first N-tile CTA of each head. E4M3
+        # quantises it (a multiply, a clamp and a conversion per element, in the path of every
+        # CTA before its MMAs), so each of the head's N-tile CTAs takes its own RS columns:
+        # 2048 elements at M = 32 would otherwise be 16 per thread in every CTA. The dividing
+        # measurement variant (OUT_FP8 == 2) keeps the old whole-tile copy.
+        SPREAD: gl.constexpr = OUT_FP8 == 1
+        RS: gl.constexpr = R * BLOCK_N // N if SPREAD else R
+        pe_layout: gl.constexpr = _tile_layout(BLOCK_M, RS, 1 if SPREAD else 8, 1, NUM_WARPS)
 
         pid_n = gl.program_id(0)
         h = gl.program_id(1)
@@ -246,17 +253,20 @@ if AVAILABLE:
         q_mask = offs_qm[:, None] < M
 
         offs_pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, pe_layout))
-        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, pe_layout))
+        offs_r = gl.arange(0, RS, layout=gl.SliceLayout(0, pe_layout))
+        if SPREAD:
+            offs_r = offs_r + pid_n * RS
         pe_ptrs = qpe_ptr + offs_pm[:, None].to(gl.int64) * stride_pm + h * stride_ph
         pe_ptrs = pe_ptrs + offs_r[None, :]
         pe_out = out_ptr + offs_pm[:, None].to(gl.int64) * stride_om + h * stride_oh
         pe_out = pe_out + N + offs_r[None, :]
-        if IO_ALIGNED:
+        if IO_ALIGNED and not SPREAD:  # (spread: one or two elements per thread, no vectors)
             pe_ptrs = gl.multiple_of(pe_ptrs, [16, 16])
             pe_out = gl.multiple_of(pe_out, [16, 16])
-        # The RoPE half is a plain copy (quantised for E4M3) by the first N-tile CTA of each
-        # head: predicated rather than branched, so its load joins the one round trip.
-        pe_mask = (offs_pm[:, None] < M) & (pid_n == 0)
+        # Predicated rather than branched, so the load joins the one round trip.
+        pe_mask = offs_pm[:, None] < M
+        if not SPREAD:
+            pe_mask = pe_mask & (pid_n == 0)
 
         # Every global load, in program order, before any use. Weights (and scales) depend on
         # no earlier kernel, so under PDL they go before griddepcontrol.wait; q, q_pe,

@@ -109,47 +109,47 @@ TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
 }
 
 
-# Register (FMA) path, where it measured faster than tl.dot (fusedq-bench --sweep --sweep-fma):
-# (weight format, E4M3 out, block_m) -> {heads: (block_n, num_warps)}. Shapes without an
-# entry use the tl.dot path above.
+# Register (FMA) path, where it measured as fast as the Gluon kernel or faster (fusedq-bench
+# --sweep --sweep-fma): (weight format, E4M3 out, block_m) -> {heads: (block_n, num_warps)}.
+# Shapes without an entry take the Gluon kernel (GLUON_TUNED), or tl.dot without Gluon.
+# Retuned on the H200 on 2026-12-01 (150 samples, H 8/11/16 x M 1/2/4/16/32, every output
+# checked; docs/bench/h200-sweep-tune-2026-12-01.json): an entry stays where it is within
+# 0.02 us of the best Gluon variant (MXFP8 -> BF16 at H=8 M=1 it wins: 2.66 vs 2.74 us) and
+# goes where Gluon's 64-wide tiles won: H=11/16 at M=1 by 0.07-0.14 us, every M=2 entry by
+# 0.25-0.57 us (e.g. MXFP8 -> BF16 H=16 M=2: 3.54 vs 2.97).
 FMA_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int]]] = {
-    ("bf16", False, 1): {8: (32, 4), 11: (64, 4), 16: (32, 4)},
-    ("bf16", False, 2): {11: (16, 1)},
-    ("mxfp8", False, 1): {8: (32, 4), 11: (32, 4), 16: (32, 4)},
-    ("mxfp8", False, 2): {8: (16, 1), 11: (16, 1), 16: (16, 1)},
-    # E4M3 output (BF16 weights; 2026-11-29 sweep, 300 samples): 13-18 % under tl.dot at M=1,
-    # 6 % (H=8) and 3 % (H=11) at M=2; H=16 M=2 and every M=4 stay on tl.dot (since then on
-    # Gluon, GLUON_TUNED).
-    ("bf16", True, 1): {8: (32, 4), 11: (64, 4), 16: (32, 4)},
-    ("bf16", True, 2): {8: (32, 4), 11: (16, 1)},
-    # MXFP8 -> E4M3 (2026-11-30 sweep, 200 samples, H 8/11/16): 2.76 / 3.04 / 3.23 us at M=1
-    # against Gluon's best 2.88 / 3.12 / 3.29 and tl.dot's 3.93 / 4.35 / 4.57. From M=2 the
-    # Gluon "smem" path wins (GLUON_TUNED).
-    ("mxfp8", True, 1): {8: (32, 4), 11: (32, 4), 16: (32, 4)},
+    ("bf16", False, 1): {8: (32, 4)},
+    ("mxfp8", False, 1): {8: (32, 4)},
+    ("bf16", True, 1): {8: (32, 4), 16: (32, 4)},
+    ("mxfp8", True, 1): {8: (32, 4), 16: (32, 4)},
 }
 
 
-# The Gluon kernel replaces the tl.dot kernel where it measured faster (fusedq-bench --sweep
-# --sweep-gluon, H200, 2026-11-30, 200 samples, H 8/16 x M 1/4/32; every output checked):
-# (weight format, E4M3 out) -> how its operands reach the MMA layouts. BF16 and MXFP8 -> BF16:
-# "convert", 8-32 % under tl.dot at M 4 and 32 (MXFP8 H=16 M=32: 3.37 vs 4.96 us); BF16 ->
-# E4M3: "smem", 5-11 % under at M=4 and H=8 M=32 (H=16 M=32: 4.40 vs 4.46, a tie). Shapes
-# with a register-path entry (FMA_TUNED) keep it.
-GLUON_TUNED: dict[tuple[str, bool], str] = {
-    ("bf16", False): "convert",
-    ("mxfp8", False): "convert",
-    ("bf16", True): "smem",
-    # MXFP8 -> E4M3 (the 2026-11-30 sweep, 200 samples, H 8/11/16 x M 2/4/32): "smem" with
-    # 32-wide tiles, 26-30 % under tl.dot (H=16 M=32: 4.15 vs 5.85 us; M=4: 3.31 vs 4.55);
-    # "convert" with 64-wide tiles ties or wins by <= 1 % at H 11/16 M 2/4.
-    ("mxfp8", True): "smem",
+@dataclasses.dataclass(frozen=True)
+class GluonChoice:
+    """How the Gluon kernel runs one recipe: its operand path (gluon_mla_query.OPERANDS) and
+    (BLOCK_N, warps) below and from ``GLUON_WIDE_N_HEADS`` heads."""
+
+    operands: str
+    narrow: tuple[int, int]
+    wide: tuple[int, int]
+
+
+# The Gluon kernel replaces the tl.dot kernel everywhere it runs (it measured faster at every
+# shape). Retuned on 2026-12-01 with E4M3's reciprocal multiply (the same sweep as FMA_TUNED):
+# - 64-wide N tiles from 11 heads (88 CTAs at H=11, 128 at 16), 32-wide at 8 (128 CTAs): at
+#   H=11 the 64-wide tiles are 3-10 % faster for every recipe (BF16 M=32: 3.33 vs 3.51 us),
+#   at H=8 they lose at M >= 16 (BF16 M=32: 3.17 vs 2.95).
+# - BF16 out: "convert". E4M3 out: "smem" (BF16 weights: 3.96 vs convert's 4.22 us at H=16
+#   M=32); for MXFP8 -> E4M3 the wide tiles want 8 warps (H=16: 3.11-3.86 us against 3.32-3.87
+#   with 4 and "convert"'s 3.12-3.89).
+GLUON_TUNED: dict[tuple[str, bool], GluonChoice] = {
+    ("bf16", False): GluonChoice("convert", (32, 4), (64, 4)),
+    ("mxfp8", False): GluonChoice("convert", (32, 4), (64, 4)),
+    ("bf16", True): GluonChoice("smem", (32, 4), (64, 4)),
+    ("mxfp8", True): GluonChoice("smem", (32, 4), (64, 8)),
 }
-# "convert": 64-wide N tiles at 16 heads (128 CTAs), 32-wide below (128 at H=8, 176 at
-# H=11): measured 2.98 vs 3.20 us (H=8 M=32, BF16) and 3.37 vs 3.62 (H=16 M=32, MXFP8).
-# "smem" (E4M3 out) keeps 32-wide tiles at every H: 4.40 vs 4.61 us at H=16 M=32 (the floors
-# run of 903d85b still had 64 there: 4.56 us).
-GLUON_WIDE_N_HEADS = 16
-GLUON_NUM_WARPS = 4
+GLUON_WIDE_N_HEADS = 11
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,13 +203,13 @@ class LaunchConfig:
             block_n, num_warps = fma[num_heads]
             return cls(fma_m, block_n, num_warps=num_warps, pdl=pdl, fma=True)
         block_m = max(MIN_BLOCK_M, fma_m)
-        operands = GLUON_TUNED.get((weight_format, out_fp8))
-        if operands is not None and _gluon_available():
-            wide = operands == "convert" and num_heads >= GLUON_WIDE_N_HEADS
-            block_n = 64 if wide else 32
+        choice = GLUON_TUNED.get((weight_format, out_fp8))
+        if choice is not None and _gluon_available():
+            wide = num_heads >= GLUON_WIDE_N_HEADS
+            block_n, num_warps = choice.wide if wide else choice.narrow
             return cls(
-                block_m, block_n, num_warps=GLUON_NUM_WARPS, pdl=pdl, gluon=True,
-                gluon_operands=operands,
+                block_m, block_n, num_warps=num_warps, pdl=pdl, gluon=True,
+                gluon_operands=choice.operands,
             )  # fmt: skip
         tuned = TUNED.get((weight_format, out_fp8, block_m), {})
         block_n, num_warps, block_k = tuned.get(

@@ -199,7 +199,7 @@ def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
 
 @pytest.mark.parametrize(
     ("fmt", "h", "m", "ctas"),
-    [("bf16", 8, 1, 8 * 512 // 32), ("bf16", 16, 4, 16 * 512 // 64), ("e4m3", 16, 4, 16 * 16)],
+    [("bf16", 8, 1, 8 * 512 // 32), ("bf16", 16, 4, 16 * 512 // 64), ("e4m3", 8, 4, 8 * 16)],
 )
 def test_fused_grid_ctas_follow_the_launch_config(monkeypatch, fmt, h, m, ctas):
     from fusedq.kernels import triton_mla_query as kernel

@@ -123,9 +123,9 @@ def test_kernel_summary_merges_runs_and_says_why_cute_is_not_used(monkeypatch):
     monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
     ms = (1, 2, 4, 8, 16, 32)
     assert fusedq.kernel_summary(16, ms, weight_format="mxfp8") == (
-        "M=1-2 cute (graphs; eager: register); M=4-32 gluon-convert"
+        "M=1-2 cute (graphs; eager: gluon-convert); M=4-32 gluon-convert"
     )
-    assert fusedq.kernel_summary(16, ms, weight_format="bf16") == (
+    assert fusedq.kernel_summary(8, ms, weight_format="bf16") == (
         "M=1 register; M=2-32 gluon-convert"
     )
     _cuda_here(monkeypatch, cute_reason="nvidia-cutlass-dsl does not import (X)")

@@ -197,13 +197,16 @@ def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, operands, devic
 @pytest.mark.parametrize(
     ("h", "m", "fmt", "out_fp8", "expect"),
     [
-        (16, 4, "bf16", False, ("gluon", "convert", 64)),
-        (8, 32, "mxfp8", False, ("gluon", "convert", 32)),
-        (11, 16, "bf16", True, ("gluon", "smem", 32)),
-        (16, 32, "bf16", True, ("gluon", "smem", 32)),  # smem keeps 32-wide tiles at H=16
-        (8, 1, "bf16", False, ("fma", None, 32)),  # the register path keeps its shapes
-        (16, 4, "mxfp8", True, ("gluon", "smem", 32)),  # MXFP8 -> E4M3 (swept 2026-11-30)
-        (11, 1, "mxfp8", True, ("fma", None, 32)),  # ... and its register path at M=1
+        (16, 4, "bf16", False, ("gluon", "convert", 64, 4)),
+        (11, 2, "bf16", False, ("gluon", "convert", 64, 4)),  # wide from 11 heads (2026-12-01)
+        (8, 32, "mxfp8", False, ("gluon", "convert", 32, 4)),
+        (11, 16, "bf16", True, ("gluon", "smem", 64, 4)),
+        (8, 32, "bf16", True, ("gluon", "smem", 32, 4)),
+        (8, 1, "bf16", False, ("fma", None, 32, 4)),  # the register path keeps its ties
+        (16, 1, "bf16", False, ("gluon", "convert", 64, 4)),  # ... and not its losses
+        (16, 4, "mxfp8", True, ("gluon", "smem", 64, 8)),  # MXFP8 -> E4M3: 8 warps wide
+        (11, 1, "mxfp8", True, ("gluon", "smem", 64, 8)),
+        (16, 1, "mxfp8", True, ("fma", None, 32, 4)),
     ],
 )  # fmt: skip
 def test_for_problem_picks_gluon_where_it_measured_faster(monkeypatch, h, m, fmt, out_fp8, expect):
@@ -216,8 +219,8 @@ def test_for_problem_picks_gluon_where_it_measured_faster(monkeypatch, h, m, fmt
     path = "gluon" if cfg.gluon else "fma" if cfg.fma else "dot"
     assert path == expect[0]
     if path == "gluon":
-        assert (cfg.gluon_operands, cfg.block_n, cfg.num_warps) == (expect[1], expect[2], 4)
+        assert (cfg.gluon_operands, cfg.block_n, cfg.num_warps) == expect[1:]
     elif path == "fma":
-        assert cfg.block_n == expect[2]
+        assert (cfg.block_n, cfg.num_warps) == expect[2:]
     monkeypatch.setattr(kernel, "_gluon_available", lambda: False)  # an older Triton
     assert not kernel.LaunchConfig.for_problem(h, m, fmt, out_fp8, pdl=False).gluon
