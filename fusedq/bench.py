@@ -100,9 +100,10 @@ class Options:
     sweep_gluon: tuple[str, ...] = ()
     # Each of those with each of these operand paths (gluon_mla_query.OPERANDS).
     sweep_gluon_operands: tuple[str, ...] = ("convert", "smem", "direct")
-    # E4M3 formats: each variant again as "<name>_div", quantising by an IEEE division per
-    # element (the epilogue before 2026-12-01) instead of vLLM's reciprocal multiply.
-    sweep_e4m3_div: bool = False
+    # E4M3 formats: each variant again as "<name>_<epilogue>" for each of these measurement
+    # epilogues (LaunchConfig.e4m3_epilogue): "div" (an IEEE division per element, before
+    # 2026-12-01) and "noscale" (no q_scale at all; its output is wrong by design).
+    sweep_e4m3: tuple[str, ...] = ()
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -759,9 +760,12 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
                     block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True,
                     gluon_operands=operands,
                 )  # fmt: skip
-    if out_fp8 and opts.sweep_e4m3_div:
+    if out_fp8:
         for name, cfg in list(configs.items()):
-            configs[f"{name}_div"] = dataclasses.replace(cfg, e4m3_div=True)
+            for epilogue in opts.sweep_e4m3:
+                if epilogue != "wide" or cfg.gluon:
+                    twin = dataclasses.replace(cfg, e4m3_epilogue=epilogue)
+                    configs[f"{name}_{epilogue}"] = twin
     return configs
 
 
@@ -1083,10 +1087,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         help="the Gluon operand paths to time for each --sweep-gluon spec",
     )
     p.add_argument(
-        "--sweep-e4m3-div",
-        action="store_true",
-        help="--sweep, E4M3 formats: time each variant again dividing by q_scale per element "
-        "(the old epilogue) instead of multiplying by its reciprocal",
+        "--sweep-e4m3",
+        nargs="+",
+        default=[],
+        choices=("div", "noscale", "wide"),
+        help="--sweep, E4M3 formats: time each variant again with these epilogues: div (an "
+        "IEEE division by q_scale per element, the old one), noscale (no scaling; wrong output), "
+        "wide (Gluon only: the result stored 16 bytes a thread, through shared memory)",
     )
     p.add_argument(
         "--eager",
@@ -1108,7 +1115,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
         if clash:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
-    for flag in ("sweep_cute", "sweep_e4m3_div"):
+    for flag in ("sweep_cute", "sweep_e4m3"):
         if getattr(a, flag) and not a.sweep:
             name = "--" + flag.replace("_", "-")
             p.error(f"{name} adds variants to --sweep; pass --sweep too")
@@ -1128,7 +1135,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
         sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
         sweep_gluon_operands=tuple(a.sweep_gluon_operands),
-        sweep_e4m3_div=a.sweep_e4m3_div, commit=a.commit,
+        sweep_e4m3=tuple(a.sweep_e4m3), commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

@@ -163,7 +163,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _to_e4m3(x, factor, out_ty: gl.constexpr, OUT_FP8: gl.constexpr):
-        # factor: 1 / q_scale (base.OUT_E4M3, vLLM's quantisation) or q_scale (OUT_E4M3_DIV).
+        # factor: 1 / q_scale (base.OUT_E4M3, vLLM's quantisation), q_scale (OUT_E4M3_DIV) or 1.
         if OUT_FP8 == 2:  # noqa: SIM108 (a constexpr branch, as elsewhere in the kernels)
             y = gl.div_rn(x, factor)
         else:
@@ -226,14 +226,7 @@ if AVAILABLE:
                 NUM_WARPS,
             )  # fmt: skip
             q_layout: gl.constexpr = _tile_layout(BLOCK_M, BLOCK_K, 8, 1, NUM_WARPS)
-        # The RoPE half: BF16 is a plain copy, done by the first N-tile CTA of each head. E4M3
-        # quantises it (a multiply, a clamp and a conversion per element, in the path of every
-        # CTA before its MMAs), so each of the head's N-tile CTAs takes its own RS columns:
-        # 2048 elements at M = 32 would otherwise be 16 per thread in every CTA. The dividing
-        # measurement variant (OUT_FP8 == 2) keeps the old whole-tile copy.
-        SPREAD: gl.constexpr = OUT_FP8 == 1
-        RS: gl.constexpr = R * BLOCK_N // N if SPREAD else R
-        pe_layout: gl.constexpr = _tile_layout(BLOCK_M, RS, 1 if SPREAD else 8, 1, NUM_WARPS)
+        pe_layout: gl.constexpr = _tile_layout(BLOCK_M, R, 8, 1, NUM_WARPS)
 
         pid_n = gl.program_id(0)
         h = gl.program_id(1)
@@ -253,20 +246,17 @@ if AVAILABLE:
         q_mask = offs_qm[:, None] < M
 
         offs_pm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, pe_layout))
-        offs_r = gl.arange(0, RS, layout=gl.SliceLayout(0, pe_layout))
-        if SPREAD:
-            offs_r = offs_r + pid_n * RS
+        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, pe_layout))
         pe_ptrs = qpe_ptr + offs_pm[:, None].to(gl.int64) * stride_pm + h * stride_ph
         pe_ptrs = pe_ptrs + offs_r[None, :]
         pe_out = out_ptr + offs_pm[:, None].to(gl.int64) * stride_om + h * stride_oh
         pe_out = pe_out + N + offs_r[None, :]
-        if IO_ALIGNED and not SPREAD:  # (spread: one or two elements per thread, no vectors)
+        if IO_ALIGNED:
             pe_ptrs = gl.multiple_of(pe_ptrs, [16, 16])
             pe_out = gl.multiple_of(pe_out, [16, 16])
-        # Predicated rather than branched, so the load joins the one round trip.
-        pe_mask = offs_pm[:, None] < M
-        if not SPREAD:
-            pe_mask = pe_mask & (pid_n == 0)
+        # The RoPE half is a plain copy (quantised for E4M3) by the first N-tile CTA of each
+        # head: predicated rather than branched, so its load joins the one round trip.
+        pe_mask = (offs_pm[:, None] < M) & (pid_n == 0)
 
         # Every global load, in program order, before any use. Weights (and scales) depend on
         # no earlier kernel, so under PDL they go before griddepcontrol.wait; q, q_pe,
@@ -297,14 +287,17 @@ if AVAILABLE:
         if OUT_FP8:
             # Padding rows load 1, not 0: dividing 0 (OUT_E4M3_DIV) takes div.rn's slow path.
             pe = gl.load(pe_ptrs, mask=pe_mask, other=1.0)
-            q_scale = gl.load(qs_ptr)
+            if OUT_FP8 != 3:  # (3: the unscaled measurement variant loads no scale)
+                q_scale = gl.load(qs_ptr)
         else:
             pe = gl.load(pe_ptrs, mask=pe_mask, other=0.0)
 
         # From here on only loaded values are used.
-        if OUT_FP8 == 1:
+        if OUT_FP8 == 1 or OUT_FP8 == 4:
             # vLLM's CUDA op: the reciprocal once, correctly rounded, then one multiply each.
             q_scale = gl.div_rn(1.0, q_scale)
+        if OUT_FP8 == 3:
+            q_scale = 1.0
         if OUT_FP8:
             pe = _to_e4m3(pe.to(gl.float32), q_scale, out_ptr.dtype.element_ty, OUT_FP8)
         gl.store(pe_out, pe, mask=pe_mask)
@@ -341,9 +334,13 @@ if AVAILABLE:
             acc = mma_v2(gl.convert_layout(q2, a_op), gl.convert_layout(w2, b_op), acc)
 
         # The result is stored from the accumulator's layout (2 adjacent columns per thread):
-        # a conversion to a wider-vector layout would cost a shared-memory round trip.
-        offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-        offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        # a conversion to a wider-vector layout would cost a shared-memory round trip. (The
+        # E4M3 measurement variant OUT_FP8 == 4 pays it, for 16-byte stores.)
+        o_layout: gl.constexpr = (
+            _tile_layout(BLOCK_M, BLOCK_N, 16, 1, NUM_WARPS) if OUT_FP8 == 4 else mma
+        )
+        offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = out_ptr + offs_om[:, None].to(gl.int64) * stride_om + h * stride_oh
         o_ptrs = o_ptrs + offs_on[None, :]
         if IO_ALIGNED:
@@ -357,6 +354,8 @@ if AVAILABLE:
                 # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored.
                 y = gl.where(o_mask, y, 1.0)
             y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, OUT_FP8)
+            if OUT_FP8 == 4:
+                y = gl.convert_layout(y, o_layout)
         gl.store(o_ptrs, y, mask=o_mask)
 
     # One kernel per OPERANDS choice, each with the shared parameter list (the launch
@@ -615,7 +614,7 @@ def offline_compile(
     io_aligned: bool,
     operands: str = "convert",
     arch: int = 90,
-    e4m3_div: bool = False,
+    e4m3_epilogue: str = "mul",
 ):
     """Compile the kernel for ``sm_<arch>`` without a GPU (``triton.compile``); the result's
     ``asm`` holds the TTGIR and PTX. Takes the launch parameters one by one rather than a
@@ -638,7 +637,7 @@ def offline_compile(
         "W_ALIGNED": w_aligned,
         "IO_ALIGNED": io_aligned,
         "MXFP8": mxfp8,
-        "OUT_FP8": base.out_mode(out_fp8, e4m3_div),
+        "OUT_FP8": base.out_mode(out_fp8, e4m3_epilogue),
         "INTERPRET": False,
         "USE_PDL": pdl,
     }

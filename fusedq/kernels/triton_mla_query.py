@@ -47,12 +47,19 @@ MX_BLOCK = limits.MX_BLOCK
 
 # The OUT_FP8 constexpr: BF16 output, or E4M3 quantised as vLLM's static FP8 quant does it
 # (``x * (1 / q_scale)``: its CUDA op ``static_scaled_fp8_quant`` takes the reciprocal once
-# and multiplies, and so does ``QuantFP8.forward_native``), or E4M3 by an IEEE division per
-# element, the epilogue before 2026-12-01, kept only so that ``fusedq-bench --sweep`` can
-# time what the division cost (``LaunchConfig.e4m3_div``).
+# and multiplies, and so does ``QuantFP8.forward_native``). Two more E4M3 epilogues exist only
+# for ``fusedq-bench --sweep --sweep-e4m3`` to time against it (``LaunchConfig.e4m3_epilogue``):
+# an IEEE division per element (the epilogue before 2026-12-01), and no scaling at all (no
+# q_scale load: it separates the scale's cost from the conversion's; its output is wrong).
 OUT_BF16 = 0
 OUT_E4M3 = 1
 OUT_E4M3_DIV = 2
+OUT_E4M3_NOSCALE = 3
+# ...and "mul" stored through a 16-byte-per-thread layout (the Gluon kernel only).
+OUT_E4M3_WIDE = 4
+E4M3_EPILOGUES = {
+    "mul": OUT_E4M3, "div": OUT_E4M3_DIV, "noscale": OUT_E4M3_NOSCALE, "wide": OUT_E4M3_WIDE,
+}  # fmt: skip
 
 # K=192 is not a power of two; three unrolled 64-wide chunks cover it exactly.
 BLOCK_K = 64
@@ -173,9 +180,9 @@ class LaunchConfig:
     # With gluon: how the operand tiles reach the MMA layouts, one of
     # gluon_mla_query.OPERANDS ("convert" | "smem" | "direct"; the reasons are there).
     gluon_operands: str = "convert"
-    # E4M3 out only, a measurement aid: quantise by dividing every element by q_scale (the
-    # old epilogue) rather than multiplying by its reciprocal. for_problem never sets it.
-    e4m3_div: bool = False
+    # E4M3 out only: "mul" (vLLM's quantisation); "div" and "noscale" are measurement aids
+    # (see OUT_E4M3_DIV) that for_problem never picks.
+    e4m3_epilogue: str = "mul"
 
     @classmethod
     def for_problem(
@@ -224,6 +231,12 @@ class LaunchConfig:
             raise ValueError("pdl=True needs Triton's griddepcontrol support (Triton >= 3.3)")
         if self.block_k not in (BLOCK_K, SINGLE_BLOCK_K):
             raise ValueError(f"block_k={self.block_k} must be {BLOCK_K} or {SINGLE_BLOCK_K}")
+        if self.e4m3_epilogue not in E4M3_EPILOGUES:
+            raise ValueError(
+                f"e4m3_epilogue={self.e4m3_epilogue!r} must be one of {sorted(E4M3_EPILOGUES)}"
+            )
+        if self.e4m3_epilogue == "wide" and not self.gluon:
+            raise ValueError("e4m3_epilogue='wide' is a Gluon-kernel variant; pass gluon=True")
         if self.gluon_operands != "convert" and not self.gluon:
             raise ValueError(
                 f"gluon_operands={self.gluon_operands!r} selects a Gluon kernel variant: it "
@@ -362,10 +375,13 @@ def _to_bf16(x, INTERPRET: tl.constexpr):
 @triton.jit
 def _e4m3_factor(qs_ptr, OUT_FP8: tl.constexpr):
     # What _to_e4m3 applies: 1 / q_scale, rounded once (as vLLM's CUDA op computes it), or
-    # q_scale itself for the dividing measurement variant.
-    q_scale = tl.load(qs_ptr)
-    if OUT_FP8 == 1:
-        q_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), q_scale)
+    # q_scale itself for the dividing measurement variant, or 1 (no load) for "noscale".
+    if OUT_FP8 == 3:
+        q_scale = tl.full([], 1.0, tl.float32)
+    else:
+        q_scale = tl.load(qs_ptr)
+        if OUT_FP8 == 1:
+            q_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), q_scale)
     return q_scale
 
 
@@ -877,11 +893,9 @@ def kernel_for(config: LaunchConfig):
     return _mla_query_fma_kernel if config.fma else _mla_query_kernel
 
 
-def out_mode(out_fp8: bool, e4m3_div: bool = False) -> int:
-    """The OUT_FP8 constexpr: OUT_BF16, OUT_E4M3, or (measurement only) OUT_E4M3_DIV."""
-    if not out_fp8:
-        return OUT_BF16
-    return OUT_E4M3_DIV if e4m3_div else OUT_E4M3
+def out_mode(out_fp8: bool, e4m3_epilogue: str = "mul") -> int:
+    """The OUT_FP8 constexpr: OUT_BF16, or the E4M3 epilogue's (E4M3_EPILOGUES)."""
+    return E4M3_EPILOGUES[e4m3_epilogue] if out_fp8 else OUT_BF16
 
 
 def launch_arguments(
@@ -919,7 +933,7 @@ def launch_arguments(
         "W_ALIGNED": key.w_aligned,
         "IO_ALIGNED": key.io_aligned,
         "MXFP8": scales is not None,
-        "OUT_FP8": out_mode(key.out_fp8, cfg.e4m3_div),
+        "OUT_FP8": out_mode(key.out_fp8, cfg.e4m3_epilogue),
         "INTERPRET": interpreting(),
         "USE_PDL": cfg.pdl,
     }

@@ -357,29 +357,28 @@ def _split_values() -> torch.Tensor:
     return x[mul != div].to(torch.bfloat16)
 
 
-# (LaunchConfig fields, M): the register path, tl.dot, and each Gluon operand path (GPU only:
-# a Gluon LaunchConfig cannot even be built under the interpreter).
-E4M3_CONFIGS = [
-    pytest.param(dict(block_m=1, block_n=16, num_warps=1, fma=True), 1, id="register"),
-    pytest.param(dict(block_m=16, block_n=32), 3, id="dot"),
-    *(
-        pytest.param(
-            dict(block_m=16, block_n=32, gluon=True, gluon_operands=operands),
-            3,
-            id=f"gluon-{operands}",
-            marks=pytest.mark.gpu,
-        )
-        for operands in ("convert", "smem", "direct")
-    ),
-]
+# (LaunchConfig fields, M, E4M3 epilogue): the register path, tl.dot, and each Gluon operand
+# path (GPU only: a Gluon LaunchConfig cannot even be built under the interpreter), each with
+# vLLM's multiply and the dividing measurement variant; Gluon also with its wide store.
+def _e4m3_cases():
+    for fields, m, name, gpu in [
+        (dict(block_m=1, block_n=16, num_warps=1, fma=True), 1, "register", False),
+        (dict(block_m=16, block_n=32), 3, "dot", False),
+        *(
+            (dict(block_m=16, block_n=32, gluon=True, gluon_operands=o), 3, f"gluon-{o}", True)
+            for o in ("convert", "smem", "direct")
+        ),
+    ]:
+        for epilogue in ("mul", "div", "wide") if gpu else ("mul", "div"):
+            marks = [pytest.mark.gpu] if gpu else []
+            yield pytest.param(fields, m, epilogue, id=f"{name}-{epilogue}", marks=marks)
 
 
-@pytest.mark.parametrize("divide", [False, True], ids=["vllm", "e4m3_div"])
-@pytest.mark.parametrize("fields,m", E4M3_CONFIGS)
-def test_e4m3_rounds_as_vllm(fields, m, divide, device):
+@pytest.mark.parametrize("fields,m,epilogue", list(_e4m3_cases()))
+def test_e4m3_rounds_as_vllm(fields, m, epilogue, device):
     """Both halves of the output hold the split values (the 512 part through a one-hot q_nope,
     so the bf16 product is the weight value itself); the kernels must round them as vLLM does,
-    and the e4m3_div measurement variant as the division does."""
+    and the "div" measurement variant as the division does."""
     from fusedq.kernels import triton_mla_query as kernel
 
     x = _split_values()
@@ -394,9 +393,9 @@ def test_e4m3_rounds_as_vllm(fields, m, divide, device):
     values, q_nope, q_pe = (t.to(device) for t in (values, q_nope, q_pe))
     out = torch.empty(m, h, 576, dtype=E4M3, device=device)
     s = torch.tensor([TIE_SCALE], device=device)
-    cfg = kernel.LaunchConfig(**fields, e4m3_div=divide)
+    cfg = kernel.LaunchConfig(**fields, e4m3_epilogue=epilogue)
     kernel.launch(q_nope, values, None, q_pe, out, s, config=cfg)
     want = torch.cat([values[:, 5].expand(m, h, 512), q_pe], dim=-1).float()
-    want = want / s if divide else want * s.reciprocal()
+    want = want / s if epilogue == "div" else want * s.reciprocal()
     want = want.clamp(-448, 448).to(E4M3)
     assert torch.equal(out.view(torch.uint8).cpu(), want.view(torch.uint8).cpu())

@@ -34,18 +34,20 @@ def test_sweep_cute_arguments(capsys):
     assert "pass --sweep too" in capsys.readouterr().err
 
 
-def test_sweep_e4m3_div_twins_every_e4m3_variant(capsys):
-    """--sweep-e4m3-div times each E4M3 variant again with the dividing epilogue; BF16 output
-    has no quantisation to vary, and the flag alone is refused."""
-    opts = bench.parse_args(["--sweep", "--sweep-e4m3-div", "--sweep-block-n"])[0]
-    assert opts.sweep_e4m3_div
+def test_sweep_e4m3_twins_every_e4m3_variant(capsys):
+    """--sweep-e4m3 times each E4M3 variant again with each named epilogue; BF16 output has
+    no quantisation to vary, and the flag alone is refused."""
+    opts = bench.parse_args(["--sweep", "--sweep-e4m3", "div", "noscale", "--sweep-block-n"])[0]
+    assert opts.sweep_e4m3 == ("div", "noscale")
     e4m3 = bench.sweep_configs("e4m3", 8, 4, opts)
-    plain = [n for n in e4m3 if not n.endswith("_div")]
-    assert plain and sorted(e4m3) == sorted(plain + [f"{n}_div" for n in plain])
-    assert all(e4m3[f"{n}_div"].e4m3_div and not e4m3[n].e4m3_div for n in plain)
-    assert not any(n.endswith("_div") for n in bench.sweep_configs("bf16", 8, 4, opts))
+    plain = [n for n in e4m3 if not n.endswith(("_div", "_noscale"))]
+    twins = [f"{n}_{e}" for n in plain for e in ("div", "noscale")]
+    assert plain and sorted(e4m3) == sorted(plain + twins)
+    assert all(e4m3[n].e4m3_epilogue == "mul" for n in plain)
+    assert all(e4m3[f"{n}_{e}"].e4m3_epilogue == e for n in plain for e in ("div", "noscale"))
+    assert bench.sweep_configs("bf16", 8, 4, opts).keys() == set(plain)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--sweep-e4m3-div"])
+        bench.parse_args(["--sweep-e4m3", "div"])
     assert "pass --sweep too" in capsys.readouterr().err
 
 
