@@ -384,7 +384,8 @@ def _cute_or(triton_launch, backend: str, operands: tuple, pdl: bool):
         why = cute_mla_query.unsupported_reason(q_nope, values, scales, q_pe, out)
         if why is None:
             fallback = None if backend == "cute" else triton_launch
-            return cute_mla_query.BoundCute(fallback, num_heads, m, out.device)
+            out_fp8 = out.dtype == torch.float8_e4m3fn
+            return cute_mla_query.BoundCute(fallback, num_heads, m, out.device, out_fp8=out_fp8)
     if backend == "cute":
         raise ValueError(f"backend='cute' cannot run this call: {why}")
     return triton_launch

@@ -1,15 +1,20 @@
-"""CuTe DSL kernel for the fused MLA decode query projection with MXFP8 weights (BF16 out).
+"""CuTe DSL kernel for the fused MLA decode query projection with MXFP8 weights, BF16 or
+E4M3 out.
 
 Same op as ``triton_mla_query``::
 
     out[m, h, :512]    = q_nope[m, h, :192] @ dequant(values, scales)[h]   (BF16)
     out[m, h, 512:576] = q_pe[m, h, :64]
 
+or, for E4M3 out, both parts as vLLM's static FP8 quant: ``clamp(x * (1 / q_scale), ±448)``
+rounded to nearest even, with ``x`` the BF16 value above and ``1 / q_scale`` one correctly
+rounded reciprocal of the scale, which the kernel loads from its one-element fp32 tensor.
+
 Why CuTe: the work is latency bound, so the floor is one DRAM round trip. Triton re-lays-out
 a loaded fp8 tile right after its load, which waits for it, so its MXFP8 kernel pays two
 waits. Here every thread issues all of its global loads first — its 16-byte fp8 weight
-vectors, its E8M0 scale bytes, its share of q_nope and q_pe — into registers, and only then
-touches any of them: one round trip per CTA.
+vectors, its E8M0 scale bytes, its share of q_nope and q_pe, and for E4M3 out q_scale — into
+registers, and only then touches any of them: one round trip per CTA.
 
 Design (SIMT, fp32 FMAs): one CTA per (32-column N tile, head), 96 threads. Thread
 ``t`` owns weight rows ``4*(t//2) .. +4`` and columns ``16*(t%2) .. +16`` of the tile (one
@@ -17,13 +22,14 @@ Design (SIMT, fp32 FMAs): one CTA per (32-column N tile, head), 96 threads. Thre
 q_nope of the head is staged through shared memory (each thread loads 16-byte vectors of
 it with the weights, stores them after all loads are issued). Per token row: 64 FMAs into
 16 partial sums, a butterfly reduce-scatter over the 16 lanes that share the columns, one
-shared-memory partial per warp, and a final sum of the 3 warps' partials. The RoPE copy is
-loaded by every CTA (clamped rows, L2 hits) and stored by the first N tile of each head.
+shared-memory partial per warp, and a final sum of the 3 warps' partials (E4M3: four
+adjacent columns per thread, one 4-byte store). The RoPE copy is loaded by every CTA (clamped
+rows, L2 hits) and stored by the first N tile of each head.
 
 Rows past ``M`` are computed on clamped (valid) rows and never stored: no branches around
-loads. Compiled once per (heads, M bucket) with ``cute.compile``; a call passes raw pointers
-and integer strides (no DLPack conversion per call), on torch's current stream, so a warm
-call is capture-safe inside a CUDA graph.
+loads. Compiled once per (heads, M bucket, output dtype) with ``cute.compile``; a call passes
+raw pointers and integer strides (no DLPack conversion per call), on torch's current stream,
+so a warm call is capture-safe inside a CUDA graph.
 
 ``cutlass`` (nvidia-cutlass-dsl) is imported lazily: this module imports without it.
 """
@@ -44,6 +50,7 @@ HEAD_K = limits.QK_NOPE
 HEAD_N = limits.KV_LORA
 ROPE = limits.QK_ROPE
 MX_BLOCK = limits.MX_BLOCK
+E4M3_MAX = limits.E4M3_MAX
 SCALE_BLOCKS = HEAD_N // MX_BLOCK
 
 # One MX block per CTA: a thread needs one scale byte per weight row it owns.
@@ -52,6 +59,8 @@ BLOCK_N = MX_BLOCK
 VEC_BYTES = 16
 W_VEC = VEC_BYTES  # fp8 elements per vector
 Q_VEC = VEC_BYTES // 2  # bf16 elements per vector
+# E4M3 outputs per thread and store: the DSL stores fp8 in 32-bit vectors at least.
+OUT_GROUP = 4
 COL_GROUPS = BLOCK_N // W_VEC  # threads that share a weight row
 # Four K rows per thread: 96 threads (3 warps) per CTA; fewer rows per thread means more
 # warps for the FMAs, more rows means fewer partial sums to reduce.
@@ -66,7 +75,12 @@ MAX_M = M_BUCKETS[-1]
 E8M0_ZERO_BITS = 0x00400000
 MIN_CAPABILITY = (8, 9)
 
-_compiled: dict[tuple[int, int, int], Any] = {}
+OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+# A compiled variant's key: (heads, M bucket, device index), E4M3_TAG appended for E4M3 out
+# (BF16 keys keep the three fields they had before the kernel wrote E4M3).
+E4M3_TAG = "e4m3"
+
+_compiled: dict[tuple, Any] = {}
 _compiled_lock = threading.Lock()
 
 
@@ -122,8 +136,8 @@ def unsupported_reason(
         return f"scales: dtype {scales.dtype} is not uint8 (view E8M0 bytes as uint8)"
     if q_nope.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16:
         return f"q_nope/q_pe: dtypes {q_nope.dtype}/{q_pe.dtype} must be bfloat16"
-    if out.dtype != torch.bfloat16:
-        return f"out: dtype {out.dtype} is not bfloat16 (E4M3 out is not implemented here)"
+    if out.dtype not in OUT_DTYPES:
+        return f"out: dtype {out.dtype} is not bfloat16 or float8_e4m3fn"
     m, h = q_nope.shape[:2]
     if not 1 <= m <= MAX_M:
         return f"M={m} is outside [1, {MAX_M}]"
@@ -154,23 +168,38 @@ def unsupported_reason(
     return None
 
 
+def _q_scale_reason(out: torch.Tensor, q_scale: torch.Tensor | None) -> str | None:
+    if out.dtype != torch.float8_e4m3fn:
+        return None if q_scale is None else "q_scale: must be None for bfloat16 out"
+    if q_scale is None:
+        return "q_scale: a one-element float32 tensor is required for float8_e4m3fn out"
+    if q_scale.dtype != torch.float32 or q_scale.numel() != 1 or q_scale.device != out.device:
+        return (
+            f"q_scale: {q_scale.dtype} with {q_scale.numel()} elements on {q_scale.device} must "
+            f"be one float32 element on {out.device}"
+        )
+    return None
+
+
 def launch(
     q_nope: torch.Tensor,
     values: torch.Tensor,
     scales: torch.Tensor,
     q_pe: torch.Tensor,
     out: torch.Tensor,
+    q_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write the projection into ``out`` on torch's current stream.
+    """Write the projection into ``out`` on torch's current stream; for a float8_e4m3fn
+    ``out``, quantised with the one-element fp32 ``q_scale`` (read on the device).
 
     Raises ``ValueError`` naming the operand the kernel does not implement (see
     ``unsupported_reason``) and ``RuntimeError`` when the DSL or device is missing. The first
-    call per (heads, M bucket, device) compiles; later calls only launch.
+    call per (heads, M bucket, output dtype, device) compiles; later calls only launch.
     """
-    reason = unsupported_reason(q_nope, values, scales, q_pe, out)
+    reason = unsupported_reason(q_nope, values, scales, q_pe, out) or _q_scale_reason(out, q_scale)
     if reason is not None:
         raise ValueError(reason)
-    launch_unchecked(q_nope, values, scales, q_pe, out)
+    launch_unchecked(q_nope, values, scales, q_pe, out, q_scale)
 
 
 def launch_unchecked(
@@ -179,22 +208,31 @@ def launch_unchecked(
     scales: torch.Tensor,
     q_pe: torch.Tensor,
     out: torch.Tensor,
+    q_scale: torch.Tensor | None = None,
 ) -> None:
     """``launch`` without ``unsupported_reason``: for callers that checked the operands'
     signature once (``BoundCute``) and only the addresses per call."""
     m, h = q_nope.shape[:2]
-    compiled = _compiled_for(h, m_bucket(m), q_nope.device.index or 0)
+    out_fp8 = out.dtype == torch.float8_e4m3fn
+    compiled = _compiled_for(h, m_bucket(m), q_nope.device.index or 0, out_fp8)
     import cutlass
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import make_ptr
 
     stream = cuda.CUstream(torch.cuda.current_stream(q_nope.device).cuda_stream)
+    # The BF16 variant never loads q_scale: any valid address fills its slot.
+    scale_addr = q_scale.data_ptr() if out_fp8 else values.data_ptr()
     compiled(
         make_ptr(cutlass.BFloat16, q_nope.data_ptr(), assumed_align=VEC_BYTES),
         make_ptr(cutlass.BFloat16, q_pe.data_ptr(), assumed_align=VEC_BYTES),
         make_ptr(cutlass.Float8E4M3FN, values.data_ptr(), assumed_align=VEC_BYTES),
         make_ptr(cutlass.Uint8, scales.data_ptr(), assumed_align=VEC_BYTES),
-        make_ptr(cutlass.BFloat16, out.data_ptr(), assumed_align=VEC_BYTES),
+        make_ptr(
+            cutlass.Float8E4M3FN if out_fp8 else cutlass.BFloat16,
+            out.data_ptr(),
+            assumed_align=VEC_BYTES,
+        ),
+        make_ptr(cutlass.Float32, scale_addr, assumed_align=4),
         m,
         q_nope.stride(0),
         q_nope.stride(1),
@@ -206,6 +244,12 @@ def launch_unchecked(
     )
 
 
+def variant_key(num_heads: int, bucket: int, device_index: int, out_fp8: bool) -> tuple:
+    """The ``_compiled`` key of one variant (see ``E4M3_TAG``)."""
+    key = (num_heads, bucket, device_index)
+    return (*key, E4M3_TAG) if out_fp8 else key
+
+
 class BoundCute:
     """One signature's launch through the CuTe kernel (its strides, dtypes and shapes were
     checked once by the caller with ``unsupported_reason``). With a ``fallback`` (the Triton
@@ -213,18 +257,24 @@ class BoundCute:
     capture, and an operand off the 16-byte boundary also goes to the fallback; without one
     (``backend="cute"``) every call runs it, and a misaligned address raises.
 
-    Binding compiles the signature's variant when it happens outside a capture (the usual
-    first call: a warm-up before capture), since the eager calls that run the fallback would
-    never compile it. A signature first seen inside a capture cannot compile there: with a
-    fallback that capture records the Triton kernel (and says so once, as a warning)."""
+    Binding compiles the signature's variant (``out_fp8``: E4M3 output, else BF16) when it
+    happens outside a capture (the usual first call: a warm-up before capture), since the
+    eager calls that run the fallback would never compile it. A signature first seen inside a
+    capture cannot compile there: with a fallback that capture records the Triton kernel (and
+    says so once, as a warning)."""
 
     __slots__ = ("fallback", "key")
 
-    def __init__(self, fallback, num_heads: int, m: int, device: torch.device) -> None:
+    def __init__(
+        self, fallback, num_heads: int, m: int, device: torch.device, *, out_fp8: bool = False
+    ) -> None:
         self.fallback = fallback
-        self.key = (num_heads, m_bucket(m), device.index or 0)
+        self.key = variant_key(num_heads, m_bucket(m), device.index or 0, out_fp8)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            prewarm(num_heads, m, device)
+            if out_fp8:
+                prewarm(num_heads, m, device, out_fp8=True)
+            else:  # prewarm's BF16 call, as it was before the E4M3 variants
+                prewarm(num_heads, m, device)
 
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
         if self.fallback is not None:
@@ -247,38 +297,44 @@ class BoundCute:
                 )
             self.fallback(q_nope, values, scales, q_pe, out, q_scale)
             return
-        launch_unchecked(q_nope, values, scales, q_pe, out)
+        launch_unchecked(q_nope, values, scales, q_pe, out, q_scale)
 
 
-_warned: set[tuple[int, int, int]] = set()
+_warned: set[tuple] = set()
 
 
-def _warn_not_compiled(key: tuple[int, int, int]) -> None:
+def _describe(key: tuple) -> str:
+    heads, bucket, index = key[:3]
+    out = " E4M3-out" if E4M3_TAG in key[3:] else ""
+    return f"heads={heads} M-bucket={bucket}{out} on cuda:{index}"
+
+
+def _warn_not_compiled(key: tuple) -> None:
     if key not in _warned:
         _warned.add(key)
-        heads, bucket, index = key
         warnings.warn(
-            f"fusedq: the CuTe variant for heads={heads} M-bucket={bucket} on cuda:{index} was "
-            "not compiled before this CUDA-graph capture; the graph runs the Triton kernel "
-            "instead (call the op once outside the capture, or fusedq.prewarm, first)",
+            f"fusedq: the CuTe variant for {_describe(key)} was not compiled before this "
+            "CUDA-graph capture; the graph runs the Triton kernel instead (call the op once "
+            "outside the capture, or fusedq.prewarm, first)",
             RuntimeWarning,
             stacklevel=3,
         )
 
 
-def prewarm(num_heads: int, m: int, device: torch.device) -> int:
-    """Compile the variant calls with ``m`` tokens use (before CUDA-graph capture); returns
-    1 when it was compiled now, 0 when it already was."""
-    key = (num_heads, m_bucket(m), device.index or 0)
-    if key in _compiled:
+def prewarm(num_heads: int, m: int, device: torch.device, *, out_fp8: bool = False) -> int:
+    """Compile the variant calls with ``m`` tokens use (E4M3 output with ``out_fp8``, else
+    BF16; before CUDA-graph capture); returns 1 when it was compiled now, 0 when it already
+    was."""
+    args = (num_heads, m_bucket(m), device.index or 0, out_fp8)
+    if variant_key(*args) in _compiled:
         return 0
     with torch.cuda.device(device):
-        _compiled_for(*key)
+        _compiled_for(*args)
     return 1
 
 
-def _compiled_for(num_heads: int, bucket: int, device_index: int):
-    key = (num_heads, bucket, device_index)
+def _compiled_for(num_heads: int, bucket: int, device_index: int, out_fp8: bool):
+    key = variant_key(num_heads, bucket, device_index, out_fp8)
     fn = _compiled.get(key)
     if fn is not None:
         return fn
@@ -287,26 +343,27 @@ def _compiled_for(num_heads: int, bucket: int, device_index: int):
         raise RuntimeError(f"cute_mla_query: {reason}")
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"cute_mla_query: heads={num_heads} M-bucket={bucket} was not compiled before "
-            "CUDA-graph capture (call it once outside the capture, or fusedq.prewarm, first)"
+            f"cute_mla_query: {_describe(key)} was not compiled before CUDA-graph capture "
+            "(call it once outside the capture, or fusedq.prewarm, first)"
         )
     with _compiled_lock:
         fn = _compiled.get(key)
         if fn is None:
-            fn = compile_variant(num_heads, bucket)
+            fn = compile_variant(num_heads, bucket, out_fp8=out_fp8)
             _compiled[key] = fn
     return fn
 
 
-def compile_variant(num_heads: int, bucket: int, *, device: bool = True):
-    """``cute.compile`` the host function for (heads, M bucket). ``device=False`` builds the
-    arguments without a GPU (for ``CUTE_DSL_DRYRUN=1`` traces on a CPU machine)."""
+def compile_variant(num_heads: int, bucket: int, *, out_fp8: bool = False, device: bool = True):
+    """``cute.compile`` the host function for (heads, M bucket, E4M3 output with ``out_fp8``
+    else BF16). ``device=False`` builds the arguments without a GPU (for ``CUTE_DSL_DRYRUN=1``
+    traces on a CPU machine)."""
     import cutlass
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import make_ptr
 
-    host = _build(num_heads, bucket)
+    host = _build(num_heads, bucket, out_fp8)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream if device else 0)
     fake = 1 << 20  # any 16-byte aligned address: compilation never dereferences it
     return cute.compile(
@@ -315,7 +372,10 @@ def compile_variant(num_heads: int, bucket: int, *, device: bool = True):
         make_ptr(cutlass.BFloat16, fake, assumed_align=VEC_BYTES),
         make_ptr(cutlass.Float8E4M3FN, fake, assumed_align=VEC_BYTES),
         make_ptr(cutlass.Uint8, fake, assumed_align=VEC_BYTES),
-        make_ptr(cutlass.BFloat16, fake, assumed_align=VEC_BYTES),
+        make_ptr(
+            cutlass.Float8E4M3FN if out_fp8 else cutlass.BFloat16, fake, assumed_align=VEC_BYTES
+        ),
+        make_ptr(cutlass.Float32, fake, assumed_align=4),
         # cutlass.Int32, not int: a Python int would be compiled in as a constant.
         *(
             cutlass.Int32(x)
@@ -326,11 +386,12 @@ def compile_variant(num_heads: int, bucket: int, *, device: bool = True):
 
 
 @functools.cache
-def _build(num_heads: int, bucket: int):
-    """The @cute.jit host function and its @cute.kernel for (heads, M bucket)."""
+def _build(num_heads: int, bucket: int, out_fp8: bool):
+    """The @cute.jit host function and its @cute.kernel for (heads, M bucket, output dtype:
+    E4M3 with ``out_fp8``, else BF16)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass._mlir.dialects import llvm
+    from cutlass._mlir.dialects import llvm, nvvm
     from cutlass.cutlass_dsl import T
 
     H, MB = num_heads, bucket
@@ -339,11 +400,20 @@ def _build(num_heads: int, bucket: int):
     q_loads = -(-MB * KV // THREADS)
     pe_loads = -(-MB * RV // THREADS)
     out_per_thread = -(-MB * BLOCK_N // THREADS)
+    groups_per_thread = -(-MB * BLOCK_N // OUT_GROUP // THREADS)
     lanes_per_cols = WARP // COL_GROUPS
     steps = lanes_per_cols.bit_length() - 1
 
     def as_f32(bits):
         return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value()))
+
+    def clamp_scaled(x, inv_scale):
+        # vLLM's static FP8 quant before its conversion: fmaxf(-448, fminf(x * inv_scale, 448)).
+        # PTX min/max return the non-NaN operand, as fminf/fmaxf do (NaN becomes 448).
+        y = cutlass.Float32(x * inv_scale)
+        hi = cutlass.Float32(E4M3_MAX).ir_value()
+        y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
+        return cute.arch.fmax(y, -E4M3_MAX)
 
     @cute.kernel
     def kernel(
@@ -352,6 +422,7 @@ def _build(num_heads: int, bucket: int):
         gW: cute.Tensor,
         gS: cute.Tensor,
         gO: cute.Tensor,
+        gSc: cute.Tensor,
         M: cutlass.Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
@@ -390,6 +461,9 @@ def _build(num_heads: int, bucket: int):
             v = cutlass.min(tid + THREADS * i, MB * RV - 1)
             row = cutlass.min(v // RV, last)
             pe_raw.append(tP[(None, (row, h, v % RV))].load())
+        if cutlass.const_expr(out_fp8):
+            # Read on the device, not baked in at launch: a graph replays the current scale.
+            q_scale = gSc[0]
         # The scale bytes last: LLVM places their (integer) processing right after each load,
         # and no use may come before the last load is issued.
         s_raw = []
@@ -397,6 +471,11 @@ def _build(num_heads: int, bucket: int):
             s_raw.append(gS[(h, kq * ROWS_PER_THREAD + r, pid_n)])
 
         # --- stage q, dequantise the weights in registers ---
+        if cutlass.const_expr(out_fp8):
+            # vLLM's reciprocal, once per thread and correctly rounded (the DSL's IEEE division
+            # of 1 becomes rcp.rn.f32, the same value as div.rn.f32); every output multiplies
+            # by it. x * (1/s) and x / s round differently for some x.
+            inv_scale = cutlass.Float32(1.0) / q_scale
         tsQ = cute.zipped_divide(sQ, (1, Q_VEC))
         for i in cutlass.range_constexpr(q_loads):
             v = cutlass.min(tid + THREADS * i, MB * KV - 1)
@@ -442,19 +521,45 @@ def _build(num_heads: int, bucket: int):
             for i in cutlass.range_constexpr(pe_loads):
                 v = tid + THREADS * i
                 if v < MB * RV and v // RV < M:
-                    tO[(None, (v // RV, h, HEAD_N // Q_VEC + v % RV))].store(pe_raw[i])
+                    pe = pe_raw[i]
+                    if cutlass.const_expr(out_fp8):
+                        pe_f = pe.to(cutlass.Float32)
+                        frag = cute.make_rmem_tensor((Q_VEC,), cutlass.Float32)
+                        for j in cutlass.range_constexpr(Q_VEC):
+                            frag[j] = clamp_scaled(pe_f[j], inv_scale)
+                        pe = frag.load().to(cutlass.Float8E4M3FN)
+                    tO[(None, (v // RV, h, HEAD_N // Q_VEC + v % RV))].store(pe)
         cute.arch.sync_threads()
 
-        # --- sum the warps' partials, store bf16 ---
-        for i in cutlass.range_constexpr(out_per_thread):
-            o = tid + THREADS * i
-            m = o // BLOCK_N
-            n = o % BLOCK_N
-            if o < MB * BLOCK_N and m < M:
-                total = sRed[(0, m, n)]
-                for wi in cutlass.range_constexpr(1, WARPS):
-                    total = total + sRed[(wi, m, n)]
-                gO[(m, h, pid_n * BLOCK_N + n)] = total.to(cutlass.BFloat16)
+        # --- sum the warps' partials, store ---
+        if cutlass.const_expr(not out_fp8):
+            for i in cutlass.range_constexpr(out_per_thread):
+                o = tid + THREADS * i
+                m = o // BLOCK_N
+                n = o % BLOCK_N
+                if o < MB * BLOCK_N and m < M:
+                    total = sRed[(0, m, n)]
+                    for wi in cutlass.range_constexpr(1, WARPS):
+                        total = total + sRed[(wi, m, n)]
+                    gO[(m, h, pid_n * BLOCK_N + n)] = total.to(cutlass.BFloat16)
+        else:
+            # E4M3: four adjacent columns per thread, converted and stored as one 4-byte vector.
+            tO2 = cute.zipped_divide(gO, (1, 1, OUT_GROUP))
+            for i in cutlass.range_constexpr(groups_per_thread):
+                o = tid + THREADS * i
+                m = o // (BLOCK_N // OUT_GROUP)
+                n = o % (BLOCK_N // OUT_GROUP) * OUT_GROUP
+                if o < MB * BLOCK_N // OUT_GROUP and m < M:
+                    group = cute.make_rmem_tensor((OUT_GROUP,), cutlass.Float32)
+                    for j in cutlass.range_constexpr(OUT_GROUP):
+                        total = sRed[(0, m, n + j)]
+                        for wi in cutlass.range_constexpr(1, WARPS):
+                            total = total + sRed[(wi, m, n + j)]
+                        # The staged path quantises bmm's bf16 result: round to bf16 first.
+                        total = total.to(cutlass.BFloat16).to(cutlass.Float32)
+                        group[j] = clamp_scaled(total, inv_scale)
+                    col = (pid_n * BLOCK_N + n) // OUT_GROUP
+                    tO2[(None, (m, h, col))].store(group.load().to(cutlass.Float8E4M3FN))
 
     @cute.jit
     def host(
@@ -463,6 +568,7 @@ def _build(num_heads: int, bucket: int):
         w_ptr: cute.Pointer,
         s_ptr: cute.Pointer,
         out_ptr: cute.Pointer,
+        scale_ptr: cute.Pointer,
         M: cutlass.Int32,
         sqm: cutlass.Int32,
         sqh: cutlass.Int32,
@@ -473,7 +579,9 @@ def _build(num_heads: int, bucket: int):
         stream,
     ):
         # The host checked 16-byte alignment of every token/head stride (unsupported_reason):
-        # telling CuTe lets the q/q_pe/out vectors be 16-byte accesses.
+        # telling CuTe lets the q/q_pe/out vectors be 16-byte accesses. Strides are in
+        # elements: 16 bytes of E4M3 out are 16 elements, so divby=Q_VEC (8) holds there too
+        # (its 8-byte RoPE and 4-byte stores stay aligned).
         def lay(last_dim, sm, sh):
             return cute.make_layout(
                 (MB, H, last_dim),
@@ -492,7 +600,9 @@ def _build(num_heads: int, bucket: int):
                 (H, HEAD_K, SCALE_BLOCKS), stride=(HEAD_K * SCALE_BLOCKS, SCALE_BLOCKS, 1)
             ),
         )
-        kernel(gQ, gP, gW, gS, gO, M).launch(
+        # q_scale (E4M3 out; the BF16 variant gets any address and never loads it).
+        gSc = cute.make_tensor(scale_ptr, cute.make_layout(1))
+        kernel(gQ, gP, gW, gS, gO, gSc, M).launch(
             grid=[HEAD_N // BLOCK_N, H, 1], block=[THREADS, 1, 1], stream=stream
         )
 
