@@ -100,9 +100,9 @@ class Options:
     sweep_gluon: tuple[str, ...] = ()
     # Each of those with each of these operand paths (gluon_mla_query.OPERANDS).
     sweep_gluon_operands: tuple[str, ...] = ("convert", "smem", "direct")
-    # E4M3 formats: each variant again as "<name>_<epilogue>" for each of these measurement
-    # epilogues (LaunchConfig.e4m3_epilogue): "div" (an IEEE division per element, before
-    # 2026-12-01) and "noscale" (no q_scale at all; its output is wrong by design).
+    # E4M3 formats: each variant again as "<name>_<epilogue>" for each of these epilogues
+    # (LaunchConfig.e4m3_epilogue): "mul" and "wide" (the product's two stores), "div" (an IEEE
+    # division per element, before 2026-12-01), "noscale" (no q_scale: wrong output by design).
     sweep_e4m3: tuple[str, ...] = ()
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
@@ -763,7 +763,8 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
     if out_fp8:
         for name, cfg in list(configs.items()):
             for epilogue in opts.sweep_e4m3:
-                if epilogue != "wide" or cfg.gluon:
+                # (no twin of a variant that already has it, and "wide" is Gluon's only)
+                if epilogue != cfg.e4m3_epilogue and (epilogue != "wide" or cfg.gluon):
                     twin = dataclasses.replace(cfg, e4m3_epilogue=epilogue)
                     configs[f"{name}_{epilogue}"] = twin
     return configs
@@ -1090,10 +1091,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         "--sweep-e4m3",
         nargs="+",
         default=[],
-        choices=("div", "noscale", "wide"),
-        help="--sweep, E4M3 formats: time each variant again with these epilogues: div (an "
-        "IEEE division by q_scale per element, the old one), noscale (no scaling; wrong output), "
-        "wide (Gluon only: the result stored 16 bytes a thread, through shared memory)",
+        choices=("mul", "wide", "div", "noscale"),
+        help="--sweep, E4M3 formats: time each variant again with these epilogues: mul (vLLM's "
+        "quantisation stored from the MMA layout), wide (the same stored 16 bytes a thread "
+        "through shared memory; Gluon only), div (an IEEE division by q_scale per element, the "
+        "old one), noscale (no scaling; wrong output)",
     )
     p.add_argument(
         "--eager",

@@ -133,8 +133,8 @@ def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = Fals
     is not a requirement, and every recipe also has the Triton kernel), or ``None``."""
     if weight_format != "mxfp8":
         return "BF16 weights run the Triton kernel (the CuTe kernel is for MXFP8 only)"
-    if out_dtype != torch.bfloat16:
-        return "E4M3 output runs the Triton kernel (the CuTe kernel writes BF16 only)"
+    if out_dtype not in OUT_DTYPES:
+        return f"out_dtype={out_dtype} runs no fused kernel (out dtypes {OUT_DTYPES})"
     if pdl:
         return "pdl=True runs the Triton kernel (the CuTe kernel has no PDL launch)"
     from fusedq.kernels import cute_mla_query
@@ -164,7 +164,8 @@ def kernel_choice(
         return "triton", problem
     if m > CUTE_MAX_M:
         return "triton", f"M={m} > {CUTE_MAX_M}: the Triton kernel measured faster there"
-    return "cute", f"MXFP8 -> BF16 at M <= {CUTE_MAX_M}: the CuTe DSL kernel measured faster"
+    out = "E4M3" if out_dtype == torch.float8_e4m3fn else "BF16"
+    return "cute", f"MXFP8 -> {out} at M <= {CUTE_MAX_M}: the CuTe DSL kernel measured faster"
 
 
 def kernel_summary(
@@ -177,16 +178,20 @@ def kernel_summary(
     pdl: bool = False,
 ) -> str:
     """Which kernel ``backend="auto"`` runs at each of ``ms``, runs of equal M merged, e.g.
-    ``"M=1,2 cute (graphs; eager: register); M=4-16 gluon-convert"``; and, where MXFP8 -> BF16
-    could take the CuTe kernel but does not, why (``"... [CuTe: nvidia-cutlass-dsl does not
-    import (...)]"``). What a server log shows so a run says which kernels it measured."""
+    ``"M=1,2 cute (graphs; eager: register); M=4-16 gluon-convert"`` (E4M3's shared-memory
+    store shows as ``gluon-smem-widestore``); and, where MXFP8 could take the CuTe kernel but
+    does not, why (``"... [CuTe: nvidia-cutlass-dsl does not import (...)]"``). What a server
+    log shows so a run says which kernels it measured."""
     from fusedq.kernels.triton_mla_query import LaunchConfig
 
     def triton_name(m: int) -> str:
         cfg = LaunchConfig.for_problem(
             num_heads, m, weight_format, out_dtype == torch.float8_e4m3fn, pdl=pdl
         )
-        return f"gluon-{cfg.gluon_operands}" if cfg.gluon else "register" if cfg.fma else "tl.dot"
+        if cfg.gluon:
+            store = "-widestore" if cfg.e4m3_epilogue == "wide" else ""
+            return f"gluon-{cfg.gluon_operands}{store}"
+        return "register" if cfg.fma else "tl.dot"
 
     runs: list[tuple[str, list[int]]] = []
     for m in sorted(set(ms)):
@@ -208,7 +213,7 @@ def kernel_summary(
     text = "; ".join(f"M={span(m_run)} {name}" for name, m_run in runs) or "no M"
     if _resolve_device(device).type == "cuda" and not any(n.startswith("cute") for n, _ in runs):
         problem = cute_problem(weight_format, out_dtype, pdl=pdl)
-        if weight_format == "mxfp8" and out_dtype == torch.bfloat16 and problem is not None:
+        if weight_format == "mxfp8" and problem is not None:
             text += f" [CuTe: {problem}]"
     return text
 

@@ -334,8 +334,9 @@ if AVAILABLE:
             acc = mma_v2(gl.convert_layout(q2, a_op), gl.convert_layout(w2, b_op), acc)
 
         # The result is stored from the accumulator's layout (2 adjacent columns per thread):
-        # a conversion to a wider-vector layout would cost a shared-memory round trip. (The
-        # E4M3 measurement variant OUT_FP8 == 4 pays it, for 16-byte stores.)
+        # a conversion to a wider-vector layout costs a shared-memory round trip. BF16 never
+        # pays it; E4M3's "wide" epilogue (OUT_FP8 == 4) does from 16 tokens, where its 2-byte
+        # stores cost more than the round trip (base.GLUON_TUNED has the figures).
         o_layout: gl.constexpr = (
             _tile_layout(BLOCK_M, BLOCK_N, 16, 1, NUM_WARPS) if OUT_FP8 == 4 else mma
         )

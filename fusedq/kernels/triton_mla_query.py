@@ -45,17 +45,18 @@ OUT_WIDTH = limits.QUERY_WIDTH
 E4M3_MAX = limits.E4M3_MAX
 MX_BLOCK = limits.MX_BLOCK
 
-# The OUT_FP8 constexpr: BF16 output, or E4M3 quantised as vLLM's static FP8 quant does it
-# (``x * (1 / q_scale)``: its CUDA op ``static_scaled_fp8_quant`` takes the reciprocal once
-# and multiplies, and so does ``QuantFP8.forward_native``). Two more E4M3 epilogues exist only
-# for ``fusedq-bench --sweep --sweep-e4m3`` to time against it (``LaunchConfig.e4m3_epilogue``):
-# an IEEE division per element (the epilogue before 2026-12-01), and no scaling at all (no
-# q_scale load: it separates the scale's cost from the conversion's; its output is wrong).
+# The OUT_FP8 constexpr (``LaunchConfig.e4m3_epilogue`` picks the E4M3 ones): BF16 output;
+# E4M3 quantised as vLLM's static FP8 quant does it (``x * (1 / q_scale)``: its CUDA op
+# ``static_scaled_fp8_quant`` takes the reciprocal once and multiplies, and so does
+# ``QuantFP8.forward_native``), "mul", stored from the MMA layout; the same stored through
+# shared memory 16 bytes a thread, "wide" (the Gluon kernel only). Two more exist only for
+# ``fusedq-bench --sweep --sweep-e4m3`` to time against them: an IEEE division per element
+# ("div", the epilogue before 2026-12-01), and no scaling at all ("noscale": no q_scale load,
+# which separates the scale's cost from the conversion's; its output is wrong).
 OUT_BF16 = 0
 OUT_E4M3 = 1
 OUT_E4M3_DIV = 2
 OUT_E4M3_NOSCALE = 3
-# ...and "mul" stored through a 16-byte-per-thread layout (the Gluon kernel only).
 OUT_E4M3_WIDE = 4
 E4M3_EPILOGUES = {
     "mul": OUT_E4M3, "div": OUT_E4M3_DIV, "noscale": OUT_E4M3_NOSCALE, "wide": OUT_E4M3_WIDE,
@@ -134,29 +135,56 @@ FMA_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int]]] = {
 
 @dataclasses.dataclass(frozen=True)
 class GluonChoice:
-    """How the Gluon kernel runs one recipe: its operand path (gluon_mla_query.OPERANDS) and
-    (BLOCK_N, warps) below and from ``GLUON_WIDE_N_HEADS`` heads."""
+    """How the Gluon kernel runs one shape: its operand path (gluon_mla_query.OPERANDS),
+    BLOCK_N and warps, and for E4M3 out whether the result is stored 16 bytes a thread
+    through shared memory (the "wide" epilogue) rather than from the MMA layout."""
 
     operands: str
-    narrow: tuple[int, int]
-    wide: tuple[int, int]
+    block_n: int
+    num_warps: int
+    wide_store: bool = False
 
 
 # The Gluon kernel replaces the tl.dot kernel everywhere it runs (it measured faster at every
-# shape). Retuned on 2026-12-01 with E4M3's reciprocal multiply (the same sweep as FMA_TUNED):
+# shape): (weight format, E4M3 out) -> rules (min heads, min M, choice), the first that holds
+# wins. Retuned on the H200 on 2026-12-01 with E4M3's reciprocal multiply (fusedq-bench
+# --sweep, 150-200 samples, every output checked; docs/bench/h200-sweep-tune-2026-12-01.json
+# and h200-sweep-why-2026-12-01.json):
 # - 64-wide N tiles from 11 heads (88 CTAs at H=11, 128 at 16), 32-wide at 8 (128 CTAs): at
 #   H=11 the 64-wide tiles are 3-10 % faster for every recipe (BF16 M=32: 3.33 vs 3.51 us),
 #   at H=8 they lose at M >= 16 (BF16 M=32: 3.17 vs 2.95).
 # - BF16 out: "convert". E4M3 out: "smem" (BF16 weights: 3.96 vs convert's 4.22 us at H=16
-#   M=32); for MXFP8 -> E4M3 the wide tiles want 8 warps (H=16: 3.11-3.86 us against 3.32-3.87
-#   with 4 and "convert"'s 3.12-3.89).
-GLUON_TUNED: dict[tuple[str, bool], GluonChoice] = {
-    ("bf16", False): GluonChoice("convert", (32, 4), (64, 4)),
-    ("mxfp8", False): GluonChoice("convert", (32, 4), (64, 4)),
-    ("bf16", True): GluonChoice("smem", (32, 4), (64, 4)),
-    ("mxfp8", True): GluonChoice("smem", (32, 4), (64, 8)),
-}
-GLUON_WIDE_N_HEADS = 11
+#   M=32); MXFP8 -> E4M3 with 64-wide tiles wants 8 warps (H=16 M=1-4: 3.11-3.15 us against
+#   3.32-3.35 with 4).
+# - E4M3 from 16 tokens: the wide store. Two-byte stores from the MMA layout cost E4M3 up to
+#   0.4 us over BF16 output at M=32 (H=16: 3.97 vs 3.54 us); through shared memory to 16-byte
+#   stores it is 3.60. At M <= 4 the round trip costs more than it saves (H=16 M=4: 3.36 vs
+#   3.32). With it, MXFP8 -> E4M3 at 11-16 heads is fastest on "convert" (H=16 M=16: 3.23 vs
+#   smem's 3.37; M=32: 3.49 vs 3.40, the one shape it loses).
+GLUON_TUNED: dict[tuple[str, bool], tuple[tuple[int, int, GluonChoice], ...]] = {
+    ("bf16", False): ((11, 1, GluonChoice("convert", 64, 4)), (1, 1, GluonChoice("convert", 32, 4))),
+    ("mxfp8", False): ((11, 1, GluonChoice("convert", 64, 4)), (1, 1, GluonChoice("convert", 32, 4))),
+    ("bf16", True): (
+        (11, 16, GluonChoice("smem", 64, 4, wide_store=True)),
+        (11, 1, GluonChoice("smem", 64, 4)),
+        (1, 16, GluonChoice("smem", 32, 4, wide_store=True)),
+        (1, 1, GluonChoice("smem", 32, 4)),
+    ),
+    ("mxfp8", True): (
+        (11, 16, GluonChoice("convert", 64, 4, wide_store=True)),
+        (11, 1, GluonChoice("smem", 64, 8)),
+        (1, 16, GluonChoice("smem", 32, 4, wide_store=True)),
+        (1, 1, GluonChoice("smem", 32, 4)),
+    ),
+}  # fmt: skip
+
+
+def gluon_choice(weight_format: str, out_fp8: bool, num_heads: int, m: int) -> GluonChoice | None:
+    """The GLUON_TUNED choice for one shape (None for a recipe without Gluon rules)."""
+    for min_heads, min_m, choice in GLUON_TUNED.get((weight_format, out_fp8), ()):
+        if num_heads >= min_heads and m >= min_m:
+            return choice
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +208,8 @@ class LaunchConfig:
     # With gluon: how the operand tiles reach the MMA layouts, one of
     # gluon_mla_query.OPERANDS ("convert" | "smem" | "direct"; the reasons are there).
     gluon_operands: str = "convert"
-    # E4M3 out only: "mul" (vLLM's quantisation); "div" and "noscale" are measurement aids
-    # (see OUT_E4M3_DIV) that for_problem never picks.
+    # E4M3 out only: "mul" or "wide" (vLLM's quantisation, stored two ways); "div" and
+    # "noscale" are measurement aids (see OUT_E4M3_DIV) that for_problem never picks.
     e4m3_epilogue: str = "mul"
 
     @classmethod
@@ -202,7 +230,7 @@ class LaunchConfig:
         fma_m = triton.next_power_of_2(max(m, 1))
         fma = FMA_TUNED.get((weight_format, out_fp8, fma_m), {}) if allow_fma else {}
         if interpreting():
-            if fma:  # the GPU takes the register path here: so does the interpreter
+            if num_heads in fma:  # the GPU takes the register path here: so does the interpreter
                 return cls(block_m=fma_m, block_n=INTERPRET_BLOCK_N, num_warps=1, fma=True)
             block_m = max(MIN_BLOCK_M, fma_m)
             return cls(block_m=block_m, block_n=INTERPRET_BLOCK_N, block_k=SINGLE_BLOCK_K)
@@ -210,13 +238,12 @@ class LaunchConfig:
             block_n, num_warps = fma[num_heads]
             return cls(fma_m, block_n, num_warps=num_warps, pdl=pdl, fma=True)
         block_m = max(MIN_BLOCK_M, fma_m)
-        choice = GLUON_TUNED.get((weight_format, out_fp8))
+        choice = gluon_choice(weight_format, out_fp8, num_heads, m)
         if choice is not None and _gluon_available():
-            wide = num_heads >= GLUON_WIDE_N_HEADS
-            block_n, num_warps = choice.wide if wide else choice.narrow
             return cls(
-                block_m, block_n, num_warps=num_warps, pdl=pdl, gluon=True,
+                block_m, choice.block_n, num_warps=choice.num_warps, pdl=pdl, gluon=True,
                 gluon_operands=choice.operands,
+                e4m3_epilogue="wide" if choice.wide_store else "mul",
             )  # fmt: skip
         tuned = TUNED.get((weight_format, out_fp8, block_m), {})
         block_n, num_warps, block_k = tuned.get(

@@ -197,16 +197,18 @@ def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, operands, devic
 @pytest.mark.parametrize(
     ("h", "m", "fmt", "out_fp8", "expect"),
     [
-        (16, 4, "bf16", False, ("gluon", "convert", 64, 4)),
-        (11, 2, "bf16", False, ("gluon", "convert", 64, 4)),  # wide from 11 heads (2026-12-01)
-        (8, 32, "mxfp8", False, ("gluon", "convert", 32, 4)),
-        (11, 16, "bf16", True, ("gluon", "smem", 64, 4)),
-        (8, 32, "bf16", True, ("gluon", "smem", 32, 4)),
-        (8, 1, "bf16", False, ("fma", None, 32, 4)),  # the register path keeps its ties
-        (16, 1, "bf16", False, ("gluon", "convert", 64, 4)),  # ... and not its losses
-        (16, 4, "mxfp8", True, ("gluon", "smem", 64, 8)),  # MXFP8 -> E4M3: 8 warps wide
-        (11, 1, "mxfp8", True, ("gluon", "smem", 64, 8)),
-        (16, 1, "mxfp8", True, ("fma", None, 32, 4)),
+        (16, 4, "bf16", False, ("gluon", "convert", 64, 4, "mul")),
+        (11, 2, "bf16", False, ("gluon", "convert", 64, 4, "mul")),  # wide from 11 heads
+        (8, 32, "mxfp8", False, ("gluon", "convert", 32, 4, "mul")),
+        (8, 4, "bf16", True, ("gluon", "smem", 32, 4, "mul")),
+        (8, 32, "bf16", True, ("gluon", "smem", 32, 4, "wide")),  # E4M3's wide store from M=16
+        (11, 16, "bf16", True, ("gluon", "smem", 64, 4, "wide")),
+        (8, 1, "bf16", False, ("fma", None, 32, 4, "mul")),  # the register path keeps its ties
+        (16, 1, "bf16", False, ("gluon", "convert", 64, 4, "mul")),  # ... and not its losses
+        (16, 4, "mxfp8", True, ("gluon", "smem", 64, 8, "mul")),  # MXFP8 -> E4M3: 8 warps wide
+        (11, 1, "mxfp8", True, ("gluon", "smem", 64, 8, "mul")),
+        (16, 32, "mxfp8", True, ("gluon", "convert", 64, 4, "wide")),
+        (16, 1, "mxfp8", True, ("fma", None, 32, 4, "mul")),
     ],
 )  # fmt: skip
 def test_for_problem_picks_gluon_where_it_measured_faster(monkeypatch, h, m, fmt, out_fp8, expect):
@@ -219,8 +221,8 @@ def test_for_problem_picks_gluon_where_it_measured_faster(monkeypatch, h, m, fmt
     path = "gluon" if cfg.gluon else "fma" if cfg.fma else "dot"
     assert path == expect[0]
     if path == "gluon":
-        assert (cfg.gluon_operands, cfg.block_n, cfg.num_warps) == expect[1:]
+        assert (cfg.gluon_operands, cfg.block_n, cfg.num_warps, cfg.e4m3_epilogue) == expect[1:]
     elif path == "fma":
-        assert (cfg.block_n, cfg.num_warps) == expect[2:]
+        assert (cfg.block_n, cfg.num_warps, cfg.e4m3_epilogue) == expect[2:]
     monkeypatch.setattr(kernel, "_gluon_available", lambda: False)  # an older Triton
     assert not kernel.LaunchConfig.for_problem(h, m, fmt, out_fp8, pdl=False).gluon

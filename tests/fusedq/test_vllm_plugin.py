@@ -488,7 +488,7 @@ def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
         "fusedq: kernels (heads=8, format=bf16): "
         + fusedq.kernel_summary(8, vp.DECODE_MS, device=layer.W_UK_T.device)
     ]
-    assert kernels[0].endswith("; M=4-32 tl.dot") and "M=1" in kernels[0]
+    assert kernels[0].endswith("; M=2-32 tl.dot") and "M=1" in kernels[0]
 
 
 def test_setup_layer_tells_a_differing_layer_once(mla, vp, monkeypatch, caplog):
