@@ -49,9 +49,10 @@ def mla_query_projection(
         together with ``out``, the two must agree.
     q_scale : one-element fp32 tensor; required for E4M3 output, rejected for bf16.
     backend : ``"auto"`` (fused where ``can_implement``, else staged; the fused kernel as
-        ``fusedq.kernel_choice`` picks it: the CuTe DSL kernel for MXFP8 -> BF16 at small M
-        where nvidia-cutlass-dsl is installed, else Triton), ``"triton"`` or ``"cute"`` (that
-        kernel, or ``ValueError`` with the reason), ``"staged"`` (the reference path).
+        ``fusedq.kernel_choice`` picks it: the CuTe DSL kernel for MXFP8 at the small M where it
+        measured faster, where nvidia-cutlass-dsl is installed, else Triton), ``"triton"`` or
+        ``"cute"`` (that kernel, or ``ValueError`` with the reason), ``"staged"`` (the
+        reference path).
     pdl : launch the fused kernel with programmatic dependent launch; ``None`` takes the
         process default (``FUSEDQ_PDL=1``, read once at import).
 

@@ -120,12 +120,19 @@ def explain(
 
 
 # Which fused kernel ``backend="auto"`` runs. The CuTe DSL kernel (kernels/cute_mla_query.py:
-# MXFP8 weights, BF16 out, one memory round trip, SIMT FMAs) measured fastest at M=1 on the
+# MXFP8 weights, one memory round trip, SIMT FMAs) measured fastest for BF16 out at M=1 on the
 # H200 (2026-11-30: 2.48 us at H=8, 2.80 at H=16, against Triton's register path 2.68/3.13
 # and the Gluon kernel 2.79/3.03); at M=4 the Gluon kernel wins (2.80/3.02 against CuTe's
 # 3.04/3.55), and at M=32 CuTe is far behind (9.5-10 us: its FMAs do not scale with M).
 # M=2 lies between; it takes CuTe (its M=2 figures are in the floors run, docs/fusedq.md).
-CUTE_MAX_M = 2
+# E4M3 out (2026-12-01 sweep, docs/bench/h200-sweep-final-2026-12-01.json): CuTe wins at M=2
+# (2.65/2.89/3.09 us at H 8/11/16 against 2.74/2.92/3.11) and loses at M=1 (2.83/2.95/3.15
+# against the register path's and Gluon's 2.73/2.91/3.13).
+CUTE_MS: dict[torch.dtype, tuple[int, ...]] = {
+    torch.bfloat16: (1, 2),
+    torch.float8_e4m3fn: (2,),
+}
+CUTE_MAX_M = max(max(ms) for ms in CUTE_MS.values())
 
 
 def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = False) -> str | None:
@@ -162,10 +169,14 @@ def kernel_choice(
     problem = cute_problem(weight_format, out_dtype, pdl=pdl)
     if problem is not None:
         return "triton", problem
+    out = "E4M3" if out_dtype == torch.float8_e4m3fn else "BF16"
+    cute_ms = CUTE_MS[out_dtype]
     if m > CUTE_MAX_M:
         return "triton", f"M={m} > {CUTE_MAX_M}: the Triton kernel measured faster there"
-    out = "E4M3" if out_dtype == torch.float8_e4m3fn else "BF16"
-    return "cute", f"MXFP8 -> {out} at M <= {CUTE_MAX_M}: the CuTe DSL kernel measured faster"
+    if m not in cute_ms:
+        return "triton", f"MXFP8 -> {out} at M={m}: the Triton kernel measured faster there"
+    span = "M <= 2" if cute_ms == (1, 2) else f"M = {', '.join(map(str, cute_ms))}"
+    return "cute", f"MXFP8 -> {out} at {span}: the CuTe DSL kernel measured faster"
 
 
 def kernel_summary(
