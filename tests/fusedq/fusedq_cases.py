@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import fusedq
@@ -134,3 +136,22 @@ def launch_matches_staged(
     if buf.shape != out.shape:
         pad = torch.cat([buf[:, h:].flatten(), buf[:, :h, N + R :].flatten()])
         assert pad.float().isnan().all()  # the poison (NaN in both dtypes) is untouched
+
+
+# A scale at which vLLM's quantisation, x * (1 / s), and the once-rounded x / s give different
+# E4M3 values for some bf16 x (sixty of them; found by building scales that put quotients on
+# E4M3 rounding midpoints, where random scales found none).
+TIE_SCALE = 28.0
+
+
+@functools.cache
+def split_values() -> torch.Tensor:
+    """The bf16 values whose E4M3 quantisation at TIE_SCALE differs between ``x * (1/s)``
+    and ``x / s`` (searched over every finite bf16, so a test using them cannot pass
+    vacuously)."""
+    finite = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([finite, -finite]).float()
+    s = torch.tensor([TIE_SCALE])
+    mul = (x * s.reciprocal()).clamp(-448, 448).to(E4M3).view(torch.uint8)
+    div = (x / s).clamp(-448, 448).to(E4M3).view(torch.uint8)
+    return x[mul != div].to(torch.bfloat16)

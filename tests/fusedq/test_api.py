@@ -12,12 +12,14 @@ from fusedq_cases import (
     MS,
     Q_SCALE,
     RECIPES,
+    TIE_SCALE,
     assert_matches,
     launch_matches_staged,
     make_out,
     make_q,
     make_weight,
     poison,
+    split_values,
     weight_for,
     weight_in_layout,
 )
@@ -342,20 +344,6 @@ def test_output_dtype_from_out_names_an_unsupported_dtype(device):
 # is not always the once-rounded quotient. At q_scale = 28 sixty bf16 values round to another
 # E4M3 value one way than the other; the kernels must give vLLM's.
 
-TIE_SCALE = 28.0
-
-
-@functools.cache
-def _split_values() -> torch.Tensor:
-    """The bf16 values whose E4M3 quantisation at TIE_SCALE differs between ``x * (1/s)``
-    and ``x / s`` (searched over every finite bf16, so the test cannot pass vacuously)."""
-    finite = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    x = torch.cat([finite, -finite]).float()
-    s = torch.tensor([TIE_SCALE])
-    mul = (x * s.reciprocal()).clamp(-448, 448).to(E4M3).view(torch.uint8)
-    div = (x / s).clamp(-448, 448).to(E4M3).view(torch.uint8)
-    return x[mul != div].to(torch.bfloat16)
-
 
 # (LaunchConfig fields, M, E4M3 epilogue): the register path, tl.dot, and each Gluon operand
 # path (GPU only: a Gluon LaunchConfig cannot even be built under the interpreter), each with
@@ -381,7 +369,7 @@ def test_e4m3_rounds_as_vllm(fields, m, epilogue, device):
     and the "div" measurement variant as the division does."""
     from fusedq.kernels import triton_mla_query as kernel
 
-    x = _split_values()
+    x = split_values()
     assert len(x) >= 32, "no discriminating values: the test would pass either way"
     h = 2
     row = x.repeat(-(-512 // len(x)))[:512]

@@ -5,7 +5,6 @@ nvidia-cutlass-dsl is not a CI dependency: without it both tests skip and say so
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import subprocess
@@ -13,7 +12,17 @@ import sys
 
 import pytest
 import torch
-from fusedq_cases import E4M3, Q_SCALE, assert_matches, make_out, make_q, make_weight, poison
+from fusedq_cases import (
+    E4M3,
+    Q_SCALE,
+    TIE_SCALE,
+    assert_matches,
+    make_out,
+    make_q,
+    make_weight,
+    poison,
+    split_values,
+)
 
 import fusedq
 from fusedq.kernels import cute_mla_query as cute
@@ -59,22 +68,6 @@ def test_matches_staged(h, m, out_dtype, device):
     _check(h, m, w, q_nope, q_pe, device, out_dtype)
 
 
-# A scale at which x * (1 / s) and x / s round to different E4M3 values for some bf16 x.
-TIE_SCALE = 28.0
-
-
-@functools.cache
-def _split_values() -> torch.Tensor:
-    """The bf16 values whose E4M3 quantisation at TIE_SCALE differs between ``x * (1/s)``
-    and ``x / s`` (searched over every finite bf16, so the test cannot pass vacuously)."""
-    finite = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    x = torch.cat([finite, -finite]).float()
-    s = torch.tensor([TIE_SCALE])
-    mul = (x * s.reciprocal()).clamp(-448, 448).to(E4M3).view(torch.uint8)
-    div = (x / s).clamp(-448, 448).to(E4M3).view(torch.uint8)
-    return x[mul != div].to(torch.bfloat16)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,m", [(8, 1), (16, 2), (11, 32)])
 def test_e4m3_rounds_as_vllm(h, m, device):
@@ -83,7 +76,7 @@ def test_e4m3_rounds_as_vllm(h, m, device):
     row 5 is all ones (every other q_nope element 0), so the fp32 sum is the value itself.
     The kernel must round every one as vLLM does (one reciprocal, then multiplies)."""
     _needs_cute()
-    x = _split_values()
+    x = split_values()
     assert len(x) >= 32, "no discriminating values: the test would pass either way"
     gen = torch.Generator().manual_seed(28)
     w = make_weight(h, "contiguous", torch.device("cpu"), gen)
