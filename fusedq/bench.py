@@ -29,8 +29,9 @@ contiguous, 16-byte vectors, every load issued before any use; the fastest of fi
 one-launch kernel could show, since the fused kernel must at least read those bytes. Beside
 them, kernels that each do less than the fused one must, to say where the rest goes:
 ``store_w*`` (the reads, then the output bytes written), ``grid`` (the read kernel on the fused
-kernel's own CTA count), ``split_k`` (the read floor's grid joined over K by atomics) and
-``view`` (the fused kernel's own tiles of the real weight view, no math); see FLOOR_SPLIT_K.
+kernel's own CTA count), ``split_k`` (the read floor's grid joined over K by atomics),
+``view`` (the fused kernel's own tiles of the real weight view, no math) and, on sm_90+ with
+Gluon, ``view_tma`` (those tiles read by TMA bulk copies); see FLOOR_SPLIT_K.
 
 ``--eager`` measures something else: host time per call outside graphs (``bench_eager``).
 """
@@ -316,6 +317,104 @@ def _floor_kernels():
     )  # fmt: skip
 
 
+_TMA_FLOOR: tuple | None = None
+
+
+def _tma_floor_kernel():
+    """(kernel, None) of the "view_tma" floor, or (None, why it cannot run here). It reads
+    the fused kernel's tiles of the real weight view as the "view" floor does, but with TMA
+    bulk copies (one per K chunk into shared memory, one mbarrier), then folds them as that
+    floor does: the one way of reading W_UK_T in tiles the "view" floor does not bound."""
+    global _TMA_FLOOR
+    if _TMA_FLOOR is not None:
+        return _TMA_FLOOR
+    import torch
+
+    from fusedq.kernels import gluon_mla_query
+    from fusedq.kernels.triton_mla_query import interpreting
+
+    if interpreting() or not torch.cuda.is_available():
+        _TMA_FLOOR = (None, "TMA needs a CUDA GPU (not the interpreter)")
+    elif torch.cuda.get_device_capability() < (9, 0):
+        _TMA_FLOOR = (None, "TMA needs sm_90 or later")
+    elif not gluon_mla_query.AVAILABLE:
+        _TMA_FLOOR = (None, gluon_mla_query.UNAVAILABLE_REASON)
+    else:
+        try:
+            _TMA_FLOOR = (_define_tma_floor_kernel(), None)
+        except Exception as exc:  # an older Gluon without these names
+            _TMA_FLOOR = (None, f"Gluon's Hopper TMA API: {type(exc).__name__}: {exc}")
+    return _TMA_FLOOR
+
+
+def _define_tma_floor_kernel():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+    # Triton 3.6 (the H200's) names the bulk copy async_copy_global_to_shared; 3.9 async_load.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def view_tma_kernel(
+        w_desc, s_ptr, sink_ptr, rows_per_head, s_sh, s_sk,
+        BLOCK_N: gl.constexpr, CHUNK_K: gl.constexpr, SCALES: gl.constexpr,
+        SCALE_COLS: gl.constexpr,
+    ):  # fmt: skip
+        pid_n = gl.program_id(0)
+        h = gl.program_id(1)
+        num_warps: gl.constexpr = gl.num_warps()
+        tiles = gl.allocate_shared_memory(w_desc.dtype, [3, CHUNK_K, BLOCK_N], w_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        fence_async_shared()
+        row = h * rows_per_head
+        col = pid_n * BLOCK_N
+        mbarrier.expect(bar, 3 * w_desc.block_type.nbytes)
+        tma_load(w_desc, [row, col], bar, tiles.index(0))
+        tma_load(w_desc, [row + CHUNK_K, col], bar, tiles.index(1))
+        tma_load(w_desc, [row + 2 * CHUNK_K, col], bar, tiles.index(2))
+        if SCALES:  # (1-2 bytes a row: below TMA's 16-byte minimum box; plain loads, issued
+            # before the wait so they share the round trip)
+            s_layout: gl.constexpr = gl.BlockedLayout(
+                [1, SCALE_COLS], [32, 1], [num_warps, 1], [1, 0]
+            )
+            offs_k = gl.arange(0, CHUNK_K, layout=gl.SliceLayout(1, s_layout))
+            offs_s = (pid_n * BLOCK_N) // 32 + gl.arange(
+                0, SCALE_COLS, layout=gl.SliceLayout(0, s_layout)
+            )
+            srows = s_ptr + h.to(gl.int64) * s_sh + offs_k[:, None] * s_sk + offs_s[None, :]
+            c0 = gl.load(srows)
+            c1 = gl.load(srows + CHUNK_K * s_sk)
+            c2 = gl.load(srows + 2 * CHUNK_K * s_sk)
+        mbarrier.wait(bar, 0)
+        mbarrier.invalidate(bar)
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        x = tiles.index(0).load(layout).to(gl.int32) + tiles.index(1).load(layout).to(gl.int32)
+        x = x + tiles.index(2).load(layout).to(gl.int32)
+        total = gl.sum(gl.sum(x, axis=1), axis=0)
+        if SCALES:
+            c = c0.to(gl.int32) + c1.to(gl.int32) + c2.to(gl.int32)
+            total += gl.sum(gl.sum(c, axis=1), axis=0)
+        gl.store(sink_ptr + h * gl.num_programs(0) + pid_n, total)
+
+    return view_tma_kernel
+
+
+def tma_weight_rows(values):
+    """vLLM's W_UK_T view ``[H, 192, 512]`` (rows of every head ``stride(0) // stride(1)``
+    apart in one ``[rows, 512]`` matrix, as kv_b_proj's weight lays them out) as that 2-D
+    matrix, up to the last head's 192nd row: what a TMA descriptor can address."""
+    import torch
+
+    h, k, n = values.shape
+    s_h, s_k, s_n = values.stride()
+    if s_n != 1 or s_h % s_k:
+        raise ValueError(f"strides {values.stride()}: not rows of one [rows, {n}] matrix")
+    rows = (h - 1) * (s_h // s_k) + k
+    return torch.as_strided(values, (rows, n), (s_k, 1)), s_h // s_k
+
+
 def _floor_kernel_set() -> tuple:
     """The floor kernels, defined (and Triton imported) on first use."""
     global _FLOOR_KERNELS
@@ -367,7 +466,8 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
 FLOOR_SPLIT_WORDS = 512
 FLOOR_SPLIT_K = 6
 # The floors measured beside the read floor (the row keys of their best variants' times).
-FLOOR_KINDS = ("store", "grid", "split_k", "view")
+# "view_tma": the "view" floor's tiles read by TMA bulk copies (GPU only, sm_90+).
+FLOOR_KINDS = ("store", "grid", "split_k", "view", "view_tma")
 
 
 def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
@@ -444,7 +544,34 @@ def _grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]
             **view_meta,
         )  # fmt: skip
 
-    return {"grid": grid, "split_k": split_k, "view": view}
+    steps = {"grid": grid, "split_k": split_k, "view": view}
+    tma_kernel, why = _tma_floor_kernel()
+    if tma_kernel is None:
+        if why not in _TMA_SAID:
+            _TMA_SAID.add(why)
+            print(f"floors: no view_tma floor: {why}", flush=True)
+        return steps
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    chunk_k = view_meta["CHUNK_K"]
+    shared = gl.NVMMASharedLayout.get_default_for(
+        [chunk_k, block_n], gl.int16 if v0.element_size() == 2 else gl.uint8
+    )
+    mats = [tma_weight_rows(v) for v in values]
+    descs = [TensorDescriptor.from_tensor(mat, [chunk_k, block_n], shared) for mat, _ in mats]
+    rows_per_head = mats[0][1]
+
+    def view_tma(i: int) -> None:
+        tma_kernel[(KV_LORA // block_n, h)](
+            descs[i], scales[i], sink, rows_per_head, s0.stride(0), s0.stride(1), **view_meta
+        )
+
+    steps["view_tma"] = view_tma
+    return steps
+
+
+_TMA_SAID: set[str] = set()
 
 
 @dataclasses.dataclass
@@ -878,7 +1005,9 @@ def format_table(rows: list[dict]) -> str:
     header = ["format", "H", "M", "fused µs", "staged µs", "copy µs", "fused/staged", "fused/copy"]
     header += ["empty µs", "read µs", "read/staged"] * floors
     grids = any("grid_us" in r for r in rows)
+    tma = any("view_tma_us" in r for r in rows)
     header += ["read+store µs"] * stores + ["grid µs", "split-K µs", "view µs"] * grids
+    header += ["TMA view µs"] * tma
     header += ["target"]
     body = []
     for r in rows:
@@ -897,6 +1026,8 @@ def format_table(rows: list[dict]) -> str:
             cells += [
                 f"{r[k]:.2f}" if k in r else "-" for k in ("grid_us", "split_k_us", "view_us")
             ]
+        if tma:
+            cells.append(f"{r['view_tma_us']:.2f}" if "view_tma_us" in r else "-")
         body.append([*cells, verdict(r)])
     return md_table(header, body)
 
@@ -955,7 +1086,7 @@ def format_floor_bars(bars: list[dict]) -> str:
     body = [[b["H"], b["M"], *(cell(b.get(r), b.get(ok)) for r, ok in ratios)] for b in bars]
     titles = (
         ("store", "read+store/read"), ("grid", "grid/read"), ("split_k", "split-K/read"),
-        ("view", "view/read"),
+        ("view", "view/read"), ("view_tma", "TMA view/read"),
     )  # fmt: skip
     for key, title in titles:
         if any(b.get(f"{fmt}_{key}_over_read") for b in bars for fmt in FLOOR_BARS):

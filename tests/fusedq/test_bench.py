@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from fusedq_cases import assert_matches
 
@@ -169,14 +171,17 @@ def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
     w = torch.randn(8, 448, 512, generator=gen).to(torch.bfloat16).to(device)[:, :192]
     lay.fused_w = [fusedq.quantize_mxfp8(w)] * 2
     steps = bench._grid_floor_steps(lay, "mxfp8")
-    assert set(steps) == {"grid", "split_k", "view"}
-    # "view": CTA (pid_n, h) sums its [192, 32] tile of the weight's bytes and its scales.
-    lay.floor_sink.fill_(-1)
-    steps["view"](1)
+    tma = bench._tma_floor_kernel()[0] is not None  # a GPU with Gluon's TMA (sm_90+)
+    assert set(steps) == {"grid", "split_k", "view"} | ({"view_tma"} if tma else set())
+    # "view": CTA (pid_n, h) sums its [192, 32] tile of the weight's bytes and its scales;
+    # "view_tma" reads the same tiles by TMA bulk copies and must fold them to the same sums.
     vals = lay.fused_w[1].values.view(torch.uint8).to(torch.int64).cpu()
     scl = lay.fused_w[1].scales.to(torch.int64).cpu()
     want = vals.view(8, 192, 16, 32).sum((1, 3)) + scl.sum(1)  # [H, 16 tiles]
-    assert torch.equal(lay.floor_sink[:128].cpu().view(8, 16).to(torch.int64), want)
+    for kind in ("view", "view_tma") if tma else ("view",):
+        lay.floor_sink.fill_(-1)
+        steps[kind](1)
+        assert torch.equal(lay.floor_sink[:128].cpu().view(8, 16).to(torch.int64), want), kind
     words = lay.copy_src[1].view(torch.int32).to(torch.int64)
 
     def wrapped(x):  # int32 wrap-around, as the kernels sum
@@ -420,3 +425,89 @@ def test_floor_bars_show_the_read_store_floor_where_measured():
     assert "| H | M | BF16 fused/read (≤1.15) | MXFP8 fused/read (≤1.25) |" in table
     assert "| BF16 read+store/read | MXFP8 read+store/read |" in table
     assert "| 16 | 32 | 1.44 MISS | 1.70 MISS | - | - | 1.20 | - |" in table
+
+
+def test_tma_weight_rows_address_the_strided_view():
+    """vLLM's W_UK_T (kv_b_proj's rows, 192 of every head's 448 taken) as the one 2-D matrix a
+    TMA descriptor addresses: head h's row k is the matrix's row h * 448 + k."""
+    import torch
+
+    full = torch.arange(8 * 448 * 512, dtype=torch.int32).view(8, 448, 512)
+    view = full[:, :192]
+    mat, rows_per_head = bench.tma_weight_rows(view)
+    assert rows_per_head == 448 and mat.shape == (7 * 448 + 192, 512)
+    for h, k in ((0, 0), (3, 191), (7, 5)):
+        assert torch.equal(mat[h * 448 + k], view[h, k])
+    assert bench.tma_weight_rows(full[:, :192].contiguous())[1] == 192
+    with pytest.raises(ValueError, match="not rows of one"):
+        bench.tma_weight_rows(full.transpose(1, 2)[:, :192])
+
+
+def test_tma_floor_is_gpu_only_and_says_why():
+    import torch
+
+    kernel, why = bench._tma_floor_kernel()
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the reason is for machines without one")
+    assert kernel is None and "CUDA GPU" in why
+
+
+# The TMA floor kernel compiled for sm_90 without a GPU, in a child process (the interpreter
+# patches Triton's tensor class in this one): its PTX must hold the three bulk tensor copies
+# and, for MXFP8, the scale loads issued before the wait on the copies' mbarrier.
+_COMPILE_TMA = """
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+from fusedq import bench
+kernel = bench._define_tma_floor_kernel()
+out = {}
+for fmt, dtype, gdtype, scales in (("bf16", torch.int16, gl.int16, False),
+                                   ("mxfp8", torch.uint8, gl.uint8, True)):
+    for bn in (32, 64):
+        mat, _ = bench.tma_weight_rows(torch.zeros(8, 448, 512, dtype=dtype)[:, :192])
+        shared = gl.NVMMASharedLayout.get_default_for([64, bn], gdtype)
+        desc = TensorDescriptor.from_tensor(mat, [64, bn], shared)
+        sig = {"w_desc": mangle_type(desc), "s_ptr": "*u8", "sink_ptr": "*i32",
+               "rows_per_head": "i32", "s_sh": "i32", "s_sk": "i32", "BLOCK_N": "constexpr",
+               "CHUNK_K": "constexpr", "SCALES": "constexpr", "SCALE_COLS": "constexpr"}
+        consts = {"BLOCK_N": bn, "CHUNK_K": 64, "SCALES": scales, "SCALE_COLS": max(1, bn // 32)}
+        src = GluonASTSource(kernel, sig, constexprs=consts)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4 if bn <= 32 else 8})
+        out[f"{fmt}-{bn}"] = compiled.asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+def test_tma_floor_compiles_to_three_bulk_copies_and_one_wait():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fusedq.kernels import gluon_mla_query
+
+    if not gluon_mla_query.AVAILABLE:
+        pytest.skip(gluon_mla_query.UNAVAILABLE_REASON)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_TMA], env=env, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptxs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(ptxs) == ["bf16-32", "bf16-64", "mxfp8-32", "mxfp8-64"]
+    for case, ptx in ptxs.items():
+        lines = [line.strip() for line in ptx.splitlines()]
+        copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor" in line]
+        waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
+        loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+        assert len(copies) == 3 and waits, case
+        assert all(i < min(waits) for i in copies + loads), case
+        assert bool(loads) == case.startswith("mxfp8"), case
