@@ -108,10 +108,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def m_bucket(m: int) -> int:
-    """The compiled token-row bucket for ``m`` tokens (1 <= m <= 32)."""
+# E4M3 out compiles no 1-row variant: M = 1 runs the 2-row one (its second row computed on a
+# clamped row and never stored). Measured on the H200 (2026-12-01): the 1-row E4M3 variant
+# took 2.83/2.95/3.15 us at H 8/11/16, the 2-row one 2.65/2.89/3.09 at M = 2.
+E4M3_MIN_BUCKET = 2
+
+
+def m_bucket(m: int, out_fp8: bool = False) -> int:
+    """The compiled token-row bucket for ``m`` tokens (1 <= m <= 32; E4M3 out: at least
+    ``E4M3_MIN_BUCKET``)."""
     for bucket in M_BUCKETS:
-        if m <= bucket:
+        if m <= bucket and (bucket >= E4M3_MIN_BUCKET or not out_fp8):
             return bucket
     raise ValueError(f"M={m} exceeds {MAX_M}")
 
@@ -214,7 +221,7 @@ def launch_unchecked(
     signature once (``BoundCute``) and only the addresses per call."""
     m, h = q_nope.shape[:2]
     out_fp8 = out.dtype == torch.float8_e4m3fn
-    compiled = _compiled_for(h, m_bucket(m), q_nope.device.index or 0, out_fp8)
+    compiled = _compiled_for(h, m_bucket(m, out_fp8), q_nope.device.index or 0, out_fp8)
     import cutlass
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import make_ptr
@@ -269,7 +276,7 @@ class BoundCute:
         self, fallback, num_heads: int, m: int, device: torch.device, *, out_fp8: bool = False
     ) -> None:
         self.fallback = fallback
-        self.key = variant_key(num_heads, m_bucket(m), device.index or 0, out_fp8)
+        self.key = variant_key(num_heads, m_bucket(m, out_fp8), device.index or 0, out_fp8)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             if out_fp8:
                 prewarm(num_heads, m, device, out_fp8=True)
@@ -325,7 +332,7 @@ def prewarm(num_heads: int, m: int, device: torch.device, *, out_fp8: bool = Fal
     """Compile the variant calls with ``m`` tokens use (E4M3 output with ``out_fp8``, else
     BF16; before CUDA-graph capture); returns 1 when it was compiled now, 0 when it already
     was."""
-    args = (num_heads, m_bucket(m), device.index or 0, out_fp8)
+    args = (num_heads, m_bucket(m, out_fp8), device.index or 0, out_fp8)
     if variant_key(*args) in _compiled:
         return 0
     with torch.cuda.device(device):

@@ -197,7 +197,8 @@ def test_e4m3_variant_is_bound_and_prewarmed_apart(monkeypatch):
     out = torch.empty(1, 8, 576, dtype=E4M3)
     bound = dispatch._cute_or(object(), "auto", (q_nope, wq.values, wq.scales, q_pe, out), False)
     assert isinstance(bound, cute.BoundCute)
-    assert bound.key == (8, 1, 0, cute.E4M3_TAG) != cute.variant_key(8, 1, 0, False)
+    # (M = 1 runs E4M3's 2-row variant: E4M3_MIN_BUCKET)
+    assert bound.key == (8, 2, 0, cute.E4M3_TAG) != cute.variant_key(8, 2, 0, False)
     assert calls == [((8, 1, cpu), {"out_fp8": True})]
     calls.clear()
     monkeypatch.setattr(api, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
@@ -208,6 +209,7 @@ def test_e4m3_variant_is_bound_and_prewarmed_apart(monkeypatch):
 
 def test_m_buckets():
     assert [cute.m_bucket(m) for m in (1, 2, 3, 5, 9, 17, 32)] == [1, 2, 4, 8, 16, 32, 32]
+    assert [cute.m_bucket(m, out_fp8=True) for m in (1, 2, 3)] == [2, 2, 4]  # no 1-row E4M3
     with pytest.raises(ValueError, match="M=33"):
         cute.m_bucket(33)
 
@@ -377,7 +379,9 @@ def test_prewarm_compiles_the_e4m3_variant(device):
         mp.setattr(cute, "_compiled", {})
         dispatch.clear_plans()
         assert fusedq.prewarm(wq, [m], out_dtype=E4M3) >= 1
-        assert cute.variant_key(h, cute.m_bucket(m), device.index or 0, True) in cute._compiled
+        assert (
+            cute.variant_key(h, cute.m_bucket(m, True), device.index or 0, True) in cute._compiled
+        )
         graph = torch.cuda.CUDAGraph()
         launched = []
         real = cute.launch_unchecked
