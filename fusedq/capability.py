@@ -125,14 +125,12 @@ def explain(
 # and the Gluon kernel 2.79/3.03); at M=4 the Gluon kernel wins (2.80/3.02 against CuTe's
 # 3.04/3.55), and at M=32 CuTe is far behind (9.5-10 us: its FMAs do not scale with M).
 # M=2 lies between; it takes CuTe (its M=2 figures are in the floors run, docs/fusedq.md).
-# E4M3 out (2026-12-01 sweep, docs/bench/h200-sweep-final-2026-12-01.json): CuTe wins at M=2
-# (2.65/2.89/3.09 us at H 8/11/16 against 2.74/2.92/3.11) and loses at M=1 (2.83/2.95/3.15
-# against the register path's and Gluon's 2.73/2.91/3.13).
-CUTE_MS: dict[torch.dtype, tuple[int, ...]] = {
-    torch.bfloat16: (1, 2),
-    torch.float8_e4m3fn: (2,),
-}
-CUTE_MAX_M = max(max(ms) for ms in CUTE_MS.values())
+# E4M3 out (2026-12-01 sweeps, docs/bench/h200-sweep-final-2026-12-01.json and
+# h200-sweep-cute-m1-2026-12-01.json): CuTe wins at M=2 (2.65/2.89/3.09 us at H 8/11/16
+# against 2.74/2.92/3.11) and, since M=1 runs its 2-row variant (cute_mla_query.
+# E4M3_MIN_BUCKET), at M=1 (2.68/2.90/3.11 against the register path's and Gluon's
+# 2.75/2.93/3.16; its 1-row variant took 2.83/2.95/3.15).
+CUTE_MAX_M = 2
 
 
 def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = False) -> str | None:
@@ -169,14 +167,10 @@ def kernel_choice(
     problem = cute_problem(weight_format, out_dtype, pdl=pdl)
     if problem is not None:
         return "triton", problem
-    out = "E4M3" if out_dtype == torch.float8_e4m3fn else "BF16"
-    cute_ms = CUTE_MS[out_dtype]
     if m > CUTE_MAX_M:
         return "triton", f"M={m} > {CUTE_MAX_M}: the Triton kernel measured faster there"
-    if m not in cute_ms:
-        return "triton", f"MXFP8 -> {out} at M={m}: the Triton kernel measured faster there"
-    span = "M <= 2" if cute_ms == (1, 2) else f"M = {', '.join(map(str, cute_ms))}"
-    return "cute", f"MXFP8 -> {out} at {span}: the CuTe DSL kernel measured faster"
+    out = "E4M3" if out_dtype == torch.float8_e4m3fn else "BF16"
+    return "cute", f"MXFP8 -> {out} at M <= {CUTE_MAX_M}: the CuTe DSL kernel measured faster"
 
 
 def kernel_summary(

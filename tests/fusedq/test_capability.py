@@ -82,8 +82,8 @@ def _cuda_here(monkeypatch, *, cute_reason: str | None) -> None:
         ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M}, "cute", "M <= "),
         ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M + 1}, "triton", "Triton kernel measured faster"),
         ({"weight_format": "bf16", "m": 1}, "triton", "BF16 weights run the Triton kernel"),
-        ({"weight_format": "mxfp8", "m": 2, "out_dtype": torch.float8_e4m3fn}, "cute", "MXFP8 -> E4M3 at M = 2"),
-        ({"weight_format": "mxfp8", "m": 1, "out_dtype": torch.float8_e4m3fn}, "triton", "E4M3 at M=1: the Triton"),
+        ({"weight_format": "mxfp8", "m": 1, "out_dtype": torch.float8_e4m3fn}, "cute", "MXFP8 -> E4M3 at M <= 2"),
+        ({"weight_format": "mxfp8", "m": 3, "out_dtype": torch.float8_e4m3fn}, "triton", "M=3 > 2"),
         ({"weight_format": "mxfp8", "m": 1, "pdl": True}, "triton", "no PDL launch"),
     ],
 )  # fmt: skip

@@ -286,12 +286,12 @@ def test_ptx_issues_every_load_before_any_use(h, bucket, out_fp8, tmp_path):
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 @pytest.mark.parametrize("m", (1, 2, 3, 4, 5))
 def test_public_op_auto_picks_cute_at_small_m(m, out_dtype, device):
-    """backend="auto" runs the CuTe kernel for MXFP8 -> BF16 or E4M3 at the M it measured
-    faster (CUTE_MS: the plan's launch is a BoundCute), Triton elsewhere; both match the staged
-    path. A misaligned out falls back to Triton; backend="cute" refuses it by name."""
+    """backend="auto" runs the CuTe kernel for MXFP8 -> BF16 or E4M3 at M <= CUTE_MAX_M (the
+    plan's launch is a BoundCute), Triton above; both match the staged path. A misaligned out
+    falls back to Triton; backend="cute" refuses it by name."""
     _needs_cute()
     from fusedq import dispatch
-    from fusedq.capability import CUTE_MS
+    from fusedq.capability import CUTE_MAX_M
 
     h = 16
     gen = torch.Generator().manual_seed(50 + m)
@@ -310,8 +310,8 @@ def test_public_op_auto_picks_cute_at_small_m(m, out_dtype, device):
     torch.cuda.synchronize()
     assert_matches(out, ref, "mxfp8")
     (plan,) = dispatch._plans.values()
-    assert isinstance(plan.launch, cute.BoundCute) == (m in CUTE_MS[out_dtype])
-    if m not in CUTE_MS[out_dtype]:
+    assert isinstance(plan.launch, cute.BoundCute) == (m <= CUTE_MAX_M)
+    if m > CUTE_MAX_M:
         return
     # Eagerly that was the Triton fallback (the CuTe call's host cost); a captured graph runs
     # the CuTe kernel: its replay matches too. No prewarm: the eager call above is the usual
