@@ -467,7 +467,15 @@ FLOOR_SPLIT_WORDS = 512
 FLOOR_SPLIT_K = 6
 # The floors measured beside the read floor (the row keys of their best variants' times).
 # "view_tma": the "view" floor's tiles read by TMA bulk copies (GPU only, sm_90+).
-FLOOR_KINDS = ("store", "grid", "split_k", "view", "view_tma")
+# In groups a run has or lacks together (older runs lack the later ones): a table shows a
+# group's columns where its first floor was measured.
+FLOOR_GROUPS = (("store",), ("grid", "split_k", "view"), ("view_tma",))
+FLOOR_KINDS = tuple(kind for group in FLOOR_GROUPS for kind in group)
+# How the tables name them.
+FLOOR_TITLES = {
+    "store": "read+store", "grid": "grid", "split_k": "split-K", "view": "view",
+    "view_tma": "TMA view",
+}  # fmt: skip
 
 
 def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
@@ -1001,14 +1009,10 @@ def _git_commit() -> str:
 def format_table(rows: list[dict]) -> str:
     """Markdown table of benchmark rows, with the targets each row meets."""
     floors = any("read_us" in r for r in rows)
-    stores = any("store_us" in r for r in rows)
+    kinds = [k for g in FLOOR_GROUPS if any(f"{g[0]}_us" in r for r in rows) for k in g]
     header = ["format", "H", "M", "fused µs", "staged µs", "copy µs", "fused/staged", "fused/copy"]
     header += ["empty µs", "read µs", "read/staged"] * floors
-    grids = any("grid_us" in r for r in rows)
-    tma = any("view_tma_us" in r for r in rows)
-    header += ["read+store µs"] * stores + ["grid µs", "split-K µs", "view µs"] * grids
-    header += ["TMA view µs"] * tma
-    header += ["target"]
+    header += [f"{FLOOR_TITLES[k]} µs" for k in kinds] + ["target"]
     body = []
     for r in rows:
         if "error" in r:
@@ -1020,14 +1024,7 @@ def format_table(rows: list[dict]) -> str:
             cells += [f"{r[k]:.2f}" for k in ("empty_us", "read_us", "read_over_staged")]
         elif floors:
             cells += ["-"] * 3
-        if stores:
-            cells.append(f"{r['store_us']:.2f}" if "store_us" in r else "-")
-        if grids:
-            cells += [
-                f"{r[k]:.2f}" if k in r else "-" for k in ("grid_us", "split_k_us", "view_us")
-            ]
-        if tma:
-            cells.append(f"{r['view_tma_us']:.2f}" if "view_tma_us" in r else "-")
+        cells += [f"{r[f'{k}_us']:.2f}" if f"{k}_us" in r else "-" for k in kinds]
         body.append([*cells, verdict(r)])
     return md_table(header, body)
 
@@ -1084,11 +1081,7 @@ def format_floor_bars(bars: list[dict]) -> str:
     ratios = [("bf16_over_read", "bf16_ok"), ("mxfp8_over_read", "mxfp8_ok")]
     ratios += [(f"{key}_over_{bf}", f"{key}_ok") for _, bf, key in E4M3_PAIRS]
     body = [[b["H"], b["M"], *(cell(b.get(r), b.get(ok)) for r, ok in ratios)] for b in bars]
-    titles = (
-        ("store", "read+store/read"), ("grid", "grid/read"), ("split_k", "split-K/read"),
-        ("view", "view/read"), ("view_tma", "TMA view/read"),
-    )  # fmt: skip
-    for key, title in titles:
+    for key, title in ((k, f"{FLOOR_TITLES[k]}/read") for k in FLOOR_KINDS):
         if any(b.get(f"{fmt}_{key}_over_read") for b in bars for fmt in FLOOR_BARS):
             header += [f"{fmt.upper()} {title}" for fmt in FLOOR_BARS]
             for b, line in zip(bars, body, strict=True):

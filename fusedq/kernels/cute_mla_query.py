@@ -278,10 +278,7 @@ class BoundCute:
         self.fallback = fallback
         self.key = variant_key(num_heads, m_bucket(m, out_fp8), device.index or 0, out_fp8)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            if out_fp8:
-                prewarm(num_heads, m, device, out_fp8=True)
-            else:  # prewarm's BF16 call, as it was before the E4M3 variants
-                prewarm(num_heads, m, device)
+            prewarm(num_heads, m, device, out_fp8=out_fp8)
 
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
         if self.fallback is not None:

@@ -70,6 +70,11 @@ if AVAILABLE:
     _K_WIDTH = gl.constexpr(BF16_K_WIDTH)
     _DIRECT_K_WIDTH = gl.constexpr(DIRECT_K_WIDTH)
     _MX_BLOCK = gl.constexpr(base.MX_BLOCK)
+    # The OUT_FP8 modes (base.E4M3_EPILOGUES) the kernel branches on.
+    _OUT_E4M3 = gl.constexpr(base.OUT_E4M3)
+    _OUT_E4M3_DIV = gl.constexpr(base.OUT_E4M3_DIV)
+    _OUT_E4M3_NOSCALE = gl.constexpr(base.OUT_E4M3_NOSCALE)
+    _OUT_E4M3_WIDE = gl.constexpr(base.OUT_E4M3_WIDE)
 
     @gluon.constexpr_function
     def _tile_layout(rows, cols, vec, unit_axis, num_warps):
@@ -164,7 +169,7 @@ if AVAILABLE:
     @gluon.jit
     def _to_e4m3(x, factor, out_ty: gl.constexpr, OUT_FP8: gl.constexpr):
         # factor: 1 / q_scale (base.OUT_E4M3, vLLM's quantisation), q_scale (OUT_E4M3_DIV) or 1.
-        if OUT_FP8 == 2:  # noqa: SIM108 (a constexpr branch, as elsewhere in the kernels)
+        if OUT_FP8 == _OUT_E4M3_DIV:  # noqa: SIM108 (a constexpr branch, as in the kernels)
             y = gl.div_rn(x, factor)
         else:
             y = x * factor
@@ -287,16 +292,16 @@ if AVAILABLE:
         if OUT_FP8:
             # Padding rows load 1, not 0: dividing 0 (OUT_E4M3_DIV) takes div.rn's slow path.
             pe = gl.load(pe_ptrs, mask=pe_mask, other=1.0)
-            if OUT_FP8 != 3:  # (3: the unscaled measurement variant loads no scale)
+            if OUT_FP8 != _OUT_E4M3_NOSCALE:  # (that measurement variant loads no scale)
                 q_scale = gl.load(qs_ptr)
         else:
             pe = gl.load(pe_ptrs, mask=pe_mask, other=0.0)
 
         # From here on only loaded values are used.
-        if OUT_FP8 == 1 or OUT_FP8 == 4:
+        if OUT_FP8 == _OUT_E4M3 or OUT_FP8 == _OUT_E4M3_WIDE:  # noqa: SIM109 (constexprs)
             # vLLM's CUDA op: the reciprocal once, correctly rounded, then one multiply each.
             q_scale = gl.div_rn(1.0, q_scale)
-        if OUT_FP8 == 3:
+        if OUT_FP8 == _OUT_E4M3_NOSCALE:
             q_scale = 1.0
         if OUT_FP8:
             pe = _to_e4m3(pe.to(gl.float32), q_scale, out_ptr.dtype.element_ty, OUT_FP8)
@@ -335,10 +340,10 @@ if AVAILABLE:
 
         # The result is stored from the accumulator's layout (2 adjacent columns per thread):
         # a conversion to a wider-vector layout costs a shared-memory round trip. BF16 never
-        # pays it; E4M3's "wide" epilogue (OUT_FP8 == 4) does from 16 tokens, where its 2-byte
+        # pays it; E4M3's "wide" epilogue (_OUT_E4M3_WIDE) does from 16 tokens, where its 2-byte
         # stores cost more than the round trip (base.GLUON_TUNED has the figures).
         o_layout: gl.constexpr = (
-            _tile_layout(BLOCK_M, BLOCK_N, 16, 1, NUM_WARPS) if OUT_FP8 == 4 else mma
+            _tile_layout(BLOCK_M, BLOCK_N, 16, 1, NUM_WARPS) if OUT_FP8 == _OUT_E4M3_WIDE else mma
         )
         offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, o_layout))
@@ -351,11 +356,11 @@ if AVAILABLE:
         if OUT_FP8:
             # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
             y = y.to(gl.float32)
-            if OUT_FP8 == 2:
+            if OUT_FP8 == _OUT_E4M3_DIV:
                 # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored.
                 y = gl.where(o_mask, y, 1.0)
             y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, OUT_FP8)
-            if OUT_FP8 == 4:
+            if OUT_FP8 == _OUT_E4M3_WIDE:
                 y = gl.convert_layout(y, o_layout)
         gl.store(o_ptrs, y, mask=o_mask)
 

@@ -61,6 +61,10 @@ OUT_E4M3_WIDE = 4
 E4M3_EPILOGUES = {
     "mul": OUT_E4M3, "div": OUT_E4M3_DIV, "noscale": OUT_E4M3_NOSCALE, "wide": OUT_E4M3_WIDE,
 }  # fmt: skip
+# The modes the kernels compare OUT_FP8 against (a kernel reads module globals as constexprs).
+_OUT_E4M3 = tl.constexpr(OUT_E4M3)
+_OUT_E4M3_DIV = tl.constexpr(OUT_E4M3_DIV)
+_OUT_E4M3_NOSCALE = tl.constexpr(OUT_E4M3_NOSCALE)
 
 # K=192 is not a power of two; three unrolled 64-wide chunks cover it exactly.
 BLOCK_K = 64
@@ -403,18 +407,18 @@ def _to_bf16(x, INTERPRET: tl.constexpr):
 def _e4m3_factor(qs_ptr, OUT_FP8: tl.constexpr):
     # What _to_e4m3 applies: 1 / q_scale, rounded once (as vLLM's CUDA op computes it), or
     # q_scale itself for the dividing measurement variant, or 1 (no load) for "noscale".
-    if OUT_FP8 == 3:
+    if OUT_FP8 == _OUT_E4M3_NOSCALE:
         q_scale = tl.full([], 1.0, tl.float32)
     else:
         q_scale = tl.load(qs_ptr)
-        if OUT_FP8 == 1:
+        if OUT_FP8 == _OUT_E4M3:
             q_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), q_scale)
     return q_scale
 
 
 @triton.jit
 def _to_e4m3(x, factor, out_ty: tl.constexpr, INTERPRET: tl.constexpr, OUT_FP8: tl.constexpr):
-    if OUT_FP8 == 2:  # noqa: SIM108 (a constexpr branch)
+    if OUT_FP8 == _OUT_E4M3_DIV:  # noqa: SIM108 (a constexpr branch)
         y = tl.math.div_rn(x, factor)
     else:
         y = x * factor
@@ -660,7 +664,7 @@ def _mla_query_kernel(
     if OUT_FP8:
         # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
         y = _to_bf16(acc, INTERPRET).to(tl.float32)
-        if OUT_FP8 == 2:
+        if OUT_FP8 == _OUT_E4M3_DIV:
             # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
             y = tl.where(m_mask[:, None], y, 1.0)
         y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
@@ -874,7 +878,7 @@ def _mla_query_fma_kernel(
     if OUT_FP8:
         # As the tl.dot kernel: bf16 rounding first (vLLM's staged path).
         y = _to_bf16(acc, INTERPRET).to(tl.float32)
-        if OUT_FP8 == 2:
+        if OUT_FP8 == _OUT_E4M3_DIV:
             y = tl.where(m_mask[:, None], y, 1.0)
         y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
         tl.store(o_ptrs, y, mask=m_mask[:, None])

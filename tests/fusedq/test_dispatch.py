@@ -433,7 +433,7 @@ def test_auto_binds_the_cute_launch_when_kernel_choice_picks_it(monkeypatch):
     operands = (q_nope, wq.values, wq.scales, q_pe, out)
     monkeypatch.setattr(cute_mla_query, "unsupported_reason", lambda *a: None)
     compiled = []
-    monkeypatch.setattr(cute_mla_query, "prewarm", lambda *a: compiled.append(a) or 1)
+    monkeypatch.setattr(cute_mla_query, "prewarm", lambda *a, **k: compiled.append(a) or 1)
     monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
     bound = dispatch._cute_or(triton_launch, "auto", operands, False)
     assert isinstance(bound, cute_mla_query.BoundCute) and bound.fallback is triton_launch
@@ -456,7 +456,7 @@ def test_bound_cute_runs_the_fallback_eagerly_and_in_a_capture_it_cannot_serve(m
     from fusedq.kernels import cute_mla_query as cute
 
     calls = []
-    monkeypatch.setattr(cute, "prewarm", lambda *a: 0)
+    monkeypatch.setattr(cute, "prewarm", lambda *a, **k: 0)
     monkeypatch.setattr(cute, "launch_unchecked", lambda *a: calls.append("cute"))
     monkeypatch.setattr(cute, "_compiled", {})
     monkeypatch.setattr(cute, "_warned", set())
