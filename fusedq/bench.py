@@ -105,6 +105,9 @@ class Options:
     # (LaunchConfig.e4m3_epilogue): "mul" and "wide" (the product's two stores), "div" (an IEEE
     # division per element, before 2026-12-01), "noscale" (no q_scale: wrong output by design).
     sweep_e4m3: tuple[str, ...] = ()
+    # BF16 formats: each Gluon variant again as "<name>_nofence", without the scheduling fence
+    # after its loads (LaunchConfig.load_fence; the fence went in on 2026-12-01).
+    sweep_nofence: bool = False
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -895,6 +898,10 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
                     block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True,
                     gluon_operands=operands,
                 )  # fmt: skip
+    if opts.sweep_nofence and not out_fp8:
+        for name, cfg in list(configs.items()):
+            if cfg.gluon:
+                configs[f"{name}_nofence"] = dataclasses.replace(cfg, load_fence=False)
     if out_fp8:
         for name, cfg in list(configs.items()):
             for epilogue in opts.sweep_e4m3:
@@ -1222,6 +1229,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         "old one), noscale (no scaling; wrong output)",
     )
     p.add_argument(
+        "--sweep-nofence",
+        action="store_true",
+        help="--sweep, BF16 formats: time each Gluon variant again without the scheduling fence "
+        "after its loads (the kernel before 2026-12-01)",
+    )
+    p.add_argument(
         "--eager",
         action="store_true",
         help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
@@ -1241,7 +1254,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
         if clash:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
-    for flag in ("sweep_cute", "sweep_e4m3"):
+    for flag in ("sweep_cute", "sweep_e4m3", "sweep_nofence"):
         if getattr(a, flag) and not a.sweep:
             name = "--" + flag.replace("_", "-")
             p.error(f"{name} adds variants to --sweep; pass --sweep too")
@@ -1261,7 +1274,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
         sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
         sweep_gluon_operands=tuple(a.sweep_gluon_operands),
-        sweep_e4m3=tuple(a.sweep_e4m3), commit=a.commit,
+        sweep_e4m3=tuple(a.sweep_e4m3), sweep_nofence=a.sweep_nofence, commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

@@ -475,14 +475,18 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
             s_raw.append(gS[(h, kq * ROWS_PER_THREAD + r, pid_n)])
 
         # --- stage q, dequantise the weights in registers ---
-        if cutlass.const_expr(out_fp8):
-            # vLLM's reciprocal, once per thread and correctly rounded (the DSL's IEEE division
-            # of 1 becomes rcp.rn.f32, the same value as div.rn.f32); every output multiplies
-            # by it. x * (1/s) and x / s round differently for some x.
-            inv_scale = cutlass.Float32(1.0) / q_scale
+        # A scheduling fence for ptxas: a correctly rounded division compiles to a slow-path
+        # subroutine call, and ptxas moves no instruction across a call. Its result selects
+        # the q staging rows (M >= 1, so nothing changes), which keeps it between the loads
+        # and their first use. Without it ptxas moved q's shared-memory stores and the
+        # dequantisation above the last loads in the 2-row variants, and a wait on q_scale
+        # above the weight loads in the 1-row E4M3 one: a second round trip to memory each
+        # (sm_90 SASS, 2026-12-01; tests/fusedq/sass_scoreboard.py reads it).
+        fenced = cutlass.Float32(1.0) / cutlass.Float32(M) > cutlass.Float32(0.0)
         tsQ = cute.zipped_divide(sQ, (1, Q_VEC))
         for i in cutlass.range_constexpr(q_loads):
             v = cutlass.min(tid + THREADS * i, MB * KV - 1)
+            v = cutlass.select_(fenced, v, 0)
             tsQ[(None, (v // KV, v % KV))].store(q_raw[i])
         w = []
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
@@ -519,6 +523,12 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
             for j in cutlass.range_constexpr(len(acc)):
                 sRed[(warp, m, cols * W_VEC + col_off + j)] = acc[j]
 
+        if cutlass.const_expr(out_fp8):
+            # vLLM's reciprocal, once per thread and correctly rounded (the DSL's IEEE division
+            # of 1 becomes rcp.rn.f32, the same value as div.rn.f32); every output multiplies
+            # by it. x * (1/s) and x / s round differently for some x. Computed after the
+            # FMAs, not as a fence next to the loads: that fence would wait for q_scale.
+            inv_scale = cutlass.Float32(1.0) / q_scale
         # --- RoPE copy (first N tile of each head) ---
         if pid_n == 0:
             tO = cute.zipped_divide(gO, (1, 1, Q_VEC))

@@ -211,6 +211,7 @@ if AVAILABLE:
         INTERPRET: gl.constexpr,
         USE_PDL: gl.constexpr,
         PATH: gl.constexpr,  # index into OPERANDS: 0 convert, 1 smem, 2 direct
+        LOAD_FENCE: gl.constexpr,
     ):
         gl.static_assert(not INTERPRET, "Gluon kernels do not run under TRITON_INTERPRET=1")
         gl.static_assert(BLOCK_K * 3 == K, "the Gluon kernel covers K in three exact chunks")
@@ -305,7 +306,18 @@ if AVAILABLE:
             q_scale = 1.0
         if OUT_FP8:
             pe = _to_e4m3(pe.to(gl.float32), q_scale, out_ptr.dtype.element_ty, OUT_FP8)
-        gl.store(pe_out, pe, mask=pe_mask)
+            gl.store(pe_out, pe, mask=pe_mask)
+        elif LOAD_FENCE:
+            # A scheduling fence for ptxas: a correctly rounded division compiles to a
+            # slow-path subroutine call, and ptxas moves no instruction across a call. Placed
+            # here (M >= 1, so the mask is unchanged), it keeps every global load above it
+            # issued before the first use of any. Without it ptxas sank the last q loads below
+            # the MXFP8 dequantisation, which waits for the weights: two round trips (sm_90
+            # SASS, 2026-12-01). E4M3 out has q_scale's reciprocal at this point already.
+            fence = gl.div_rn(1.0, M.to(gl.float32))
+            gl.store(pe_out, pe, mask=pe_mask & (fence > 0.0))
+        else:
+            gl.store(pe_out, pe, mask=pe_mask)
 
         if MXFP8:
             w0 = _dequant(w0, s0)
@@ -400,6 +412,7 @@ if AVAILABLE:
         OUT_FP8: gl.constexpr,
         INTERPRET: gl.constexpr,
         USE_PDL: gl.constexpr,
+        LOAD_FENCE: gl.constexpr,
     ):
         _gluon_body(
             q_ptr,
@@ -435,6 +448,7 @@ if AVAILABLE:
             INTERPRET,
             USE_PDL,
             0,
+            LOAD_FENCE,
         )
 
     @gluon.jit(**base._JIT_OPTIONS)
@@ -471,6 +485,7 @@ if AVAILABLE:
         OUT_FP8: gl.constexpr,
         INTERPRET: gl.constexpr,
         USE_PDL: gl.constexpr,
+        LOAD_FENCE: gl.constexpr,
     ):
         _gluon_body(
             q_ptr,
@@ -506,6 +521,7 @@ if AVAILABLE:
             INTERPRET,
             USE_PDL,
             1,
+            LOAD_FENCE,
         )
 
     @gluon.jit(**base._JIT_OPTIONS)
@@ -542,6 +558,7 @@ if AVAILABLE:
         OUT_FP8: gl.constexpr,
         INTERPRET: gl.constexpr,
         USE_PDL: gl.constexpr,
+        LOAD_FENCE: gl.constexpr,
     ):
         _gluon_body(
             q_ptr,
@@ -577,6 +594,7 @@ if AVAILABLE:
             INTERPRET,
             USE_PDL,
             2,
+            LOAD_FENCE,
         )
 
 else:  # pragma: no cover - see UNAVAILABLE_REASON
@@ -621,6 +639,7 @@ def offline_compile(
     operands: str = "convert",
     arch: int = 90,
     e4m3_epilogue: str = "mul",
+    load_fence: bool = True,
 ):
     """Compile the kernel for ``sm_<arch>`` without a GPU (``triton.compile``); the result's
     ``asm`` holds the TTGIR and PTX. Takes the launch parameters one by one rather than a
@@ -646,6 +665,7 @@ def offline_compile(
         "OUT_FP8": base.out_mode(out_fp8, e4m3_epilogue),
         "INTERPRET": False,
         "USE_PDL": pdl,
+        "LOAD_FENCE": load_fence,
     }
     fn = kernel_for_operands(operands)
     src = GluonASTSource(

@@ -215,6 +215,10 @@ class LaunchConfig:
     # E4M3 out only: "mul" or "wide" (vLLM's quantisation, stored two ways); "div" and
     # "noscale" are measurement aids (see OUT_E4M3_DIV) that for_problem never picks.
     e4m3_epilogue: str = "mul"
+    # Gluon and register path, BF16 out: a scheduling fence after the loads (LOAD_FENCE in
+    # the kernels: without it ptxas let some variants wait for an early load before issuing
+    # the last ones). False is a measurement aid that for_problem never picks.
+    load_fence: bool = True
 
     @classmethod
     def for_problem(
@@ -268,6 +272,10 @@ class LaunchConfig:
             )
         if self.e4m3_epilogue == "wide" and not self.gluon:
             raise ValueError("e4m3_epilogue='wide' is a Gluon-kernel variant; pass gluon=True")
+        if not self.load_fence and not (self.gluon or self.fma):
+            raise ValueError(
+                "load_fence=False is a Gluon or register-path variant; pass gluon=True or fma=True"
+            )
         if self.gluon_operands != "convert" and not self.gluon:
             raise ValueError(
                 f"gluon_operands={self.gluon_operands!r} selects a Gluon kernel variant: it "
@@ -562,6 +570,7 @@ def _mla_query_kernel(
     OUT_FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LOAD_FENCE: tl.constexpr,  # (unused here: the three kernels share one parameter list)
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -750,6 +759,7 @@ def _mla_query_fma_kernel(
     OUT_FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LOAD_FENCE: tl.constexpr,
 ):
     # The register path: the weight tile stays in the registers it is loaded into (threads
     # along its unit-stride axis), each of the BLOCK_M (<= 8) rows is a broadcast multiply and
@@ -824,25 +834,33 @@ def _mla_query_fma_kernel(
             qf0, qf1, qf2 = _fma_load_q(q_head, 5, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
             qg0, qg1, qg2 = _fma_load_q(q_head, 6, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
             qh0, qh1, qh2 = _fma_load_q(q_head, 7, M, stride_qm, offs_k, BLOCK_K, IO_ALIGNED)
+    # The RoPE half, by the first N tile of each head (quantised for E4M3): its load is
+    # predicated, not branched, and for E4M3 issued before q_scale's reciprocal. ptxas
+    # schedules nothing across that reciprocal's slow-path call, and a load in a branch of its
+    # own came after the q loads' first use: either way the load was issued only after an
+    # earlier one had arrived, a second round trip (sm_90 SASS, 2026-12-01; test_sass.py).
+    offs_r = tl.arange(0, R)
+    pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
+    pe_ptrs = pe_ptrs + offs_r[None, :]
+    pe_out = out_head + offs_m[:, None].to(tl.int64) * stride_om + N + offs_r[None, :]
+    if IO_ALIGNED:
+        pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
+        pe_out = tl.multiple_of(pe_out, [16, 16])
+    # All M rows in the first N tile, none in the others.
+    pe_mask = offs_m[:, None] < tl.where(pid_n == 0, M, 0)
     if OUT_FP8:
+        # Padding rows load 1, not 0: dividing 0 (OUT_E4M3_DIV) takes div.rn's slow path.
+        pe = tl.load(pe_ptrs, mask=pe_mask, other=1.0)
         q_scale = _e4m3_factor(qs_ptr, OUT_FP8)
-
-    if pid_n == 0:
-        # The RoPE half is a plain copy (quantised for E4M3); one CTA per head does it.
-        offs_r = tl.arange(0, R)
-        pe_ptrs = qpe_ptr + offs_m[:, None].to(tl.int64) * stride_pm + h * stride_ph
-        pe_ptrs = pe_ptrs + offs_r[None, :]
-        pe_out = out_head + offs_m[:, None].to(tl.int64) * stride_om + N + offs_r[None, :]
-        if IO_ALIGNED:
-            pe_ptrs = tl.multiple_of(pe_ptrs, [16, 16])
-            pe_out = tl.multiple_of(pe_out, [16, 16])
-        if OUT_FP8:
-            # Padding rows load 1, not 0: dividing 0 (OUT_E4M3_DIV) takes div.rn's slow path.
-            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=1.0)
-            pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
-        else:
-            pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
-        tl.store(pe_out, pe, mask=m_mask[:, None])
+        pe = _to_e4m3(pe.to(tl.float32), q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
+    else:
+        pe = tl.load(pe_ptrs, mask=pe_mask, other=0.0)
+        if LOAD_FENCE and not INTERPRET:
+            # BF16 out has no reciprocal: the same fence, from a division that cannot change
+            # the mask (M >= 1). Without it ptxas converted q before issuing this load.
+            fence = tl.math.div_rn(tl.full([], 1.0, tl.float32), M.to(tl.float32))
+            pe_mask = pe_mask & (fence > 0.0)
+    tl.store(pe_out, pe, mask=pe_mask)
 
     # q in fp32, all rows, before the first use of the weights.
     qa0, qa1, qa2 = _fma_f32(qa0, qa1, qa2)
@@ -967,6 +985,7 @@ def launch_arguments(
         "OUT_FP8": out_mode(key.out_fp8, cfg.e4m3_epilogue),
         "INTERPRET": interpreting(),
         "USE_PDL": cfg.pdl,
+        "LOAD_FENCE": cfg.load_fence,
     }
     return ints, constexprs
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import sass_scoreboard as sass
 import torch
 from fusedq_cases import (
     E4M3,
@@ -273,13 +274,45 @@ def test_ptx_issues_every_load_before_any_use(h, bucket, out_fp8, tmp_path):
     first_sync = next(i for i, line in enumerate(lines) if re.match(r"\s*(st\.shared|bar)", line))
     assert last < first_sync, f"global load at PTX line {last} after line {first_sync}"
     text = "\n".join(lines)
-    # E4M3: one reciprocal per thread (after the loads: q_scale is one of them), then only
-    # multiplies; the conversions are the hardware's round-to-nearest-even E4M3 cvt. BF16
-    # has neither.
-    assert len(RECIPROCAL.findall(text)) == out_fp8, RECIPROCAL.findall(text)
+    # One reciprocal per thread for the scheduling fence (of M) and, for E4M3, one of q_scale
+    # (after the loads: q_scale is one of them), then only multiplies; the conversions are the
+    # hardware's round-to-nearest-even E4M3 cvt. BF16 has no conversion.
+    assert len(RECIPROCAL.findall(text)) == 1 + out_fp8, RECIPROCAL.findall(text)
     assert all(i > last for i, line in enumerate(lines) if RECIPROCAL.search(line))
     assert not APPROX_DIVISION.search(text)
     assert bool(E4M3_CVT.search(text)) == out_fp8
+
+
+def _product_variants() -> list[tuple[int, int, bool]]:
+    from fusedq.capability import CUTE_MAX_M
+
+    buckets = {
+        (cute.m_bucket(m, out_fp8), out_fp8)
+        for m in range(1, CUTE_MAX_M + 1)
+        for out_fp8 in (False, True)
+    }
+    return [(h, bucket, out_fp8) for h in (8, 16) for bucket, out_fp8 in sorted(buckets)]
+
+
+@pytest.mark.parametrize("h,bucket,out_fp8", _product_variants())
+def test_sass_issues_every_load_before_waiting_on_any(h, bucket, out_fp8, tmp_path):
+    # What ptxas makes of that PTX (tests/fusedq/sass_scoreboard.py): in every variant the
+    # product runs (M <= CUTE_MAX_M), no wait on a global load's data before the last global
+    # load is issued. The 1-row E4M3 variant failed this while q_scale's reciprocal sat next
+    # to the loads (its slow-path call made ptxas wait for q_scale before the weight loads).
+    if sass.triton_bin("ptxas") is None:
+        pytest.skip("Triton bundles no ptxas here")
+    env = {**cute.dry_run_env(), "CUTE_DSL_KEEP_PTX": "1", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
+    del env["CUTE_DSL_DRYRUN"]
+    proc = _compile_offline(h, bucket, env, out_fp8)
+    ptx_files = list(tmp_path.glob("*.ptx"))
+    assert ptx_files, proc.stderr[-3000:]
+    ptx = tmp_path / "kernel.ptx"
+    ptx.write_bytes(ptx_files[0].read_bytes().replace(b"\0", b""))
+    instructions = sass.parse(sass.ptx_sass(ptx))
+    assert sum(i.is_global_load for i in instructions) >= 4 + 4 + 2 + out_fp8
+    waits = sass.early_waits(instructions)
+    assert not waits, "\n".join(map(str, waits))
 
 
 @pytest.mark.gpu
