@@ -105,8 +105,8 @@ class Options:
     # (LaunchConfig.e4m3_epilogue): "mul" and "wide" (the product's two stores), "div" (an IEEE
     # division per element, before 2026-12-01), "noscale" (no q_scale: wrong output by design).
     sweep_e4m3: tuple[str, ...] = ()
-    # BF16 formats: each Gluon variant again as "<name>_nofence", without the scheduling fence
-    # after its loads (LaunchConfig.load_fence; the fence went in on 2026-12-01).
+    # BF16 formats: each Gluon and register-path variant again as "<name>_nofence", without the
+    # scheduling fence after its loads (LaunchConfig.load_fence; it went in on 2026-12-01).
     sweep_nofence: bool = False
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
@@ -900,7 +900,7 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
                 )  # fmt: skip
     if opts.sweep_nofence and not out_fp8:
         for name, cfg in list(configs.items()):
-            if cfg.gluon:
+            if cfg.gluon or cfg.fma:
                 configs[f"{name}_nofence"] = dataclasses.replace(cfg, load_fence=False)
     if out_fp8:
         for name, cfg in list(configs.items()):
@@ -1231,8 +1231,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument(
         "--sweep-nofence",
         action="store_true",
-        help="--sweep, BF16 formats: time each Gluon variant again without the scheduling fence "
-        "after its loads (the kernel before 2026-12-01)",
+        help="--sweep, BF16 formats: time each Gluon and register-path variant again without the "
+        "scheduling fence after its loads (the kernels before 2026-12-01)",
     )
     p.add_argument(
         "--eager",
