@@ -105,9 +105,9 @@ class Options:
     # (LaunchConfig.e4m3_epilogue): "mul" and "wide" (the product's two stores), "div" (an IEEE
     # division per element, before 2026-12-01), "noscale" (no q_scale: wrong output by design).
     sweep_e4m3: tuple[str, ...] = ()
-    # BF16 formats: each Gluon and register-path variant again as "<name>_nofence", without the
-    # scheduling fence after its loads (LaunchConfig.load_fence; it went in on 2026-12-01).
-    sweep_nofence: bool = False
+    # BF16 formats: each Gluon and register-path variant again with its scheduling fence after
+    # the loads flipped (LaunchConfig.load_fence), as "<name>_fence" or "<name>_nofence".
+    sweep_fence: bool = False
     floors: bool = False
     # --eager: host time per call outside graphs (bench_eager), calls per run, runs per path.
     eager: bool = False
@@ -898,10 +898,12 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
                     block_m=bm, block_n=bn, num_warps=nw, pdl=bool(pdl), gluon=True,
                     gluon_operands=operands,
                 )  # fmt: skip
-    if opts.sweep_nofence and not out_fp8:
+    if opts.sweep_fence and not out_fp8:
         for name, cfg in list(configs.items()):
             if cfg.gluon or cfg.fma:
-                configs[f"{name}_nofence"] = dataclasses.replace(cfg, load_fence=False)
+                flipped = not cfg.fence
+                twin = f"{name}_{'fence' if flipped else 'nofence'}"
+                configs[twin] = dataclasses.replace(cfg, load_fence=flipped)
     if out_fp8:
         for name, cfg in list(configs.items()):
             for epilogue in opts.sweep_e4m3:
@@ -1229,10 +1231,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         "old one), noscale (no scaling; wrong output)",
     )
     p.add_argument(
-        "--sweep-nofence",
+        "--sweep-fence",
         action="store_true",
-        help="--sweep, BF16 formats: time each Gluon and register-path variant again without the "
-        "scheduling fence after its loads (the kernels before 2026-12-01)",
+        help="--sweep, BF16 formats: time each Gluon and register-path variant again with its "
+        "scheduling fence after the loads flipped (on for the register path, off for Gluon)",
     )
     p.add_argument(
         "--eager",
@@ -1254,7 +1256,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
         if clash:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
-    for flag in ("sweep_cute", "sweep_e4m3", "sweep_nofence"):
+    for flag in ("sweep_cute", "sweep_e4m3", "sweep_fence"):
         if getattr(a, flag) and not a.sweep:
             name = "--" + flag.replace("_", "-")
             p.error(f"{name} adds variants to --sweep; pass --sweep too")
@@ -1274,7 +1276,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
         sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
         sweep_gluon_operands=tuple(a.sweep_gluon_operands),
-        sweep_e4m3=tuple(a.sweep_e4m3), sweep_nofence=a.sweep_nofence, commit=a.commit,
+        sweep_e4m3=tuple(a.sweep_e4m3), sweep_fence=a.sweep_fence, commit=a.commit,
     )  # fmt: skip
     return opts, a.json
 

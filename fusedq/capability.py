@@ -125,11 +125,9 @@ def explain(
 # and the Gluon kernel 2.79/3.03); at M=4 the Gluon kernel wins (2.80/3.02 against CuTe's
 # 3.04/3.55), and at M=32 CuTe is far behind (9.5-10 us: its FMAs do not scale with M).
 # M=2 lies between; it takes CuTe (its M=2 figures are in the floors run, docs/fusedq.md).
-# E4M3 out (2026-12-01 sweeps, docs/bench/h200-sweep-final-2026-12-01.json and
-# h200-sweep-cute-m1-2026-12-01.json): CuTe wins at M=2 (2.65/2.89/3.09 us at H 8/11/16
-# against 2.74/2.92/3.11) and, since M=1 runs its 2-row variant (cute_mla_query.
-# E4M3_MIN_BUCKET), at M=1 (2.68/2.90/3.11 against the register path's and Gluon's
-# 2.75/2.93/3.16; its 1-row variant took 2.83/2.95/3.15).
+# E4M3 out (H200, 2026-12-01, docs/bench/h200-cute-ab-2026-12-01.json): CuTe wins at M=1
+# (2.58/2.71/2.87 us at H 8/11/16 against Triton's 2.85/2.94/3.27) and at M=2 (2.72/2.95/3.12
+# against 2.78/2.95/3.14).
 CUTE_MAX_M = 2
 
 

@@ -108,17 +108,10 @@ def unavailable_reason() -> str | None:
     return None
 
 
-# E4M3 out compiles no 1-row variant: M = 1 runs the 2-row one (its second row computed on a
-# clamped row and never stored). Measured on the H200 (2026-12-01): the 1-row E4M3 variant
-# took 2.83/2.95/3.15 us at H 8/11/16, the 2-row one 2.65/2.89/3.09 at M = 2.
-E4M3_MIN_BUCKET = 2
-
-
-def m_bucket(m: int, out_fp8: bool = False) -> int:
-    """The compiled token-row bucket for ``m`` tokens (1 <= m <= 32; E4M3 out: at least
-    ``E4M3_MIN_BUCKET``)."""
+def m_bucket(m: int) -> int:
+    """The compiled token-row bucket for ``m`` tokens (1 <= m <= 32)."""
     for bucket in M_BUCKETS:
-        if m <= bucket and (bucket >= E4M3_MIN_BUCKET or not out_fp8):
+        if m <= bucket:
             return bucket
     raise ValueError(f"M={m} exceeds {MAX_M}")
 
@@ -221,7 +214,7 @@ def launch_unchecked(
     signature once (``BoundCute``) and only the addresses per call."""
     m, h = q_nope.shape[:2]
     out_fp8 = out.dtype == torch.float8_e4m3fn
-    compiled = _compiled_for(h, m_bucket(m, out_fp8), q_nope.device.index or 0, out_fp8)
+    compiled = _compiled_for(h, m_bucket(m), q_nope.device.index or 0, out_fp8)
     import cutlass
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import make_ptr
@@ -276,7 +269,7 @@ class BoundCute:
         self, fallback, num_heads: int, m: int, device: torch.device, *, out_fp8: bool = False
     ) -> None:
         self.fallback = fallback
-        self.key = variant_key(num_heads, m_bucket(m, out_fp8), device.index or 0, out_fp8)
+        self.key = variant_key(num_heads, m_bucket(m), device.index or 0, out_fp8)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             prewarm(num_heads, m, device, out_fp8=out_fp8)
 
@@ -329,7 +322,7 @@ def prewarm(num_heads: int, m: int, device: torch.device, *, out_fp8: bool = Fal
     """Compile the variant calls with ``m`` tokens use (E4M3 output with ``out_fp8``, else
     BF16; before CUDA-graph capture); returns 1 when it was compiled now, 0 when it already
     was."""
-    args = (num_heads, m_bucket(m, out_fp8), device.index or 0, out_fp8)
+    args = (num_heads, m_bucket(m), device.index or 0, out_fp8)
     if variant_key(*args) in _compiled:
         return 0
     with torch.cuda.device(device):
@@ -475,18 +468,9 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
             s_raw.append(gS[(h, kq * ROWS_PER_THREAD + r, pid_n)])
 
         # --- stage q, dequantise the weights in registers ---
-        # A scheduling fence for ptxas: a correctly rounded division compiles to a slow-path
-        # subroutine call, and ptxas moves no instruction across a call. Its result selects
-        # the q staging rows (M >= 1, so nothing changes), which keeps it between the loads
-        # and their first use. Without it ptxas moved q's shared-memory stores and the
-        # dequantisation above the last loads in the 2-row variants, and a wait on q_scale
-        # above the weight loads in the 1-row E4M3 one: a second round trip to memory each
-        # (sm_90 SASS, 2026-12-01; tests/fusedq/sass_scoreboard.py reads it).
-        fenced = cutlass.Float32(1.0) / cutlass.Float32(M) > cutlass.Float32(0.0)
         tsQ = cute.zipped_divide(sQ, (1, Q_VEC))
         for i in cutlass.range_constexpr(q_loads):
             v = cutlass.min(tid + THREADS * i, MB * KV - 1)
-            v = cutlass.select_(fenced, v, 0)
             tsQ[(None, (v // KV, v % KV))].store(q_raw[i])
         w = []
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
@@ -527,7 +511,10 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
             # vLLM's reciprocal, once per thread and correctly rounded (the DSL's IEEE division
             # of 1 becomes rcp.rn.f32, the same value as div.rn.f32); every output multiplies
             # by it. x * (1/s) and x / s round differently for some x. Computed after the
-            # FMAs, not as a fence next to the loads: that fence would wait for q_scale.
+            # FMAs, not next to the loads: its slow path is a subroutine call, which ptxas
+            # schedules nothing across, and there the 1-row variant waited for q_scale before
+            # it issued the weight loads (sm_90 SASS; H200, 2026-12-01: 2.83/2.95/3.15 us at
+            # H 8/11/16, M 1, against 2.58/2.71/2.87 with the reciprocal here).
             inv_scale = cutlass.Float32(1.0) / q_scale
         # --- RoPE copy (first N tile of each head) ---
         if pid_n == 0:

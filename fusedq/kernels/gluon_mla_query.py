@@ -308,12 +308,14 @@ if AVAILABLE:
             pe = _to_e4m3(pe.to(gl.float32), q_scale, out_ptr.dtype.element_ty, OUT_FP8)
             gl.store(pe_out, pe, mask=pe_mask)
         elif LOAD_FENCE:
-            # A scheduling fence for ptxas: a correctly rounded division compiles to a
-            # slow-path subroutine call, and ptxas moves no instruction across a call. Placed
-            # here (M >= 1, so the mask is unchanged), it keeps every global load above it
-            # issued before the first use of any. Without it ptxas sank the last q loads below
-            # the MXFP8 dequantisation, which waits for the weights: two round trips (sm_90
-            # SASS, 2026-12-01). E4M3 out has q_scale's reciprocal at this point already.
+            # A scheduling fence for ptxas (off by default: LaunchConfig.load_fence): a
+            # correctly rounded division compiles to a slow-path subroutine call, and ptxas
+            # moves no instruction across a call. Placed here (M >= 1, so the mask is
+            # unchanged), it keeps every global load above it issued before the first use of
+            # any; without it ptxas sinks the last q loads of the MXFP8 kernels below the
+            # dequantisation, which waits for the weights (sm_90 SASS, 2026-12-01). Measured on
+            # the H200 it costs more than that wait saves (docs/fusedq.md, sixth session).
+            # E4M3 out has q_scale's reciprocal at this point already.
             fence = gl.div_rn(1.0, M.to(gl.float32))
             gl.store(pe_out, pe, mask=pe_mask & (fence > 0.0))
         else:
@@ -639,7 +641,7 @@ def offline_compile(
     operands: str = "convert",
     arch: int = 90,
     e4m3_epilogue: str = "mul",
-    load_fence: bool = True,
+    load_fence: bool = False,
 ):
     """Compile the kernel for ``sm_<arch>`` without a GPU (``triton.compile``); the result's
     ``asm`` holds the TTGIR and PTX. Takes the launch parameters one by one rather than a

@@ -216,9 +216,11 @@ class LaunchConfig:
     # "noscale" are measurement aids (see OUT_E4M3_DIV) that for_problem never picks.
     e4m3_epilogue: str = "mul"
     # Gluon and register path, BF16 out: a scheduling fence after the loads (LOAD_FENCE in
-    # the kernels: without it ptxas let some variants wait for an early load before issuing
-    # the last ones). False is a measurement aid that for_problem never picks.
-    load_fence: bool = True
+    # the kernels), or None for each kernel's measured choice (``fence``): on for the register
+    # path, whose RoPE load ptxas otherwise issues after q's first use (3.10 against 2.69 us,
+    # H200, H 8, M 1), off for Gluon, where it cost 0.15-0.24 us with BF16 weights and up to
+    # 0.16 with MXFP8 (whose SASS still waits for a weight load before the last q loads).
+    load_fence: bool | None = None
 
     @classmethod
     def for_problem(
@@ -259,6 +261,11 @@ class LaunchConfig:
         )
         return cls(block_m, block_n, num_warps=num_warps, block_k=block_k, pdl=pdl)
 
+    @property
+    def fence(self) -> bool:
+        """The LOAD_FENCE constexpr: ``load_fence``, or the kernel's measured choice."""
+        return self.fma if self.load_fence is None else self.load_fence
+
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128, 256, 512):
             raise ValueError(f"block_n={self.block_n} must be a power of two in [16, 512]")
@@ -272,9 +279,10 @@ class LaunchConfig:
             )
         if self.e4m3_epilogue == "wide" and not self.gluon:
             raise ValueError("e4m3_epilogue='wide' is a Gluon-kernel variant; pass gluon=True")
-        if not self.load_fence and not (self.gluon or self.fma):
+        if self.load_fence is not None and not (self.gluon or self.fma):
             raise ValueError(
-                "load_fence=False is a Gluon or register-path variant; pass gluon=True or fma=True"
+                f"load_fence={self.load_fence} chooses a Gluon or register-path variant; pass "
+                "gluon=True or fma=True (or leave it None)"
             )
         if self.gluon_operands != "convert" and not self.gluon:
             raise ValueError(
@@ -985,7 +993,7 @@ def launch_arguments(
         "OUT_FP8": out_mode(key.out_fp8, cfg.e4m3_epilogue),
         "INTERPRET": interpreting(),
         "USE_PDL": cfg.pdl,
-        "LOAD_FENCE": cfg.load_fence,
+        "LOAD_FENCE": cfg.fence,
     }
     return ints, constexprs
 

@@ -2,9 +2,11 @@
 
 The PTX checks (``ptx_memory_order``, the CuTe load-order test) show that every global load
 comes before any use *in the PTX*. ptxas reorders: on 2026-12-01 it was found to sink q loads
-below the MXFP8 dequantisation (Gluon, BF16 out), and to issue the weight loads only after
-q_scale had arrived (CuTe's 1-row E4M3 variant, the register path's E4M3 RoPE load). Each is a
-second round trip to memory that no PTX check can see.
+below the MXFP8 dequantisation (Gluon, BF16 out), to issue the weight loads only after
+q_scale had arrived (CuTe's 1-row E4M3 variant), and the RoPE load only after q's first use
+or q_scale's reciprocal (the register path). Each delays the last loads by an earlier one's
+latency, which no PTX check can see; what that costs depends on what the delayed load hits
+(a q load shared by a head's CTAs is an L2 hit), so each finding was measured on the H200.
 
 What shows it: Hopper SASS carries, per instruction, the scoreboard a variable-latency
 instruction (a load) releases when its data arrives ("write barrier"), the one it releases

@@ -53,28 +53,29 @@ def test_sweep_e4m3_twins_every_e4m3_variant(capsys):
     assert "pass --sweep too" in capsys.readouterr().err
 
 
-def test_sweep_nofence_twins_the_fenced_kernels_with_bf16_out(capsys):
-    """--sweep-nofence times each register-path (and, on a GPU, Gluon) variant of a BF16-out
-    format again without the fence; E4M3 out has no twin (its reciprocal is the fence)."""
-    opts = bench.parse_args(["--sweep", "--sweep-nofence", "--sweep-block-n"])[0]
-    assert opts.sweep_nofence
+def test_sweep_fence_twins_the_fenced_kernels_with_bf16_out(capsys):
+    """--sweep-fence times each register-path (and, on a GPU, Gluon) variant of a BF16-out
+    format again with the fence flipped; E4M3 out has no twin (its reciprocal is the fence)."""
+    opts = bench.parse_args(["--sweep", "--sweep-fence", "--sweep-block-n"])[0]
+    assert opts.sweep_fence
     bf16 = bench.sweep_configs("bf16", 8, 1, opts)  # H = 8, M = 1: the register path
     twins = [n for n in bf16 if n.endswith("_nofence")]
-    assert twins and all(not bf16[n].load_fence and bf16[n].fma for n in twins)
-    assert all(bf16[n].load_fence for n in bf16 if n not in twins)
-    assert {n.removesuffix("_nofence") for n in twins} <= set(bf16)
-    assert not [n for n in bench.sweep_configs("e4m3", 8, 1, opts) if n.endswith("_nofence")]
+    assert twins and all(bf16[n].fma and not bf16[n].fence for n in twins)
+    assert all(bf16[n.removesuffix("_nofence")].fence for n in twins)
+    assert not [n for n in bench.sweep_configs("e4m3", 8, 1, opts) if n.endswith("fence")]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--sweep-nofence"])
+        bench.parse_args(["--sweep-fence"])
     assert "pass --sweep too" in capsys.readouterr().err
 
 
-def test_only_the_fenced_kernels_take_load_fence_false():
+def test_load_fence_defaults_to_each_kernels_measured_choice():
     from fusedq.kernels import triton_mla_query as kernel
 
-    with pytest.raises(ValueError, match="load_fence=False is a Gluon or register-path"):
+    with pytest.raises(ValueError, match="load_fence=False chooses a Gluon or register-path"):
         kernel.LaunchConfig(block_m=16, block_n=32, load_fence=False)
-    assert not kernel.LaunchConfig(block_m=1, block_n=32, fma=True, load_fence=False).load_fence
+    assert kernel.LaunchConfig(block_m=1, block_n=32, fma=True).fence
+    assert not kernel.LaunchConfig(block_m=1, block_n=32, fma=True, load_fence=False).fence
+    assert not kernel.LaunchConfig(block_m=16, block_n=32).fence  # (tl.dot: no fence to place)
 
 
 def test_cute_variant_is_mxfp8_only():
