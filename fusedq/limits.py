@@ -23,8 +23,18 @@ E4M3_MAX = 448.0
 # MX block size along N (OCP MX spec: one E8M0 scale per 32 elements).
 MX_BLOCK = 32
 
-# What a profiler trace calls the fused query: the Triton kernels' names (the JIT functions in
-# kernels/triton_mla_query.py, as CUDA launches them) and the custom op's name (what a CPU
-# trace records). orchestrator/trace.py attributes a layer's query step by them.
-KERNEL_NAMES = ("_mla_query_kernel", "_mla_query_fma_kernel")
+# What a profiler trace calls the fused query: the kernels' names (the Triton and Gluon JIT
+# functions, as CUDA launches them; the CuTe DSL kernel's function, which its symbol embeds:
+# kernel_cutlass__mla_query_cute_kernel_<argument types>) and the custom op's name (what a CPU
+# trace records). orchestrator/trace.py attributes a layer's query step by them; a kernel
+# missing here is not seen (before 2026-12-01 the Gluon ones were: tests/orchestrator/
+# test_trace.py now checks the list against the kernels).
+KERNEL_NAMES = (
+    "_mla_query_kernel",
+    "_mla_query_fma_kernel",
+    "_mla_query_gluon_kernel",
+    "_mla_query_gluon_smem_kernel",
+    "_mla_query_gluon_direct_kernel",
+    "_mla_query_cute_kernel",
+)
 OP_NAME = "fusedq::mla_query_projection"

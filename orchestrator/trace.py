@@ -122,7 +122,9 @@ class QueryRule:
 
     fused: re.Pattern[str] = field(
         default_factory=lambda: _any(
-            *(rf"\b{re.escape(n)}\b" for n in limits.KERNEL_NAMES), re.escape(limits.OP_NAME)
+            # Not \b: the CuTe symbol has the name between underscores.
+            *(rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])" for n in limits.KERNEL_NAMES),
+            re.escape(limits.OP_NAME),
         )
     )
     attention: re.Pattern[str] = field(default_factory=lambda: _any(*ATTENTION_NAMES))

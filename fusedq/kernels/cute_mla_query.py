@@ -413,7 +413,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
         return cute.arch.fmax(y, -E4M3_MAX)
 
     @cute.kernel
-    def kernel(
+    def _mla_query_cute_kernel(
         gQ: cute.Tensor,
         gP: cute.Tensor,
         gW: cute.Tensor,
@@ -603,7 +603,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
         )
         # q_scale (E4M3 out; the BF16 variant gets any address and never loads it).
         gSc = cute.make_tensor(scale_ptr, cute.make_layout(1))
-        kernel(gQ, gP, gW, gS, gO, gSc, M).launch(
+        _mla_query_cute_kernel(gQ, gP, gW, gS, gO, gSc, M).launch(
             grid=[HEAD_N // BLOCK_N, H, 1], block=[THREADS, 1, 1], stream=stream
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,11 @@ def test_rule_classes():
     assert c("void vllm::concat_and_cache_mla_kernel<bf16>") == "other"
     assert c("triton_poi_fused_cat_clamp_div_0") == "concat"
     assert c("_mla_query_fma_kernel") == "fused" and c("fusedq::mla_query_projection") == "fused"
+    # The Gluon kernels and the CuTe DSL kernel's symbol (a real one, H200 2026-12-01)
+    assert c("_mla_query_gluon_kernel") == "fused" == c("_mla_query_gluon_smem_kernel")
+    cute = "kernel_cutlass__mla_query_cute_kernel_tensorptrbf16_generic_align16_o_116192div8_0"
+    assert c(cute) == "fused"
+    assert c("my_mla_query_kernel2") == "other"
     assert c("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm" and c("aten::bmm") == "gemm"
 
 
@@ -217,11 +223,20 @@ def test_fusedq_names_are_the_real_ones():
     pytest.importorskip("triton")
     import fusedq.ops  # noqa: F401  (registers the custom ops)
     from fusedq import limits
+    from fusedq.kernels import gluon_mla_query as g
     from fusedq.kernels import triton_mla_query as k
 
-    assert {k._mla_query_kernel.fn.__name__, k._mla_query_fma_kernel.fn.__name__} == set(
-        limits.KERNEL_NAMES
-    )
+    names = {k._mla_query_kernel.fn.__name__, k._mla_query_fma_kernel.fn.__name__}
+    if g.AVAILABLE:
+        names |= {g.kernel_for_operands(op).fn.__name__ for op in g.OPERANDS}
+    else:  # (a Triton without Gluon: the names stay in the list for traces from elsewhere)
+        names |= {n for n in limits.KERNEL_NAMES if "gluon" in n}
+    # The CuTe DSL kernel (nvidia-cutlass-dsl is optional): its @cute.kernel function
+    source = Path(k.__file__).with_name("cute_mla_query.py").read_text()
+    cute = re.findall(r"@cute\.kernel\s+def (\w+)\(", source)
+    assert len(cute) == 1
+    names.add(cute[0])
+    assert names == set(limits.KERNEL_NAMES)
     import torch
 
     ns, name = limits.OP_NAME.split("::")
