@@ -9,8 +9,11 @@ kernel loads (fusedq.kernels.cute_mla_query), with its grid (512 / 32 N tiles x 
 mapping (96 threads: 4 weight rows of one 16-byte vector each, their scale bytes, the head's q
 and q_pe vectors), every load issued before any use (the same fence the register path has),
 then XORs the loaded words and stores one word per thread: no dequantisation, no FMAs, no
-reduction. It runs in one interleaved set of CUDA-graph replays with the product's CuTe call
-and fusedq-bench's read floors (fusedq.bench's timing, weights rotated past 2x L2).
+reduction. `--weights bf16` loads vLLM's bf16 W_UK_T view the same way (4 threads a row, 192
+threads). It runs in one interleaved set of CUDA-graph replays with the product's kernel (the
+CuTe call for MXFP8, `backend="auto"` for BF16) and fusedq-bench's read floors (fusedq.bench's
+timing, weights rotated past 2x L2). H200, 2026-12-01: 1.11-1.17x the read floor (MXFP8, M 1-2)
+and 1.08-1.15x (BF16, M 1 and 32), under issue 15's bars (docs/fusedq.md, sixth session).
 """
 
 import argparse
@@ -198,7 +201,7 @@ def main() -> None:
 
             # (BF16: the product's own kernel, "auto"; MXFP8: the CuTe kernel)
             fused = bench._fused_step(lay, backend="auto" if bf16 else "cute")
-            steps = {"cute": fused, "cute_floor": floor}
+            steps = {"fused": fused, "cute_floor": floor}
             steps.update(bench._floor_steps(lay))
             graphs = {k: bench._capture(bench._every_layer(lay, s)) for k, s in steps.items()}
             times = bench.time_graphs(graphs, opts.samples, opts.warmup)
@@ -210,13 +213,13 @@ def main() -> None:
                 "layers": n,
                 **{f"{k}_us": v for k, v in us.items()},
                 "read_us": read,
-                "cute_over_read": us["cute"] / read,
+                "fused_over_read": us["fused"] / read,
                 "cute_floor_over_read": us["cute_floor"] / read,
-                "cute_over_cute_floor": us["cute"] / us["cute_floor"],
+                "fused_over_cute_floor": us["fused"] / us["cute_floor"],
             }
             rows.append(row)
             print(
-                f"H={h} M={m} ({time.time() - t0:.0f}s): cute {us['cute']:.3f} floor {us['cute_floor']:.3f} read {read:.3f} | cute/read {row['cute_over_read']:.3f} floor/read {row['cute_floor_over_read']:.3f}",
+                f"H={h} M={m} ({time.time() - t0:.0f}s): fused {us['fused']:.3f} floor {us['cute_floor']:.3f} read {read:.3f} | fused/read {row['fused_over_read']:.3f} floor/read {row['cute_floor_over_read']:.3f}",
                 flush=True,
             )
             del graphs, lay
