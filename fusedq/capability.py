@@ -124,10 +124,10 @@ def explain(
 # H200 (2026-11-30: 2.48 us at H=8, 2.80 at H=16, against Triton's register path 2.68/3.13
 # and the Gluon kernel 2.79/3.03); at M=4 the Gluon kernel wins (2.80/3.02 against CuTe's
 # 3.04/3.55), and at M=32 CuTe is far behind (9.5-10 us: its FMAs do not scale with M).
-# M=2 lies between; it takes CuTe (its M=2 figures are in the floors run, docs/fusedq.md).
-# E4M3 out (H200, 2026-12-01, docs/bench/h200-cute-ab-2026-12-01.json): CuTe wins at M=1
-# (2.58/2.71/2.87 us at H 8/11/16 against Triton's 2.85/2.94/3.27) and at M=2 (2.72/2.95/3.12
-# against 2.78/2.95/3.14).
+# M=2 lies between; it takes CuTe. H200, 2026-12-01 (docs/bench/h200-cute-ab-2026-12-01.json,
+# h200-cute-directq-2026-12-01.json), at H 8/11/16: BF16 out M=2 2.58/2.79/3.01 us against
+# Triton's 2.80/2.87/3.01; E4M3 out M=1 2.58/2.71/2.87 against 2.85/2.94/3.27, M=2
+# 2.64/2.88/3.08 against 2.77/2.94/3.13.
 CUTE_MAX_M = 2
 
 
