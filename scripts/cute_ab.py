@@ -1,0 +1,116 @@
+"""Two versions of the CuTe DSL kernel side by side (and Triton's kernel beside them).
+
+    git show REV:fusedq/kernels/cute_mla_query.py > /tmp/cute_old.py
+    python scripts/cute_ab.py --old /tmp/cute_old.py [--new FILE] [--samples 300]
+        [--heads 8 11 16] [--m 1 2] [--json FILE]
+
+Needs a CUDA GPU (sm_89+) and nvidia-cutlass-dsl. Each source file is loaded as a module of
+its own (its own compile cache; the DSL reads a kernel's source, so each is copied to a file),
+``--new`` defaulting to the installed fusedq's. For every (H, M): MXFP8 weights, BF16 and E4M3
+out, each version's kernel and Triton's (``backend="triton"``), captured in CUDA graphs over
+the layers fusedq-bench rotates past 2x L2 and replayed interleaved (fusedq.bench's timing).
+Every output is checked: the max |error| against the staged path, and for E4M3 the number of
+bytes that differ from it (one E4M3 step where bf16 rounding differs is within the tests'
+tolerance). The CuTe A/B figures in docs/bench/h200-cute-*-2026-12-01.json were taken so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import fusedq
+from fusedq import bench
+from fusedq.kernels import cute_mla_query
+
+
+def load(name: str, source: Path, workdir: Path):
+    """``source`` as module ``cute_<name>``, from a copy in ``workdir``."""
+    path = workdir / f"cute_{name}.py"
+    path.write_text(source.read_text())
+    spec = importlib.util.spec_from_file_location(f"cute_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--old", type=Path, required=True, help="a cute_mla_query.py to compare")
+    p.add_argument("--new", type=Path, default=Path(cute_mla_query.__file__))
+    p.add_argument("--samples", type=int, default=300)
+    p.add_argument("--heads", type=int, nargs="+", default=[8, 11, 16])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2], help="tokens (1..32)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    a = p.parse_args()
+    for f in (a.old, a.new):
+        if not f.is_file():
+            p.error(f"{f}: no such file")
+    opts = bench.Options(samples=a.samples)
+    workdir = Path(tempfile.mkdtemp(prefix="cute_ab-"))
+    mods = {"old": load("old", a.old, workdir), "new": load("new", a.new, workdir)}
+    rows = []
+    for h in a.heads:
+        for m in a.m:
+            t0 = time.time()
+            bf = bench.build_layers("mxfp8", h, m, opts)
+            e4 = bench.build_layers("mxfp8-e4m3", h, m, opts)
+            n = len(bf.fused_w)
+            steps = {
+                "bf16_triton": (bf, bench._fused_step(bf, backend="triton")),
+                "e4m3_triton": (e4, bench._fused_step(e4, backend="triton")),
+            }
+            for name, mod in mods.items():
+                for tag, lay in (("bf16", bf), ("e4m3", e4)):
+
+                    def step(i, mod=mod, lay=lay):
+                        w = lay.fused_w[i]
+                        mod.launch_unchecked(
+                            lay.q_nope, w.values, w.scales, lay.q_pe, lay.out, lay.q_scale
+                        )
+
+                    steps[f"{tag}_cute_{name}"] = (lay, step)
+            graphs = {
+                k: bench._capture(bench._every_layer(lay, s)) for k, (lay, s) in steps.items()
+            }
+            times = bench.time_graphs(graphs, opts.samples, opts.warmup)
+            errors = {k: bench._graph_error(steps[k][0], g) for k, g in graphs.items()}
+            ref = fusedq.staged_mla_query(
+                e4.q_nope, e4.fused_w[-1], e4.q_pe, out_dtype=e4.out_dtype, q_scale=e4.q_scale
+            )
+            differ = {}
+            for k, g in graphs.items():
+                if steps[k][0] is e4:
+                    e4.out.fill_(0)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    differ[k] = int((e4.out.view(torch.uint8) != ref.view(torch.uint8)).sum())
+            line = []
+            for k, t in times.items():
+                us = bench._median_us(t, n)
+                rows.append(
+                    {"H": h, "M": m, "variant": k, "us": us, "err": errors[k],
+                     "mismatch_bytes": differ.get(k)}
+                )  # fmt: skip
+                line.append(f"{k}={us:.3f}")
+            print(f"H={h} M={m} layers={n} ({time.time() - t0:.0f}s):", " ".join(line), flush=True)
+            print("   err:", {k: round(v, 4) for k, v in errors.items()}, "differ:", differ)
+            del graphs, bf, e4
+            torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            env = bench.environment(None)
+            json.dump({"rows": rows, "samples": a.samples, "environment": env}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
