@@ -487,6 +487,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
             for i in cutlass.range_constexpr(q_loads):
                 v = cutlass.min(tid + THREADS * i, MB * KV - 1)
                 tsQ[(None, (v // KV, v % KV))].store(q_raw[i])
+            tsQk = cute.zipped_divide(sQ, (1, ROWS_PER_THREAD))  # (read after the barrier)
             zero_scale = as_f32(E8M0_ZERO_BITS)
         else:
             # A scheduling fence for ptxas: a correctly rounded division compiles to a
@@ -512,8 +513,6 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
             cute.arch.sync_threads()
 
         # --- FMAs, butterfly reduce-scatter over the lanes sharing these columns ---
-        if cutlass.const_expr(STAGE_Q):
-            tsQk = cute.zipped_divide(sQ, (1, ROWS_PER_THREAD))
         col_off = 0
         for s in cutlass.range_constexpr(steps):
             bit = (lane >> (COL_GROUPS.bit_length() - 1 + s)) & 1

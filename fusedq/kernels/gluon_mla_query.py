@@ -306,7 +306,6 @@ if AVAILABLE:
             q_scale = 1.0
         if OUT_FP8:
             pe = _to_e4m3(pe.to(gl.float32), q_scale, out_ptr.dtype.element_ty, OUT_FP8)
-            gl.store(pe_out, pe, mask=pe_mask)
         elif LOAD_FENCE:
             # A scheduling fence for ptxas (off by default: LaunchConfig.load_fence): a
             # correctly rounded division compiles to a slow-path subroutine call, and ptxas
@@ -317,9 +316,8 @@ if AVAILABLE:
             # the H200 it costs more than that wait saves (docs/fusedq.md, sixth session).
             # E4M3 out has q_scale's reciprocal at this point already.
             fence = gl.div_rn(1.0, M.to(gl.float32))
-            gl.store(pe_out, pe, mask=pe_mask & (fence > 0.0))
-        else:
-            gl.store(pe_out, pe, mask=pe_mask)
+            pe_mask = pe_mask & (fence > 0.0)
+        gl.store(pe_out, pe, mask=pe_mask)
 
         if MXFP8:
             w0 = _dequant(w0, s0)
