@@ -122,13 +122,15 @@ def explain(
 # Which fused kernel ``backend="auto"`` runs. The CuTe DSL kernel (kernels/cute_mla_query.py:
 # MXFP8 weights, one memory round trip, SIMT FMAs) measured fastest for BF16 out at M=1 on the
 # H200 (2026-11-30: 2.48 us at H=8, 2.80 at H=16, against Triton's register path 2.68/3.13
-# and the Gluon kernel 2.79/3.03); at M=4 the Gluon kernel wins (2.80/3.02 against CuTe's
-# 3.04/3.55), and at M=32 CuTe is far behind (9.5-10 us: its FMAs do not scale with M).
-# M=2 lies between; it takes CuTe. H200, 2026-12-01 (docs/bench/h200-cute-ab-2026-12-01.json,
-# h200-cute-directq-2026-12-01.json), at H 8/11/16: BF16 out M=2 2.58/2.79/3.01 us against
-# Triton's 2.80/2.87/3.01; E4M3 out M=1 2.58/2.71/2.87 against 2.85/2.94/3.27, M=2
-# 2.64/2.88/3.08 against 2.77/2.94/3.13.
-CUTE_MAX_M = 2
+# and the Gluon kernel 2.79/3.03); at M=32 CuTe is far behind (9.5-10 us: its FMAs do not
+# scale with M). In its 192-thread layout (2026-12-01, docs/bench/
+# h200-cute-layouts-2026-12-01.json, one run, H 8/11/16) it also leads at M=4: BF16 out
+# 2.64/2.83/2.94 us against Triton's 2.79/2.85/3.00, E4M3 out 2.73/2.93/3.09 against
+# 2.77/2.93/3.17 (a second run: 2.72/2.93/3.09 against 2.75/2.91/3.12), and trails at M=8
+# (3.02-3.62 against 2.78-3.04). M=1-2: BF16 out 2.31/2.38/2.55 and 2.50/2.59/2.75 against
+# 2.68/2.84/2.98 and 2.78/2.84/2.97; E4M3 out 2.41/2.51/2.68 and 2.56/2.67/2.88 against
+# 2.82/2.92/3.25 and 2.76/2.92/3.13.
+CUTE_MAX_M = 4
 
 
 def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = False) -> str | None:

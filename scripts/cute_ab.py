@@ -1,12 +1,15 @@
-"""Two versions of the CuTe DSL kernel side by side (and Triton's kernel beside them).
+"""Versions of the CuTe DSL kernel side by side (and Triton's kernel beside them).
 
     git show REV:fusedq/kernels/cute_mla_query.py > /tmp/cute_old.py
-    python scripts/cute_ab.py --old /tmp/cute_old.py [--new FILE] [--samples 300]
-        [--heads 8 11 16] [--m 1 2] [--json FILE]
+    python scripts/cute_ab.py --old /tmp/cute_old.py [--new FILE] [--variant NAME=FILE ...]
+        [--floors] [--samples 300] [--heads 8 11 16] [--m 1 2] [--json FILE]
 
 Needs a CUDA GPU (sm_89+) and nvidia-cutlass-dsl. Each source file is loaded as a module of
 its own (its own compile cache; the DSL reads a kernel's source, so each is copied to a file),
-``--new`` defaulting to the installed fusedq's. For every (H, M): MXFP8 weights, BF16 and E4M3
+``--new`` defaulting to the installed fusedq's; ``--variant`` adds more (each must define
+``launch_unchecked`` as the product module does). ``--floors`` adds fusedq-bench's read-only
+floors of the MXFP8 weights to the same interleaved set and prints each version over the best
+of them (issue 15's MXFP8 bar is 1.25). For every (H, M): MXFP8 weights, BF16 and E4M3
 out, each version's kernel and Triton's (``backend="triton"``), captured in CUDA graphs over
 the layers fusedq-bench rotates past 2x L2 and replayed interleaved (fusedq.bench's timing).
 Every output is checked: the max |error| against the staged path, and for E4M3 the number of
@@ -49,14 +52,24 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--heads", type=int, nargs="+", default=[8, 11, 16])
     p.add_argument("--m", type=int, nargs="+", default=[1, 2], help="tokens (1..32)")
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=FILE", help="one more version"
+    )
+    p.add_argument("--floors", action="store_true", help="the read-only floors beside them")
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args()
-    for f in (a.old, a.new):
+    sources = {"old": a.old, "new": a.new}
+    for spec in a.variant:
+        name, sep, file = spec.partition("=")
+        if not sep or not name.isidentifier() or name in sources:
+            p.error(f"--variant {spec!r}: expected NAME=FILE with a new identifier NAME")
+        sources[name] = Path(file)
+    for f in sources.values():
         if not f.is_file():
             p.error(f"{f}: no such file")
     opts = bench.Options(samples=a.samples)
     workdir = Path(tempfile.mkdtemp(prefix="cute_ab-"))
-    mods = {"old": load("old", a.old, workdir), "new": load("new", a.new, workdir)}
+    mods = {name: load(name, f, workdir) for name, f in sources.items()}
     rows = []
     for h in a.heads:
         for m in a.m:
@@ -78,11 +91,16 @@ def main() -> int:
                         )
 
                     steps[f"{tag}_cute_{name}"] = (lay, step)
+            if a.floors:
+                steps.update({k: (bf, s) for k, s in bench._floor_steps(bf).items()})
             graphs = {
                 k: bench._capture(bench._every_layer(lay, s)) for k, (lay, s) in steps.items()
             }
             times = bench.time_graphs(graphs, opts.samples, opts.warmup)
-            errors = {k: bench._graph_error(steps[k][0], g) for k, g in graphs.items()}
+            floors = set(bench._floor_steps(bf)) if a.floors else set()
+            errors = {
+                k: bench._graph_error(steps[k][0], g) for k, g in graphs.items() if k not in floors
+            }
             ref = fusedq.staged_mla_query(
                 e4.q_nope, e4.fused_w[-1], e4.q_pe, out_dtype=e4.out_dtype, q_scale=e4.q_scale
             )
@@ -97,11 +115,16 @@ def main() -> int:
             for k, t in times.items():
                 us = bench._median_us(t, n)
                 rows.append(
-                    {"H": h, "M": m, "variant": k, "us": us, "err": errors[k],
+                    {"H": h, "M": m, "variant": k, "us": us, "err": errors.get(k),
                      "mismatch_bytes": differ.get(k)}
                 )  # fmt: skip
                 line.append(f"{k}={us:.3f}")
             print(f"H={h} M={m} layers={n} ({time.time() - t0:.0f}s):", " ".join(line), flush=True)
+            if a.floors:
+                us = {r["variant"]: r["us"] for r in rows if r["H"] == h and r["M"] == m}
+                read = min(v for k, v in us.items() if k.startswith("read_w"))
+                over = {k: round(v / read, 3) for k, v in us.items() if k.startswith("bf16_")}
+                print(f"   over the read floor ({read:.3f} us):", over)
             print("   err:", {k: round(v, 4) for k, v in errors.items()}, "differ:", differ)
             del graphs, bf, e4
             torch.cuda.empty_cache()

@@ -4,16 +4,19 @@
 
 Needs a CUDA GPU (sm_89+) and nvidia-cutlass-dsl. fusedq-bench's "view" floors load the fused
 kernel's tiles as the Gluon and Triton kernels do; at MXFP8 M = 1 the CuTe kernel ran below
-them (H200, 2026-12-01), so they do not bound it. This kernel loads exactly what the CuTe
-kernel loads (fusedq.kernels.cute_mla_query), with its grid (512 / 32 N tiles x H) and thread
-mapping (96 threads: 4 weight rows of one 16-byte vector each, their scale bytes, the head's q
-and q_pe vectors), every load issued before any use (the same fence the register path has),
-then XORs the loaded words and stores one word per thread: no dequantisation, no FMAs, no
-reduction. `--weights bf16` loads vLLM's bf16 W_UK_T view the same way (4 threads a row, 192
-threads). It runs in one interleaved set of CUDA-graph replays with the product's kernel (the
-CuTe call for MXFP8, `backend="auto"` for BF16) and fusedq-bench's read floors (fusedq.bench's
-timing, weights rotated past 2x L2). H200, 2026-12-01: 1.11-1.17x the read floor (MXFP8, M 1-2)
-and 1.08-1.15x (BF16, M 1 and 32), under issue 15's bars (docs/fusedq.md, sixth session).
+them (H200, 2026-12-01), so they do not bound it. This kernel loads what the CuTe kernel
+loads (fusedq.kernels.cute_mla_query), with its grid (512 / 32 N tiles x H) and thread mapping
+(192 threads: ROWS_PER_THREAD weight rows of one W_VEC-weight vector each, their scale bytes),
+the head's q and q_pe as 16-byte vectors spread over the CTA (the kernel's way for one token
+row; from two it loads each thread's own 4 q values), every load issued before any use (the
+same fence the register path has), then XORs the loaded words and stores one word per thread:
+no dequantisation, no FMAs, no reduction. `--weights bf16` loads vLLM's bf16 W_UK_T view the
+same way (16-byte vectors of 8 weights). It runs in one interleaved set of CUDA-graph replays
+with the product's kernel (the CuTe call for MXFP8, `backend="auto"` for BF16) and
+fusedq-bench's read floors (fusedq.bench's timing, weights rotated past 2x L2). H200,
+2026-12-01, with the kernel's former layout (96 threads of 4 rows x 16 fp8): 1.11-1.17x the
+read floor (MXFP8, M 1-2) and 1.08-1.15x (BF16, M 1 and 32), under issue 15's bars
+(docs/fusedq.md, sixth session).
 """
 
 import argparse
@@ -29,9 +32,14 @@ from fusedq.kernels import cute_mla_query as cm
 
 
 def threads(bf16: bool) -> int:
-    """CTA size: 4 weight rows a thread, one 16-byte vector of a 32-column tile each (MXFP8:
-    2 threads share a row, 96 threads, as the CuTe kernel; BF16: 4 share it, 192 threads)."""
-    return cm.HEAD_K // cm.ROWS_PER_THREAD * (cm.BLOCK_N * (2 if bf16 else 1) // 16)
+    """CTA size, as the CuTe kernel's: ROWS_PER_THREAD weight rows a thread, one vector of
+    W_VEC weights of a 32-column tile each (8 bytes of fp8, or 16 of bf16), 192 threads."""
+    return cm.HEAD_K // cm.ROWS_PER_THREAD * (cm.BLOCK_N // cm.W_VEC)
+
+
+def weight_words(bf16: bool) -> int:
+    """32-bit words in one thread's vector of one weight row."""
+    return cm.W_VEC * (2 if bf16 else 1) // 4
 
 
 @__import__("functools").cache
@@ -40,7 +48,8 @@ def build(H, MB, bf16=False, swh=None):
     import cutlass.cute as cute
 
     THREADS, ROWS = threads(bf16), cm.ROWS_PER_THREAD
-    COL_GROUPS = cm.BLOCK_N * (2 if bf16 else 1) // 16
+    COL_GROUPS = cm.BLOCK_N // cm.W_VEC
+    WV = weight_words(bf16)
     KV = cm.HEAD_K // cm.Q_VEC  # 16-byte q vectors per token row
     RV = cm.ROPE // cm.Q_VEC
     q_loads = -(-MB * KV // THREADS)
@@ -63,7 +72,7 @@ def build(H, MB, bf16=False, swh=None):
         cols = tid % COL_GROUPS
         kq = tid // COL_GROUPS
         last = M - 1
-        tW = cute.zipped_divide(gW, (1, 1, 4))
+        tW = cute.zipped_divide(gW, (1, 1, WV))
         w_raw = []
         for r in cutlass.range_constexpr(ROWS):
             w_raw.append(tW[(None, (h, kq * ROWS + r, pid_n * COL_GROUPS + cols))].load())
@@ -84,7 +93,10 @@ def build(H, MB, bf16=False, swh=None):
         # A fence (as measured for the product kernels): every load issued before any use.
         fenced = cutlass.Float32(1.0) / cutlass.Float32(M) > cutlass.Float32(0.0)
         acc = cutlass.Int32(cutlass.select_(fenced, cutlass.Int32(0), cutlass.Int32(1)))
-        for vec in w_raw + q_raw + pe_raw:
+        for vec in w_raw:
+            for j in cutlass.range_constexpr(WV):
+                acc = acc ^ vec[j]
+        for vec in q_raw + pe_raw:
             for j in cutlass.range_constexpr(4):
                 acc = acc ^ vec[j]
         for s in s_raw:

@@ -12,21 +12,22 @@ rounded reciprocal of the scale, which the kernel loads from its one-element fp3
 
 Why CuTe: the work is latency bound, so the floor is one DRAM round trip. Triton re-lays-out
 a loaded fp8 tile right after its load, which waits for it, so its MXFP8 kernel pays two
-waits. Here every thread issues all of its global loads first — its 16-byte fp8 weight
+waits. Here every thread issues all of its global loads first — its 8-byte fp8 weight
 vectors, its E8M0 scale bytes, its share of q_nope and q_pe, and for E4M3 out q_scale — into
 registers, and only then touches any of them: one round trip per CTA.
 
-Design (SIMT, fp32 FMAs): one CTA per (32-column N tile, head), 96 threads. Thread
-``t`` owns weight rows ``4*(t//2) .. +4`` and columns ``16*(t%2) .. +16`` of the tile (one
-16-byte load per row) plus the tile's one scale byte per row (32 columns = one MX block).
+Design (SIMT, fp32 FMAs): one CTA per (32-column N tile, head), 192 threads. Thread
+``t`` owns weight rows ``4*(t//4) .. +4`` and columns ``8*(t%4) .. +8`` of the tile (one
+8-byte load per row) plus the tile's one scale byte per row (32 columns = one MX block).
 q_nope: for one token row it is staged through shared memory (each thread loads 16-byte
 vectors of it with the weights, stores them after all loads are issued); for two or more each
 thread loads the 4 values of its own rows per token row directly (8 bytes each, with the
 weights), which the H200 measured 0.03-0.11 us faster at M = 2 and up to 0.06 slower at M = 1
-(2026-12-01). Per token row: 64 FMAs into
-16 partial sums, a butterfly reduce-scatter over the 16 lanes that share the columns, one
-shared-memory partial per warp, and a final sum of the 3 warps' partials (E4M3: four
-adjacent columns per thread, one 4-byte store). The RoPE copy is loaded by every CTA (clamped
+(2026-12-01, in the former 96-thread layout). The E8M0 scale of a row multiplies q (exact:
+a power of two), not the row's weights. Per token row: 32 FMAs into 8 partial sums, a
+butterfly reduce-scatter over the 8 lanes that share the columns, one shared-memory partial
+per warp, and a final sum of the 6 warps' partials (E4M3: four adjacent columns per thread,
+one 4-byte store). The RoPE copy is loaded by every CTA (clamped
 rows, L2 hits) and stored by the first N tile of each head.
 
 Rows past ``M`` are computed on clamped (valid) rows and never stored: no branches around
@@ -58,15 +59,23 @@ SCALE_BLOCKS = HEAD_N // MX_BLOCK
 
 # One MX block per CTA: a thread needs one scale byte per weight row it owns.
 BLOCK_N = MX_BLOCK
-# 16-byte vectors: 16 fp8 weights, 8 bf16 q values.
+# 16-byte q vectors (8 bf16 values); the alignment every operand must have.
 VEC_BYTES = 16
-W_VEC = VEC_BYTES  # fp8 elements per vector
+# fp8 weights per thread and row: one 8-byte load. With ROWS_PER_THREAD below, the layout
+# the H200 measured fastest (2026-12-01, docs/bench/h200-cute-layouts-2026-12-01.json: MXFP8
+# -> BF16 at H 8/11/16) among 1-8 rows of 4-16 weights a thread: 4 rows x 8 weights (192
+# threads) ran M = 1 in 2.31/2.38/2.55 us, M = 2 in 2.50/2.59/2.75 and M = 4 in
+# 2.64/2.83/2.94, against 2.37/2.45/2.65, 2.56/2.72/2.94 and 2.73/3.07/3.29 for the 4 x 16
+# layout it replaced (96 threads; both with the scale on q). More threads with fewer rows or
+# weights each shorten each thread's dequantisation and FMAs (the work after the loads
+# arrive, which a one-CTA-per-SM grid runs on few warps); below 8 weights the loads get
+# small, and with more than 4 rows at 8 weights, fewer warps share the work.
+W_VEC = 8
 Q_VEC = VEC_BYTES // 2  # bf16 elements per vector
 # E4M3 outputs per thread and store: the DSL stores fp8 in 32-bit vectors at least.
 OUT_GROUP = 4
 COL_GROUPS = BLOCK_N // W_VEC  # threads that share a weight row
-# Four K rows per thread: 96 threads (3 warps) per CTA; fewer rows per thread means more
-# warps for the FMAs, more rows means fewer partial sums to reduce.
+# Four K rows per thread: 192 threads (6 warps) per CTA (see W_VEC).
 ROWS_PER_THREAD = 4
 THREADS = HEAD_K // ROWS_PER_THREAD * COL_GROUPS
 WARP = 32
@@ -501,14 +510,15 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
                 cutlass.select_(fenced, as_f32(E8M0_ZERO_BITS), cutlass.Float32(0.0))
             )
         w = []
+        row_scale = []
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
             # The DSL loads the byte sign-extended (ld.global.s8): mask it back to 0..255.
             s = cutlass.Int32(s_raw[r]) & 0xFF
             # 2^(s-127) from the exponent bits; byte 0 gives 0.0 there, and max() turns it into
             # 2^-127 (a subnormal) without an integer compare next to the load.
-            scale = cute.arch.fmax(as_f32(s << 23), zero_scale)
+            row_scale.append(cute.arch.fmax(as_f32(s << 23), zero_scale))
             vals = w_raw[r].to(cutlass.Float32)
-            w.append([vals[j] * scale for j in range(W_VEC)])
+            w.append([vals[j] for j in range(W_VEC)])
         if cutlass.const_expr(STAGE_Q):
             cute.arch.sync_threads()
 
@@ -522,9 +532,15 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
                 qk = tsQk[(None, (m, kq))].load().to(cutlass.Float32)
             else:
                 qk = q_raw[m].to(cutlass.Float32)
-            acc = [qk[0] * w[0][j] for j in range(W_VEC)]
+            # The row's power-of-two scale multiplies q (ROWS_PER_THREAD products per token
+            # row), not the row's W_VEC weights: q * 2^e and w * 2^e are both exact, so the
+            # FMAs see the same products as with dequantised weights, with fewer multiplies
+            # between the loads' arrival and the store (H200, 2026-12-01, M = 1, H 8/11/16:
+            # 2.46/2.61/2.79 us -> 2.37/2.45/2.65 in the 96-thread layout).
+            qs = [qk[r] * row_scale[r] for r in range(ROWS_PER_THREAD)]
+            acc = [qs[0] * w[0][j] for j in range(W_VEC)]
             for r in cutlass.range_constexpr(1, ROWS_PER_THREAD):
-                acc = [acc[j] + qk[r] * w[r][j] for j in range(W_VEC)]
+                acc = [acc[j] + qs[r] * w[r][j] for j in range(W_VEC)]
             for s in cutlass.range_constexpr(steps):
                 mask = COL_GROUPS << s
                 upper = (lane & mask) != 0

@@ -82,8 +82,8 @@ def _cuda_here(monkeypatch, *, cute_reason: str | None) -> None:
         ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M}, "cute", "M <= "),
         ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M + 1}, "triton", "Triton kernel measured faster"),
         ({"weight_format": "bf16", "m": 1}, "triton", "BF16 weights run the Triton kernel"),
-        ({"weight_format": "mxfp8", "m": 1, "out_dtype": torch.float8_e4m3fn}, "cute", "MXFP8 -> E4M3 at M <= 2"),
-        ({"weight_format": "mxfp8", "m": 3, "out_dtype": torch.float8_e4m3fn}, "triton", "M=3 > 2"),
+        ({"weight_format": "mxfp8", "m": 1, "out_dtype": torch.float8_e4m3fn}, "cute", "MXFP8 -> E4M3 at M <= 4"),
+        ({"weight_format": "mxfp8", "m": 5, "out_dtype": torch.float8_e4m3fn}, "triton", "M=5 > 4"),
         ({"weight_format": "mxfp8", "m": 1, "pdl": True}, "triton", "no PDL launch"),
     ],
 )  # fmt: skip
@@ -124,7 +124,7 @@ def test_kernel_summary_merges_runs_and_says_why_cute_is_not_used(monkeypatch):
     monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
     ms = (1, 2, 4, 8, 16, 32)
     assert fusedq.kernel_summary(16, ms, weight_format="mxfp8") == (
-        "M=1-2 cute (graphs; eager: gluon-convert); M=4-32 gluon-convert"
+        "M=1-4 cute (graphs; eager: gluon-convert); M=8-32 gluon-convert"
     )
     assert fusedq.kernel_summary(8, ms, weight_format="bf16") == (
         "M=1 register; M=2-32 gluon-convert"

@@ -139,7 +139,7 @@ def _compile(tmp: Path, fence: bool | None = None) -> dict[str, list]:
 # M = 32, 0.05 at M = 16, docs/fusedq.md), since the q loads it delays hit L2. The register
 # path's MXFP8 -> E4M3 kernel: ptxas gives q_scale's load one scoreboard for its data and its
 # address register and waits on it to reuse that register; that kernel runs only outside CUDA
-# graphs (in graphs MXFP8 at M <= 2 runs the CuTe kernel), where host time dominates.
+# graphs (in graphs MXFP8 at M <= 4 runs the CuTe kernel), where host time dominates.
 KNOWN_EARLY = {
     "gluon-convert-m16-n32-w4-mxfp8-bf16": "fence measured slower",
     "gluon-convert-m16-n64-w4-mxfp8-bf16": "fence measured slower",
