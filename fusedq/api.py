@@ -128,6 +128,8 @@ def prewarm(
         if path == "cute":  # the Triton variants stay compiled: the misaligned fallback
             from fusedq.kernels import cute_mla_query
 
-            out_fp8 = out_dtype == torch.float8_e4m3fn
-            compiled += cute_mla_query.prewarm(values.shape[0], m, values.device, out_fp8=out_fp8)
+            compiled += cute_mla_query.prewarm(
+                values.shape[0], m, values.device,
+                out_fp8=out_dtype == torch.float8_e4m3fn, bf16_weights=scales is None,
+            )  # fmt: skip
     return compiled

@@ -920,12 +920,12 @@ def cute_step(lay: Layers, fmt: str) -> tuple[Callable[[int], None] | None, str 
     from fusedq.capability import cute_problem
     from fusedq.kernels import cute_mla_query as cute
 
-    if RECIPES[fmt][0] != "mxfp8":
-        return None, f"the CuTe kernel takes MXFP8 weights, not {fmt}"
-    reason = cute_problem("mxfp8", lay.out_dtype)
+    weight_format = RECIPES[fmt][0]
+    reason = cute_problem(weight_format, lay.out_dtype)
     if reason is None:
         w = lay.fused_w[0]
-        reason = cute.unsupported_reason(lay.q_nope, w.values, w.scales, lay.q_pe, lay.out)
+        values, scales = (w, None) if weight_format == "bf16" else (w.values, w.scales)
+        reason = cute.unsupported_reason(lay.q_nope, values, scales, lay.q_pe, lay.out)
     if reason is not None:
         return None, reason
     return _fused_step(lay, backend="cute"), None

@@ -130,14 +130,18 @@ def explain(
 # (3.02-3.62 against 2.78-3.04). M=1-2: BF16 out 2.31/2.38/2.55 and 2.50/2.59/2.75 against
 # 2.68/2.84/2.98 and 2.78/2.84/2.97; E4M3 out 2.41/2.51/2.68 and 2.56/2.67/2.88 against
 # 2.82/2.92/3.25 and 2.76/2.92/3.13.
-CUTE_MAX_M = 4
+# bf16 weights (vLLM's W_UK_T view, the same kernel with 16-byte loads of 8 weights; H200,
+# 2026-12-01, docs/bench/h200-cute-bf16-2026-12-01.json, H 8/11/16): BF16 out M=1
+# 2.48/2.61/2.89 us against Triton's 2.69/2.87/3.15, M=2 2.63/2.80/3.08 against
+# 2.72/2.88/3.13, M=4 2.83/3.11/3.35 against 2.73/2.90/3.15; E4M3 out M=1 2.59/2.73/3.00
+# against 2.75/2.97/3.28, M=2 2.70/2.90/3.15 against 2.81/2.97/3.28.
+# The largest M the CuTe kernel runs, per weight format.
+CUTE_MAX_M = {"mxfp8": 4, "bf16": 2}
 
 
 def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = False) -> str | None:
     """Why the CuTe DSL kernel cannot run this recipe here (it is optional: nvidia-cutlass-dsl
     is not a requirement, and every recipe also has the Triton kernel), or ``None``."""
-    if weight_format != "mxfp8":
-        return "BF16 weights run the Triton kernel (the CuTe kernel is for MXFP8 only)"
     if out_dtype not in OUT_DTYPES:
         return f"out_dtype={out_dtype} runs no fused kernel (out dtypes {OUT_DTYPES})"
     if pdl:
@@ -167,10 +171,12 @@ def kernel_choice(
     problem = cute_problem(weight_format, out_dtype, pdl=pdl)
     if problem is not None:
         return "triton", problem
-    if m > CUTE_MAX_M:
-        return "triton", f"M={m} > {CUTE_MAX_M}: the Triton kernel measured faster there"
+    limit = CUTE_MAX_M[weight_format]
+    if m > limit:
+        return "triton", f"M={m} > {limit}: the Triton kernel measured faster there"
     out = "E4M3" if out_dtype == torch.float8_e4m3fn else "BF16"
-    return "cute", f"MXFP8 -> {out} at M <= {CUTE_MAX_M}: the CuTe DSL kernel measured faster"
+    weights = "MXFP8" if weight_format == "mxfp8" else "BF16"
+    return "cute", f"{weights} -> {out} at M <= {limit}: the CuTe DSL kernel measured faster"
 
 
 def kernel_summary(
@@ -184,8 +190,8 @@ def kernel_summary(
 ) -> str:
     """Which kernel ``backend="auto"`` runs at each of ``ms``, runs of equal M merged, e.g.
     ``"M=1,2 cute (graphs; eager: register); M=4-16 gluon-convert"`` (E4M3's shared-memory
-    store shows as ``gluon-smem-widestore``); and, where MXFP8 could take the CuTe kernel but
-    does not, why (``"... [CuTe: nvidia-cutlass-dsl does not import (...)]"``). What a server
+    store shows as ``gluon-smem-widestore``); and, where the recipe could take the CuTe kernel
+    but does not, why (``"... [CuTe: nvidia-cutlass-dsl does not import (...)]"``). What a server
     log shows so a run says which kernels it measured."""
     from fusedq.kernels.triton_mla_query import LaunchConfig
 
@@ -218,7 +224,7 @@ def kernel_summary(
     text = "; ".join(f"M={span(m_run)} {name}" for name, m_run in runs) or "no M"
     if _resolve_device(device).type == "cuda" and not any(n.startswith("cute") for n, _ in runs):
         problem = cute_problem(weight_format, out_dtype, pdl=pdl)
-        if weight_format == "mxfp8" and problem is not None:
+        if problem is not None:
             text += f" [CuTe: {problem}]"
     return text
 

@@ -384,8 +384,10 @@ def _cute_or(triton_launch, backend: str, operands: tuple, pdl: bool):
         why = cute_mla_query.unsupported_reason(q_nope, values, scales, q_pe, out)
         if why is None:
             fallback = None if backend == "cute" else triton_launch
-            out_fp8 = out.dtype == torch.float8_e4m3fn
-            return cute_mla_query.BoundCute(fallback, num_heads, m, out.device, out_fp8=out_fp8)
+            return cute_mla_query.BoundCute(
+                fallback, num_heads, m, out.device,
+                out_fp8=out.dtype == torch.float8_e4m3fn, bf16_weights=scales is None,
+            )  # fmt: skip
     if backend == "cute":
         raise ValueError(f"backend='cute' cannot run this call: {why}")
     return triton_launch

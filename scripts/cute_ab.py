@@ -2,19 +2,21 @@
 
     git show REV:fusedq/kernels/cute_mla_query.py > /tmp/cute_old.py
     python scripts/cute_ab.py --old /tmp/cute_old.py [--new FILE] [--variant NAME=FILE ...]
-        [--floors] [--samples 300] [--heads 8 11 16] [--m 1 2] [--json FILE]
+        [--floors] [--weights mxfp8|bf16] [--samples 300] [--heads 8 11 16] [--m 1 2]
+        [--json FILE]
 
 Needs a CUDA GPU (sm_89+) and nvidia-cutlass-dsl. Each source file is loaded as a module of
 its own (its own compile cache; the DSL reads a kernel's source, so each is copied to a file),
 ``--new`` defaulting to the installed fusedq's; ``--variant`` adds more (each must define
 ``launch_unchecked`` as the product module does). ``--floors`` adds fusedq-bench's read-only
-floors of the MXFP8 weights to the same interleaved set and prints each version over the best
-of them (issue 15's MXFP8 bar is 1.25). For every (H, M): MXFP8 weights, BF16 and E4M3
-out, each version's kernel and Triton's (``backend="triton"``), captured in CUDA graphs over
-the layers fusedq-bench rotates past 2x L2 and replayed interleaved (fusedq.bench's timing).
-Every output is checked: the max |error| against the staged path, and for E4M3 the number of
-bytes that differ from it (one E4M3 step where bf16 rounding differs is within the tests'
-tolerance). The CuTe A/B figures in docs/bench/h200-cute-*-2026-12-01.json were taken so.
+floors of the weights to the same interleaved set and prints each version over the best of
+them (issue 15's bars: 1.25 for MXFP8, 1.15 for BF16). For every (H, M): the weights (MXFP8,
+or vLLM's bf16 W_UK_T view with ``--weights bf16``), BF16 and E4M3 out, each version's kernel
+and Triton's (``backend="triton"``), captured in CUDA graphs over the layers fusedq-bench
+rotates past 2x L2 and replayed interleaved (fusedq.bench's timing). Every output is checked:
+the max |error| against the staged path, and for E4M3 the number of bytes that differ from it
+(one E4M3 step where bf16 rounding differs is within the tests' tolerance). The CuTe A/B
+figures in docs/bench/h200-cute-*-2026-12-01.json were taken so.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def main() -> int:
         "--variant", action="append", default=[], metavar="NAME=FILE", help="one more version"
     )
     p.add_argument("--floors", action="store_true", help="the read-only floors beside them")
+    p.add_argument(
+        "--weights", choices=("mxfp8", "bf16"), default="mxfp8",
+        help="MXFP8 weights, or vLLM's bf16 W_UK_T view (versions that take bf16 weights)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args()
     sources = {"old": a.old, "new": a.new}
@@ -68,14 +74,15 @@ def main() -> int:
         if not f.is_file():
             p.error(f"{f}: no such file")
     opts = bench.Options(samples=a.samples)
+    bf16_w = a.weights == "bf16"
     workdir = Path(tempfile.mkdtemp(prefix="cute_ab-"))
     mods = {name: load(name, f, workdir) for name, f in sources.items()}
     rows = []
     for h in a.heads:
         for m in a.m:
             t0 = time.time()
-            bf = bench.build_layers("mxfp8", h, m, opts)
-            e4 = bench.build_layers("mxfp8-e4m3", h, m, opts)
+            bf = bench.build_layers("bf16" if bf16_w else "mxfp8", h, m, opts)
+            e4 = bench.build_layers("e4m3" if bf16_w else "mxfp8-e4m3", h, m, opts)
             n = len(bf.fused_w)
             steps = {
                 "bf16_triton": (bf, bench._fused_step(bf, backend="triton")),
@@ -86,8 +93,9 @@ def main() -> int:
 
                     def step(i, mod=mod, lay=lay):
                         w = lay.fused_w[i]
+                        values, scales = (w, None) if bf16_w else (w.values, w.scales)
                         mod.launch_unchecked(
-                            lay.q_nope, w.values, w.scales, lay.q_pe, lay.out, lay.q_scale
+                            lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale
                         )
 
                     steps[f"{tag}_cute_{name}"] = (lay, step)

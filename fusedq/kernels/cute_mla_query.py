@@ -1,5 +1,5 @@
-"""CuTe DSL kernel for the fused MLA decode query projection with MXFP8 weights, BF16 or
-E4M3 out.
+"""CuTe DSL kernel for the fused MLA decode query projection with MXFP8 or bf16 weights, BF16
+or E4M3 out.
 
 Same op as ``triton_mla_query``::
 
@@ -9,12 +9,15 @@ Same op as ``triton_mla_query``::
 or, for E4M3 out, both parts as vLLM's static FP8 quant: ``clamp(x * (1 / q_scale), ±448)``
 rounded to nearest even, with ``x`` the BF16 value above and ``1 / q_scale`` one correctly
 rounded reciprocal of the scale, which the kernel loads from its one-element fp32 tensor.
+bf16 weights: ``values`` itself (vLLM's W_UK_T view), ``scales`` None.
 
 Why CuTe: the work is latency bound, so the floor is one DRAM round trip. Triton re-lays-out
 a loaded fp8 tile right after its load, which waits for it, so its MXFP8 kernel pays two
 waits. Here every thread issues all of its global loads first — its 8-byte fp8 weight
 vectors, its E8M0 scale bytes, its share of q_nope and q_pe, and for E4M3 out q_scale — into
-registers, and only then touches any of them: one round trip per CTA.
+registers, and only then touches any of them: one round trip per CTA. bf16 weights take the
+same kernel with 16-byte vectors of 8 weights and no scales (their conversion to fp32 is a
+shift).
 
 Design (SIMT, fp32 FMAs): one CTA per (32-column N tile, head), 192 threads. Thread
 ``t`` owns weight rows ``4*(t//4) .. +4`` and columns ``8*(t%4) .. +8`` of the tile (one
@@ -27,13 +30,13 @@ weights), which the H200 measured 0.03-0.11 us faster at M = 2 and up to 0.06 sl
 a power of two), not the row's weights. Per token row: 32 FMAs into 8 partial sums, a
 butterfly reduce-scatter over the 8 lanes that share the columns, one shared-memory partial
 per warp, and a final sum of the 6 warps' partials (E4M3: four adjacent columns per thread,
-one 4-byte store). The RoPE copy is loaded by every CTA (clamped
-rows, L2 hits) and stored by the first N tile of each head.
+one 4-byte store). The RoPE copy is loaded by every CTA (clamped rows, L2 hits) and stored
+by the first N tile of each head.
 
 Rows past ``M`` are computed on clamped (valid) rows and never stored: no branches around
-loads. Compiled once per (heads, M bucket, output dtype) with ``cute.compile``; a call passes
-raw pointers and integer strides (no DLPack conversion per call), on torch's current stream,
-so a warm call is capture-safe inside a CUDA graph.
+loads. Compiled once per (heads, M bucket, output dtype, weight format) with
+``cute.compile``; a call passes raw pointers and integer strides (no DLPack conversion per
+call), on torch's current stream, so a warm call is capture-safe inside a CUDA graph.
 
 ``cutlass`` (nvidia-cutlass-dsl) is imported lazily: this module imports without it.
 """
@@ -89,8 +92,10 @@ MIN_CAPABILITY = (8, 9)
 
 OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # A compiled variant's key: (heads, M bucket, device index), E4M3_TAG appended for E4M3 out
-# (BF16 keys keep the three fields they had before the kernel wrote E4M3).
+# and BF16_WEIGHTS_TAG for bf16 weights (MXFP8 -> BF16 keys keep the three fields they had
+# before the kernel wrote E4M3 or read bf16).
 E4M3_TAG = "e4m3"
+BF16_WEIGHTS_TAG = "bf16w"
 
 _compiled: dict[tuple, Any] = {}
 _compiled_lock = threading.Lock()
@@ -137,14 +142,21 @@ def _aligned(t: torch.Tensor) -> bool:
 def unsupported_reason(
     q_nope: torch.Tensor,
     values: torch.Tensor,
-    scales: torch.Tensor,
+    scales: torch.Tensor | None,
     q_pe: torch.Tensor,
     out: torch.Tensor,
 ) -> str | None:
-    """Why these operands are outside what the kernel implements, or None."""
-    if values.dtype != torch.float8_e4m3fn:
+    """Why these operands are outside what the kernel implements, or None. Weights: MXFP8
+    (``values`` float8_e4m3fn and ``scales`` E8M0 bytes, both contiguous) or bf16
+    (``scales`` None; rows of HEAD_N unit-stride elements, consecutive, as vLLM's W_UK_T view
+    has them; any 16-byte aligned head stride)."""
+    bf16_weights = scales is None
+    if bf16_weights:
+        if values.dtype != torch.bfloat16:
+            return f"values: dtype {values.dtype} is not bfloat16 (scales is None)"
+    elif values.dtype != torch.float8_e4m3fn:
         return f"values: dtype {values.dtype} is not float8_e4m3fn"
-    if scales.dtype != torch.uint8:
+    elif scales.dtype != torch.uint8:
         return f"scales: dtype {scales.dtype} is not uint8 (view E8M0 bytes as uint8)"
     if q_nope.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16:
         return f"q_nope/q_pe: dtypes {q_nope.dtype}/{q_pe.dtype} must be bfloat16"
@@ -158,15 +170,20 @@ def unsupported_reason(
         "q_pe": (q_pe, (m, h, ROPE)),
         "out": (out, (m, h, HEAD_N + ROPE)),
         "values": (values, (h, HEAD_K, HEAD_N)),
-        "scales": (scales, (h, HEAD_K, SCALE_BLOCKS)),
     }
+    if not bf16_weights:
+        shapes["scales"] = (scales, (h, HEAD_K, SCALE_BLOCKS))
     for name, (t, shape) in shapes.items():
         if tuple(t.shape) != shape:
             return f"{name}: shape {tuple(t.shape)} must be {list(shape)}"
-    for name in ("values", "scales"):
-        if not shapes[name][0].is_contiguous():
-            return f"{name}: strides {shapes[name][0].stride()} are not contiguous"
-    for name in ("q_nope", "q_pe", "out", "values", "scales"):
+    if bf16_weights:
+        if values.stride()[1:] != (HEAD_N, 1):
+            return f"values: strides {values.stride()} are not (any, {HEAD_N}, 1)"
+    else:
+        for name in ("values", "scales"):
+            if not shapes[name][0].is_contiguous():
+                return f"{name}: strides {shapes[name][0].stride()} are not contiguous"
+    for name in shapes:
         t = shapes[name][0]
         if t.stride(-1) != 1:
             return f"{name}: last stride {t.stride(-1)} is not 1"
@@ -174,6 +191,8 @@ def unsupported_reason(
             return f"{name}: pointer or strides {t.stride()} are not {VEC_BYTES}-byte aligned"
     if max(q_nope.stride(0), q_pe.stride(0), out.stride(0)) * m >= 2**31:
         return "a token stride times M overflows int32"
+    if values.stride(0) * h >= 2**31:
+        return "the weights' head stride times H overflows int32"
     for name, (t, _) in shapes.items():
         if not t.is_cuda:
             return f"{name}: on {t.device}, not a CUDA device"
@@ -226,19 +245,26 @@ def launch_unchecked(
     signature once (``BoundCute``) and only the addresses per call."""
     m, h = q_nope.shape[:2]
     out_fp8 = out.dtype == torch.float8_e4m3fn
-    compiled = _compiled_for(h, m_bucket(m), q_nope.device.index or 0, out_fp8)
+    bf16_weights = scales is None
+    compiled = _compiled_for(h, m_bucket(m), q_nope.device.index or 0, out_fp8, bf16_weights)
     import cutlass
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import make_ptr
 
     stream = cuda.CUstream(torch.cuda.current_stream(q_nope.device).cuda_stream)
-    # The BF16 variant never loads q_scale: any valid address fills its slot.
+    # The BF16-out variant never loads q_scale, the bf16-weight one no scales: any valid
+    # address fills their slots.
     scale_addr = q_scale.data_ptr() if out_fp8 else values.data_ptr()
+    scales_addr = values.data_ptr() if bf16_weights else scales.data_ptr()
     compiled(
         make_ptr(cutlass.BFloat16, q_nope.data_ptr(), assumed_align=VEC_BYTES),
         make_ptr(cutlass.BFloat16, q_pe.data_ptr(), assumed_align=VEC_BYTES),
-        make_ptr(cutlass.Float8E4M3FN, values.data_ptr(), assumed_align=VEC_BYTES),
-        make_ptr(cutlass.Uint8, scales.data_ptr(), assumed_align=VEC_BYTES),
+        make_ptr(
+            cutlass.BFloat16 if bf16_weights else cutlass.Float8E4M3FN,
+            values.data_ptr(),
+            assumed_align=VEC_BYTES,
+        ),
+        make_ptr(cutlass.Uint8, scales_addr, assumed_align=VEC_BYTES),
         make_ptr(
             cutlass.Float8E4M3FN if out_fp8 else cutlass.BFloat16,
             out.data_ptr(),
@@ -252,14 +278,19 @@ def launch_unchecked(
         q_pe.stride(1),
         out.stride(0),
         out.stride(1),
+        values.stride(0),
         stream,
     )
 
 
-def variant_key(num_heads: int, bucket: int, device_index: int, out_fp8: bool) -> tuple:
+def variant_key(
+    num_heads: int, bucket: int, device_index: int, out_fp8: bool, bf16_weights: bool = False
+) -> tuple:
     """The ``_compiled`` key of one variant (see ``E4M3_TAG``)."""
     key = (num_heads, bucket, device_index)
-    return (*key, E4M3_TAG) if out_fp8 else key
+    if out_fp8:
+        key = (*key, E4M3_TAG)
+    return (*key, BF16_WEIGHTS_TAG) if bf16_weights else key
 
 
 class BoundCute:
@@ -269,7 +300,8 @@ class BoundCute:
     capture, and an operand off the 16-byte boundary also goes to the fallback; without one
     (``backend="cute"``) every call runs it, and a misaligned address raises.
 
-    Binding compiles the signature's variant (``out_fp8``: E4M3 output, else BF16) when it
+    Binding compiles the signature's variant (``out_fp8``: E4M3 output, else BF16;
+    ``bf16_weights``: bf16 weights, else MXFP8) when it
     happens outside a capture (the usual first call: a warm-up before capture), since the
     eager calls that run the fallback would never compile it. A signature first seen inside a
     capture cannot compile there: with a fallback that capture records the Triton kernel (and
@@ -278,12 +310,19 @@ class BoundCute:
     __slots__ = ("fallback", "key")
 
     def __init__(
-        self, fallback, num_heads: int, m: int, device: torch.device, *, out_fp8: bool = False
+        self,
+        fallback,
+        num_heads: int,
+        m: int,
+        device: torch.device,
+        *,
+        out_fp8: bool = False,
+        bf16_weights: bool = False,
     ) -> None:
         self.fallback = fallback
-        self.key = variant_key(num_heads, m_bucket(m), device.index or 0, out_fp8)
+        self.key = variant_key(num_heads, m_bucket(m), device.index or 0, out_fp8, bf16_weights)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            prewarm(num_heads, m, device, out_fp8=out_fp8)
+            prewarm(num_heads, m, device, out_fp8=out_fp8, bf16_weights=bf16_weights)
 
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
         if self.fallback is not None:
@@ -298,7 +337,9 @@ class BoundCute:
                 _warn_not_compiled(self.key)
                 self.fallback(q_nope, values, scales, q_pe, out, q_scale)
                 return
-        ptrs = q_nope.data_ptr() | q_pe.data_ptr() | values.data_ptr() | scales.data_ptr()
+        ptrs = q_nope.data_ptr() | q_pe.data_ptr() | values.data_ptr()
+        if scales is not None:
+            ptrs |= scales.data_ptr()
         if (ptrs | out.data_ptr()) % VEC_BYTES:
             if self.fallback is None:
                 raise ValueError(
@@ -314,8 +355,9 @@ _warned: set[tuple] = set()
 
 def _describe(key: tuple) -> str:
     heads, bucket, index = key[:3]
+    weights = " bf16-weights" if BF16_WEIGHTS_TAG in key[3:] else ""
     out = " E4M3-out" if E4M3_TAG in key[3:] else ""
-    return f"heads={heads} M-bucket={bucket}{out} on cuda:{index}"
+    return f"heads={heads} M-bucket={bucket}{weights}{out} on cuda:{index}"
 
 
 def _warn_not_compiled(key: tuple) -> None:
@@ -330,11 +372,18 @@ def _warn_not_compiled(key: tuple) -> None:
         )
 
 
-def prewarm(num_heads: int, m: int, device: torch.device, *, out_fp8: bool = False) -> int:
+def prewarm(
+    num_heads: int,
+    m: int,
+    device: torch.device,
+    *,
+    out_fp8: bool = False,
+    bf16_weights: bool = False,
+) -> int:
     """Compile the variant calls with ``m`` tokens use (E4M3 output with ``out_fp8``, else
-    BF16; before CUDA-graph capture); returns 1 when it was compiled now, 0 when it already
-    was."""
-    args = (num_heads, m_bucket(m), device.index or 0, out_fp8)
+    BF16; bf16 weights with ``bf16_weights``, else MXFP8; before CUDA-graph capture); returns
+    1 when it was compiled now, 0 when it already was."""
+    args = (num_heads, m_bucket(m), device.index or 0, out_fp8, bf16_weights)
     if variant_key(*args) in _compiled:
         return 0
     with torch.cuda.device(device):
@@ -342,8 +391,10 @@ def prewarm(num_heads: int, m: int, device: torch.device, *, out_fp8: bool = Fal
     return 1
 
 
-def _compiled_for(num_heads: int, bucket: int, device_index: int, out_fp8: bool):
-    key = variant_key(num_heads, bucket, device_index, out_fp8)
+def _compiled_for(
+    num_heads: int, bucket: int, device_index: int, out_fp8: bool, bf16_weights: bool = False
+):
+    key = variant_key(num_heads, bucket, device_index, out_fp8, bf16_weights)
     fn = _compiled.get(key)
     if fn is not None:
         return fn
@@ -358,46 +409,55 @@ def _compiled_for(num_heads: int, bucket: int, device_index: int, out_fp8: bool)
     with _compiled_lock:
         fn = _compiled.get(key)
         if fn is None:
-            fn = compile_variant(num_heads, bucket, out_fp8=out_fp8)
+            fn = compile_variant(num_heads, bucket, out_fp8=out_fp8, bf16_weights=bf16_weights)
             _compiled[key] = fn
     return fn
 
 
-def compile_variant(num_heads: int, bucket: int, *, out_fp8: bool = False, device: bool = True):
+def compile_variant(
+    num_heads: int,
+    bucket: int,
+    *,
+    out_fp8: bool = False,
+    bf16_weights: bool = False,
+    device: bool = True,
+):
     """``cute.compile`` the host function for (heads, M bucket, E4M3 output with ``out_fp8``
-    else BF16). ``device=False`` builds the arguments without a GPU (for ``CUTE_DSL_DRYRUN=1``
-    traces on a CPU machine)."""
+    else BF16, bf16 weights with ``bf16_weights`` else MXFP8). ``device=False`` builds the
+    arguments without a GPU (for ``CUTE_DSL_DRYRUN=1`` traces on a CPU machine)."""
     import cutlass
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import make_ptr
 
-    host = _build(num_heads, bucket, out_fp8)
+    host = _build(num_heads, bucket, out_fp8, bf16_weights)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream if device else 0)
     fake = 1 << 20  # any 16-byte aligned address: compilation never dereferences it
     return cute.compile(
         host,
         make_ptr(cutlass.BFloat16, fake, assumed_align=VEC_BYTES),
         make_ptr(cutlass.BFloat16, fake, assumed_align=VEC_BYTES),
-        make_ptr(cutlass.Float8E4M3FN, fake, assumed_align=VEC_BYTES),
+        make_ptr(
+            cutlass.BFloat16 if bf16_weights else cutlass.Float8E4M3FN,
+            fake,
+            assumed_align=VEC_BYTES,
+        ),
         make_ptr(cutlass.Uint8, fake, assumed_align=VEC_BYTES),
         make_ptr(
             cutlass.Float8E4M3FN if out_fp8 else cutlass.BFloat16, fake, assumed_align=VEC_BYTES
         ),
         make_ptr(cutlass.Float32, fake, assumed_align=4),
         # cutlass.Int32, not int: a Python int would be compiled in as a constant.
-        *(
-            cutlass.Int32(x)
-            for x in (1, 256 * num_heads, 256, 256 * num_heads, 256, 576 * num_heads, 576)
-        ),
+        *(cutlass.Int32(x) for x in (1, 256 * num_heads, 256, 256 * num_heads, 256)),
+        *(cutlass.Int32(x) for x in (576 * num_heads, 576, 448 * HEAD_N)),
         stream,
     )
 
 
 @functools.cache
-def _build(num_heads: int, bucket: int, out_fp8: bool):
+def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = False):
     """The @cute.jit host function and its @cute.kernel for (heads, M bucket, output dtype:
-    E4M3 with ``out_fp8``, else BF16)."""
+    E4M3 with ``out_fp8``, else BF16; weights: bf16 with ``bf16_weights``, else MXFP8)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass._mlir.dialects import llvm, nvvm
@@ -407,6 +467,9 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
     # One token row: q staged through shared memory (q_loads 16-byte vectors a thread, spread
     # over the CTA). More: each thread loads its own rows' q values (see the module docstring).
     STAGE_Q = MB == 1
+    # q is multiplied by each row's E8M0 scale (MXFP8), or by the fence's 1 (bf16 weights, q
+    # loaded per thread); bf16 weights with q staged need neither.
+    SCALE_Q = not (bf16_weights and STAGE_Q)
     KV = HEAD_K // Q_VEC  # q vectors per token row
     q_loads = -(-MB * KV // THREADS)
     RV = ROPE // Q_VEC  # q_pe vectors per token row
@@ -487,8 +550,9 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
         # The scale bytes last: LLVM places their (integer) processing right after each load,
         # and no use may come before the last load is issued.
         s_raw = []
-        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
-            s_raw.append(gS[(h, kq * ROWS_PER_THREAD + r, pid_n)])
+        if cutlass.const_expr(not bf16_weights):
+            for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+                s_raw.append(gS[(h, kq * ROWS_PER_THREAD + r, pid_n)])
 
         # --- stage q (one token row), dequantise the weights in registers ---
         if cutlass.const_expr(STAGE_Q):
@@ -501,22 +565,29 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
         else:
             # A scheduling fence for ptxas: a correctly rounded division compiles to a
             # subroutine call that ptxas moves nothing across, and this one (of M: no load
-            # feeds it) selects the 0-byte scale's value (M >= 1, so nothing changes), which
-            # puts it between the loads and their first use. Without it (and without q's
-            # shared-memory stores, which kept the loads in place) ptxas sank three of the
-            # four weight rows' loads below the first row's dequantisation and FMAs.
+            # feeds it) selects the 0-byte scale's value (bf16 weights: a factor of 1 on q;
+            # M >= 1, so nothing changes), which puts it between the loads and their first
+            # use. Without it (and without q's shared-memory stores, which kept the loads in
+            # place) ptxas sank three of the four weight rows' loads below the first row's
+            # dequantisation and FMAs.
             fenced = cutlass.Float32(1.0) / cutlass.Float32(M) > cutlass.Float32(0.0)
             zero_scale = cutlass.Float32(
                 cutlass.select_(fenced, as_f32(E8M0_ZERO_BITS), cutlass.Float32(0.0))
             )
+            one = cutlass.Float32(
+                cutlass.select_(fenced, cutlass.Float32(1.0), cutlass.Float32(0.0))
+            )
         w = []
         row_scale = []
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
-            # The DSL loads the byte sign-extended (ld.global.s8): mask it back to 0..255.
-            s = cutlass.Int32(s_raw[r]) & 0xFF
-            # 2^(s-127) from the exponent bits; byte 0 gives 0.0 there, and max() turns it into
-            # 2^-127 (a subnormal) without an integer compare next to the load.
-            row_scale.append(cute.arch.fmax(as_f32(s << 23), zero_scale))
+            if cutlass.const_expr(not bf16_weights):
+                # The DSL loads the byte sign-extended (ld.global.s8): mask it back to 0..255.
+                s = cutlass.Int32(s_raw[r]) & 0xFF
+                # 2^(s-127) from the exponent bits; byte 0 gives 0.0 there, and max() turns it
+                # into 2^-127 (a subnormal) without an integer compare next to the load.
+                row_scale.append(cute.arch.fmax(as_f32(s << 23), zero_scale))
+            elif cutlass.const_expr(not STAGE_Q):
+                row_scale.append(one)
             vals = w_raw[r].to(cutlass.Float32)
             w.append([vals[j] for j in range(W_VEC)])
         if cutlass.const_expr(STAGE_Q):
@@ -537,7 +608,10 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
             # FMAs see the same products as with dequantised weights, with fewer multiplies
             # between the loads' arrival and the store (H200, 2026-12-01, M = 1, H 8/11/16:
             # 2.46/2.61/2.79 us -> 2.37/2.45/2.65 in the 96-thread layout).
-            qs = [qk[r] * row_scale[r] for r in range(ROWS_PER_THREAD)]
+            if cutlass.const_expr(SCALE_Q):
+                qs = [qk[r] * row_scale[r] for r in range(ROWS_PER_THREAD)]
+            else:  # bf16 weights, q staged: nothing to scale
+                qs = [qk[r] for r in range(ROWS_PER_THREAD)]
             acc = [qs[0] * w[0][j] for j in range(W_VEC)]
             for r in cutlass.range_constexpr(1, ROWS_PER_THREAD):
                 acc = [acc[j] + qs[r] * w[r][j] for j in range(W_VEC)]
@@ -624,6 +698,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
         sph: cutlass.Int32,
         som: cutlass.Int32,
         soh: cutlass.Int32,
+        swh: cutlass.Int32,
         stream,
     ):
         # The host checked 16-byte alignment of every token/head stride (unsupported_reason):
@@ -639,8 +714,14 @@ def _build(num_heads: int, bucket: int, out_fp8: bool):
         gQ = cute.make_tensor(q_ptr, lay(HEAD_K, sqm, sqh))
         gP = cute.make_tensor(pe_ptr, lay(ROPE, spm, sph))
         gO = cute.make_tensor(out_ptr, lay(HEAD_N + ROPE, som, soh))
+        if cutlass.const_expr(bf16_weights):
+            # vLLM's W_UK_T view: rows of HEAD_N, the head stride spanning the V rows too
+            # (checked 16-byte aligned on the host, which keeps the 16-byte loads).
+            w_head = cute.assume(swh, divby=W_VEC)
+        else:
+            w_head = HEAD_K * HEAD_N  # (swh is the same; compiled in)
         gW = cute.make_tensor(
-            w_ptr, cute.make_layout((H, HEAD_K, HEAD_N), stride=(HEAD_K * HEAD_N, HEAD_N, 1))
+            w_ptr, cute.make_layout((H, HEAD_K, HEAD_N), stride=(w_head, HEAD_N, 1))
         )
         gS = cute.make_tensor(
             s_ptr,

@@ -78,9 +78,19 @@ def test_load_fence_defaults_to_each_kernels_measured_choice():
     assert not kernel.LaunchConfig(block_m=16, block_n=32).fence  # (tl.dot: no fence to place)
 
 
-def test_cute_variant_is_mxfp8_only():
-    step, reason = bench.cute_step(None, "bf16")
-    assert step is None and "MXFP8" in reason
+def test_cute_variant_says_why_it_cannot_run(monkeypatch):
+    """Both weight formats have a CuTe variant; where the recipe cannot run it (here: the DSL
+    missing) the sweep gets the reason instead of a step."""
+    from fusedq import capability
+
+    seen = []
+    monkeypatch.setattr(
+        capability, "cute_problem", lambda fmt, out, **k: seen.append(fmt) or "no DSL here"
+    )
+    lay = type("Lay", (), {"out_dtype": None})()
+    assert bench.cute_step(lay, "bf16") == (None, "no DSL here")
+    assert bench.cute_step(lay, "mxfp8-e4m3") == (None, "no DSL here")
+    assert seen == ["bf16", "mxfp8"]
 
 
 def test_verdict_and_table_state_the_targets():

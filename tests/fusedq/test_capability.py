@@ -79,12 +79,15 @@ def _cuda_here(monkeypatch, *, cute_reason: str | None) -> None:
     ("kwargs", "path", "why"),
     [
         ({"weight_format": "mxfp8", "m": 1}, "cute", "CuTe DSL kernel measured faster"),
-        ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M}, "cute", "M <= "),
-        ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M + 1}, "triton", "Triton kernel measured faster"),
-        ({"weight_format": "bf16", "m": 1}, "triton", "BF16 weights run the Triton kernel"),
+        ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M["mxfp8"]}, "cute", "M <= 4"),
+        ({"weight_format": "mxfp8", "m": capability.CUTE_MAX_M["mxfp8"] + 1}, "triton", "Triton kernel measured faster"),
+        ({"weight_format": "bf16", "m": 1}, "cute", "BF16 -> BF16 at M <= 2"),
+        ({"weight_format": "bf16", "m": 3}, "triton", "M=3 > 2"),
+        ({"weight_format": "bf16", "m": 2, "out_dtype": torch.float8_e4m3fn}, "cute", "BF16 -> E4M3 at M <= 2"),
         ({"weight_format": "mxfp8", "m": 1, "out_dtype": torch.float8_e4m3fn}, "cute", "MXFP8 -> E4M3 at M <= 4"),
         ({"weight_format": "mxfp8", "m": 5, "out_dtype": torch.float8_e4m3fn}, "triton", "M=5 > 4"),
         ({"weight_format": "mxfp8", "m": 1, "pdl": True}, "triton", "no PDL launch"),
+        ({"weight_format": "bf16", "m": 1, "pdl": True}, "triton", "no PDL launch"),
     ],
 )  # fmt: skip
 def test_kernel_choice_rule(monkeypatch, kwargs, path, why):
@@ -127,9 +130,13 @@ def test_kernel_summary_merges_runs_and_says_why_cute_is_not_used(monkeypatch):
         "M=1-4 cute (graphs; eager: gluon-convert); M=8-32 gluon-convert"
     )
     assert fusedq.kernel_summary(8, ms, weight_format="bf16") == (
-        "M=1 register; M=2-32 gluon-convert"
+        "M=1 cute (graphs; eager: register); M=2 cute (graphs; eager: gluon-convert); "
+        "M=4-32 gluon-convert"
     )
     _cuda_here(monkeypatch, cute_reason="nvidia-cutlass-dsl does not import (X)")
     assert fusedq.kernel_summary(8, (1, 4), weight_format="mxfp8") == (
         "M=1 register; M=4 gluon-convert [CuTe: nvidia-cutlass-dsl does not import (X)]"
+    )
+    assert fusedq.kernel_summary(8, (1,), weight_format="bf16") == (
+        "M=1 register [CuTe: nvidia-cutlass-dsl does not import (X)]"
     )
