@@ -26,7 +26,8 @@ q_nope: for one token row it is staged through shared memory (each thread loads 
 vectors of it with the weights, stores them after all loads are issued); for two or more each
 thread loads the 4 values of its own rows per token row directly (8 bytes each, with the
 weights), which the H200 measured 0.03-0.11 us faster at M = 2 and up to 0.06 slower at M = 1
-(2026-12-01, in the former 96-thread layout). The E8M0 scale of a row multiplies q (exact:
+(2026-12-01, in the former 96-thread layout; in this one 0.06-0.12 slower at M = 1, MXFP8 and
+bf16 weights alike, docs/bench/h200-cute-directq-m1-2026-12-01.json). The E8M0 scale of a row multiplies q (exact:
 a power of two), not the row's weights. Per token row: 32 FMAs into 8 partial sums, a
 butterfly reduce-scatter over the 8 lanes that share the columns, one shared-memory partial
 per warp, and a final sum of the 6 warps' partials (E4M3: four adjacent columns per thread,
