@@ -50,7 +50,10 @@ def load(name: str, source: Path, workdir: Path):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", type=Path, required=True, help="a cute_mla_query.py to compare")
-    p.add_argument("--new", type=Path, default=Path(cute_mla_query.__file__))
+    p.add_argument(
+        "--new", type=Path, default=Path(cute_mla_query.__file__),
+        help="another (default: the installed fusedq's)",
+    )  # fmt: skip
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--heads", type=int, nargs="+", default=[8, 11, 16])
     p.add_argument("--m", type=int, nargs="+", default=[1, 2], help="tokens (1..32)")
@@ -73,6 +76,9 @@ def main() -> int:
     for f in sources.values():
         if not f.is_file():
             p.error(f"{f}: no such file")
+    reason = cute_mla_query.unavailable_reason()
+    if reason is not None:
+        p.error(f"the CuTe kernel cannot run here: {reason}")
     opts = bench.Options(samples=a.samples)
     bf16_w = a.weights == "bf16"
     workdir = Path(tempfile.mkdtemp(prefix="cute_ab-"))

@@ -191,6 +191,9 @@ def main() -> None:
     p.add_argument("--weights", choices=("mxfp8", "bf16"), default="mxfp8")
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args()
+    reason = cm.unavailable_reason()
+    if reason is not None:
+        p.error(f"the CuTe kernel cannot run here: {reason}")
     samples = a.samples
     opts = bench.Options(samples=samples)
     rows = []
