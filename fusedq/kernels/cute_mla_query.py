@@ -27,12 +27,12 @@ vectors of it with the weights, stores them after all loads are issued); for two
 thread loads the 4 values of its own rows per token row directly (8 bytes each, with the
 weights), which the H200 measured 0.03-0.11 us faster at M = 2 and up to 0.06 slower at M = 1
 (2026-12-01, in the former 96-thread layout; in this one 0.06-0.12 slower at M = 1, MXFP8 and
-bf16 weights alike, docs/bench/h200-cute-directq-m1-2026-12-01.json). The E8M0 scale of a row multiplies q (exact:
-a power of two), not the row's weights. Per token row: 32 FMAs into 8 partial sums, a
-butterfly reduce-scatter over the 8 lanes that share the columns, one shared-memory partial
-per warp, and a final sum of the 6 warps' partials (E4M3: four adjacent columns per thread,
-one 4-byte store). The RoPE copy is loaded by every CTA (clamped rows, L2 hits) and stored
-by the first N tile of each head.
+bf16 weights alike, docs/bench/h200-cute-directq-m1-2026-12-01.json). The E8M0 scale of a row
+multiplies q (exact: a power of two), not the row's weights. Per token row: 32 FMAs into 8
+partial sums, a butterfly reduce-scatter over the 8 lanes that share the columns, one
+shared-memory partial per warp, and a final sum of the 6 warps' partials (E4M3: four adjacent
+columns per thread, one 4-byte store). The RoPE copy is loaded by every CTA (clamped rows,
+L2 hits) and stored by the first N tile of each head.
 
 Rows past ``M`` are computed on clamped (valid) rows and never stored: no branches around
 loads. Compiled once per (heads, M bucket, output dtype, weight format) with
