@@ -34,6 +34,12 @@ from orchestrator.leftovers import RUN_ENV
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 MARK = uuid.uuid4().hex
+# Run ids of this test run's own: a machine that ran the tests before may still hold Ray
+# helpers of that run's killed "faults" run (its dead Ray can start them after that run's last
+# look), and a fixed id made this run's leftover reports name them (found running .ci/run
+# twice on one machine).
+RUN = f"faults-{MARK[:8]}"
+MISSING = f"missing-{MARK[:8]}"
 # Secrets that match no built-in pattern (no sk-/hf_ prefix): only the run's knowledge of its
 # secret values can redact them.
 API_KEY = f"apikey{uuid.uuid4().hex}"
@@ -182,14 +188,14 @@ def faults(tmp_path_factory):
     matrix.write_text(
         MATRIX.format(wrapper=wrapper, api_key=API_KEY, hf_token=HF_TOKEN, request_s=REQUEST_S)
     )
-    run_dir = logs / "faults"
+    run_dir = logs / RUN
     out: dict = {"dir": run_dir, "logs": logs}
 
     # Run 1: every fault variant; SIGKILL the orchestrator once the last case's server runs.
     with (tmp / "run1.out").open("w") as o, (tmp / "run1.err").open("w") as e:
         run1 = subprocess.Popen(
             [str(VENV_BIN / "orchestrator"), "run", str(matrix), "--logs-dir", str(logs),
-             "--run-id", "faults", "--quiet"],
+             "--run-id", RUN, "--quiet"],
             stdout=o, stderr=e, cwd=REPO, env=_env(),
         )  # fmt: skip
         try:
@@ -224,33 +230,33 @@ def faults(tmp_path_factory):
     seen = dict(out["left_after_kill"])
 
     def look() -> None:
-        seen.update({p: v for p, v in _marked().items() if v.get(RUN_ENV) == "faults"})
+        seen.update({p: v for p, v in _marked().items() if v.get(RUN_ENV) == RUN})
 
     # A new run while run 1's server is left over: a missing model path fails its case clearly.
     t = time.monotonic()
     look()
     out["missing"] = _orchestrator(
-        "run", str(matrix), "--logs-dir", str(logs), "--run-id", "missing", "--quiet",
+        "run", str(matrix), "--logs-dir", str(logs), "--run-id", MISSING, "--quiet",
         "--only", "clash", "--set", "models[0].path=/nonexistent/checkpoint",
     )  # fmt: skip
     out["missing_s"] = time.monotonic() - t
     look()
     # Resuming run 1 refuses while its own leftovers run...
     out["refused"] = _orchestrator(
-        "run", str(matrix), "--logs-dir", str(logs), "--resume", "faults", "--quiet"
+        "run", str(matrix), "--logs-dir", str(logs), "--resume", RUN, "--quiet"
     )
     look()
     out["run1_seen"] = seen
     out["results_after_refusal"] = (run_dir / "results.jsonl").read_bytes()
     # ...and completes with --kill-leftovers.
     out["resumed"] = _orchestrator(
-        "run", str(matrix), "--logs-dir", str(logs), "--resume", "faults", "--quiet",
+        "run", str(matrix), "--logs-dir", str(logs), "--resume", RUN, "--quiet",
         "--kill-leftovers",
     )  # fmt: skip
     out["marked_after"] = _marked()
     # A resume of the finished run: nothing left, so nothing starts; the failures still count.
     out["again"] = _orchestrator(
-        "run", str(matrix), "--logs-dir", str(logs), "--resume", "faults", "--quiet"
+        "run", str(matrix), "--logs-dir", str(logs), "--resume", RUN, "--quiet"
     )
     out["wall_s"] = time.monotonic() - t0
     print(f"\nfault scenario wall time: {out['wall_s']:.0f} s", file=sys.stderr)
@@ -360,20 +366,21 @@ def test_a_hung_server_fails_by_request_timeout_and_is_stopped(faults):
 def test_missing_model_path_fails_clearly_without_starting_vllm(faults):
     out = faults["missing"]
     assert out.returncode == 1, _explain(out)
-    row = _rows(faults["logs"] / "missing")[CASE.format("clash")]
+    row = _rows(faults["logs"] / MISSING)[CASE.format("clash")]
     assert row["reason"] == (
         "model path /nonexistent/checkpoint does not exist on node 127.0.0.1 "
         f"({os.uname().nodename})"
     )
     assert f"FAILED {CASE.format('clash')}: model path /nonexistent/checkpoint" in out.stderr
-    case_dir = faults["logs"] / "missing" / "cases" / row["case_id"].replace("/", "__")
+    case_dir = faults["logs"] / MISSING / "cases" / row["case_id"].replace("/", "__")
     assert not (case_dir / "server.log").exists()
 
 
 def _named(stderr: str) -> dict[int, str]:
-    """The processes of run `faults` an orchestrator's leftover report names: pid -> case."""
+    """The processes of run RUN an orchestrator's leftover report names: pid -> case."""
     return {
-        int(pid): case for pid, case in re.findall(r"pid (\d+) \[run faults, ([^]]*)\]", stderr)
+        int(pid): case
+        for pid, case in re.findall(rf"pid (\d+) \[run {re.escape(RUN)}, ([^]]*)\]", stderr)
     }
 
 
@@ -430,7 +437,7 @@ def test_no_process_is_left_behind(faults):
 
 def test_secrets_are_written_nowhere(faults):
     secrets = (API_KEY.encode(), HF_TOKEN.encode())
-    written = [p for d in (faults["dir"], faults["logs"] / "missing") for p in d.rglob("*")]
+    written = [p for d in (faults["dir"], faults["logs"] / MISSING) for p in d.rglob("*")]
     files = [p for p in written if p.is_file()]
     names = {p.name for p in files}
     for expected in ("server.log", "server-attempt1.log", "orchestrator.log", "report.md",
