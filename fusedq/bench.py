@@ -918,13 +918,12 @@ def cute_step(lay: Layers, fmt: str) -> tuple[Callable[[int], None] | None, str 
     """Layer i's call forced onto the CuTe DSL kernel (the public op, ``backend="cute"``), or
     None and why it cannot run here (checked before capture, which must not fail)."""
     from fusedq.capability import cute_problem
+    from fusedq.dispatch import split_weight
     from fusedq.kernels import cute_mla_query as cute
 
-    weight_format = RECIPES[fmt][0]
-    reason = cute_problem(weight_format, lay.out_dtype)
+    reason = cute_problem(RECIPES[fmt][0], lay.out_dtype)
     if reason is None:
-        w = lay.fused_w[0]
-        values, scales = (w, None) if weight_format == "bf16" else (w.values, w.scales)
+        values, scales = split_weight(lay.fused_w[0])
         reason = cute.unsupported_reason(lay.q_nope, values, scales, lay.q_pe, lay.out)
     if reason is not None:
         return None, reason

@@ -33,6 +33,7 @@ import torch
 
 import fusedq
 from fusedq import bench
+from fusedq.dispatch import split_weight
 from fusedq.kernels import cute_mla_query
 
 
@@ -98,8 +99,7 @@ def main() -> int:
                 for tag, lay in (("bf16", bf), ("e4m3", e4)):
 
                     def step(i, mod=mod, lay=lay):
-                        w = lay.fused_w[i]
-                        values, scales = (w, None) if bf16_w else (w.values, w.scales)
+                        values, scales = split_weight(lay.fused_w[i])
                         mod.launch_unchecked(
                             lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale
                         )

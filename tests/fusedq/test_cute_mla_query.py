@@ -27,6 +27,7 @@ from fusedq_cases import (
 )
 
 import fusedq
+from fusedq.dispatch import split_weight
 from fusedq.kernels import cute_mla_query as cute
 
 HEADS = (8, 11, 16)
@@ -38,12 +39,10 @@ WEIGHTS = ("mxfp8", "bf16-vllm", "bf16-contiguous")
 
 
 def _weight(h: int, weights: str, device, gen: torch.Generator):
-    """(the weight the public op takes, values, scales, tolerance format)."""
+    """(the weight the public op takes, its format: the tolerance table's key)."""
     if weights == "mxfp8":
-        wq = fusedq.quantize_mxfp8(make_weight(h, "vllm", device, gen))
-        return wq, wq.values, wq.scales, "mxfp8"
-    w = make_weight(h, weights.removeprefix("bf16-"), device, gen)
-    return w, w, None, "bf16"
+        return fusedq.quantize_mxfp8(make_weight(h, "vllm", device, gen)), "mxfp8"
+    return make_weight(h, weights.removeprefix("bf16-"), device, gen), "bf16"
 
 
 def _needs_cute() -> None:
@@ -56,9 +55,8 @@ def _q_scale(out_dtype: torch.dtype, device) -> torch.Tensor | None:
     return torch.tensor([Q_SCALE], device=device) if out_dtype == E4M3 else None
 
 
-def _check(h: int, m: int, w, q_nope, q_pe, device, out_dtype=torch.bfloat16, fmt: str = "mxfp8"):
-    wq = fusedq.quantize_mxfp8(w) if fmt == "mxfp8" else w
-    values, scales = (wq.values, wq.scales) if fmt == "mxfp8" else (w, None)
+def _check(h: int, m: int, wq, q_nope, q_pe, device, out_dtype=torch.bfloat16, fmt: str = "mxfp8"):
+    values, scales = split_weight(wq)
     q_scale = _q_scale(out_dtype, device)
     out, buf = make_out(m, h, out_dtype, device, pitched=True)
     cute.launch(q_nope, values, scales, q_pe, out, q_scale)
@@ -79,11 +77,9 @@ def test_matches_staged(h, m, out_dtype, weights, device):
     # E4M3 at Q_SCALE: the largest outputs exceed 448, so the clamp is exercised too.
     _needs_cute()
     gen = torch.Generator().manual_seed(1000 * h + m)
-    layout = "vllm" if weights == "mxfp8" else weights.removeprefix("bf16-")
-    w = make_weight(h, layout, device, gen)
+    wq, fmt = _weight(h, weights, device, gen)
     q_nope, q_pe = make_q(m, h, device, gen)
-    fmt = "mxfp8" if weights == "mxfp8" else "bf16"
-    _check(h, m, w, q_nope, q_pe, device, out_dtype, fmt)
+    _check(h, m, wq, q_nope, q_pe, device, out_dtype, fmt)
 
 
 @pytest.mark.gpu
@@ -125,11 +121,13 @@ def test_scale_bytes_past_127(device):
     _needs_cute()
     h, m = 8, 4
     gen = torch.Generator().manual_seed(7)
-    w = (make_weight(h, "contiguous", device, gen).float() * 2.0**16).bfloat16()
-    assert (fusedq.quantize_mxfp8(w).scales >= 128).any()
+    wq = fusedq.quantize_mxfp8(
+        (make_weight(h, "contiguous", device, gen).float() * 2.0**16).bfloat16()
+    )
+    assert (wq.scales >= 128).any()
     q_nope, q_pe = make_q(m, h, device, gen)
     q = torch.cat([q_nope * 2.0**-16, q_pe], dim=-1)  # outputs stay O(1); exact scaling
-    _check(h, m, w, q[..., :192], q[..., 192:], device)
+    _check(h, m, wq, q[..., :192], q[..., 192:], device)
 
 
 @pytest.mark.gpu
@@ -407,7 +405,7 @@ def test_public_op_auto_picks_cute_at_small_m(m, out_dtype, weights, device):
 
     h = 16
     gen = torch.Generator().manual_seed(50 + m)
-    wq, _, _, fmt = _weight(h, weights, device, gen)
+    wq, fmt = _weight(h, weights, device, gen)
     max_m = CUTE_MAX_M[fmt]
     q_nope, q_pe = make_q(m, h, device, gen)
     q_scale = _q_scale(out_dtype, device)
