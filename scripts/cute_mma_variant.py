@@ -23,7 +23,10 @@ it loses: with the conversions and the MMAs taken out (``probe2``) it is already
 the whole product kernel at M = 1.
 
 Knobs ride on the variant's NAME (cute_ab loads the file as module ``cute_<NAME>``), so one
-run can hold several: ``kt1`` (twelve warps of one k tile), ``probe1`` (no conversions or
+run can hold several: ``kt1`` (twelve warps of one k tile), ``wide`` (64-column tiles and
+twelve warps: 8 columns a thread, the product's 8-byte weight loads and 10 loads a thread; the
+tile spans two MX blocks, so the scale multiplies the weights, a bf16x2 multiply that rounds as
+the staged path's dequantisation does, and q enters unscaled), ``probe1`` (no conversions or
 scaling: loads, byte permutes, MMAs), ``probe2`` (no MMAs either), ``shfl`` (one scale byte a
 lane, handed round by shuffles). Probes give wrong numbers by design. Every bucket takes this
 kernel; it defines ``launch_unchecked`` as the product module does, with its own compile cache.
@@ -58,7 +61,8 @@ from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch
 
 _KNOBS = set(__name__.split("_"))
 # k16 tiles per warp (12 tiles: 6 warps at 2, 12 warps at 1).
-KT_PER_WARP = 1 if "kt1" in _KNOBS else 2
+WIDE = "wide" in _KNOBS
+KT_PER_WARP = 1 if "kt1" in _KNOBS or WIDE else 2
 PROBE = 2 if "probe2" in _KNOBS else 1 if "probe1" in _KNOBS else 0
 SCALE_SHFL = "shfl" in _KNOBS
 # MXFP8: the weights enter the MMA as value * 2^-120 (see e4m3_bf16x2_shifted), q times
@@ -93,10 +97,18 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
     NWARPS = KT // KTW
     NTHREADS = NWARPS * WARP
     RV = ROPE // Q_VEC
+    # wide: 64-column tiles, 8 columns (one 8-byte fp8 / 16-byte bf16 load) a thread and row,
+    # the E8M0 scale on the weights (a tile spans two MX blocks), q unscaled.
+    BN = 2 * BLOCK_N if WIDE else BLOCK_N
+    MTILES = BN // 16
+    CPT = BN // 8  # columns a thread
+    if WIDE and MB > 8:
+        raise ValueError("the wide variant holds 8 token rows at most (shared memory)")
     pe_loads = -(-MB * RV // NTHREADS)
-    out_per_thread = -(-MB * BLOCK_N // NTHREADS)
-    groups_per_thread = -(-MB * BLOCK_N // OUT_GROUP // NTHREADS)
+    out_per_thread = -(-MB * BN // NTHREADS)
+    groups_per_thread = -(-MB * BN // OUT_GROUP // NTHREADS)
     W_WORDS = HEAD_N // (2 if bf16_weights else 4)  # 32-bit words per weight row
+    WV = CPT // (2 if bf16_weights else 4)  # words a thread loads per row
 
     def asm(ret, ops, text, cons):
         return llvm.inline_asm(
@@ -124,6 +136,10 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
                 "shl.b32 fqu, $1, 8;\nand.b32 fqu, fqu, 0x80008000;\nor.b32 $0, fqt, fqu;\n}"
             )
         return cutlass.Int32(asm(T.i32(), [q], text, "=r,r"))
+
+    def hmul2(a, b):
+        # bf16x2 product, rounded to nearest: the dequantised weight, as the staged path has it.
+        return cutlass.Int32(asm(T.i32(), [a, b], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r"))
 
     def pack_bf16x2(lo, hi):
         return cutlass.Int32(
@@ -172,7 +188,7 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
         smem = cutlass.utils.SmemAllocator()
         sRed = smem.allocate_tensor(
             cutlass.Float32,
-            cute.make_layout((NWARPS, MB, BLOCK_N), stride=(MB * BLOCK_N, BLOCK_N, 1)),
+            cute.make_layout((NWARPS, MB, BN), stride=(MB * BN, BN, 1)),
             VEC_BYTES,
         )
 
@@ -183,12 +199,12 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
             v = cutlass.min(tid + NTHREADS * i, MB * RV - 1)
             row = cutlass.min(v // RV, last)
             pe_raw.append(tP[(None, (row, h, v % RV))].load())
-        tW = cute.zipped_divide(gW, (1, 1, 2)) if cutlass.const_expr(bf16_weights) else gW
+        tW = cute.zipped_divide(gW, (1, 1, WV)) if cutlass.const_expr(WV > 1) else gW
         w_raw = []
         for kt in cutlass.range_constexpr(KTW):
             for j in cutlass.range_constexpr(4):
                 row = warp * (16 * KTW) + 16 * kt + 4 * t + j
-                if cutlass.const_expr(bf16_weights):
+                if cutlass.const_expr(WV > 1):
                     w_raw.append(tW[(None, (h, row, pid_n * 8 + g))].load())
                 else:
                     w_raw.append(gW[(h, row, pid_n * 8 + g)])
@@ -208,7 +224,7 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
                 for kt in cutlass.range_constexpr(KTW):
                     for j in cutlass.range_constexpr(4):
                         row = warp * (16 * KTW) + 16 * kt + 4 * t + j
-                        s_raw.append(gS[(h, row, pid_n)])
+                        s_raw.append(gS[(h, row, pid_n * (BN // 32) + g * CPT // 32)])
 
         # A scheduling fence for ptxas (as in the SIMT kernel): a correctly rounded division of
         # M compiles to a subroutine call that ptxas moves nothing across; its result (always
@@ -236,7 +252,7 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
                     for j in cutlass.range_constexpr(4):
                         sx = sx ^ cutlass.Int32(s_raw[kt * 4 + j])
                     b.append([w0 ^ sx, w1 ^ zero_bias])
-                elif cutlass.const_expr(bf16_weights):
+                elif cutlass.const_expr(bf16_weights or WIDE):
                     # (through the fence: no use of a load moves above the last load)
                     b.append(
                         [
@@ -258,21 +274,33 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
                     b.append([pack_bf16x2(q0, q1), pack_bf16x2(q2, q3)])
 
         # --- A: the weights, bf16x2 pairs along K, and the MMAs ---
-        acc = [[[cutlass.Float32(0.0)] * 4 for _ in range(2)] for _ in range(NT)]
+        acc = [[[cutlass.Float32(0.0)] * 4 for _ in range(MTILES)] for _ in range(NT)]
         for kt in cutlass.range_constexpr(KTW):
-            x = w_raw[kt * 4 : kt * 4 + 4]
-            for i in cutlass.range_constexpr(2):
+            if cutlass.const_expr(WV > 1):
+                x = [[cutlass.Int32(v[k]) for k in range(WV)] for v in w_raw[kt * 4 : kt * 4 + 4]]
+            else:
+                x = [[cutlass.Int32(v)] for v in w_raw[kt * 4 : kt * 4 + 4]]
+            if cutlass.const_expr(WIDE and not bf16_weights and not PROBE):
+                # the rows' factors 2^(s - 127 + 120 - B_SHIFT) as bf16 pairs (rows 0, 1 and
+                # 2, 3): the weights' 2^-120 undone, the sums left times 2^-B_SHIFT.
+                e = [
+                    cutlass.min((cutlass.Int32(s_raw[kt * 4 + j]) & 0xFF) + zero_bias, 255)
+                    for j in range(4)
+                ]
+                f01 = (e[0] << 7) | (e[1] << 23)
+                f23 = (e[2] << 7) | (e[3] << 23)
+            for i in cutlass.range_constexpr(MTILES):
                 if cutlass.const_expr(bf16_weights):
-                    lo = [cutlass.Int32(x[j][i]) for j in range(4)]
+                    lo = [x[j][i] for j in range(4)]
                     a = [
                         prmt(lo[0], lo[1], 0x5410), prmt(lo[0], lo[1], 0x7632),
                         prmt(lo[2], lo[3], 0x5410), prmt(lo[2], lo[3], 0x7632),
                     ]  # fmt: skip
                 else:
                     # [row0 c, row0 c+1, row1 c, row1 c+1] bytes, c = 4g + 2i
-                    sel = (0x5410, 0x7632)[i]
-                    p01 = prmt(cutlass.Int32(x[0]), cutlass.Int32(x[1]), sel)
-                    p23 = prmt(cutlass.Int32(x[2]), cutlass.Int32(x[3]), sel)
+                    sel = (0x5410, 0x7632)[i % 2]
+                    p01 = prmt(x[0][i // 2], x[1][i // 2], sel)
+                    p23 = prmt(x[2][i // 2], x[3][i // 2], sel)
                     if cutlass.const_expr(PROBE):
                         a = [p01, p23, p01 ^ p23, p23 + p01]
                     else:
@@ -280,6 +308,9 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
                             e4m3_bf16x2_shifted(p01, False), e4m3_bf16x2_shifted(p01, True),
                             e4m3_bf16x2_shifted(p23, False), e4m3_bf16x2_shifted(p23, True),
                         ]  # fmt: skip
+                        if cutlass.const_expr(WIDE):
+                            a = [hmul2(a[0], f01), hmul2(a[1], f01),
+                                 hmul2(a[2], f23), hmul2(a[3], f23)]  # fmt: skip
                 for nt in cutlass.range_constexpr(NT):
                     if cutlass.const_expr(PROBE == 2):
                         bb = b[nt * KTW + kt]
@@ -287,17 +318,16 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
                     else:
                         acc[nt][i] = mma(a, b[nt * KTW + kt], acc[nt][i])
 
-        # D: c0, c1 = column 4g + 2i, tokens 2t, 2t + 1; c2, c3 = column 4g + 2i + 1.
-        tR = cute.zipped_divide(sRed, (1, 1, 4))
+        # D: c0, c1 = column CPT*g + 2i, tokens 2t, 2t + 1; c2, c3 = column CPT*g + 2i + 1.
+        tR = cute.zipped_divide(sRed, (1, 1, CPT))
         for nt in cutlass.range_constexpr(NT):
             for e in cutlass.range_constexpr(2):
                 tok = nt * 8 + 2 * t + e
                 if tok < MB:
-                    frag = cute.make_rmem_tensor((4,), cutlass.Float32)
-                    frag[0] = acc[nt][0][e]
-                    frag[1] = acc[nt][0][2 + e]
-                    frag[2] = acc[nt][1][e]
-                    frag[3] = acc[nt][1][2 + e]
+                    frag = cute.make_rmem_tensor((CPT,), cutlass.Float32)
+                    for i in cutlass.range_constexpr(MTILES):
+                        frag[2 * i] = acc[nt][i][e]
+                        frag[2 * i + 1] = acc[nt][i][2 + e]
                     tR[(None, (warp, tok, g))].store(frag.load())
 
         if cutlass.const_expr(out_fp8):
@@ -320,22 +350,22 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
         if cutlass.const_expr(not out_fp8):
             for i in cutlass.range_constexpr(out_per_thread):
                 o = tid + NTHREADS * i
-                m = o // BLOCK_N
-                n = o % BLOCK_N
-                if o < MB * BLOCK_N and m < M:
+                m = o // BN
+                n = o % BN
+                if o < MB * BN and m < M:
                     total = sRed[(0, m, n)]
                     for wi in cutlass.range_constexpr(1, NWARPS):
                         total = total + sRed[(wi, m, n)]
                     if cutlass.const_expr(not bf16_weights):
                         total = total * OUT_FACTOR
-                    gO[(m, h, pid_n * BLOCK_N + n)] = total.to(cutlass.BFloat16)
+                    gO[(m, h, pid_n * BN + n)] = total.to(cutlass.BFloat16)
         else:
             tO2 = cute.zipped_divide(gO, (1, 1, OUT_GROUP))
             for i in cutlass.range_constexpr(groups_per_thread):
                 o = tid + NTHREADS * i
-                m = o // (BLOCK_N // OUT_GROUP)
-                n = o % (BLOCK_N // OUT_GROUP) * OUT_GROUP
-                if o < MB * BLOCK_N // OUT_GROUP and m < M:
+                m = o // (BN // OUT_GROUP)
+                n = o % (BN // OUT_GROUP) * OUT_GROUP
+                if o < MB * BN // OUT_GROUP and m < M:
                     group = cute.make_rmem_tensor((OUT_GROUP,), cutlass.Float32)
                     for j in cutlass.range_constexpr(OUT_GROUP):
                         total = sRed[(0, m, n + j)]
@@ -345,7 +375,7 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
                             total = total * OUT_FACTOR
                         total = total.to(cutlass.BFloat16).to(cutlass.Float32)
                         group[j] = clamp_scaled(total, inv_scale)
-                    col = (pid_n * BLOCK_N + n) // OUT_GROUP
+                    col = (pid_n * BN + n) // OUT_GROUP
                     tO2[(None, (m, h, col))].store(group.load().to(cutlass.Float8E4M3FN))
 
     @cute.jit
@@ -398,7 +428,7 @@ def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = 
         )
         gSc = cute.make_tensor(scale_ptr, cute.make_layout(1))
         _mla_query_mma_kernel(gQ, gP, gW, gS, gO, gSc, M).launch(
-            grid=[HEAD_N // BLOCK_N, H, 1], block=[NTHREADS, 1, 1], stream=stream
+            grid=[HEAD_N // BN, H, 1], block=[NTHREADS, 1, 1], stream=stream
         )
 
     return host

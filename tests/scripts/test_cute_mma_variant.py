@@ -28,11 +28,12 @@ def _load(name: str):
 @pytest.mark.parametrize(
     "name,kt,probe,shfl",
     [("mma", 2, 0, False), ("mma_kt1", 1, 0, False), ("mma_probe2", 2, 2, False),
-     ("x_kt1_probe1_shfl", 1, 1, True)],
+     ("x_kt1_probe1_shfl", 1, 1, True), ("mma_wide_probe2", 1, 2, False)],
 )  # fmt: skip
 def test_knobs_ride_on_the_variant_name(name, kt, probe, shfl):
     mod = _load(name)
     assert (kt, probe, shfl) == (mod.KT_PER_WARP, mod.PROBE, mod.SCALE_SHFL)
+    assert ("wide" in name) == mod.WIDE
 
 
 def test_launch_path_is_the_products_with_its_own_build_and_cache():
@@ -49,8 +50,11 @@ def test_launch_path_is_the_products_with_its_own_build_and_cache():
     assert mod.OUT_FACTOR * 2.0 ** (mod.B_SHIFT - 120) == 1.0
 
 
-@pytest.mark.parametrize("name", ["mma", "mma_kt1"])
-@pytest.mark.parametrize("h,bucket,out_fp8,bf16_weights", [(8, 1, 0, 0), (16, 32, 1, 1)])
+@pytest.mark.parametrize(
+    "name,h,bucket,out_fp8,bf16_weights",
+    [("mma", 8, 1, 0, 0), ("mma_kt1", 16, 32, 1, 1), ("mma_wide", 11, 8, 1, 0),
+     ("mma_wide", 16, 2, 0, 1)],
+)  # fmt: skip
 def test_offline_trace(name, h, bucket, out_fp8, bf16_weights):
     # CUTE_DSL_DRYRUN traces the kernel to IR without a GPU (skips where the DSL is absent).
     if product._import_reason() is not None:
