@@ -10,15 +10,23 @@ gpu-check's local test does; the servers run on CPU). Each node has its own addr
 remote node's would. What one machine cannot show is in docs/cluster.md.
 
 One matrix, one scenario (CI time is vLLM start-ups): run `cluster` places case `lost` on one
-node and that node is removed while it is measured; case `served` lands on the other node and
-passes; the driver is SIGKILLed while case `orphaned` starts there. Around it: a topology too big
+node and that node goes down (every process of it killed, then removed from Ray) while its first
+request streams; case `served` lands on the other node and passes; the driver is SIGKILLed while
+case `orphaned` starts there, once that server's engine core runs. Around it: a topology too big
 for any node, gpu-check's bundles side by side on both nodes, a resume refused for the orphan
 (found on its node), and a loopback-bound run that stops the orphan (--kill-leftovers) and is
 refused the remote node.
+
+Neither fault can be overtaken by its case finishing: the test SIGSTOPs the driver (the only
+process that sends requests, records results and stops servers) at a state it observes, does
+the damage, and only then lets the driver go on or kills it (see `scenario`). A case of a
+stopped driver cannot end on its own. The one thing left to this machine's speed, that the
+driver is stopped before it has sent `lost`'s last requests, is checked there, not assumed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, wait_for
 
@@ -43,15 +52,21 @@ MARK = uuid.uuid4().hex
 NODES = ("127.0.0.2", "127.0.0.3")
 CASE = "tiny-mla/tp1-dcp1-mtp0/{}"
 OBJECT_STORE = 80 * 1024 * 1024  # Ray's floor is ~75 MiB; servers need the memory
+REQUESTS = 4  # ctx0's requests, one at a time (the driver sends the next when one has ended)
+# vLLM's engine core says so once it has its front-end's addresses; from then on it outlives
+# its API server (Ray takes that along with the dead driver's actor) and is what is left over.
+ENGINE_CORE = re.compile(r"\(EngineCore pid=(\d+)\) .*Initializing a V1 LLM engine")
 
 # Stand-in for `vllm`: notes where it runs (in its working directory, which must come back
-# with the log), then execs the real vllm (same pid: the orchestrator watches the real server).
+# with the log; the test finds a server's directory on its node by its port), then execs the
+# real vllm (same pid: the orchestrator watches the real server).
 WRAPPER = """#!{python}
 import json, os, sys
 args = sys.argv[1:]
 with open("where.json", "w") as f:
     json.dump({{"cwd": os.getcwd(), "tmpdir": os.environ.get("TMPDIR"),
                "host": args[args.index("--host") + 1],
+               "port": int(args[args.index("--port") + 1]), "pid": os.getpid(),
                "node": os.environ.get("ORCHESTRATOR_NODE")}}, f)
 os.execv({real!r}, [{real!r}, *args])
 """
@@ -65,8 +80,8 @@ engine:
   env: {{VLLM_CPU_KVCACHE_SPACE: "2"}}
 resources: {{accelerator: gpu}}
 topologies: [{{tp: 1}}]
-# A few seconds of streaming: the window in which the test removes the first case's node.
-workloads: [{{name: ctx0, prompt_tokens: 1, output_tokens: 256, requests: 4}}]
+# Short (a few seconds): no fault needs it to be long, the driver is stopped for each.
+workloads: [{{name: ctx0, prompt_tokens: 1, output_tokens: 256, requests: {requests}}}]
 variants: [{{name: lost}}, {{name: served}}, {{name: orphaned}}]
 host: node
 warmup_requests: 0
@@ -84,6 +99,51 @@ def _case_pids(case: str) -> list[int]:
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _server_on_node(node_tmp: Path, port: int) -> dict | None:
+    """What the wrapper noted of the server on `port`, read in that node's own case directory
+    (where its log is written first): None until the server has started."""
+    for where in node_tmp.glob("orch-case-*/where.json"):
+        try:
+            noted = json.loads(where.read_text())
+        except (OSError, ValueError):  # being written
+            continue
+        if noted["port"] == port:
+            return noted
+    return None
+
+
+def _power_off(cluster, node, also: list[int]) -> None:
+    """Take `node` down as a lost machine goes: every process of it at once, its server too.
+
+    `Cluster.remove_node` alone kills Ray's processes of the node but not the server its
+    worker started, nor, for some seconds, that worker: the server went on answering the
+    driver's requests (two of four, once) until the watch saw the worker go. Here the
+    raylet and everything under it (workers, agents, the server and its engine core), with
+    `also` (the case's marked processes, should one have left that tree), are stopped first,
+    so none can fork past the snapshot, then killed; then Ray removes the node.
+    """
+    from ray._private import ray_constants
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    held: dict[int, psutil.Process] = {}
+    todo = [raylet, *also]
+    while todo:
+        for pid in todo:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc = psutil.Process(pid)
+                proc.suspend()
+                held[pid] = proc
+        todo = []
+        for proc in list(held.values()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                todo += [c.pid for c in proc.children(recursive=True) if c.pid not in held]
+    for pid, proc in held.items():
+        if pid != raylet:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+    cluster.remove_node(node, allow_graceful=False)  # the raylet, the node's daemons, Ray's books
 
 
 def _start_cluster(node_tmp: dict[str, Path]):
@@ -129,7 +189,7 @@ def scenario(tmp_path_factory):
     wrapper.write_text(WRAPPER.format(python=sys.executable, real=str(VENV_BIN / "vllm")))
     wrapper.chmod(0o755)
     matrix = tmp / "cluster.yaml"
-    matrix.write_text(MATRIX.format(wrapper=wrapper))
+    matrix.write_text(MATRIX.format(wrapper=wrapper, requests=REQUESTS))
     # Short, as a node's /tmp is: a server's case directory (and its TMPDIR) fit under it.
     node_tmp = {ip: Path(tempfile.mkdtemp(prefix="orch-test-node-", dir="/tmp")) for ip in NODES}
     cluster, nodes = _start_cluster(node_tmp)
@@ -161,11 +221,13 @@ def scenario(tmp_path_factory):
             )  # fmt: skip
             try:
                 log = run_dir / "orchestrator.log"
-                starting = re.compile(r"/(\w+): starting on (\S+) port")
-                placed = wait_for(
-                    lambda: dict(starting.findall(_read(log))).get("lost"), 900,
-                    "case lost to start", run,
-                )  # fmt: skip
+                starting = re.compile(r"/(\w+): starting on (\S+) port (\d+)")
+
+                def started(case: str) -> tuple[str, int] | None:
+                    found = {c: (ip, int(p)) for c, ip, p in starting.findall(_read(log))}
+                    return found.get(case)
+
+                placed, port = wait_for(lambda: started("lost"), 900, "case lost to start", run)
                 lost_log = run_dir / "cases" / "tiny-mla__tp1-dcp1-mtp0__lost" / "server.log"
                 # Mid-measurement: the first completion is being streamed (the line reached
                 # the run directory through the log copy from that node).
@@ -173,20 +235,59 @@ def scenario(tmp_path_factory):
                     lambda: "POST /v1/completions" in _read(lost_log), 900,
                     "case lost's first request", run,
                 )  # fmt: skip
-                out["killed_at"] = time.time()
-                cluster.remove_node(nodes[placed], allow_graceful=False)
-                out["victim"] = placed
-                wait_for(
-                    lambda: "orphaned" in dict(starting.findall(_read(log))), 900,
-                    "case orphaned to start", run,
+                # Why the node is lost mid-case, however slow this machine is: the driver is
+                # stopped while fewer than REQUESTS - 1 requests are logged (the one it may
+                # have sent last may not be logged yet), so at least one is never sent before
+                # the node, its server with it, is gone; it runs again only then, and finds
+                # nothing on that node to answer. (Before, the node was removed while the
+                # driver ran on, and the server, which outlives Ray's removal of its node for
+                # seconds, could serve the rest of the workload first.)
+                os.kill(run.pid, signal.SIGSTOP)
+                try:
+                    noted = _server_on_node(node_tmp[placed], port)
+                    assert noted is not None, f"case lost's server has no where.json on {placed}"
+                    sent = _read(Path(noted["cwd"]) / "server.log").count("POST /v1/completions")
+                    assert sent <= REQUESTS - 2, (
+                        f"case lost: {sent} of {REQUESTS} requests logged before the driver "
+                        "could be stopped; the node would not be lost mid-case"
+                    )
+                    out["killed_at"] = time.time()
+                    _power_off(cluster, nodes[placed], _case_pids("lost"))
+                    out["victim"] = placed
+                finally:
+                    os.kill(run.pid, signal.SIGCONT)
+                ip, port = wait_for(
+                    lambda: started("orphaned"), 900, "case orphaned to start", run
                 )  # fmt: skip
-                # The server and its engine core: Ray takes its workers' direct children
-                # along when the driver dies, not theirs (test_faults.py saw the same).
-                out["orphans"] = wait_for(
-                    lambda: (lambda pids: pids if len(pids) >= 2 else [])(_case_pids("orphaned")), 300,
-                    "case orphaned's server and its child", run,
-                )  # fmt: skip
+                # Why the driver is killed mid-case: it is stopped as soon as it says the
+                # server is starting (before it waits for it to be ready, so before any result
+                # of this case can be written) and stays stopped until it is killed. The
+                # server starts up meanwhile on its own, until its engine core runs: the
+                # process Ray does not take along with the dead driver (it takes its
+                # workers' direct children, the API server), so the leftover outlives the
+                # kill. (Before, the driver was killed as soon as the server had a second
+                # process, often vLLM's short-lived model-registry subprocess: when that had
+                # ended before the resume looked, nothing was left and the resume ran the
+                # case through.)
+                os.kill(run.pid, signal.SIGSTOP)
                 out["results_at_kill"] = (run_dir / "results.jsonl").read_bytes()
+                noted = wait_for(
+                    lambda: _server_on_node(node_tmp[ip], port), 300,
+                    "case orphaned's server to start", run,
+                )  # fmt: skip
+                server_log = Path(noted["cwd"]) / "server.log"
+
+                def engine_core() -> int | None:
+                    if found := ENGINE_CORE.search(_read(server_log)):
+                        return int(found[1])
+                    if not psutil.pid_exists(noted["pid"]):
+                        raise AssertionError(f"case orphaned's server exited:\n{_read(server_log)}")
+                    return None
+
+                engine = wait_for(engine_core, 600, "case orphaned's engine core", run)
+                # The server and its engine core, with the case's processes this test can
+                # see (the engine core's title can hide its environment from /proc).
+                out["orphans"] = sorted({noted["pid"], engine, *_case_pids("orphaned")})
                 os.kill(run.pid, signal.SIGKILL)
                 run.wait(timeout=30)
             finally:
@@ -194,7 +295,7 @@ def scenario(tmp_path_factory):
                     run.kill()
         out["run_code"] = run.returncode
         out["run_err"] = _read(tmp / "run.err") + _read(run_dir / "orchestrator.log")
-        time.sleep(2)  # Ray ends the dead driver's actors; the server outlives them
+        time.sleep(2)  # Ray ends the dead driver's actors; the engine core outlives them
 
         out["refused"] = orchestrator("--resume", "cluster")
         out["results_after_refusal"] = (run_dir / "results.jsonl").read_bytes()
@@ -278,7 +379,7 @@ def test_logs_audit_and_files_come_back_from_the_node(scenario):
     assert "fusedq: fused MLA query" in log and "POST /v1/completions" in log
     assert json.loads((case_dir / "audit.json").read_text())["verdict"]["status"] == "clean"
     assert row["audit"]["searched"]["files"][0]["bytes"] == (case_dir / "server.log").stat().st_size
-    assert (case_dir / "requests-ctx0.jsonl").read_text().count("\n") == 4
+    assert (case_dir / "requests-ctx0.jsonl").read_text().count("\n") == REQUESTS
 
 
 def test_a_node_lost_mid_case_fails_that_case_by_name_and_keeps_what_came_before(scenario):
