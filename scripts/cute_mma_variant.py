@@ -60,8 +60,8 @@ from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch
 )
 
 _KNOBS = set(__name__.split("_"))
-# k16 tiles per warp (12 tiles: 6 warps at 2, 12 warps at 1).
 WIDE = "wide" in _KNOBS
+# k16 tiles per warp (12 tiles: 6 warps at 2, 12 warps at 1).
 KT_PER_WARP = 1 if "kt1" in _KNOBS or WIDE else 2
 PROBE = 2 if "probe2" in _KNOBS else 1 if "probe1" in _KNOBS else 0
 SCALE_SHFL = "shfl" in _KNOBS
@@ -71,7 +71,6 @@ SCALE_SHFL = "shfl" in _KNOBS
 # of magnitude ~1); the product kernel has no such limits.
 B_SHIFT = 60
 OUT_FACTOR = 2.0 ** (120 - B_SHIFT)
-E8M0_ZERO_BITS = _base.E8M0_ZERO_BITS
 
 _compiled: dict[tuple, Any] = {}
 _compiled_lock = threading.Lock()
@@ -79,11 +78,6 @@ _compiled_lock = threading.Lock()
 
 @functools.cache
 def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = False):
-    return _build_mma(num_heads, bucket, out_fp8, bf16_weights)
-
-
-@functools.cache
-def _build_mma(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = False):
     """The @cute.jit host function and its tensor-core kernel (see the module docstring)."""
     import cutlass
     import cutlass.cute as cute
