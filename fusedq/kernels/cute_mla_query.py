@@ -39,10 +39,11 @@ loads. Compiled once per (heads, M bucket, output dtype, weight format) with
 ``cute.compile``; a call passes raw pointers and integer strides (no DLPack conversion per
 call), on torch's current stream, so a warm call is capture-safe inside a CUDA graph.
 
-``cutlass`` (nvidia-cutlass-dsl) is imported lazily: this module imports without it.
+``cutlass`` (nvidia-cutlass-dsl) is imported lazily: this module imports without it. No
+``from __future__ import annotations`` here: nvidia-cutlass-dsl 4.6 evaluates a kernel's
+annotations (``cute.Tensor``) in the module's globals, where the lazily imported ``cute`` is
+not; evaluated at definition, inside the builder, they are objects it need not look up.
 """
-
-from __future__ import annotations
 
 import functools
 import os
@@ -102,6 +103,14 @@ _compiled: dict[tuple, Any] = {}
 _compiled_lock = threading.Lock()
 
 
+# nvidia-cutlass-dsl releases this kernel has run and been timed with on a GPU: 4.3.5 (H200,
+# driver 580, 2026-11-30..12-01). 4.6.0, the release vLLM 0.26 pins (with quack-kernels), traces
+# and compiles for sm_90a offline (the CPU tests run under both) but has not run on a GPU here,
+# so by default the Triton kernels run there; FUSEDQ_CUTE_UNVALIDATED=1 takes it anyway.
+VALIDATED_DSL = ("4.3.",)
+UNVALIDATED_ENV = "FUSEDQ_CUTE_UNVALIDATED"
+
+
 @functools.cache
 def _import_reason() -> str | None:
     try:
@@ -112,10 +121,39 @@ def _import_reason() -> str | None:
     return None
 
 
+def dsl_version() -> str | None:
+    """The installed nvidia-cutlass-dsl's version, or None where its metadata is not found."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_reason(version: str | None, override: bool) -> str | None:
+    """Why an installed nvidia-cutlass-dsl of ``version`` is not used (see VALIDATED_DSL), or
+    None; ``override`` is ``FUSEDQ_CUTE_UNVALIDATED=1``."""
+    if override or (version is not None and version.startswith(VALIDATED_DSL)):
+        return None
+    shown = "of unknown version" if version is None else version
+    return (
+        f"nvidia-cutlass-dsl {shown} has not run this kernel on a GPU (validated: 4.3.5); "
+        f"{UNVALIDATED_ENV}=1 uses it anyway"
+    )
+
+
+@functools.cache
+def _version_reason() -> str | None:
+    # Read once per process: the decision is cached with the signatures that depend on it.
+    return version_reason(dsl_version(), os.environ.get(UNVALIDATED_ENV) == "1")
+
+
 def unavailable_reason() -> str | None:
-    """Why this kernel cannot run here, or None: needs nvidia-cutlass-dsl and a CUDA device
-    of compute capability >= 8.9 (E4M3 conversions)."""
-    reason = _import_reason()
+    """Why this kernel cannot run here, or None: needs nvidia-cutlass-dsl (a release in
+    VALIDATED_DSL, or ``FUSEDQ_CUTE_UNVALIDATED=1``) and a CUDA device of compute capability
+    >= 8.9 (E4M3 conversions)."""
+    reason = _import_reason() or _version_reason()
     if reason is not None:
         return reason
     if not torch.cuda.is_available():
@@ -487,8 +525,11 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
         # vLLM's static FP8 quant before its conversion: fmaxf(-448, fminf(x * inv_scale, 448)).
         # PTX min/max return the non-NaN operand, as fminf/fmaxf do (NaN becomes 448).
         y = cutlass.Float32(x * inv_scale)
-        hi = cutlass.Float32(E4M3_MAX).ir_value()
-        y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
+        if cutlass.const_expr(hasattr(cute.arch, "fmin")):  # nvidia-cutlass-dsl 4.6 (not 4.3)
+            y = cute.arch.fmin(y, E4M3_MAX)
+        else:  # 4.3's nvvm.fmin takes the result type first
+            hi = cutlass.Float32(E4M3_MAX).ir_value()
+            y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
         return cute.arch.fmax(y, -E4M3_MAX)
 
     @cute.kernel

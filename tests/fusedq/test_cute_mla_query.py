@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import sass_scoreboard as sass
@@ -155,6 +156,33 @@ def test_graph_replay_reads_new_inputs(out_dtype, device):
     assert_matches(out, ref, "mxfp8")
 
 
+def test_only_validated_dsl_releases_run_unless_asked():
+    # 4.3.5 ran on the H200; 4.6.0 (vLLM 0.26's pin) compiles offline but has not run on a GPU
+    assert cute.version_reason("4.3.5", override=False) is None
+    why = cute.version_reason("4.6.0", override=False)
+    assert "nvidia-cutlass-dsl 4.6.0 has not run" in why and "FUSEDQ_CUTE_UNVALIDATED=1" in why
+    assert cute.version_reason("4.6.0", override=True) is None
+    assert "of unknown version" in cute.version_reason(None, override=False)
+
+
+def test_an_unvalidated_dsl_is_named_as_the_reason(monkeypatch):
+    # The gate sits in unavailable_reason, which explain/kernel_choice/kernel_summary report
+    # (a server log's kernels line ends "[CuTe: nvidia-cutlass-dsl 4.6.0 has not run ...]").
+    monkeypatch.setattr(cute, "_import_reason", lambda: None)
+    monkeypatch.setattr(cute, "dsl_version", lambda: "4.6.0")
+    for override, expect in (("", "4.6.0 has not run"), ("1", None)):
+        monkeypatch.setenv(cute.UNVALIDATED_ENV, override)
+        cute._version_reason.cache_clear()
+        try:
+            reason = cute.unavailable_reason()
+        finally:
+            cute._version_reason.cache_clear()
+        if expect is None:
+            assert reason is None or "4.6.0" not in reason  # (here: no CUDA device)
+        else:
+            assert expect in reason
+
+
 def test_unsupported_operands_are_named():
     values = torch.zeros(8, 192, 512, dtype=torch.float8_e4m3fn)
     scales = torch.zeros(8, 192, 16, dtype=torch.uint8)
@@ -296,6 +324,21 @@ SPLIT = re.compile(r"^\s*mov\.b(?:32|64)\s+(\{[^}]*\}),\s*(%\w+);")
 RECIPROCAL = re.compile(r"\b(?:div|rcp)\.rn\.f32\b")
 APPROX_DIVISION = re.compile(r"\b(?:div|rcp)\.(?:approx|full)\b")
 E4M3_CVT = re.compile(r"\bcvt\.rn\.satfinite\.e4m3x2\.f32\b")
+# q_scale's load, the one scalar 32-bit global load (weights, scales and q are vectors or bytes)
+SCALAR_32 = re.compile(r"\s*ld\.global\.[fb]32\s")
+
+
+def _keep_env(tmp: Path) -> dict[str, str]:
+    # A full compile without a GPU (the DSL writes its PTX and cubin before it needs a
+    # driver): KEEP_PTX/KEEP_CUBIN are 4.3's switches, KEEP 4.6's.
+    env = {**cute.dry_run_env(), "CUTE_DSL_DUMP_DIR": str(tmp)}
+    del env["CUTE_DSL_DRYRUN"]
+    return {
+        **env,
+        "CUTE_DSL_KEEP_PTX": "1",
+        "CUTE_DSL_KEEP_CUBIN": "1",
+        "CUTE_DSL_KEEP": "ptx,cubin",
+    }
 
 
 @pytest.mark.parametrize("bf16_weights", [False, True], ids=["mxfp8", "bf16w"])
@@ -306,9 +349,7 @@ def test_ptx_issues_every_load_before_any_use(h, bucket, out_fp8, bf16_weights, 
     # needs a driver, so this runs on a machine without a GPU too): no register loaded from
     # global memory is read before the kernel's last global load is issued, and no shared
     # store or barrier comes before it either.
-    env = {**cute.dry_run_env(), "CUTE_DSL_KEEP_PTX": "1", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
-    del env["CUTE_DSL_DRYRUN"]
-    proc = _compile_offline(h, bucket, env, out_fp8, bf16_weights)
+    proc = _compile_offline(h, bucket, _keep_env(tmp_path), out_fp8, bf16_weights)
     ptx_files = list(tmp_path.glob("*.ptx"))
     assert ptx_files, proc.stderr[-3000:]
     lines = ptx_files[0].read_bytes().replace(b"\0", b"").decode().splitlines()
@@ -316,8 +357,9 @@ def test_ptx_issues_every_load_before_any_use(h, bucket, out_fp8, bf16_weights, 
     # weight vectors, scale bytes (MXFP8), q and q_pe vectors; E4M3 out: and q_scale, one
     # fp32 load
     assert len(loads) >= 4 + 4 * (not bf16_weights) + 2 + out_fp8
-    assert any(re.match(r"\s*ld\.global\S*\.u8\s", lines[i]) for i, _ in loads) != bf16_weights
-    assert sum(bool(re.match(r"\s*ld\.global\.f32\s", lines[i])) for i, _ in loads) == out_fp8
+    # (nvidia-cutlass-dsl 4.3 writes typed loads, .u8 and .f32; 4.6 untyped ones, .b8 and .b32)
+    assert any(re.match(r"\s*ld\.global\S*\.[ub]8\s", lines[i]) for i, _ in loads) != bf16_weights
+    assert sum(bool(SCALAR_32.match(lines[i])) for i, _ in loads) == out_fp8
     last = loads[-1][0]
     for i, dest in loads:
         regs = [(reg, i) for reg in re.findall(r"%\w+", dest)]
@@ -374,16 +416,23 @@ def test_sass_issues_every_load_before_waiting_on_any(h, bucket, out_fp8, bf16_w
     # 2-row variants while they staged q through shared memory (its stores and the
     # dequantisation moved above the last loads), and, loading q per thread, without the
     # fence (three of four weight rows' loads sunk below the first row's FMAs).
-    if sass.triton_bin("ptxas") is None:
-        pytest.skip("Triton bundles no ptxas here")
-    env = {**cute.dry_run_env(), "CUTE_DSL_KEEP_PTX": "1", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
-    del env["CUTE_DSL_DRYRUN"]
-    proc = _compile_offline(h, bucket, env, out_fp8, bf16_weights)
-    ptx_files = list(tmp_path.glob("*.ptx"))
-    assert ptx_files, proc.stderr[-3000:]
-    ptx = tmp_path / "kernel.ptx"
-    ptx.write_bytes(ptx_files[0].read_bytes().replace(b"\0", b""))
-    instructions = sass.parse(sass.ptx_sass(ptx))
+    # The SASS read is the DSL's own cubin (what runs), disassembled by Triton's cuobjdump;
+    # where the DSL wrote none, its PTX assembled by Triton's ptxas (same figures for 4.3.5).
+    if sass.triton_bin("cuobjdump") is None:
+        pytest.skip("Triton bundles no cuobjdump here")
+    proc = _compile_offline(h, bucket, _keep_env(tmp_path), out_fp8, bf16_weights)
+    cubins = list(tmp_path.glob("*.cubin"))
+    if cubins:
+        text = sass.cubin_sass(cubins[0])
+    else:
+        ptx_files = list(tmp_path.glob("*.ptx"))
+        assert ptx_files, proc.stderr[-3000:]
+        if sass.triton_bin("ptxas") is None:
+            pytest.skip("Triton bundles no ptxas here")
+        ptx = tmp_path / "kernel.ptx"
+        ptx.write_bytes(ptx_files[0].read_bytes().replace(b"\0", b""))
+        text = sass.ptx_sass(ptx)
+    instructions = sass.parse(text)
     assert sum(i.is_global_load for i in instructions) >= 4 + 4 * (not bf16_weights) + 2 + out_fp8
     waits = sass.early_waits(instructions)
     known = KNOWN_EARLY_BF16W_E4M3_M1 if bf16_weights and out_fp8 and bucket == 1 else 0
