@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -226,27 +227,43 @@ def faults(tmp_path_factory):
     # Run 1's processes as seen from then on: the dead driver's Ray, which outlives it, may
     # still start helpers after that first look (found in CI under load: two of them, their
     # pids past a wrap-around of pid_max 32768, named by the next run and missing from the
-    # first look). Each look keeps the processes that carry this test's mark and run 1's id.
+    # first look; and, on a clean-clone CI run at d91daf4, one that lived only while the next
+    # run ran, between two looks). So a thread looks every 0.2 s until the refused resume has
+    # reported; each look keeps the processes that carry this test's mark and run 1's id.
     seen = dict(out["left_after_kill"])
+    lock = threading.Lock()
+    done = threading.Event()
 
     def look() -> None:
-        seen.update({p: v for p, v in _marked().items() if v.get(RUN_ENV) == RUN})
+        found = {p: v for p, v in _marked().items() if v.get(RUN_ENV) == RUN}
+        with lock:
+            seen.update(found)
 
-    # A new run while run 1's server is left over: a missing model path fails its case clearly.
-    t = time.monotonic()
+    def keep_looking() -> None:
+        while not done.is_set():
+            look()
+            done.wait(0.2)
+
+    looker = threading.Thread(target=keep_looking, name="run1-looker", daemon=True)
+    looker.start()
+    try:
+        # A new run while run 1's server is left over: a missing model path fails its case
+        # clearly.
+        t = time.monotonic()
+        out["missing"] = _orchestrator(
+            "run", str(matrix), "--logs-dir", str(logs), "--run-id", MISSING, "--quiet",
+            "--only", "clash", "--set", "models[0].path=/nonexistent/checkpoint",
+        )  # fmt: skip
+        out["missing_s"] = time.monotonic() - t
+        # Resuming run 1 refuses while its own leftovers run...
+        out["refused"] = _orchestrator(
+            "run", str(matrix), "--logs-dir", str(logs), "--resume", RUN, "--quiet"
+        )
+    finally:
+        done.set()
+        looker.join(timeout=30)
     look()
-    out["missing"] = _orchestrator(
-        "run", str(matrix), "--logs-dir", str(logs), "--run-id", MISSING, "--quiet",
-        "--only", "clash", "--set", "models[0].path=/nonexistent/checkpoint",
-    )  # fmt: skip
-    out["missing_s"] = time.monotonic() - t
-    look()
-    # Resuming run 1 refuses while its own leftovers run...
-    out["refused"] = _orchestrator(
-        "run", str(matrix), "--logs-dir", str(logs), "--resume", RUN, "--quiet"
-    )
-    look()
-    out["run1_seen"] = seen
+    out["run1_seen"] = dict(seen)
     out["results_after_refusal"] = (run_dir / "results.jsonl").read_bytes()
     # ...and completes with --kill-leftovers.
     out["resumed"] = _orchestrator(
