@@ -32,8 +32,6 @@ lane, handed round by shuffles). Probes give wrong numbers by design. Every buck
 kernel; it defines ``launch_unchecked`` as the product module does, with its own compile cache.
 """
 
-from __future__ import annotations
-
 import functools
 import threading
 import types
@@ -157,8 +155,11 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
 
     def clamp_scaled(x, inv_scale):
         y = cutlass.Float32(x * inv_scale)
-        hi = cutlass.Float32(E4M3_MAX).ir_value()
-        y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
+        if cutlass.const_expr(hasattr(cute.arch, "fmin")):  # as in the product module
+            y = cute.arch.fmin(y, E4M3_MAX)
+        else:
+            hi = cutlass.Float32(E4M3_MAX).ir_value()
+            y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
         return cute.arch.fmax(y, -E4M3_MAX)
 
     @cute.kernel
