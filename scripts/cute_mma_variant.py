@@ -42,7 +42,6 @@ import torch  # noqa: F401 (the rebound launch path's)
 from fusedq.kernels import cute_mla_query as _base
 from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch path's
     BLOCK_N,
-    E4M3_MAX,
     HEAD_K,
     HEAD_N,
     OUT_GROUP,
@@ -51,6 +50,7 @@ from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch
     SCALE_BLOCKS,
     VEC_BYTES,
     WARP,
+    _clamp_scaled,
     _describe,  # noqa: F401
     m_bucket,  # noqa: F401
     unavailable_reason,  # noqa: F401
@@ -79,7 +79,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
     """The @cute.jit host function and its tensor-core kernel (see the module docstring)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass._mlir.dialects import llvm, nvvm
+    from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
     H, MB = num_heads, bucket
@@ -152,15 +152,6 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
 
     def as_f32(bits):
         return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value()))
-
-    def clamp_scaled(x, inv_scale):
-        y = cutlass.Float32(x * inv_scale)
-        if cutlass.const_expr(hasattr(cute.arch, "fmin")):  # as in the product module
-            y = cute.arch.fmin(y, E4M3_MAX)
-        else:
-            hi = cutlass.Float32(E4M3_MAX).ir_value()
-            y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
-        return cute.arch.fmax(y, -E4M3_MAX)
 
     @cute.kernel
     def _mla_query_mma_kernel(
@@ -337,7 +328,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
                         pe_f = pe.to(cutlass.Float32)
                         frag = cute.make_rmem_tensor((Q_VEC,), cutlass.Float32)
                         for j in cutlass.range_constexpr(Q_VEC):
-                            frag[j] = clamp_scaled(pe_f[j], inv_scale)
+                            frag[j] = _clamp_scaled(pe_f[j], inv_scale)
                         pe = frag.load().to(cutlass.Float8E4M3FN)
                     tO[(None, (v // RV, h, HEAD_N // Q_VEC + v % RV))].store(pe)
         cute.arch.sync_threads()
@@ -369,7 +360,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
                         if cutlass.const_expr(not bf16_weights):
                             total = total * OUT_FACTOR
                         total = total.to(cutlass.BFloat16).to(cutlass.Float32)
-                        group[j] = clamp_scaled(total, inv_scale)
+                        group[j] = _clamp_scaled(total, inv_scale)
                     col = (pid_n * BN + n) // OUT_GROUP
                     tO2[(None, (m, h, col))].store(group.load().to(cutlass.Float8E4M3FN))
 

@@ -493,13 +493,32 @@ def compile_variant(
     )
 
 
+def _clamp_scaled(x, inv_scale):
+    """vLLM's static FP8 quant before its conversion, traced into a kernel (also by
+    scripts/cute_mma_variant.py): fmaxf(-448, fminf(x * inv_scale, 448)). PTX min/max return
+    the non-NaN operand, as fminf/fmaxf do (NaN becomes 448)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    y = cutlass.Float32(x * inv_scale)
+    if hasattr(cute.arch, "fmin"):  # nvidia-cutlass-dsl 4.6 (not 4.3)
+        y = cute.arch.fmin(y, E4M3_MAX)
+    else:  # 4.3's nvvm.fmin takes the result type first
+        from cutlass._mlir.dialects import nvvm
+        from cutlass.cutlass_dsl import T
+
+        hi = cutlass.Float32(E4M3_MAX).ir_value()
+        y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
+    return cute.arch.fmax(y, -E4M3_MAX)
+
+
 @functools.cache
 def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = False):
     """The @cute.jit host function and its @cute.kernel for (heads, M bucket, output dtype:
     E4M3 with ``out_fp8``, else BF16; weights: bf16 with ``bf16_weights``, else MXFP8)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass._mlir.dialects import llvm, nvvm
+    from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
     H, MB = num_heads, bucket
@@ -520,17 +539,6 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
 
     def as_f32(bits):
         return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value()))
-
-    def clamp_scaled(x, inv_scale):
-        # vLLM's static FP8 quant before its conversion: fmaxf(-448, fminf(x * inv_scale, 448)).
-        # PTX min/max return the non-NaN operand, as fminf/fmaxf do (NaN becomes 448).
-        y = cutlass.Float32(x * inv_scale)
-        if cutlass.const_expr(hasattr(cute.arch, "fmin")):  # nvidia-cutlass-dsl 4.6 (not 4.3)
-            y = cute.arch.fmin(y, E4M3_MAX)
-        else:  # 4.3's nvvm.fmin takes the result type first
-            hi = cutlass.Float32(E4M3_MAX).ir_value()
-            y = cutlass.Float32(nvvm.fmin(T.f32(), y.ir_value(), hi))
-        return cute.arch.fmax(y, -E4M3_MAX)
 
     @cute.kernel
     def _mla_query_cute_kernel(
@@ -690,7 +698,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
                         pe_f = pe.to(cutlass.Float32)
                         frag = cute.make_rmem_tensor((Q_VEC,), cutlass.Float32)
                         for j in cutlass.range_constexpr(Q_VEC):
-                            frag[j] = clamp_scaled(pe_f[j], inv_scale)
+                            frag[j] = _clamp_scaled(pe_f[j], inv_scale)
                         pe = frag.load().to(cutlass.Float8E4M3FN)
                     tO[(None, (v // RV, h, HEAD_N // Q_VEC + v % RV))].store(pe)
         cute.arch.sync_threads()
@@ -721,7 +729,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
                             total = total + sRed[(wi, m, n + j)]
                         # The staged path quantises bmm's bf16 result: round to bf16 first.
                         total = total.to(cutlass.BFloat16).to(cutlass.Float32)
-                        group[j] = clamp_scaled(total, inv_scale)
+                        group[j] = _clamp_scaled(total, inv_scale)
                     col = (pid_n * BLOCK_N + n) // OUT_GROUP
                     tO2[(None, (m, h, col))].store(group.load().to(cutlass.Float8E4M3FN))
 
