@@ -1,4 +1,4 @@
-"""The one-round-trip property in sm_90 SASS (tests/fusedq/sass_scoreboard.py says why PTX is
+"""The one-round-trip property in sm_90 SASS (fusedq/sass.py says why PTX is
 not enough): the scoreboard reader on hand-made SASS, then the product's Gluon and
 register-path kernels, compiled offline with the installed Triton and its bundled ptxas (no
 GPU), with and without the scheduling fence. The CuTe kernel's variants are checked in
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import sass_scoreboard as sass
 
+from fusedq import sass
 from fusedq.kernels import gluon_mla_query
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +59,25 @@ def test_reader_tells_a_read_barrier_wait_from_a_data_wait():
     found = sass.early_waits(sass.parse(program(read_barrier=4)))
     assert [(w.at, w.scoreboard) for w in found] == [(0x10, 4)]
     assert sass.early_waits(sass.parse(_line(0, "IADD3 R1, R2, R3, RZ", wait=(1,)))) == []
+
+
+def test_command_line_lists_early_waits_and_exits_by_them(tmp_path: Path, capsys):
+    early = tmp_path / "early.sass"
+    early.write_text(
+        _line(0x00, "LDG.E R4, desc[UR4][R2.64]", wb=2)
+        + _line(0x10, "FADD R6, R4, R4", wait=(2,))
+        + _line(0x20, "LDG.E R8, desc[UR4][R2.64]", wb=3)
+    )
+    assert sass.main([str(early)]) == 1
+    out = capsys.readouterr().out
+    assert "waits on SB2" in out and "3 instructions, 2 global loads, 1 early waits" in out
+    clean = tmp_path / "clean.sass"
+    clean.write_text(
+        _line(0x00, "LDG.E R4, desc[UR4][R2.64]", wb=2) + _line(0x10, "FADD R6, R4, R4", wait=(2,))
+    )
+    assert sass.main([str(clean)]) == 0
+    assert sass.main([str(tmp_path / "missing.sass")]) == 2
+    assert "missing.sass" in capsys.readouterr().err
 
 
 # Compiled in a child process (the interpreter the CPU suite runs in patches Triton's tensor

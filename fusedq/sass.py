@@ -19,13 +19,23 @@ The control bits sit in the high 64-bit word of each 128-bit instruction (Volta 
 Hopper the same): stall [105:108], yield [109], write barrier [110:112], read barrier
 [113:115], wait mask [116:121] (7 in a barrier field means none). ``cuobjdump -sass`` prints
 both words of each instruction as hex comments.
+
+From a shell (Triton's bundled ptxas and cuobjdump, no GPU needed)::
+
+    python -m fusedq.sass KERNEL.ptx|KERNEL.cubin|KERNEL.sass [--arch sm_90a]
+
+prints each early wait and exits 1 if there is one, 0 if none, 2 for a file it cannot read.
+The PTX of a Triton kernel is in its cache entry (``~/.triton/cache``), the CuTe DSL's with
+``CUTE_DSL_KEEP_PTX=1``; ``.sass`` is ``cuobjdump -sass`` output.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 _INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*/\* (0x[0-9a-f]+) \*/\s*$")
@@ -135,3 +145,43 @@ def ptx_sass(ptx: Path, arch: str = "sm_90a") -> str:
         capture_output=True, text=True, check=True, timeout=300,
     )  # fmt: skip
     return cubin_sass(cubin)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m fusedq.sass",
+        description="List the waits on a global load's data before a kernel's last global load.",
+    )
+    ap.add_argument("kernel", type=Path, help="a .ptx, .cubin, or cuobjdump -sass text (.sass)")
+    ap.add_argument("--arch", default="sm_90a", help="ptxas target for a .ptx (default sm_90a)")
+    args = ap.parse_args(argv)
+    path: Path = args.kernel
+    try:
+        if path.suffix == ".ptx":
+            sass = ptx_sass(path, args.arch)
+        elif path.suffix == ".cubin":
+            sass = cubin_sass(path)
+        else:
+            sass = path.read_text()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else exc
+        print(f"fusedq.sass: {path}: {detail}", file=sys.stderr)
+        return 2
+    instructions = parse(sass)
+    if not instructions:
+        print(
+            f"fusedq.sass: {path}: no SASS instructions with control words found", file=sys.stderr
+        )
+        return 2
+    waits = early_waits(instructions)
+    for wait in waits:
+        print(wait)
+    loads = sum(ins.is_global_load for ins in instructions)
+    print(
+        f"{path}: {len(instructions)} instructions, {loads} global loads, {len(waits)} early waits"
+    )
+    return 1 if waits else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
