@@ -1,7 +1,7 @@
 """Versions of the CuTe DSL kernel side by side (and Triton's kernel beside them).
 
     git show REV:fusedq/kernels/cute_mla_query.py > /tmp/cute_old.py
-    python scripts/cute_ab.py --old /tmp/cute_old.py [--new FILE] [--variant NAME=FILE ...]
+    python benchmarks/experiments/cute_ab.py --old /tmp/cute_old.py [--new FILE] [--variant NAME=FILE ...]
         [--floors] [--weights mxfp8|bf16] [--samples 300] [--heads 8 11 16] [--m 1 2]
         [--json FILE]
 
@@ -10,13 +10,14 @@ its own (its own compile cache; the DSL reads a kernel's source, so each is copi
 ``--new`` defaulting to the installed fusedq's; ``--variant`` adds more (each must define
 ``launch_unchecked`` as the product module does). ``--floors`` adds fusedq-bench's read-only
 floors of the weights to the same interleaved set and prints each version over the best of
-them (issue 15's bars: 1.25 for MXFP8, 1.15 for BF16). For every (H, M): the weights (MXFP8,
+them (the targets: 1.25 for MXFP8, 1.15 for BF16). For every (H, M): the weights (MXFP8,
 or vLLM's bf16 W_UK_T view with ``--weights bf16``), BF16 and E4M3 out, each version's kernel
 and Triton's (``backend="triton"``), captured in CUDA graphs over the layers fusedq-bench
 rotates past 2x L2 and replayed interleaved (fusedq.bench's timing). Every output is checked:
 the max |error| against the staged path, and for E4M3 the number of bytes that differ from it
 (one E4M3 step where bf16 rounding differs is within the tests' tolerance). The CuTe A/B
-figures in docs/bench/h200-cute-*-2026-12-01.json were taken so.
+figures in benchmarks/results/raw/h200/*-cute-ab-*.json were taken so; add a run's --json to
+benchmarks/results/h200.jsonl with benchmarks/scripts/ingest.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A floor for the CuTe kernel's way of loading, beside the CuTe kernel and the read floors.
 
-    python scripts/cute_floor.py [--samples 300] [--heads 8 11 16] [--m 1 2] [--json FILE]
+    python benchmarks/experiments/cute_floor.py [--samples 300] [--heads 8 11 16] [--m 1 2] [--json FILE]
 
 Needs a CUDA GPU (sm_89+) and nvidia-cutlass-dsl. fusedq-bench's "view" floors load the fused
 kernel's tiles as the Gluon and Triton kernels do; at MXFP8 M = 1 the CuTe kernel ran below
@@ -15,8 +15,8 @@ same way (16-byte vectors of 8 weights). It runs in one interleaved set of CUDA-
 with the product's kernel (the CuTe call for MXFP8, `backend="auto"` for BF16) and
 fusedq-bench's read floors (fusedq.bench's timing, weights rotated past 2x L2). H200,
 2026-12-01, with the kernel's former layout (96 threads of 4 rows x 16 fp8): 1.11-1.17x the
-read floor (MXFP8, M 1-2) and 1.08-1.15x (BF16, M 1 and 32), under issue 15's bars
-(docs/fusedq.md, sixth session).
+read floor (MXFP8, M 1-2) and 1.08-1.15x (BF16, M 1 and 32), under the targets
+(docs/decisions/0014-floors-are-the-yardstick.md).
 """
 
 import argparse

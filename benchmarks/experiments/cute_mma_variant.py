@@ -1,12 +1,13 @@
-"""A tensor-core (``mma.sync``) version of the CuTe DSL kernel, for ``scripts/cute_ab.py``.
+"""A tensor-core (``mma.sync``) version of the CuTe DSL kernel, for ``benchmarks/experiments/cute_ab.py``.
 
-    python scripts/cute_ab.py --old fusedq/kernels/cute_mla_query.py \
-        --variant mma=scripts/cute_mma_variant.py --variant mma_kt1=scripts/cute_mma_variant.py \
+    python benchmarks/experiments/cute_ab.py --old fusedq/kernels/cute_mla_query.py \
+        --variant mma=benchmarks/experiments/cute_mma_variant.py \
+        --variant mma_kt1=benchmarks/experiments/cute_mma_variant.py \
         --floors --m 1 2 4 8 [--weights bf16]
 
-Issue 15 asked whether tensor cores, kept exact, would bring M >= 2 to the read-floor bars.
-This is that kernel, measured and not adopted (H200, 2026-12-01,
-docs/bench/h200-cute-mma-2026-12-01.json; docs/fusedq.md, "eighth session"). Per CTA (32-column
+Whether tensor cores, kept exact, would bring M >= 2 to the read-floor targets: this is that
+kernel, measured and not adopted (H200, 2026-12-01,
+docs/decisions/0002-tensor-core-variant-not-adopted.md). Per CTA (32-column
 tile, head): D[column, token] = W^T[column, k] @ (q * 2^e)^T[k, token], ``mma.sync`` m16n8k16
 bf16 -> fp32, one n8 tile per 8 tokens, six warps of two k16 tiles each, the warps' partials
 summed through shared memory as in the product kernel. Exact like the product: E4M3 weights

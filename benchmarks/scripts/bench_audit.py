@@ -15,7 +15,7 @@ and prints MB/s for each and the ratio to grep. Two kinds of log (--lines):
 
 Usage:
 
-    .venv/bin/python scripts/bench_audit.py [--lines real] [--size-gb 0.35] [--json]
+    .venv/bin/python benchmarks/scripts/bench_audit.py [--lines real] [--size-gb 0.35] [--json]
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from orchestrator.audit import audit_logs, grep_binary, load_catalogue
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # One line shape per source a vLLM TP8 server log interleaves; weights ~ a busy server
 # with request logging on (request echo lines are the near misses that must not fire).

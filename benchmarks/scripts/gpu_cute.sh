@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 15's CuTe DSL MXFP8 kernel on one H200: install nvidia-cutlass-dsl from the wheel
+# The CuTe DSL kernel on one H200 without network: install nvidia-cutlass-dsl from the wheel
 # chunks, then its GPU tests, then `fusedq-bench --sweep --sweep-cute` (MXFP8, every H, M 1..32:
 # the kernel beside the Triton kernel's `auto` and `dot` choices, in one graph set), to $OUT.
 #
-#   OUT=/some/dir scripts/device_cute.sh        (from a copy of the repository; no network)
+#   OUT=/some/dir benchmarks/scripts/gpu_cute.sh    (from a copy of the repository; no network)
 #
 # The H200 image has no CUTLASS DSL and no network: the wheels come as
 # .cutewheels.part.00, .01, ... at the repository root (a tar of wheels/*.whl split into
@@ -11,11 +11,11 @@
 # $CUTE_DIR (default /tmp/cute), once: a later run on the same machine finds them there.
 # The DSL's file cache (on by default) lets the sweep reuse the tests' compiles; a sweep line
 # is printed per shape, so a step cut by its limit still leaves figures in its log.
-# Knobs: SWEEP_SAMPLES (300) graph replays per variant; STEP_LIMIT (280) s per step (the
-# device tool allows 600 s per command in all).
+# Knobs: SWEEP_SAMPLES (300) graph replays per variant; STEP_LIMIT (280) s per step (so that
+# the whole run fits a 10-minute job).
 set -uo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${OUT:?set OUT to the folder that receives the results}"
 PY="${PYTHON:-python3}"
 CUTE_DIR="${CUTE_DIR:-/tmp/cute}"
@@ -24,8 +24,8 @@ STEP_LIMIT="${STEP_LIMIT:-280}"
 
 cd "$REPO"
 mkdir -p "$OUT"
-# shellcheck source=scripts/device_steps.sh
-source "$REPO/scripts/device_steps.sh"
+# shellcheck source=benchmarks/scripts/gpu_steps.sh
+source "$REPO/benchmarks/scripts/gpu_steps.sh"
 
 install_cute() {
     if [[ -d "$CUTE_DIR/site/nvidia_cutlass_dsl" ]]; then

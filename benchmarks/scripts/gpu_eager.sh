@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 15 on one H200 (the eager fast path, the output dtype rule, and the floors): the GPU
-# tests, then `fusedq-bench --eager`, then `fusedq-bench --floors`, each figure to $OUT.
+# fusedq on one H200, uninstalled: the GPU tests, then `fusedq-bench --eager`, then
+# `fusedq-bench --floors` (the README's kernel table), each figure to $OUT. Add the JSON files
+# to benchmarks/results/h200.jsonl with benchmarks/scripts/ingest.py.
 #
-#   OUT=/some/dir scripts/device_eager.sh        (from a copy of the repository; no network)
+#   OUT=/some/dir benchmarks/scripts/gpu_eager.sh   (from a copy of the repository; no network)
 #
 # Needs only what the H200 image has (torch 2.11, triton 3.6, pytest): the project runs from
 # the copied tree through PYTHONPATH, not installed, so the entry point is `python -m
@@ -14,7 +15,7 @@
 #   STEP_LIMIT (300): seconds each step may run.
 set -uo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${OUT:?set OUT to the folder that receives the results}"
 PY="${PYTHON:-python3}"
 EAGER_CALLS="${EAGER_CALLS:-1000}"
@@ -25,8 +26,8 @@ STEP_LIMIT="${STEP_LIMIT:-300}"
 cd "$REPO"
 mkdir -p "$OUT"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-# shellcheck source=scripts/device_steps.sh
-source "$REPO/scripts/device_steps.sh"
+# shellcheck source=benchmarks/scripts/gpu_steps.sh
+source "$REPO/benchmarks/scripts/gpu_steps.sh"
 
 step environment "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
@@ -35,7 +36,7 @@ step pytest_gpu "$PY" -m pytest -m gpu tests/fusedq -q -p no:cacheprovider \
 # The eager host time per call, every path side by side (bench_eager's docstring says which).
 step eager "$PY" -m fusedq.bench --eager --heads 8 11 16 --m 1 4 32 \
     --calls "$EAGER_CALLS" --repeats "$EAGER_REPEATS" --json "$OUT/eager.json"
-# The issue's bar: every H and M, every format, fused against the read-only floor.
+# The targets: every H and M, every format, fused against the read-only floor.
 step floors "$PY" -m fusedq.bench --floors --samples "$FLOOR_SAMPLES" --json "$OUT/floors.json"
 
 finish

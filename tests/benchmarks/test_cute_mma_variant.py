@@ -1,5 +1,5 @@
-"""scripts/cute_mma_variant.py: the tensor-core variant scripts/cute_ab.py loads (its timing and
-exactness were measured on the H200; see docs/fusedq.md, "eighth session")."""
+"""benchmarks/experiments/cute_mma_variant.py: the tensor-core variant cute_ab.py loads (its
+timing and exactness were measured on the H200: docs/decisions/0002-tensor-core-variant-not-adopted.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from fusedq.kernels import cute_mla_query as product
 
 REPO = Path(__file__).resolve().parents[2]
-VARIANT = REPO / "scripts" / "cute_mma_variant.py"
+VARIANT = REPO / "benchmarks" / "experiments" / "cute_mma_variant.py"
 
 
 def _load(name: str):

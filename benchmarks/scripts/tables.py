@@ -1,0 +1,461 @@
+"""The performance tables of README.md and docs/, generated from the results file.
+
+A document marks a table's place with ``<!-- generated:NAME -->`` ... ``<!-- /generated -->``;
+this script renders NAME from ``benchmarks/results/h200.jsonl`` and puts it between the two
+markers. Nothing between them is typed by hand: add a run with ``ingest.py``, then ::
+
+    python benchmarks/scripts/tables.py --write     # rewrite every marked region
+    python benchmarks/scripts/tables.py --check     # exit 1 naming each region that differs
+
+"Now" tables take the latest run of their kind in the file's (append, i.e. time) order.
+Exit 2 names a file and line with an unknown table or an unclosed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results" / "h200.jsonl"
+START = re.compile(r"<!-- generated:([a-z0-9-]+) -->")
+END = "<!-- /generated -->"
+GPU_US, HOST_US, VLLM_US = "gpu_us_per_layer", "host_us_per_call", "vllm_query_us_per_layer"
+RECIPES = ("bf16", "mxfp8", "e4m3", "mxfp8-e4m3")
+TITLES = {"bf16": "BF16", "mxfp8": "MXFP8", "e4m3": "BF16→E4M3", "mxfp8-e4m3": "MXFP8→E4M3"}
+# The weights each recipe reads, whose BF16-out twin and read floor it is measured against.
+WEIGHTS = {"bf16": "bf16", "mxfp8": "mxfp8", "e4m3": "bf16", "mxfp8-e4m3": "mxfp8"}
+FLOORS = ("store", "grid", "split_k", "view", "view_tma")
+
+Row = dict[str, Any]
+
+
+class TableError(ValueError):
+    """A document or a results file this script cannot render; the message says where."""
+
+
+def _targets() -> tuple[dict[str, float], float]:
+    # fusedq-bench judges its --floors runs by these; the tables mark the same shapes.
+    from fusedq.bench import E4M3_OVER_BF16_BAR, FLOOR_BARS
+
+    return FLOOR_BARS, E4M3_OVER_BF16_BAR
+
+
+def load(path: Path = RESULTS) -> list[Row]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise TableError(f"{path}:{n}: not a JSON row ({exc})") from None
+    return rows
+
+
+def _sources(rows: Iterable[Row], keep: Callable[[Row], bool]) -> dict[str, list[Row]]:
+    """Rows grouped by source, sources in the file's order, only those with a kept row."""
+    out: dict[str, list[Row]] = {}
+    for r in rows:
+        if keep(r):
+            out.setdefault(r["source"], []).append(r)
+    return out
+
+
+def _floors_run(rows: list[Row]) -> list[Row]:
+    """The latest fusedq-bench --floors run (not --chain) with a fused figure for every recipe."""
+    runs = _sources(rows, lambda r: r["tool"] == "fusedq-bench --floors")
+    for run in reversed(runs.values()):
+        if {r["recipe"] for r in run if r["kernel"] == "fused"} >= set(RECIPES):
+            return run
+    raise TableError("no fusedq-bench --floors run with all four recipes in the results")
+
+
+def _by(run: list[Row]) -> dict[tuple[str, int, int, str], Row]:
+    return {(r["recipe"], r["H"], r["M"], r["kernel"]): r for r in run}
+
+
+def _link(target: str, doc: Path, text: str | None = None) -> str:
+    rel = os.path.relpath(REPO / target, doc.parent)
+    return f"[{text or Path(target).name}]({rel})"
+
+
+def _table(header: list[str], lines: Iterable[list[str]]) -> str:
+    rows = [header, ["---"] * len(header), *lines]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+def _span(values: Iterable[float]) -> str:
+    v = sorted(values)
+    return (
+        "–"
+        if not v
+        else f"{v[0]:.2f}"
+        if f"{v[0]:.2f}" == f"{v[-1]:.2f}"
+        else f"{v[0]:.2f}–{v[-1]:.2f}"
+    )
+
+
+def _shapes(run: list[Row]) -> list[tuple[int, int]]:
+    return sorted({(r["H"], r["M"]) for r in run})
+
+
+def _about(run: list[Row], doc: Path, what: str) -> str:
+    r = run[0]
+    return (
+        f"{what}, commit {r['commit']}, {r['date'][:10]}, {r['machine']}; "
+        f"data: {_link('benchmarks/results/h200.jsonl', doc)} "
+        f"(source {_link(r['source'], doc)})."
+    )
+
+
+def _ratios(fig: dict, h: int, m: int) -> dict[str, float | None]:
+    """fused/read per weight format and E4M3/BF16 out per weight format, as fusedq-bench's bars."""
+    out: dict[str, float | None] = {}
+    for recipe in RECIPES:
+        fused = fig.get((recipe, h, m, "fused"))
+        if recipe in ("bf16", "mxfp8"):
+            read = fig.get((recipe, h, m, "read"))
+            out[recipe] = fused["value"] / read["value"] if fused and read else None
+        else:
+            twin = fig.get((WEIGHTS[recipe], h, m, "fused"))
+            out[recipe] = fused["value"] / twin["value"] if fused and twin else None
+    return out
+
+
+def _met(ratio: float | None, recipe: str) -> bool | None:
+    bars, e4m3 = _targets()
+    if ratio is None:
+        return None
+    return ratio <= bars.get(recipe, e4m3)
+
+
+# -- the tables --------------------------------------------------------------------------------
+def kernel_now(rows: list[Row], doc: Path) -> str:
+    """fused µs per recipe and shape, the kernel that ran, and each against its target."""
+    run = _floors_run(rows)
+    fig = _by(run)
+    bars, e4m3_bar = _targets()
+    header = ["H", "M"]
+    for recipe in RECIPES:
+        header += [TITLES[recipe], "µs", "/read" if recipe in bars else "×BF16 out"]
+    lines, met, judged = [], 0, 0
+    for h, m in _shapes(run):
+        ratios = _ratios(fig, h, m)
+        cells = [str(h), str(m)]
+        for recipe in RECIPES:
+            fused = fig.get((recipe, h, m, "fused"))
+            ok = _met(ratios[recipe], recipe)
+            judged += ok is not None
+            met += bool(ok)
+            cells += [
+                (fused or {}).get("kernel_name", "fused") if fused else "–",
+                f"{fused['value']:.2f}" if fused else "–",
+                "–" if ratios[recipe] is None else f"{ratios[recipe]:.2f}" + ("" if ok else " ✗"),
+            ]
+        lines.append(cells)
+    staged = {
+        recipe: _span(
+            fig[(recipe, h, m, "fused")]["value"] / fig[(recipe, h, m, "staged")]["value"]
+            for h, m in _shapes(run)
+            if (recipe, h, m, "staged") in fig and (recipe, h, m, "fused") in fig
+        )
+        for recipe in RECIPES
+    }
+    samples = run[0].get("samples")
+    return "\n".join(
+        [
+            _about(run, doc, f"`fusedq-bench --floors --samples {samples}`")
+            + " µs per layer in CUDA-graph replay, weights rotated past L2; `/read` = fused ÷ "
+            "the read-only floor of the same weights in the same run; `×BF16 out` = E4M3 output "
+            "÷ BF16 output of the same weights; ✗ = over its target (fused/read ≤ "
+            f"{bars['bf16']:.2f} BF16, ≤ {bars['mxfp8']:.2f} MXFP8; E4M3 ≤ {e4m3_bar:.2f}× BF16 out).",
+            "",
+            _table(header, lines),
+            "",
+            f"Targets met: **{met} of {judged}**. Fused ÷ staged: "
+            + ", ".join(f"{TITLES[r]} {staged[r]}" for r in RECIPES)
+            + ".",
+        ]
+    )
+
+
+def floors_now(rows: list[Row], doc: Path) -> str:
+    """The floors of the kernel-now run: what one launch costs at least, per shape."""
+    run = _floors_run(rows)
+    fig = _by(run)
+    header = ["H", "M", "read µs BF16 / MXFP8", "empty µs"]
+    header += [f"{k.replace('_', '-')} / read" for k in FLOORS] + ["fused / view"]
+    lines = []
+    for h, m in _shapes(run):
+        cell = {}
+        for w in ("bf16", "mxfp8"):
+            read = fig.get((w, h, m, "read"))
+            cell[w] = {
+                k: fig[(w, h, m, k)]["value"] / read["value"]
+                for k in (*FLOORS, "fused")
+                if read and (w, h, m, k) in fig
+            }
+        reads = " / ".join(
+            f"{fig[(w, h, m, 'read')]['value']:.2f}" if (w, h, m, "read") in fig else "–"
+            for w in ("bf16", "mxfp8")
+        )
+        empty = fig.get(("bf16", h, m, "empty"))
+        line = [str(h), str(m), reads, f"{empty['value']:.2f}" if empty else "–"]
+        for k in FLOORS:
+            line.append(
+                " / ".join(f"{cell[w][k]:.2f}" if k in cell[w] else "–" for w in ("bf16", "mxfp8"))
+            )
+        line.append(
+            " / ".join(
+                f"{cell[w]['fused'] / cell[w]['view']:.2f}"
+                if "view" in cell[w] and "fused" in cell[w]
+                else "–"
+                for w in ("bf16", "mxfp8")
+            )
+        )
+        lines.append(line)
+    return "\n".join(
+        [
+            _about(run, doc, "The floors of the same `fusedq-bench --floors` run")
+            + " Ratios are BF16 / MXFP8 weights, over the read floor of the same weights.",
+            "",
+            _table(header, lines),
+        ]
+    )
+
+
+def trend(rows: list[Row], doc: Path) -> str:
+    """Every fusedq-bench --floors run: how far the fused kernels sat from their floors."""
+    runs = _sources(rows, lambda r: r["tool"] == "fusedq-bench --floors")
+    header = ["date", "commit", "BF16 fused/read", "MXFP8 fused/read", "BF16→E4M3 ×BF16"]
+    header += ["MXFP8→E4M3 ×MXFP8", "BF16 fused/staged", "targets met", "source"]
+    lines = []
+    for source, run in runs.items():
+        fig = _by(run)
+        spans: dict[str, list[float]] = {r: [] for r in RECIPES}
+        met = judged = 0
+        for h, m in _shapes(run):
+            for recipe, ratio in _ratios(fig, h, m).items():
+                if ratio is not None:
+                    spans[recipe].append(ratio)
+                    judged += 1
+                    met += bool(_met(ratio, recipe))
+        staged = [
+            fig[("bf16", h, m, "fused")]["value"] / fig[("bf16", h, m, "staged")]["value"]
+            for h, m in _shapes(run)
+            if ("bf16", h, m, "fused") in fig and ("bf16", h, m, "staged") in fig
+        ]
+        lines.append(
+            [
+                run[0]["date"][:10],
+                run[0]["commit"],
+                *(_span(spans[r]) for r in RECIPES),
+                _span(staged),
+                f"{met} of {judged}",
+                _link(source, doc),
+            ]
+        )
+    return "\n".join(
+        [
+            "Each `fusedq-bench --floors` run in the results, oldest first (ratios as in the "
+            "table above; a recipe the run did not time shows –).",
+            "",
+            _table(header, lines),
+        ]
+    )
+
+
+EAGER = {
+    "public": "public",
+    "hook": "vLLM hook",
+    "custom_op": "custom op",
+    "bare": "bare launch",
+    "staged_032": "staged 0.32",
+    "staged_026": "staged 0.26",
+}
+
+
+def eager_now(rows: list[Row], doc: Path) -> str:
+    """Host µs per eager call, each shape from the latest run that timed it."""
+    latest: dict[tuple[str, int, int], dict[str, Row]] = {}
+    for r in rows:
+        if r["metric"] == HOST_US:
+            key = (r["recipe"], r["H"], r["M"])
+            if latest.get(key) and next(iter(latest[key].values()))["source"] != r["source"]:
+                latest[key] = {}
+            latest.setdefault(key, {})[r["kernel"]] = r
+    header = ["recipe", "H", "M", *(f"{title} µs" for title in EAGER.values())]
+    header += ["public / staged", "run"]
+    lines = []
+    for (recipe, h, m), fig in sorted(
+        latest.items(), key=lambda kv: (RECIPES.index(kv[0][0]), kv[0][1:])
+    ):
+        first = next(iter(fig.values()))
+        ratio = fig["public"]["value"] / fig["staged_032"]["value"]
+        lines.append(
+            [TITLES[recipe], str(h), str(m)]
+            + [f"{fig[k]['value']:.1f}" if k in fig else "–" for k in EAGER]
+            + [
+                f"{ratio:.2f}",
+                f"{first['date'][:10]} {_link(first['source'], doc, first['commit'])}",
+            ]
+        )
+    return "\n".join(
+        [
+            "`fusedq-bench --eager`: host µs per call outside CUDA graphs, best of the repeats, "
+            "every path checked against staged first; staged = vLLM's block as 0.32 and 0.26 "
+            "write it (E4M3: followed by a torch-native quantisation, a stand-in for vLLM's "
+            f"one-kernel QuantFP8). Machine: {next(iter(next(iter(latest.values())).values()))['machine']}.",
+            "",
+            _table(header, lines),
+        ]
+    )
+
+
+def _vllm_lines(run: list[Row]) -> list[list[str]]:
+    staged = {(r["recipe"], r["H"], r["M"]): r for r in run if r["kernel"] == "staged"}
+    lines = []
+    for r in run:
+        base = staged.get((r["recipe"], r["H"], r["M"]))
+        if r["kernel"] == "staged" or base is None:
+            continue
+        delta = 100 * (r["value"] / base["value"] - 1)
+        lines.append(
+            [
+                f"`{r['part']}`",
+                r["date"][:10],
+                r["commit"],
+                "E4M3" if "e4m3" in r["recipe"] else "BF16",
+                f"{r['M'] - 1} ({r['M']})",
+                r["kernel"],
+                f"`{r.get('kernel_name', '?')}`",
+                f"{base['value']:.3f}",
+                f"{r['value']:.3f}",
+                f"{delta:+.1f} %".replace("-", "−"),
+            ]
+        )
+    return lines
+
+
+VLLM_HEADER = ["run", "date", "commit", "query out", "MTP (M)", "variant", "fused kernel"]
+VLLM_HEADER += ["staged µs", "fused µs", "Δ"]
+
+
+def vllm_now(rows: list[Row], doc: Path) -> str:
+    """The decode query step per layer in a GPU vLLM, the latest day's runs."""
+    runs = _sources(rows, lambda r: r["metric"] == VLLM_US)
+    if not runs:
+        raise TableError("no GPU vLLM profile runs in the results")
+    day = list(runs.values())[-1][0]["date"][:10]
+    today = [run for run in runs.values() if run[0]["date"][:10] == day]
+    first = today[0][0]
+    return "\n".join(
+        [
+            "Decode query step per layer from the paired decode profile "
+            "(`orchestrator run` with a `profile:` phase; TP1, the built-in GLM-5-geometry "
+            f"model at {first['H']} heads, FULL decode CUDA graphs), {first['machine']}; "
+            f"runs of {day}, data: {_link('benchmarks/results/h200.jsonl', doc)} "
+            f"(sources: {', '.join(_link(run[0]['source'], doc, run[0]['part']) for run in today)}).",
+            "",
+            _table(VLLM_HEADER, [line for run in today for line in _vllm_lines(run)]),
+        ]
+    )
+
+
+def vllm_all(rows: list[Row], doc: Path) -> str:
+    """Every GPU vLLM profile pair in the results, oldest first."""
+    runs = _sources(rows, lambda r: r["metric"] == VLLM_US)
+    lines = [line for run in runs.values() for line in _vllm_lines(run)]
+    return "\n".join(
+        [
+            "Every paired decode profile in the results (query step per layer, staged → the "
+            "variant), oldest first; each run's folder is under `docs/validation/`.",
+            "",
+            _table(VLLM_HEADER, lines),
+        ]
+    )
+
+
+TABLES: dict[str, Callable[[list[Row], Path], str]] = {
+    "kernel-now": kernel_now,
+    "floors-now": floors_now,
+    "floors-trend": trend,
+    "eager-now": eager_now,
+    "vllm-now": vllm_now,
+    "vllm-all": vllm_all,
+}
+
+
+# -- documents ---------------------------------------------------------------------------------
+def documents() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def render(text: str, doc: Path, rows: list[Row]) -> tuple[str, list[str]]:
+    """The document with every region regenerated, and the names of those that changed."""
+    out, changed, pos = [], [], 0
+    for m in START.finditer(text):
+        if m.start() < pos:
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        name = m[1]
+        if name not in TABLES:
+            raise TableError(
+                f"{_rel(doc)}:{line}: unknown table {name!r} (known: {', '.join(TABLES)})"
+            )
+        end = text.find(END, m.end())
+        if end < 0:
+            raise TableError(f"{_rel(doc)}:{line}: generated:{name} has no {END}")
+        body = "\n" + TABLES[name](rows, doc) + "\n"
+        if text[m.end() : end] != body:
+            changed.append(f"{_rel(doc)}:{line}: generated:{name}")
+        out += [text[pos : m.end()], body]
+        pos = end
+    out.append(text[pos:])
+    return "".join(out), changed
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite every marked region")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a region differs")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument(
+        "files", nargs="*", type=Path, help="documents (default: README.md, docs/**/*.md)"
+    )
+    args = ap.parse_args(argv)
+    try:
+        rows = load(args.results)
+        stale = []
+        for doc in [p.resolve() for p in args.files] or documents():
+            text = doc.read_text()
+            new, changed = render(text, doc, rows)
+            stale += changed
+            if args.write and new != text:
+                doc.write_text(new)
+    except (TableError, OSError) as exc:
+        print(f"tables: {exc}", file=sys.stderr)
+        return 2
+    for region in stale:
+        print(f"{region}: {'rewritten' if args.write else 'differs from the results'}")
+    if args.check and stale:
+        print("tables: run python benchmarks/scripts/tables.py --write", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
