@@ -11,7 +11,7 @@ dependency resolution: the file *is* the closure over the base it names) for the
 and platform, checks that every pin got exactly one wheel, adds the project's own wheel
 (fusedq + orchestrator), and writes ``SHA256SUMS`` and ``wheelhouse.json``. ``--split`` also
 writes the whole as tar chunks of at most that size (``DIR.tar.part.00``, ...) for carriers
-that take one bounded file at a time (the device tool takes 60 MiB per call).
+that take one bounded file at a time (e.g. 60 MiB per transfer).
 
 ``install`` takes the directory or the chunks, verifies every checksum and the Python version,
 and runs ``pip install --no-index --no-deps`` of every wheel (into ``--target`` when given,
