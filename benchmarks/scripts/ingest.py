@@ -166,7 +166,10 @@ def _bench_rows(
         for kernel, value in figures.items():
             if TILE.fullmatch(kernel):
                 continue
-            name = labels.get(f"{r['format']}/{r['H']}/{r['M']}") if kernel == "fused" else None
+            # fusedq-bench rows may name the kernel auto ran ("fused_kernel"); older runs
+            # have it, where known, in a <source>.kernels.json beside them.
+            label = r.get("fused_kernel") or labels.get(f"{r['format']}/{r['H']}/{r['M']}")
+            name = label if kernel == "fused" else None
             yield _row(
                 **base,
                 **shape,
