@@ -34,6 +34,7 @@ def render_json(run: Run) -> dict[str, Any]:
         "matrix": m.matrix_name,
         "versions": m.versions,
         "git": m.git,
+        "provenance": m.provenance,
         "cases_total": len(m.cases),
         "cases_finished": len(rows),
         "cases_failed": sum(not r.passed for r in rows),

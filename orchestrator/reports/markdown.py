@@ -146,7 +146,8 @@ def render_markdown(run: Run) -> str:
         f"{len(run.results)}/{len(m.cases)} cases finished, {len(run.failed)} failed. "
         f"vLLM {m.version('vllm')}, fusedq {m.version('fusedq')} "
         f"(tree {m.fusedq_fingerprint}), torch {m.version('torch')}, "
-        f"Ray {m.version('ray')}, commit {m.commit}."
+        f"Ray {m.version('ray')}, commit {m.commit}"
+        + (f" (product tree {m.product_fingerprint})." if m.product_fingerprint else ".")
     )
     out += ["", "## Aggregate output tok/s", ""]
     out.append(

@@ -326,25 +326,6 @@ def test_sweep_times_gluon_variants_beside_triton():
         assert rows[name]["config"]["gluon"]
 
 
-def test_recorded_commit_says_when_the_tree_is_not_head(tmp_path, monkeypatch):
-    import subprocess
-
-    def git(*args):
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    git("init", "-q")
-    (tmp_path / "k.py").write_text("a = 1\n")
-    git("add", "k.py")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    monkeypatch.chdir(tmp_path)
-    head = bench._git_commit()
-    assert len(head) == 40 and "+" not in head
-    (tmp_path / "k.py").write_text("a = 2\n")  # what a copied tree with a stale .git looks like
-    assert bench._git_commit() == head + "+dirty"
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
-    assert bench._git_commit() not in (head, head + "+dirty") and "+" not in bench._git_commit()
-
-
 # --- --eager ---------------------------------------------------------------------------------
 
 

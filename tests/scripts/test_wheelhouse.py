@@ -94,3 +94,20 @@ def test_build_refuses_a_non_empty_directory(tmp_path, capsys):
     (tmp_path / "x").write_text("")
     assert wh.main(["build", "--out", str(tmp_path)]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_the_project_wheel_carries_the_commit_it_was_built_from(tmp_path):
+    import zipfile
+
+    from orchestrator import provenance
+
+    before = provenance.BUILD_INFO.exists()
+    wh.project_wheel(tmp_path)
+    assert provenance.BUILD_INFO.exists() == before  # the checkout is left as it was
+    (wheel,) = tmp_path.glob("fusedq-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        stamp = json.loads(z.read("orchestrator/build_info.json"))
+    here = provenance.describe()
+    assert stamp["product_fingerprint"] == here["product_fingerprint"]
+    if here["source"] == "git":
+        assert (stamp["commit"], stamp["dirty"]) == (here["commit"], here["dirty"])
