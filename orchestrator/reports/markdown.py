@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from orchestrator.mdtable import md_table
+from orchestrator.reports import corrections as superseded
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     MISSING,
@@ -149,7 +150,8 @@ def render_markdown(run: Run) -> str:
         f"Ray {m.version('ray')}, commit {m.commit}"
         + (f" (product tree {m.product_fingerprint})." if m.product_fingerprint else ".")
     )
-    out += ["", "## Aggregate output tok/s", ""]
+    out += ["", *superseded.markdown_section(run.corrections)]
+    out += ["## Aggregate output tok/s", ""]
     out.append(
         "Mean over repeats of aggregate output tok/s; every long-context case includes the "
         "prefill-to-decode transition. Servers were measured one at a time."
