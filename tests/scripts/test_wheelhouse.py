@@ -111,3 +111,12 @@ def test_the_project_wheel_carries_the_commit_it_was_built_from(tmp_path):
     assert stamp["product_fingerprint"] == here["product_fingerprint"]
     if here["source"] == "git":
         assert (stamp["commit"], stamp["dirty"]) == (here["commit"], here["dirty"])
+
+
+def test_the_cute46_list_is_vllm_026s_own_dsl_pin_and_exact():
+    pins = wh.read_pins(REPO / "requirements" / "gpu-cute46.txt")
+    assert pins["nvidia_cutlass_dsl"] == "4.6.0"
+    assert pins["nvidia_cutlass_dsl_libs_cu13"] == pins["nvidia_cutlass_dsl_libs_cu12"] == "4.6.0"
+    assert "quack_kernels" in pins and len(pins) == 13
+    # On top of the vLLM 0.26 list: nothing pinned twice across the two.
+    assert not set(pins) & set(wh.read_pins(wh.DEFAULT_REQUIREMENTS))
