@@ -62,8 +62,8 @@ class RecordError(RuntimeError):
 
 def fingerprint(root: Path = REPO) -> str:
     """The fusedq tree's code fingerprint (orchestrator.provenance), the record's key."""
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     from orchestrator.provenance import package_fingerprint
 
     return package_fingerprint(root / "fusedq")
