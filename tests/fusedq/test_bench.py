@@ -402,20 +402,18 @@ def test_every_eager_path_computes_the_query(fmt, device):
     ops = bench_eager.eager_operands(fmt, 8, 1, 0.02, device)
     paths = bench_eager.eager_paths(ops)
     assert set(paths) == set(bench_eager.PATHS)
-    ref = fusedq.staged_mla_query(
-        ops.q_nope, ops.fused_w, ops.q_pe, out_dtype=ops.out_dtype, q_scale=ops.q_scale
-    )
+    ref = fusedq.staged_mla_query(ops.q_nope, ops.fused_w, ops.q_pe)
     weight_format = bench.RECIPES[fmt][0]
     staged = paths["staged_032"]()
     assert torch.equal(paths["staged_026"]().view(torch.uint8), staged.view(torch.uint8))
     if weight_format != "mxfp8":
-        assert_matches(staged, ref, weight_format)
+        assert_matches(staged, ref, weight_format, ops.q_scale)
     for name in ("public", "hook"):
-        assert_matches(paths[name](), ref, weight_format)
+        assert_matches(paths[name](), ref, weight_format, ops.q_scale)
     for name in ("public_out", "custom_op", "bare"):
         ops.out.zero_()
         paths[name]()
-        assert_matches(ops.out, ref, weight_format)
+        assert_matches(ops.out, ref, weight_format, ops.q_scale)
 
 
 def test_bench_imports_without_the_orchestrators_pydantic_stack():
