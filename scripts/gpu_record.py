@@ -202,6 +202,16 @@ def environment() -> dict[str, Any]:
             "(pip install -e '.[cute]') so the CuTe kernel's GPU tests run"
         )
     sys.path.insert(0, str(REPO))
+    from fusedq.kernels import cute_mla_query
+
+    # Installed is not enough: the CuTe tests skip unless the kernel can run here (the DSL
+    # imports -- pip --target skips its .pth -- and is a release fusedq takes).
+    why = cute_mla_query.unavailable_reason()
+    if why is not None:
+        raise RecordError(
+            f"the CuTe kernel cannot run here ({why}); with pip --target, put the DSL's "
+            "python_packages (4.3) or dsl_packages (4.6) directory on PYTHONPATH"
+        )
     from orchestrator.probes import NvidiaSmiError, nvidia_smi
     from orchestrator.provenance import describe
 

@@ -120,3 +120,13 @@ def test_the_cute46_list_is_vllm_026s_own_dsl_pin_and_exact():
     assert "quack_kernels" in pins and len(pins) == 13
     # On top of the vLLM 0.26 list: nothing pinned twice across the two.
     assert not set(pins) & set(wh.read_pins(wh.DEFAULT_REQUIREMENTS))
+
+
+def test_the_cute_list_is_the_cute_extra_pinned():
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = wh.read_pins(REPO / "requirements" / "gpu-cute.txt")
+    assert f"nvidia-cutlass-dsl=={pins['nvidia_cutlass_dsl']}" in extra["cute"]
+    major, minor = map(int, pins["cuda_python"].split(".")[:2])
+    assert "cuda-python>=12.9,<13" in extra["cute"] and (major, minor) >= (12, 9) and major < 13
