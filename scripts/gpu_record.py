@@ -11,8 +11,10 @@ short ``fusedq-bench --floors``, and writes one small record,
 GPU, driver, torch / Triton / CUDA / nvidia-cutlass-dsl versions, passed / failed / skipped per
 test file, and the bench summary (fused/staged and fused/read-floor ratios per recipe).
 ``--out`` (default ``$OUT`` when set) also gets a copy of the record, the junit XML, the bench
-JSON and both logs. ``--part tests`` and ``--part bench`` run one half each (for carriers that
-limit one command's time); a later part is added to the record of the same fingerprint.
+JSON and both logs. ``--part tests`` and ``--part bench`` run one half each (for hosts that
+limit one command's time); a later part is added to the record of the same fingerprint and GPU
+in ``--records`` (default the repository's folder; name one that outlives the tree's copy, such
+as /tmp/gpu_records, where each command gets a fresh copy of the tree).
 
 ``tests/fusedq/test_gpu_record.py`` (a CPU test, run by CI) fails while the current tree has
 no passing record, naming this command: no kernel change lands untested on a GPU.
@@ -244,8 +246,13 @@ def _version(name: str) -> str | None:
 def _run(argv: list[str], log: Path) -> tuple[int, float]:
     print("+", " ".join(argv), flush=True)
     start = time.monotonic()
+    # This checkout's fusedq, whatever else is installed.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     with log.open("w") as f:
-        rc = subprocess.run(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=False)
+        rc = subprocess.run(
+            argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=False,
+            env={**os.environ, "PYTHONPATH": path},
+        )  # fmt: skip
     wall = time.monotonic() - start
     print(f"  exit {rc.returncode} after {wall:.0f} s; log {log}", flush=True)
     return rc.returncode, round(wall, 1)
@@ -296,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT"), help="also copy everything here")
     p.add_argument("--part", choices=("all", "tests", "bench"), default="all")
+    p.add_argument("--records", default=str(RECORDS), help="where the record is written")
     p.add_argument("--bench-heads", type=int, nargs="+", default=list(BENCH_HEADS))
     p.add_argument("--bench-m", type=int, nargs="+", default=list(BENCH_M))
     p.add_argument("--bench-samples", type=int, default=BENCH_SAMPLES)
@@ -311,14 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                 parts["tests"] = run_tests(work)
             if a.part in ("all", "bench"):
                 parts["bench"] = run_bench(work, a.bench_heads, a.bench_m, a.bench_samples)
-            path = write_record(fp, env, parts, RECORDS)
+            path = write_record(fp, env, parts, Path(a.records))
             if a.out:
                 shutil.copy2(path, work / path.name)
     except RecordError as exc:
         print(f"gpu_record: {exc}", file=sys.stderr)
         return 2
     record = json.loads(path.read_text())
-    print(f"wrote {path.relative_to(REPO)} (fusedq {fp}, commit {env['commit']})")
+    print(f"wrote {path} (fusedq {fp}, commit {env['commit']})")
     if "tests" in record:
         print(f"GPU tests: {record['tests']['totals']}")
     if "bench" in record:
