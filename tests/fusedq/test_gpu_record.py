@@ -157,3 +157,20 @@ def test_the_command_refuses_a_host_without_a_hopper_gpu(tmp_path: Path):
     assert done.stderr.strip() == "gpu_record: no CUDA device: the record is made on an H100/H200"
     assert list(tmp_path.iterdir()) == []
     assert (sorted(gr.RECORDS.glob("*.json")) if gr.RECORDS.is_dir() else []) == before
+
+
+def test_a_record_made_in_two_parts_is_one_record(tmp_path: Path):
+    fp = "0123456789abcdef"
+    env = {"gpu": "NVIDIA H200", "versions": {"nvidia-cutlass-dsl": "4.3.5"}, "commit": "abc"}
+    good = _passing_record(fp)
+    path = gr.write_record(fp, env, {"tests": good["tests"]}, tmp_path)
+    first = json.loads(path.read_text())
+    assert first["passed"] is False and "no bench summary" in gr.check(fp, tmp_path)
+    gr.write_record(fp, env, {"bench": good["bench"]}, tmp_path)
+    both = json.loads(path.read_text())
+    assert (
+        both["passed"] is True and both["tests"] == good["tests"] and gr.check(fp, tmp_path) is None
+    )
+    # A part from another GPU starts the record afresh: parts of two machines never mix.
+    gr.write_record(fp, {**env, "gpu": "NVIDIA H100"}, {"bench": good["bench"]}, tmp_path)
+    assert "tests" not in json.loads(path.read_text())
