@@ -276,21 +276,18 @@ def check_drill(d: dict, fault_variant: str, cause: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_gpu_fault_drill_illegal_memory_access(tmp_path: Path):
-    _needs_gpus(1)
-    d = drill(tmp_path, "h200-fault-drill")
-    check_drill(d, "fault", ILLEGAL)
+@pytest.mark.parametrize(
+    ("gpus", "matrix", "variant", "cause", "fired"),
+    [
+        (1, "h200-fault-drill", "fault", ILLEGAL, "fault drill: warm-up done"),
+        (2, "h200x2-fault-drill", "kill", WORKER_DIED, "fault drill: rank 1 kills itself"),
+    ],
+    ids=["illegal_memory_access", "tp2_worker_killed_mid_decode"],
+)
+def test_gpu_fault_drill(tmp_path: Path, gpus, matrix, variant, cause, fired):
+    _needs_gpus(gpus)
+    d = drill(tmp_path, matrix)
+    check_drill(d, variant, cause)
     # The drill fired where it was meant to: after warm-up, during the measured decode.
-    log = next((d["dir"] / "cases").glob("*__fault")) / "server.log"
-    assert "fault drill: warm-up done" in log.read_text()
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_gpu_fault_drill_tp2_worker_killed_mid_decode(tmp_path: Path):
-    _needs_gpus(2)
-    d = drill(tmp_path, "h200x2-fault-drill")
-    check_drill(d, "kill", WORKER_DIED)
-    log = next((d["dir"] / "cases").glob("*__kill")) / "server.log"
-    assert "fault drill: rank 1 kills itself (SIGKILL)" in log.read_text()
+    log = next((d["dir"] / "cases").glob(f"*__{variant}")) / "server.log"
+    assert fired in log.read_text()
