@@ -47,15 +47,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from fusedq.limits import KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE, QUALIFIED_HEADS, QUERY_WIDTH
-from orchestrator.mdtable import md_table
 
-# The environment probes and the Markdown table have one home, in the orchestrator (the same
-# distribution); importing this module runs fusedq/__init__, which loads torch: their imports
-# cost nothing beside it.
-from orchestrator.probes import NvidiaSmiError, git_commit, nvidia_smi
+# The environment probes, provenance and the Markdown table have one home, in the orchestrator
+# (the same distribution); importing this module runs fusedq/__init__, which loads torch: their
+# imports cost nothing beside it.
+from orchestrator import provenance
+from orchestrator.mdtable import md_table
+from orchestrator.probes import NvidiaSmiError, nvidia_smi
 
 FORMATS = ("bf16", "mxfp8", "e4m3", "mxfp8-e4m3")
 # Each format's recipe: (weight format, E4M3 output). "e4m3" is BF16 weights with E4M3 output
@@ -982,6 +982,7 @@ def environment(commit: str | None) -> dict:
 
     import fusedq
 
+    code = provenance.describe()
     env = {
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
@@ -992,7 +993,10 @@ def environment(commit: str | None) -> dict:
         "triton": triton.__version__,
         "fusedq": fusedq.__version__,
         "python": platform.python_version(),
-        "commit": commit or _git_commit(),
+        "commit": commit or provenance.commit_label(code),
+        # The code that ran, by commit and fingerprint, even from a copied tree whose .git is
+        # stale or absent (orchestrator.provenance).
+        "provenance": code,
         "FUSEDQ_PDL": os.environ.get("FUSEDQ_PDL", "0"),
     }
     query = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,driver_version"
@@ -1002,16 +1006,6 @@ def environment(commit: str | None) -> dict:
     except NvidiaSmiError as exc:
         env["nvidia_smi"] = f"unavailable: {exc}"
     return env
-
-
-def _git_commit() -> str:
-    """HEAD of the working directory's checkout, with "+dirty" when tracked files differ from
-    it: a copied tree (the device machine's, for one) can carry a stale .git, and the figures
-    must not claim its HEAD."""
-    state = git_commit(Path.cwd())
-    if state["commit"] is None:
-        return "unknown"
-    return state["commit"] + ("+dirty" if state["dirty"] else "")
 
 
 def format_table(rows: list[dict]) -> str:

@@ -35,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from orchestrator.provenance import commit_label
 from orchestrator.severity import Severity
 
 SCHEMA_VERSION = 1
@@ -475,6 +476,8 @@ class RunManifest(_Record):
     versions: dict[str, Any] | None = None
     git: dict[str, Any] | None = None
     fusedq_fingerprint: str | None = None
+    # orchestrator.provenance.describe() of the code that ran (absent before 2026-12-02).
+    provenance: dict[str, Any] | None = None
 
     @property
     def matrix_name(self) -> str | None:
@@ -482,7 +485,15 @@ class RunManifest(_Record):
 
     @property
     def commit(self) -> str | None:
+        """The code's commit: the provenance record's (``+dirty`` where the tree differed from
+        it), else git's HEAD as recorded before provenance existed."""
+        if self.provenance is not None:
+            return commit_label(self.provenance)
         return (self.git or {}).get("commit")
+
+    @property
+    def product_fingerprint(self) -> str | None:
+        return (self.provenance or {}).get("product_fingerprint")
 
     def version(self, name: str) -> Any:
         return (self.versions or {}).get(name)

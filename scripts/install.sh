@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the project (fusedq + orchestrator, CPU vLLM build, test tools) into a venv.
+# Install the project (fusedq + orchestrator, CPU vLLM build, test tools, the CUTLASS DSL for
+# the CuTe kernel's offline checks) into a venv.
 #
 #   scripts/install.sh [VENV_DIR]      (default: .venv in the repository root)
 #
@@ -37,9 +38,11 @@ if [[ "${INSTALL_FORCE:-0}" != 1 && -f "$stamp" && "$(cat "$stamp")" == "$want" 
 else
     say "pip install $TORCH_SPEC"
     pip_ install "$TORCH_SPEC"
-    say "pip install -e '$REPO[cpu,test]'"
-    # The torch pin again, so the resolver cannot swap the CPU build for a CUDA one.
-    pip_ install -e "$REPO[cpu,test]" "$TORCH_SPEC"
+    say "pip install -e '$REPO[cpu,test,cute]'"
+    # The torch pin again, so the resolver cannot swap the CPU build for a CUDA one. `cute`
+    # (nvidia-cutlass-dsl, 56 MiB) lets the CuTe kernel's offline trace / PTX / SASS tests run
+    # here: the DSL traces and compiles for sm_90 without a GPU, on AVX2 and AMX hosts alike.
+    pip_ install -e "$REPO[cpu,test,cute]" "$TORCH_SPEC"
     echo "$want" >"$stamp"
 fi
 
@@ -110,11 +113,16 @@ import importlib.util
 
 import torch
 
+import cutlass  # noqa: F401  (the cute extra: without it the offline CuTe checks would skip)
+
 bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
 assert not bad, f"still importable: {bad}"
 assert torch.__version__.endswith("+cpu"), f"torch {torch.__version__} is not the CPU build"
 assert "cpu" in md.version("vllm"), f"vllm metadata alias wrong: {md.version('vllm')}"
-print(f"[install] torch {torch.__version__}, vllm {md.version('vllm')}")
+print(
+    f"[install] torch {torch.__version__}, vllm {md.version('vllm')}, "
+    f"nvidia-cutlass-dsl {md.version('nvidia-cutlass-dsl')}"
+)
 EOF
 v="$("$VENV/bin/vllm" --version 2>/dev/null | tail -n1)" || die "'$VENV/bin/vllm --version' failed"
 say "vllm CLI answers: $v"

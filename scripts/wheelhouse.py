@@ -9,7 +9,8 @@ from it where none is.
 ``build`` downloads exactly the pinned wheels of ``requirements/gpu-vllm026.txt`` (no
 dependency resolution: the file *is* the closure over the base it names) for the given Python
 and platform, checks that every pin got exactly one wheel, adds the project's own wheel
-(fusedq + orchestrator), and writes ``SHA256SUMS`` and ``wheelhouse.json``. ``--split`` also
+(fusedq + orchestrator, stamped with the commit it was built from: orchestrator.provenance),
+and writes ``SHA256SUMS`` and ``wheelhouse.json``. ``--split`` also
 writes the whole as tar chunks of at most that size (``DIR.tar.part.00``, ...) for carriers
 that take one bounded file at a time (e.g. 60 MiB per transfer).
 
@@ -144,8 +145,7 @@ def build(args: argparse.Namespace) -> None:
     run(download)
     check_complete(pins, sorted(out.glob("*.whl")))
     if not args.no_project:
-        # The project itself, pure Python: its entry points are what vLLM's plugin loader finds.
-        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(REPO)])
+        project_wheel(out)
     wheels = sorted(out.glob("*.whl"))
     (out / SUMS).write_text("".join(f"{sha256(w)}  {w.name}\n" for w in wheels))
     meta = {"python": args.python, "platforms": args.platform or DEFAULT_PLATFORMS,
@@ -158,6 +158,33 @@ def build(args: argparse.Namespace) -> None:
     if args.split:
         for part in split(out, parse_size(args.split)):
             print(f"  {part} ({part.stat().st_size / 2**20:.1f} MiB)")
+
+
+def project_wheel(out: Path) -> None:
+    """The project itself, pure Python (its entry points are what vLLM's plugin loader finds),
+    carrying the build-info stamp of the checkout it is built from: a GPU host that installs
+    the wheel has no git, and its runs and benchmarks must still name their commit
+    (orchestrator.provenance). The checkout's own stamp is put back as it was afterwards."""
+    sys.path.insert(0, str(REPO))
+    from orchestrator import provenance
+
+    before = provenance.BUILD_INFO.read_bytes() if provenance.BUILD_INFO.is_file() else None
+    try:
+        try:
+            info = provenance.stamp()
+            dirty = " (dirty: " + ", ".join(info["dirty_files"]) + ")" if info["dirty"] else ""
+            print(f"stamped the project wheel: {info['commit']}{dirty}")
+        except provenance.ProvenanceError as exc:
+            # A tree without git (itself a copy) keeps a stamp it came with, if its code fits.
+            print(
+                f"not stamped ({exc}); provenance: {provenance.commit_label(provenance.describe())}"
+            )
+        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(REPO)])
+    finally:
+        if before is None:
+            provenance.BUILD_INFO.unlink(missing_ok=True)
+        else:
+            provenance.BUILD_INFO.write_bytes(before)
 
 
 def split(out: Path, size: int) -> list[Path]:

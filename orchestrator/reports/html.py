@@ -427,6 +427,7 @@ def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> di
         "total": len(m.cases),
         "versions": {name: m.version(name) for name in ("vllm", "fusedq", "torch", "ray")},
         "commit": m.commit,
+        "corrections": [c.sentence() for c in run.corrections],
         "comparison": comparison,
         "tables": [_topology_table(run, "aggregate_tok_s"), _topology_table(run, "per_user_tok_s")],
         "throughput_charts": _throughput_charts(run) if ordered else [],

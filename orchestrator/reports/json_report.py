@@ -34,6 +34,8 @@ def render_json(run: Run) -> dict[str, Any]:
         "matrix": m.matrix_name,
         "versions": m.versions,
         "git": m.git,
+        "provenance": m.provenance,
+        "corrections": [c.model_dump(exclude_none=True) for c in run.corrections],
         "cases_total": len(m.cases),
         "cases_finished": len(rows),
         "cases_failed": sum(not r.passed for r in rows),

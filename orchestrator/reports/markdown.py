@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from orchestrator.mdtable import md_table
+from orchestrator.reports import corrections as superseded
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     MISSING,
@@ -146,9 +147,11 @@ def render_markdown(run: Run) -> str:
         f"{len(run.results)}/{len(m.cases)} cases finished, {len(run.failed)} failed. "
         f"vLLM {m.version('vllm')}, fusedq {m.version('fusedq')} "
         f"(tree {m.fusedq_fingerprint}), torch {m.version('torch')}, "
-        f"Ray {m.version('ray')}, commit {m.commit}."
+        f"Ray {m.version('ray')}, commit {m.commit}"
+        + (f" (product tree {m.product_fingerprint})." if m.product_fingerprint else ".")
     )
-    out += ["", "## Aggregate output tok/s", ""]
+    out += ["", *superseded.markdown_section(run.corrections)]
+    out += ["## Aggregate output tok/s", ""]
     out.append(
         "Mean over repeats of aggregate output tok/s; every long-context case includes the "
         "prefill-to-decode transition. Servers were measured one at a time."

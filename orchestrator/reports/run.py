@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.reports import corrections as superseded
 from orchestrator.results import CaseResult, RunManifest
 from orchestrator.store import RunStore
 
@@ -61,6 +62,8 @@ class Run:
     # The latest row of each case, in the order rows were last written.
     results: list[CaseResult]
     overhead: Overhead = field(default_factory=Overhead)
+    # Figures found wrong after the run was written (orchestrator.reports.corrections).
+    corrections: list[superseded.Correction] = field(default_factory=list)
 
     @classmethod
     def load(cls, where: RunStore | str | Path) -> Run:
@@ -68,7 +71,7 @@ class Run:
         saved = store.root / OVERHEAD
         overhead = Overhead.of(json.loads(saved.read_text()) if saved.exists() else None)
         manifest = RunManifest.model_validate(store.manifest())
-        return cls(store, manifest, store.results(), overhead)
+        return cls(store, manifest, store.results(), overhead, superseded.load(store.root))
 
     @property
     def root(self) -> Path:

@@ -13,6 +13,7 @@ from fusedq_cases import (
     Q_SCALE,
     RECIPES,
     TIE_SCALE,
+    TOLERANCES,
     assert_matches,
     launch_matches_staged,
     make_out,
@@ -47,8 +48,8 @@ def _run_both(q_nope, weight, q_pe, out, out_dtype, device):
     got = fusedq.mla_query_projection(
         q_nope, weight, q_pe, out=out, out_dtype=out_dtype, q_scale=q_scale, backend="triton"
     )
-    ref = fusedq.staged_mla_query(q_nope, weight, q_pe, out_dtype=out_dtype, q_scale=q_scale)
-    return got, ref
+    # The staged BF16 output: the reference of both output dtypes (assert_matches).
+    return got, fusedq.staged_mla_query(q_nope, weight, q_pe), q_scale
 
 
 @pytest.mark.parametrize("h,m,fmt,out_dtype", list(_grid()))
@@ -58,9 +59,9 @@ def test_matches_staged(h, m, fmt, out_dtype, device):
     q_nope, q_pe = make_q(m, h, device, gen)
     # Alternate plain and pitched outputs across the grid: both are covered at every H.
     out, buf = make_out(m, h, out_dtype, device, pitched=m % 2 == 1)
-    got, ref = _run_both(q_nope, weight_for(fmt, w), q_pe, out, out_dtype, device)
+    got, ref, q_scale = _run_both(q_nope, weight_for(fmt, w), q_pe, out, out_dtype, device)
     assert got.data_ptr() == out.data_ptr()
-    assert_matches(out, ref, fmt)
+    assert_matches(out, ref, fmt, q_scale)
     if buf.shape != out.shape:
         # The pitch padding of the workspace is never written.
         pad = torch.cat([buf[:, h:].flatten(), buf[:, :h, 576:].flatten()]).float()
@@ -75,8 +76,8 @@ def test_weight_layouts(layout, fmt, out_dtype, device):
     weight = weight_in_layout(fmt, layout, h, device, gen)
     q_nope, q_pe = make_q(m, h, device, gen)
     out, _ = make_out(m, h, out_dtype, device, pitched=True)
-    _, ref = _run_both(q_nope, weight, q_pe, out, out_dtype, device)
-    assert_matches(out, ref, fmt)
+    _, ref, q_scale = _run_both(q_nope, weight, q_pe, out, out_dtype, device)
+    assert_matches(out, ref, fmt, q_scale)
 
 
 def test_separate_q_tensors_and_allocated_out(device):
@@ -327,8 +328,7 @@ def test_output_dtype_from_out(out_kind, out_dtype, with_scale, device):
         return
     got = call(backend="triton")
     assert got.dtype == want and (out is None or got.data_ptr() == out.data_ptr())
-    ref = fusedq.staged_mla_query(q_nope, w, q_pe, out_dtype=want, q_scale=q_scale)
-    assert_matches(got, ref, "bf16")
+    assert_matches(got, fusedq.staged_mla_query(q_nope, w, q_pe), "bf16", q_scale)
 
 
 def test_output_dtype_from_out_names_an_unsupported_dtype(device):
@@ -387,3 +387,73 @@ def test_e4m3_rounds_as_vllm(fields, m, epilogue, device):
     want = want / s if epilogue == "div" else want * s.reciprocal()
     want = want.clamp(-448, 448).to(E4M3)
     assert torch.equal(out.view(torch.uint8).cpu(), want.view(torch.uint8).cpu())
+
+
+# ---------------------------------------------------------------------------------------
+# The E4M3 comparison (fusedq_cases.assert_e4m3_matches) catches a 1 % accumulator error:
+# the interpreter kernel's accumulation is scaled by 1.01 or 0.99 (the test's own wrappers of
+# the kernel's _dot and _fma_row, patched into the module for this test only), and the output
+# must fail the comparison, while the unpatched kernel passes it and the RoPE half, which does
+# not go through the accumulator, stays bit-exact.
+
+
+def _scaled_accumulation(kernel, factor: float):
+    real_dot, real_fma_row = kernel._dot, kernel._fma_row
+
+    def dot(q, w, acc, INTERPRET):
+        return acc + (real_dot(q, w, acc, INTERPRET) - acc) * factor
+
+    def fma_row(q0, q1, q2, w0, w1, w2, acc, m, offs_m):
+        new = real_fma_row(q0, q1, q2, w0, w1, w2, acc, m, offs_m)
+        return acc + (new - acc) * factor
+
+    return dot, fma_row
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="patches the interpreter's kernel (CPU); compiled on GPU"
+)
+@pytest.mark.parametrize(
+    "fields,m",
+    [(dict(block_m=1, block_n=16, num_warps=1, fma=True), 1), (dict(block_m=16, block_n=32), 3)],
+    ids=["register", "dot"],
+)
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_e4m3_comparison_catches_one_percent(fields, m, fmt, monkeypatch):
+    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.reference import quantize_e4m3
+
+    h = 8
+    gen = torch.Generator().manual_seed(29 + m)
+    weight = weight_for(fmt, make_weight(h, "vllm", "cpu", gen))
+    values, scales = (weight.values, weight.scales) if fmt == "mxfp8" else (weight, None)
+    q_nope, q_pe = make_q(m, h, "cpu", gen)
+    q_scale = torch.tensor([Q_SCALE])
+    ref = fusedq.staged_mla_query(q_nope, weight, q_pe)
+    config = kernel.LaunchConfig(**fields)
+
+    def run() -> torch.Tensor:
+        out = poison(torch.empty(m, h, 576, dtype=E4M3))
+        kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
+        return out
+
+    assert_matches(run(), ref, fmt, q_scale)  # the kernel as shipped passes
+    rope = quantize_e4m3(ref[..., 512:], q_scale).view(torch.uint8)
+    old_atol, old_rtol = TOLERANCES[(fmt, E4M3)]
+    for factor in (1.01, 0.99):
+        with monkeypatch.context() as mp:
+            dot, fma_row = _scaled_accumulation(kernel, factor)
+            mp.setattr(kernel, "_dot", dot)
+            mp.setattr(kernel, "_fma_row", fma_row)
+            out = run()
+        assert torch.equal(out[..., 512:].view(torch.uint8), rope)  # only the 512 part moved
+        with pytest.raises(AssertionError, match="codes outside the E4M3 roundings"):
+            assert_matches(out, ref, fmt, q_scale)
+        # What the E4M3 entries of the tolerance table (2^-3 relative on the E4M3 values)
+        # would have said: the same output passes them.
+        torch.testing.assert_close(
+            out[..., :512].float(),
+            quantize_e4m3(ref[..., :512], q_scale).float(),
+            atol=old_atol,
+            rtol=old_rtol,
+        )

@@ -87,12 +87,15 @@ def test_decode_query_matches_vllm_staged_path(h, m, out_dtype, pitched, device)
         assert got.is_contiguous()
     else:
         assert got.data_ptr() == out.data_ptr()
-    vllm_ref = as_query(staged_decode_query(q_nope, w_uk_t, q_pe, q_scale=q_scale))
-    assert_matches(got, vllm_ref, "bf16")
-    fusedq_ref = fusedq.staged_mla_query(
-        q_nope.transpose(0, 1), w_uk_t, q_pe, out_dtype=out_dtype, q_scale=q_scale
-    )
-    assert_matches(got, fusedq_ref, "bf16")
+    # E4M3 out is compared with the E4M3 rounding of the staged BF16 query (assert_matches);
+    # vLLM's own E4M3 query is that rounding.
+    vllm_ref = as_query(staged_decode_query(q_nope, w_uk_t, q_pe))
+    assert_matches(got, vllm_ref, "bf16", q_scale)
+    if q_scale is not None:
+        vllm_e4m3 = staged_decode_query(q_nope, w_uk_t, q_pe, q_scale=q_scale)
+        assert_matches(vllm_e4m3, vllm_ref, "bf16", q_scale)
+    fusedq_ref = fusedq.staged_mla_query(q_nope.transpose(0, 1), w_uk_t, q_pe)
+    assert_matches(got, fusedq_ref, "bf16", q_scale)
 
 
 @pytest.mark.parametrize("h,m", [(4, 1), (8, 33), (12, 2)])
@@ -440,6 +443,15 @@ def assert_hands_on_the_staged_query(mla, vp, patched, staged, h, m, fp8, *, amx
     assert got.dtype == (E4M3 if fp8 else torch.bfloat16) and got.shape == (m, h, L + R)
     if m > 32:
         assert torch.equal(got, ref)
+    elif fp8:
+        # E4M3: both queries against the E4M3 rounding of the staged BF16 query of the same q
+        # (assert_matches): the fused one, and vLLM's own quantisation, which must be that.
+        q = torch.randn(m, h, P + R, generator=torch.Generator().manual_seed(m)).bfloat16()
+        bf16 = fusedq.staged_mla_query(q[..., :P], layer.W_UK_T, q[..., P:])
+        assert got.is_contiguous()
+        assert_matches(got, bf16, "bf16", layer._q_scale)
+        assert_matches(ref, bf16, "bf16", layer._q_scale)
+        assert vp._first_use.is_set()
     else:
         assert got.is_contiguous()
         assert_matches(got, ref, "bf16")

@@ -94,3 +94,39 @@ def test_build_refuses_a_non_empty_directory(tmp_path, capsys):
     (tmp_path / "x").write_text("")
     assert wh.main(["build", "--out", str(tmp_path)]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_the_project_wheel_carries_the_commit_it_was_built_from(tmp_path):
+    import zipfile
+
+    from orchestrator import provenance
+
+    before = provenance.BUILD_INFO.exists()
+    wh.project_wheel(tmp_path)
+    assert provenance.BUILD_INFO.exists() == before  # the checkout is left as it was
+    (wheel,) = tmp_path.glob("fusedq-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        stamp = json.loads(z.read("orchestrator/build_info.json"))
+    here = provenance.describe()
+    assert stamp["product_fingerprint"] == here["product_fingerprint"]
+    if here["source"] == "git":
+        assert (stamp["commit"], stamp["dirty"]) == (here["commit"], here["dirty"])
+
+
+def test_the_cute46_list_is_vllm_026s_own_dsl_pin_and_exact():
+    pins = wh.read_pins(REPO / "requirements" / "gpu-cute46.txt")
+    assert pins["nvidia_cutlass_dsl"] == "4.6.0"
+    assert pins["nvidia_cutlass_dsl_libs_cu13"] == pins["nvidia_cutlass_dsl_libs_cu12"] == "4.6.0"
+    assert "quack_kernels" in pins and len(pins) == 13
+    # On top of the vLLM 0.26 list: nothing pinned twice across the two.
+    assert not set(pins) & set(wh.read_pins(wh.DEFAULT_REQUIREMENTS))
+
+
+def test_the_cute_list_is_the_cute_extra_pinned():
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = wh.read_pins(REPO / "requirements" / "gpu-cute.txt")
+    assert f"nvidia-cutlass-dsl=={pins['nvidia_cutlass_dsl']}" in extra["cute"]
+    major, minor = map(int, pins["cuda_python"].split(".")[:2])
+    assert "cuda-python>=12.9,<13" in extra["cute"] and (major, minor) >= (12, 9) and major < 13
