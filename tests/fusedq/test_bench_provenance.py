@@ -1,4 +1,4 @@
-"""Every committed benchmark JSON (docs/bench) names the code that produced it: a commit that
+"""Every committed benchmark JSON (benchmarks/results/raw) names the code that produced it: a commit that
 ``fusedq-bench`` recorded from a clean tree (environment.commit), or a ``provenance`` entry
 saying which commit ran and on what evidence (git history, the file's own notes), or that it
 is unknown. A figure whose recorded commit is a stale or unreadable HEAD, or was edited by
@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = sorted((REPO / "docs" / "bench").glob("*.json"))
+BENCH = sorted(
+    p
+    for p in (REPO / "benchmarks" / "results" / "raw").rglob("*.json")
+    if not p.name.endswith(".kernels.json")
+)
 SHA = re.compile(r"[0-9a-f]{7,40}")
 
 
