@@ -255,29 +255,30 @@ def test_e4m3_variant_is_bound_and_prewarmed_apart(monkeypatch):
     """An E4M3 out binds (dispatch) and prewarms (fusedq.prewarm) the E4M3 variant, under its
     own key: a compiled BF16 variant of the same heads and bucket does not stand in for it."""
     from fusedq import api, dispatch
-    from fusedq.kernels import triton_mla_query
+    from fusedq.kernels import triton_launch
+    from fusedq.selection import Selection, launch_config
 
     calls = []
     monkeypatch.setattr(cute, "prewarm", lambda *a, **k: calls.append((a, k)) or 1)
     monkeypatch.setattr(cute, "unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
     gen = torch.Generator().manual_seed(5)
     cpu = torch.device("cpu")
     wq = fusedq.quantize_mxfp8(make_weight(8, "vllm", cpu, gen))
     q_nope, q_pe = make_q(1, 8, cpu, gen)
     out = torch.empty(1, 8, 576, dtype=E4M3)
-    bound = dispatch._cute_or(object(), "auto", (q_nope, wq.values, wq.scales, q_pe, out), False)
+    bound = dispatch._bind_cute(object(), "auto", (q_nope, wq.values, wq.scales, q_pe, out), False)
     assert isinstance(bound, cute.BoundCute)
     assert bound.key == (8, 1, 0, cute.E4M3_TAG) != cute.variant_key(8, 1, 0, False)
     assert calls == [((8, 1, cpu), {"out_fp8": True, "bf16_weights": False})]
     calls.clear()
-    monkeypatch.setattr(api, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
-    monkeypatch.setattr(triton_mla_query, "prewarm", lambda *a, **k: 0)
+    chosen = Selection("cute", "measured faster", launch_config(8, 1))
+    monkeypatch.setattr(api, "select", lambda *a, **k: chosen)
+    monkeypatch.setattr(triton_launch, "prewarm", lambda *a, **k: 0)
     assert fusedq.prewarm(wq, [1], out_dtype=E4M3) == 1
     assert calls == [((8, 1, cpu), {"out_fp8": True, "bf16_weights": False})]
     # bf16 weights: their own variant, beside the MXFP8 one of the same heads and bucket
     w = make_weight(8, "vllm", cpu, gen)
-    bound = dispatch._cute_or(object(), "auto", (q_nope, w, None, q_pe, out), False)
+    bound = dispatch._bind_cute(object(), "auto", (q_nope, w, None, q_pe, out), False)
     assert bound.key == (8, 1, 0, cute.E4M3_TAG, cute.BF16_WEIGHTS_TAG)
     calls.clear()
     assert fusedq.prewarm(w, [1], out_dtype=E4M3) == 1
@@ -387,7 +388,7 @@ def test_ptx_issues_every_load_before_any_use(h, bucket, out_fp8, bf16_weights, 
 
 
 def _product_variants() -> list[tuple[int, int, int, int]]:
-    from fusedq.capability import CUTE_MAX_M
+    from fusedq.selection import CUTE_MAX_M
 
     variants = []
     for bf16_weights in (0, 1):
@@ -450,7 +451,7 @@ def test_public_op_auto_picks_cute_at_small_m(m, out_dtype, weights, device):
     staged path. A misaligned out falls back to Triton; backend="cute" refuses it by name."""
     _needs_cute()
     from fusedq import dispatch
-    from fusedq.capability import CUTE_MAX_M
+    from fusedq.selection import CUTE_MAX_M
 
     h = 16
     gen = torch.Generator().manual_seed(50 + m)
@@ -527,7 +528,7 @@ def test_prewarm_compiles_the_e4m3_variant(device):
     no eager warm-up runs the CuTe kernel."""
     _needs_cute()
     from fusedq import dispatch
-    from fusedq.capability import CUTE_MAX_M
+    from fusedq.selection import CUTE_MAX_M
 
     h, m = 8, CUTE_MAX_M["mxfp8"]
     gen = torch.Generator().manual_seed(77)

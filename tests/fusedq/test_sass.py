@@ -69,15 +69,18 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from fusedq.kernels import common
 from fusedq.kernels import gluon_mla_query as g
 from fusedq.kernels import triton_mla_query as t
+from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE
+from fusedq.selection import launch_config
 out, done = Path(sys.argv[1]), {}
 fence = json.loads(sys.argv[2])  # None: each variant's own (LaunchConfig.fence)
 for wf in ("bf16", "mxfp8"):
     for of in (False, True):
         for h in (8, 11, 16):
             for m in (1, 2, 4, 8, 16, 32):
-                cfg = t.LaunchConfig.for_problem(h, m, wf, of)
+                cfg = launch_config(h, m, wf, of)
                 if cfg.gluon:
                     key = f"gluon-{cfg.gluon_operands}-m{cfg.block_m}-n{cfg.block_n}-w{cfg.num_warps}-{wf}-{'e4m3-' + cfg.e4m3_epilogue if of else 'bf16'}"
                     if key not in done:
@@ -92,10 +95,10 @@ for wf in ("bf16", "mxfp8"):
                 elif cfg.fma:
                     key = f"fma-m{cfg.block_m}-n{cfg.block_n}-w{cfg.num_warps}-{wf}-{'e4m3' if of else 'bf16'}"
                     if key not in done:
-                        cx = {"K": t.HEAD_K, "N": t.HEAD_N, "R": t.ROPE, "BLOCK_M": cfg.block_m,
+                        cx = {"K": QK_NOPE, "N": KV_LORA, "R": QK_ROPE, "BLOCK_M": cfg.block_m,
                               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "W_LAYOUT": 1,
                               "W_ALIGNED": True, "IO_ALIGNED": True, "MXFP8": wf == "mxfp8",
-                              "OUT_FP8": t.out_mode(of), "INTERPRET": False, "USE_PDL": False,
+                              "OUT_FP8": common.out_mode(of), "INTERPRET": False, "USE_PDL": False,
                               "LOAD_FENCE": cfg.fence if fence is None else fence}
                         ptr = {"q_ptr": "*bf16", "qpe_ptr": "*bf16",
                                "w_ptr": "*fp8e4nv" if wf == "mxfp8" else "*bf16",
@@ -158,7 +161,7 @@ def _early(tmp: Path, shapes: dict[str, list]) -> dict[str, list[str]]:
 
 
 def test_product_kernels_wait_early_only_where_it_was_measured(tmp_path):
-    """Every Gluon and register-path variant for_problem picks (4 recipes x H 8/11/16 x M
+    """Every Gluon and register-path variant the selection picks (4 recipes x H 8/11/16 x M
     1..32): no wait on a global load's data before the last global load is issued, except in
     KNOWN_EARLY. A new early wait fails here; so does a known one that went away (then the
     measured reason for it may be gone too)."""
