@@ -128,6 +128,28 @@ def test_both_staged_baselines_side_by_side_and_the_served_one_named():
     assert "FLASH_ATTN_MLA" in bench.SERVED_NOTE
 
 
+@pytest.mark.gpu
+def test_concat_quant_kernel_is_the_reference_quantisation():
+    """The E4M3 staged baseline's one-launch concat and quantise (vLLM's op on a GPU) writes
+    what the reference's torch ops write, bit for bit. (GPU only: the interpreter's fp8
+    conversion does not round to nearest even.)"""
+    import torch
+    from fusedq_cases import E4M3, Q_SCALE, make_q, make_weight
+
+    from fusedq import reference
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(12)
+    w = make_weight(11, "vllm", device, gen)
+    q_nope, q_pe = make_q(5, 11, device, gen)
+    q_scale = torch.tensor([Q_SCALE], device=device)
+    ref = reference.staged(q_nope, w, None, q_pe, None, q_scale)
+    got = reference.staged(
+        q_nope, w, None, q_pe, None, q_scale, concat_quant=bench.concat_quant_kernel
+    )
+    assert got.dtype == E4M3 and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
 def test_floor_bars_judge_each_ratio_against_its_own_bar():
     """The bars: BF16 fused <= 1.15x read, MXFP8 <= 1.25x read, E4M3 output <= 1.10x the
     BF16 output's time of the same weights at the same shape (BF16: "e4m3" / "bf16"; MXFP8:
@@ -304,7 +326,7 @@ def test_floor_ratios_take_the_fastest_read():
     base = {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.5, "staged_us": 5.0, "copy_us": 2.0,
             "fused_over_staged": 0.5, "fused_over_copy": 1.25}  # fmt: skip
     table = bench.format_table([{**base, **row}, base]).splitlines()
-    assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 13
+    assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 16
     assert "| 1.00 | 2.00 | 0.40 |" in table[2] and "| - | - | - |" in table[3]
     assert bench.parse_args(["--floors"])[0].floors
     # The grid and split-K floors, as fractions of the read floor, and in the tables.
@@ -548,8 +570,10 @@ for fmt, dtype, gdtype, scales in (("bf16", torch.int16, gl.int16, False),
         desc = TensorDescriptor.from_tensor(mat, [64, bn], shared)
         sig = {"w_desc": mangle_type(desc), "s_ptr": "*u8", "sink_ptr": "*i32",
                "rows_per_head": "i32", "s_sh": "i32", "s_sk": "i32", "BLOCK_N": "constexpr",
-               "CHUNK_K": "constexpr", "SCALES": "constexpr", "SCALE_COLS": "constexpr"}
-        consts = {"BLOCK_N": bn, "CHUNK_K": 64, "SCALES": scales, "SCALE_COLS": max(1, bn // 32)}
+               "CHUNK_K": "constexpr", "SCALES": "constexpr", "SCALE_COLS": "constexpr",
+               "MX": "constexpr"}
+        consts = {"BLOCK_N": bn, "CHUNK_K": 64, "SCALES": scales, "SCALE_COLS": max(1, bn // 32),
+                  "MX": 32}
         src = GluonASTSource(kernel, sig, constexprs=consts)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4 if bn <= 32 else 8})
