@@ -403,8 +403,7 @@ def _product_variants() -> list[tuple[int, int, int, int]]:
 
 # In the bf16-weight E4M3 variant for one token row, ptxas gives q_pe's head stride (a
 # constant-bank load) the scoreboard of q's global load, and q_pe's load waits for q's data.
-# Measured as it is (H200, 2026-12-01, docs/bench/h200-cute-bf16-2026-12-01.json): 1.04x its
-# BF16-out twin at H 8/11/16, 0.17-0.29 us faster than Triton's E4M3 kernel.
+# Measured as it is, it still beats Triton's E4M3 kernel (docs/decisions/0001-cute-for-small-m.md).
 KNOWN_EARLY_BF16W_E4M3_M1 = 1
 
 
@@ -413,7 +412,7 @@ def test_sass_issues_every_load_before_waiting_on_any(h, bucket, out_fp8, bf16_w
     # What ptxas makes of that PTX (tests/fusedq/sass_scoreboard.py), in every variant the
     # product runs (M <= CUTE_MAX_M): no wait on a global load's data before the last global
     # load is issued. The 1-row E4M3 variant failed this while q_scale's reciprocal sat next
-    # to the loads (ptxas waited for q_scale before the weight loads: 0.1-0.3 us slower); the
+    # to the loads (ptxas waited for q_scale before the weight loads); the
     # 2-row variants while they staged q through shared memory (its stores and the
     # dequantisation moved above the last loads), and, loading q per thread, without the
     # fence (three of four weight rows' loads sunk below the first row's FMAs).

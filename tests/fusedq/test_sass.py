@@ -138,8 +138,8 @@ def _compile(tmp: Path, fence: bool | None = None) -> dict[str, list]:
 # The product variants whose SASS waits on a global load before its last one, and why each
 # stays. The Gluon MXFP8 -> BF16 kernels wait for a weight load before issuing the last q
 # loads (ptxas sinks them below the dequantisation); the scheduling fence that removes the
-# wait (LaunchConfig.load_fence) measured slower on the H200 (2026-12-01: up to 0.16 us at
-# M = 32, 0.05 at M = 16, docs/fusedq.md), since the q loads it delays hit L2. The register
+# wait (LaunchConfig.load_fence) measured slower on the H200, since the q loads it delays hit
+# L2 (docs/decisions/0006-gluon-for-larger-m.md). The register
 # path's MXFP8 -> E4M3 kernel: ptxas gives q_scale's load one scoreboard for its data and its
 # address register and waits on it to reuse that register; that kernel runs only outside CUDA
 # graphs (in graphs MXFP8 at M <= 4 runs the CuTe kernel), where host time dominates.
@@ -175,8 +175,8 @@ def test_product_kernels_wait_early_only_where_it_was_measured(tmp_path):
 
 def test_the_fence_orders_the_loads(tmp_path):
     """With the fence on, no BF16-out variant waits early; off, the register path's does
-    (ptxas converts q before issuing the RoPE load: 3.10 against 2.69 us, H200, H 8, M 1)
-    and the MXFP8 Gluon ones do."""
+    (ptxas converts q before issuing the RoPE load, measured slower on the H200) and the
+    MXFP8 Gluon ones do."""
     on, off = tmp_path / "on", tmp_path / "off"
     on.mkdir()
     off.mkdir()
