@@ -14,9 +14,9 @@ from collections.abc import Iterable
 import torch
 
 from fusedq import dispatch, ops  # noqa: F401 (ops registers the custom ops used below)
-from fusedq.capability import kernel_choice
-from fusedq.kernels import triton_mla_query as kernel
+from fusedq.kernels import triton_launch
 from fusedq.mxfp8 import MXFP8Weight
+from fusedq.selection import select
 
 Weight = torch.Tensor | MXFP8Weight
 
@@ -115,17 +115,19 @@ def prewarm(
     dispatch.check_weight(values, scales)
     weight_format = "bf16" if scales is None else "mxfp8"
     compiled = 0
-    resolved_pdl = kernel.DEFAULT_PDL if pdl is None else pdl
+    resolved_pdl = triton_launch.DEFAULT_PDL if pdl is None else pdl
     for m in sorted({int(m) for m in m_values}):
-        # kernel_choice answers "staged" exactly where explain gives a reason.
-        path, _ = kernel_choice(
+        # What the calls' plans will bind (dispatch asks the same selection).
+        chosen = select(
             values.shape[0], m, weight_format=weight_format, out_dtype=out_dtype,
             device=values.device, pdl=resolved_pdl,
         )  # fmt: skip
-        if path == "staged":
+        if chosen.path == "staged":
             continue
-        compiled += kernel.prewarm(values, scales, m, out_dtype, pdl=pdl)
-        if path == "cute":  # the Triton variants stay compiled: the misaligned fallback
+        compiled += triton_launch.prewarm(values, scales, m, out_dtype, chosen.config)
+        if (
+            chosen.path == "cute"
+        ):  # the Triton variants stay compiled: the eager/misaligned fallback
             from fusedq.kernels import cute_mla_query
 
             compiled += cute_mla_query.prewarm(

@@ -1,14 +1,19 @@
 """``fusedq-bench``: the fused kernel against vLLM's staged path, in CUDA-graph replay.
 
-For each (format, H, M) three graphs are captured, each holding one call per layer with the
+For each (format, H, M) four graphs are captured, each holding one call per layer with the
 weights rotated over enough layers to exceed ``--l2-factor`` x L2 (so every call reads its
 weight from HBM, as in a real forward pass):
 
 - ``fused``: ``mla_query_projection`` (one launch per layer);
-- ``staged``: what vLLM runs today: ``torch.bmm`` on the strided ``W_UK_T`` view, then
-  ``torch.cat`` with ``q_pe`` (BF16 out), or ``bmm`` + vLLM's concat-and-quantise kernel
-  (E4M3 out); the staged baseline of MXFP8 is the BF16 staged path;
+- ``staged``: vLLM 0.32's staged block (``reference.staged``, form "bmm+cat"): ``torch.bmm`` on
+  the strided ``W_UK_T`` view, then ``torch.cat`` with ``q_pe`` (BF16 out), or ``bmm`` + a
+  one-kernel concat-and-quantise, as vLLM's op (E4M3 out);
+- ``bmm``: vLLM 0.26's FLASH_ATTN_MLA form (form "bmm"): the ``torch.bmm`` alone, since that
+  backend takes the (nope, pe) pair. What the served vLLM runs for BF16 output; each row names
+  its ``served_baseline`` (``reference.SERVED_FORM``);
 - ``copy``: a device copy of exactly the weight bytes of each layer, the physical anchor.
+
+The staged baselines of MXFP8 are the BF16 staged path's.
 
 Replays are interleaved ABBA-style, each timed with CUDA events; the figure is the median
 replay divided by the number of layers.
@@ -48,27 +53,41 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from fusedq.limits import KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE, QUALIFIED_HEADS, QUERY_WIDTH
+from fusedq import provenance
+from fusedq.bench_common import (
+    FORMATS,
+    RECIPES,
+    NvidiaSmiError,
+    abba_order,
+    md_table,
+    nvidia_smi,
+    out_dtype_of,
+)
+from fusedq.kernels.common import BLOCK_K
+from fusedq.kernels.triton_mla_query import SINGLE_BLOCK_K
+from fusedq.limits import (
+    E4M3_MAX,
+    KV_LORA,
+    MX_BLOCK,
+    QK_NOPE,
+    QK_ROPE,
+    QUALIFIED_HEADS,
+    QUERY_WIDTH,
+    V_HEAD,
+)
 
-# The environment probes, provenance and the Markdown table have one home, in the orchestrator
-# (the same distribution); importing this module runs fusedq/__init__, which loads torch: their
-# imports cost nothing beside it.
-from orchestrator import provenance
-from orchestrator.mdtable import md_table
-from orchestrator.probes import NvidiaSmiError, nvidia_smi
-
-FORMATS = ("bf16", "mxfp8", "e4m3", "mxfp8-e4m3")
-# Each format's recipe: (weight format, E4M3 output). "e4m3" is BF16 weights with E4M3 output
-# (its name predates the MXFP8 -> E4M3 rows); the staged path always has the BF16 weights.
-RECIPES: dict[str, tuple[str, bool]] = {
-    "bf16": ("bf16", False),
-    "mxfp8": ("mxfp8", False),
-    "e4m3": ("bf16", True),
-    "mxfp8-e4m3": ("mxfp8", True),
-}
 # H200 L2 is 60 MB; rotating over 2x that keeps every layer's weight out of L2.
 DEFAULT_L2_MB = 60.0
-# Targets of issue 2 (fused / staged, fused / copy), per format.
+# The staged baselines' row keys and titles (reference.STAGED_FORMS): "staged_us" is vLLM
+# 0.32's bmm + cat, the key it had before the bmm-only baseline was added beside it.
+SERVED_KEYS = {"bmm+cat": "staged_us", "bmm": "bmm_us"}
+BASELINE_TITLES = {"bmm+cat": "bmm+cat", "bmm": "bmm-only"}
+SERVED_NOTE = (
+    "served vLLM (0.26): BF16 output runs FLASH_ATTN_MLA, which takes the (nope, pe) pair: "
+    "the bmm alone, so fused/bmm-only is its figure; E4M3 output (no FP8 in FLASH_ATTN_MLA) "
+    "runs bmm + concat-quantise: fused/bmm+cat."
+)
+# The targets the kernel was built to (fused / staged, fused / copy), per format.
 TARGETS = {
     "bf16": (0.40, 1.3), "mxfp8": (0.35, None), "e4m3": (None, None), "mxfp8-e4m3": (None, None)
 }  # fmt: skip
@@ -88,7 +107,7 @@ class Options:
     sweep: bool = False
     sweep_block_n: tuple[int, ...] = (16, 32, 64)
     sweep_warps: tuple[int, ...] = (4, 8)
-    sweep_block_k: tuple[int, ...] = (64, 256)
+    sweep_block_k: tuple[int, ...] = (BLOCK_K, SINGLE_BLOCK_K)
     sweep_pdl: tuple[int, ...] = (0,)
     # Register-path (no tl.dot) variants "BLOCK_N:WARPS", for M <= 8, any output; and those
     # of them to time with PDL as well.
@@ -118,14 +137,6 @@ class Options:
 
 def _layers(bytes_per_layer: int, opts: Options) -> int:
     return max(2, math.ceil(opts.l2_factor * opts.l2_mb * 1e6 / bytes_per_layer))
-
-
-def abba_order(names: Sequence[str], samples: int) -> list[str]:
-    """Forward order on even samples, reversed on odd ones (A B C, C B A, ...)."""
-    order: list[str] = []
-    for i in range(samples):
-        order.extend(names if i % 2 == 0 else reversed(names))
-    return order
 
 
 def time_graphs(graphs: dict, samples: int, warmup: int) -> dict[str, list[float]]:
@@ -168,21 +179,24 @@ def _concat_quant_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(ql_ptr, pe_ptr, out_ptr, qs_ptr, H, s_qm, s_qh, s_pm, s_ph, s_om, s_oh):
+    def kernel(
+        ql_ptr, pe_ptr, out_ptr, qs_ptr, H, s_qm, s_qh, s_pm, s_ph, s_om, s_oh,
+        N: tl.constexpr, R: tl.constexpr, QMAX: tl.constexpr,
+    ):  # fmt: skip
         # One program per (token, head) row, as vLLM's concat-and-quantise decode op does.
         row = tl.program_id(0)
         m = row // H
         h = row % H
         # vLLM's static_scaled_fp8_quant: 1 / scale once (IEEE), then a multiply per element.
         inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(qs_ptr))
-        offs = tl.arange(0, 512)
+        offs = tl.arange(0, N)
         x = tl.load(ql_ptr + m * s_qm + h * s_qh + offs).to(tl.float32)
-        x = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+        x = tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
         tl.store(out_ptr + m * s_om + h * s_oh + offs, x.to(out_ptr.dtype.element_ty))
-        offs_r = tl.arange(0, 64)
+        offs_r = tl.arange(0, R)
         r = tl.load(pe_ptr + m * s_pm + h * s_ph + offs_r).to(tl.float32)
-        r = tl.minimum(tl.maximum(r * inv, -448.0), 448.0)
-        tl.store(out_ptr + m * s_om + h * s_oh + 512 + offs_r, r.to(out_ptr.dtype.element_ty))
+        r = tl.minimum(tl.maximum(r * inv, -QMAX), QMAX)
+        tl.store(out_ptr + m * s_om + h * s_oh + N + offs_r, r.to(out_ptr.dtype.element_ty))
 
     return kernel
 
@@ -190,31 +204,25 @@ def _concat_quant_kernel():
 _CONCAT_QUANT = None
 
 
-def staged_vllm(q_nope, w, q_pe, q_scale=None):
-    """vLLM's decode query path: bmm on the W_UK_T view, then cat (or concat+quant)."""
-    import torch
-
-    ql_nope = torch.bmm(q_nope.transpose(0, 1), w).transpose(0, 1)
-    if q_scale is None:
-        return torch.cat([ql_nope, q_pe], dim=-1)
+def concat_quant_kernel(ql_nope, q_pe, q_scale, out) -> None:
+    """E4M3's concat and quantisation in one launch, as vLLM's op runs it on a GPU (the staged
+    baseline's ``concat_quant``; the reference's torch ops take several launches)."""
     global _CONCAT_QUANT
     if _CONCAT_QUANT is None:
         _CONCAT_QUANT = _concat_quant_kernel()
-    m, h, _ = q_nope.shape
-    out = torch.empty(m, h, QUERY_WIDTH, dtype=torch.float8_e4m3fn, device=q_nope.device)
+    m, h, _ = ql_nope.shape
     _CONCAT_QUANT[(m * h,)](
         ql_nope, q_pe, out, q_scale, h,
         ql_nope.stride(0), ql_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), N=KV_LORA, R=QK_ROPE, QMAX=E4M3_MAX,
     )  # fmt: skip
-    return out
 
 
 # --floors: int32 words per CTA of the read-only kernel (pow2; the grid follows from it).
 FLOOR_READ_WORDS = (256, 512, 1024, 2048, 4096)
 FLOOR_EMPTY_CTAS = 128
-# The read+store floor: the read kernel's tiles that were fastest (2 and 4 KB at all 36 shapes
-# of 2026-11-29), each CTA then storing its share of the layer's output bytes (M x H x 576),
+# The read+store floor: the read kernel's tiles that measured fastest at every shape, each CTA
+# then storing its share of the layer's output bytes (M x H x QUERY_WIDTH),
 # written with a value its loads produced, so the stores wait for the round trip as the fused
 # kernel's do. What no single launch that reads the weights and writes the output can beat.
 FLOOR_STORE_WORDS = (512, 1024)
@@ -287,7 +295,7 @@ def _floor_kernels():
     def view_read_kernel(
         w_ptr, s_ptr, sink_ptr, s_wh, s_wk, s_sh, s_sk,
         BLOCK_N: tl.constexpr, CHUNK_K: tl.constexpr, SCALES: tl.constexpr,
-        SCALE_COLS: tl.constexpr,
+        SCALE_COLS: tl.constexpr, MX: tl.constexpr,
     ):  # fmt: skip
         # The fused kernel's CTA tile of the real weight view (head h, BLOCK_N columns from
         # pid_n * BLOCK_N, all 3 x CHUNK_K rows; MXFP8: with its scales), loaded as the fused
@@ -302,7 +310,7 @@ def _floor_kernels():
         w1 = tl.load(rows + CHUNK_K * s_wk)
         w2 = tl.load(rows + 2 * CHUNK_K * s_wk)
         if SCALES:
-            offs_s = (pid_n * BLOCK_N) // 32 + tl.arange(0, SCALE_COLS)
+            offs_s = (pid_n * BLOCK_N) // MX + tl.arange(0, SCALE_COLS)
             srows = s_ptr + h.to(tl.int64) * s_sh + offs_k[:, None] * s_sk + offs_s[None, :]
             c0 = tl.load(srows)
             c1 = tl.load(srows + CHUNK_K * s_sk)
@@ -334,7 +342,7 @@ def _tma_floor_kernel():
     import torch
 
     from fusedq.kernels import gluon_mla_query
-    from fusedq.kernels.triton_mla_query import interpreting
+    from fusedq.kernels.common import interpreting
 
     if interpreting() or not torch.cuda.is_available():
         _TMA_FLOOR = (None, "TMA needs a CUDA GPU (not the interpreter)")
@@ -362,7 +370,7 @@ def _define_tma_floor_kernel():
     def view_tma_kernel(
         w_desc, s_ptr, sink_ptr, rows_per_head, s_sh, s_sk,
         BLOCK_N: gl.constexpr, CHUNK_K: gl.constexpr, SCALES: gl.constexpr,
-        SCALE_COLS: gl.constexpr,
+        SCALE_COLS: gl.constexpr, MX: gl.constexpr,
     ):  # fmt: skip
         pid_n = gl.program_id(0)
         h = gl.program_id(1)
@@ -383,7 +391,7 @@ def _define_tma_floor_kernel():
                 [1, SCALE_COLS], [32, 1], [num_warps, 1], [1, 0]
             )
             offs_k = gl.arange(0, CHUNK_K, layout=gl.SliceLayout(1, s_layout))
-            offs_s = (pid_n * BLOCK_N) // 32 + gl.arange(
+            offs_s = (pid_n * BLOCK_N) // MX + gl.arange(
                 0, SCALE_COLS, layout=gl.SliceLayout(0, s_layout)
             )
             srows = s_ptr + h.to(gl.int64) * s_sh + offs_k[:, None] * s_sk + offs_s[None, :]
@@ -460,7 +468,7 @@ def _floor_steps(lay: Layers) -> dict[str, Callable[[int], None]]:
 # Why the fused kernel stays above the read floor. The read floor's best grid has 2-4 KB per
 # CTA (768-1536 CTAs), while one CTA of the fused kernel owns BLOCK_N output columns over the
 # whole K (192 rows): 6-24 KB, H x 512 / BLOCK_N CTAs, reading BLOCK_N-wide segments of
-# W_UK_T's 1 KB rows. Three floors take those apart (H200, 2026-11-30, docs/fusedq.md):
+# W_UK_T's 1 KB rows. Three floors take those apart:
 # "grid": the read kernel on the fused kernel's own grid (its CTA count, the layer's bytes
 # shared evenly); "split_k": the read kernel's best grid, its CTAs in K groups of
 # FLOOR_SPLIT_K, joined with the least a split-K kernel must add (see split_k_kernel);
@@ -490,25 +498,14 @@ def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
 def fused_block_n(fmt: str, h: int, m: int) -> int:
     """The output columns per CTA of the fused kernel the product picks (the CuTe kernel's:
     its MX block)."""
-    import fusedq
     from fusedq.kernels import cute_mla_query
-    from fusedq.kernels.triton_mla_query import LaunchConfig
+    from fusedq.selection import select
 
     weight_format, out_fp8 = RECIPES[fmt]
-    out_dtype = out_dtype_of(out_fp8)
-    path, _ = fusedq.kernel_choice(h, m, weight_format=weight_format, out_dtype=out_dtype)
-    if path == "cute":
-        block_n = cute_mla_query.BLOCK_N
-    else:
-        block_n = LaunchConfig.for_problem(h, m, weight_format, out_fp8).block_n
-    return block_n
-
-
-def out_dtype_of(out_fp8: bool):
-    """The output dtype of a recipe with (True) or without E4M3 output."""
-    import torch
-
-    return torch.float8_e4m3fn if out_fp8 else torch.bfloat16
+    chosen = select(h, m, weight_format=weight_format, out_dtype=out_dtype_of(out_fp8))
+    if chosen.path == "cute":
+        return cute_mla_query.BLOCK_N
+    return chosen.config.block_n
 
 
 def _grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
@@ -545,8 +542,8 @@ def _grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]
     scales = [values[i] if sc is None else sc for i, (_, sc) in enumerate(ws)]
     v0, s0 = values[0], scales[0]
     view_meta = dict(
-        BLOCK_N=block_n, CHUNK_K=QK_NOPE // 3, SCALES=ws[0][1] is not None,
-        SCALE_COLS=max(1, block_n // MX_BLOCK), num_warps=4 if block_n <= 32 else 8,
+        BLOCK_N=block_n, CHUNK_K=BLOCK_K, SCALES=ws[0][1] is not None,
+        SCALE_COLS=max(1, block_n // MX_BLOCK), MX=MX_BLOCK, num_warps=4 if block_n <= 32 else 8,
     )  # fmt: skip
 
     def view(i: int) -> None:
@@ -621,7 +618,7 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
     staged_w, fused_w, copy_src, copy_dst = [], [], [], []
     for _ in range(n_layers):
         # vLLM's W_UK_T: kv_b_proj.weight.T viewed [H, P+V, L], sliced to the P rows.
-        base = torch.randn(h, QK_NOPE + 256, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
+        base = torch.randn(h, QK_NOPE + V_HEAD, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
         w = base[:, :QK_NOPE, :]
         staged_w.append(w)
         fused_w.append(fusedq.quantize_mxfp8(w) if weight_format == "mxfp8" else w)
@@ -652,7 +649,7 @@ def _fused_step(lay: Layers, config=None, backend: str = "auto") -> Callable[[in
     """Layer i's fused call: the public op (``backend``: "auto" is the product's own choice of
     kernel, "triton"/"cute" that kernel), or the Triton kernel launched with ``config``."""
     import fusedq
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch
 
     def step(i: int) -> None:
         w = lay.fused_w[i]
@@ -663,7 +660,9 @@ def _fused_step(lay: Layers, config=None, backend: str = "auto") -> Callable[[in
             )  # fmt: skip
         else:
             values, scales = (w.values, w.scales) if hasattr(w, "scales") else (w, None)
-            kernel.launch(lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config)
+            triton_launch.launch(
+                lay.q_nope, values, scales, lay.q_pe, lay.out, lay.q_scale, config=config
+            )
 
     return step
 
@@ -687,8 +686,15 @@ def _kernel_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
     return {"triton": _fused_step(lay, backend="triton"), "cute": cute}
 
 
-def _staged_step(lay: Layers) -> Callable[[int], None]:
-    return lambda i: staged_vllm(lay.q_nope, lay.staged_w[i], lay.q_pe, lay.q_scale)
+def _staged_step(lay: Layers, form: str = "bmm+cat") -> Callable[[int], None]:
+    """Layer i's staged block in one of ``reference.STAGED_FORMS``, on the BF16 weight, with
+    E4M3's concat and quantisation in one launch as vLLM runs it."""
+    from fusedq.reference import staged
+
+    return lambda i: staged(
+        lay.q_nope, lay.staged_w[i], None, lay.q_pe, None, lay.q_scale, form=form,
+        concat_quant=concat_quant_kernel,
+    )  # fmt: skip
 
 
 def _copy_step(lay: Layers) -> Callable[[int], None]:
@@ -755,9 +761,10 @@ def _producers(lay: Layers) -> Producers:
     dev = lay.q_nope.device
     q = lay.q_nope._base if lay.q_nope._base is not None else lay.q_nope
     return Producers(
-        q2d=q.view(m, h * 256),
+        q2d=q.view(m, h * (QK_NOPE + QK_ROPE)),
         q_c=torch.randn(m, Q_LORA_RANK, device=dev, dtype=torch.bfloat16),
-        w_qb=torch.randn(Q_LORA_RANK, h * 256, device=dev, dtype=torch.bfloat16) * 0.02,
+        w_qb=torch.randn(Q_LORA_RANK, h * (QK_NOPE + QK_ROPE), device=dev, dtype=torch.bfloat16)
+        * 0.02,
         kv_new=torch.randn(m, QUERY_WIDTH, device=dev, dtype=torch.bfloat16),
         kv_row=torch.empty(m, QUERY_WIDTH, device=dev, dtype=torch.bfloat16),
     )
@@ -781,16 +788,21 @@ def _chained(
 def _steps(
     lay: Layers, fmt: str, *, pdl: bool, floors: bool = False
 ) -> dict[str, Callable[[int], None]]:
-    """One layer's call of each timed path: fused, staged, copy (and fused with PDL, and
-    the floor kernels)."""
-    from fusedq.kernels import triton_mla_query as kernel
+    """One layer's call of each timed path: fused, the two staged baselines, copy (and fused
+    with PDL, and the floor kernels)."""
+    from fusedq.kernels import triton_mla_query
+    from fusedq.selection import launch_config
 
-    steps = {"fused": _fused_step(lay), "staged": _staged_step(lay), "copy": _copy_step(lay)}
+    steps = {
+        "fused": _fused_step(lay),
+        "staged": _staged_step(lay, "bmm+cat"),
+        "bmm": _staged_step(lay, "bmm"),
+        "copy": _copy_step(lay),
+    }
     steps.update(_kernel_steps(lay, fmt))
-    if pdl and kernel.HAS_PDL:
+    if pdl and triton_mla_query.HAS_PDL:
         m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
-        cfg = kernel.LaunchConfig.for_problem(h, m, *RECIPES[fmt])
-        steps["fused_pdl"] = _fused_step(lay, dataclasses.replace(cfg, pdl=True))
+        steps["fused_pdl"] = _fused_step(lay, launch_config(h, m, *RECIPES[fmt], pdl=True))
     if floors:
         steps.update(_floor_steps(lay))
         steps.update(_grid_floor_steps(lay, fmt))
@@ -826,7 +838,7 @@ def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
                 row[f"{name}_us"] -= row["chain_us"]
         if "fused_pdl_us" in row:
             row["fused_pdl_over_staged"] = row["fused_pdl_us"] / row["staged_us"]
-    row["fused_over_staged"] = row["fused_us"] / row["staged_us"]
+    add_baseline_ratios(row, lay.out_dtype)
     row["fused_over_copy"] = row["fused_us"] / row["copy_us"]
     if opts.floors:
         add_floor_ratios(row)
@@ -834,6 +846,19 @@ def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
     del graphs, lay, prod
     torch.cuda.empty_cache()
     return row
+
+
+def add_baseline_ratios(row: dict, out_dtype) -> None:
+    """fused against both staged baselines (``staged_us``: vLLM 0.32's bmm + cat, the key it
+    always had; ``bmm_us``: the bmm alone, vLLM 0.26's FLASH_ATTN_MLA form), and which of them
+    the served vLLM runs for this output (``served_baseline``, ``fused_over_served``)."""
+    from fusedq.reference import SERVED_FORM
+
+    row["fused_over_staged"] = row["fused_us"] / row["staged_us"]
+    row["fused_over_bmm"] = row["fused_us"] / row["bmm_us"]
+    served = SERVED_FORM[out_dtype]
+    row["served_baseline"] = served
+    row["fused_over_served"] = row["fused_us"] / row[SERVED_KEYS[served]]
 
 
 def add_floor_ratios(row: dict) -> None:
@@ -862,7 +887,9 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
     """Launch configs to time for one shape: the tl.dot grid, the tl.dot path's current
     choice (``dot``), the default choice (``auto``), the register-path and the Gluon
     variants."""
-    from fusedq.kernels.triton_mla_query import FMA_BLOCK_MS, LaunchConfig
+    from fusedq.kernels.triton_launch import LaunchConfig
+    from fusedq.kernels.triton_mla_query import FMA_BLOCK_MS
+    from fusedq.selection import launch_config
 
     weight_format, out_fp8 = RECIPES[fmt]
     block_m = max(16, 1 << (m - 1).bit_length())
@@ -875,8 +902,8 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
         for bk in opts.sweep_block_k
         for pdl in opts.sweep_pdl
     }
-    configs["dot"] = LaunchConfig.for_problem(h, m, weight_format, out_fp8, allow_fma=False)
-    configs["auto"] = LaunchConfig.for_problem(h, m, weight_format, out_fp8)
+    configs["dot"] = launch_config(h, m, weight_format, out_fp8, allow_fma=False)
+    configs["auto"] = launch_config(h, m, weight_format, out_fp8)
     fma_m = 1 << (m - 1).bit_length()
     if fma_m in FMA_BLOCK_MS:
         for spec, pdl in [(v, False) for v in opts.sweep_fma] + [
@@ -995,7 +1022,7 @@ def environment(commit: str | None) -> dict:
         "python": platform.python_version(),
         "commit": commit or provenance.commit_label(code),
         # The code that ran, by commit and fingerprint, even from a copied tree whose .git is
-        # stale or absent (orchestrator.provenance).
+        # stale or absent (fusedq.provenance).
         "provenance": code,
         "FUSEDQ_PDL": os.environ.get("FUSEDQ_PDL", "0"),
     }
@@ -1009,19 +1036,24 @@ def environment(commit: str | None) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown table of benchmark rows, with the targets each row meets."""
+    """Markdown table of benchmark rows: fused against both staged baselines side by side (rows
+    written before the bmm-only baseline existed show "-" there), which one the served vLLM
+    runs, and the targets each row meets."""
     floors = any("read_us" in r for r in rows)
     kinds = [k for g in FLOOR_GROUPS if any(f"{g[0]}_us" in r for r in rows) for k in g]
-    header = ["format", "H", "M", "fused µs", "staged µs", "copy µs", "fused/staged", "fused/copy"]
-    header += ["empty µs", "read µs", "read/staged"] * floors
+    header = ["format", "H", "M", "fused µs", "bmm+cat µs", "bmm-only µs", "copy µs"]
+    header += ["fused/bmm+cat", "fused/bmm-only", "fused/copy", "served vLLM runs"]
+    header += ["empty µs", "read µs", "read/bmm+cat"] * floors
     header += [f"{FLOOR_TITLES[k]} µs" for k in kinds] + ["target"]
     body = []
     for r in rows:
         if "error" in r:
             body.append([r["format"], r["H"], r["M"], f"error: {r['error']}"])
             continue
-        keys = ("fused_us", "staged_us", "copy_us", "fused_over_staged", "fused_over_copy")
-        cells = [r["format"], r["H"], r["M"], *(f"{r[k]:.2f}" for k in keys)]
+        keys = ("fused_us", "staged_us", "bmm_us", "copy_us", "fused_over_staged")
+        keys += ("fused_over_bmm", "fused_over_copy")
+        cells = [r["format"], r["H"], r["M"], *(f"{r[k]:.2f}" if k in r else "-" for k in keys)]
+        cells.append(BASELINE_TITLES.get(r.get("served_baseline"), "-"))
         if "read_us" in r:
             cells += [f"{r[k]:.2f}" for k in ("empty_us", "read_us", "read_over_staged")]
         elif floors:
@@ -1031,8 +1063,9 @@ def format_table(rows: list[dict]) -> str:
     return md_table(header, body)
 
 
-# Issue 15's bar, measured against the floor in the same run: fused / read-only floor per
-# weight format, and E4M3 output / BF16 output of the same recipe (weight format), per shape.
+# The bars a kernel change is held to, measured against the floor in the same run: fused /
+# read-only floor per weight format, and E4M3 output / BF16 output of the same recipe (weight
+# format), per shape.
 FLOOR_BARS = {"bf16": 1.15, "mxfp8": 1.25}
 E4M3_OVER_BF16_BAR = 1.10
 # (E4M3-output format, the BF16-output format of the same weights, the bar's key in a row).
@@ -1158,8 +1191,9 @@ def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
         r = new[0]
         print(
             f"{fmt} H={h} M={m} L={r['layers']}: fused {r['fused_us']:.2f} µs, "
-            f"staged {r['staged_us']:.2f} µs, copy {r['copy_us']:.2f} µs, "
-            f"ratio {r['fused_over_staged']:.3f} / {r['fused_over_copy']:.3f}, "
+            f"bmm+cat {r['staged_us']:.2f} µs, bmm-only {r['bmm_us']:.2f} µs, "
+            f"copy {r['copy_us']:.2f} µs, ratio {r['fused_over_staged']:.3f} / "
+            f"{r['fused_over_bmm']:.3f} / {r['fused_over_copy']:.3f}, "
             + (
                 f"PDL {r['fused_pdl_us']:.2f} µs ({r['fused_pdl_over_staged']:.3f}), "
                 if "fused_pdl_us" in r
@@ -1283,6 +1317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(bench_eager.format_table(result["eager"]))
     elif not opts.sweep:
         print(format_table(result["rows"]))
+        print(SERVED_NOTE)
         if opts.floors:
             result["floor_bars"] = floor_bars(result["rows"])
             print(format_floor_bars(result["floor_bars"]))

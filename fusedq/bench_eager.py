@@ -10,7 +10,7 @@ sliced ``q``:
 - ``public_out``: the same with a preallocated ``out`` (adds the per-call overlap check);
 - ``hook``: ``vllm_hook.decode_query`` — exactly what replaces vLLM's staged block;
 - ``custom_op``: ``torch.ops.fusedq.mla_query_projection`` (the dispatcher + the plan);
-- ``bare``: ``kernels.triton_mla_query.launch`` (no validation, no plan: the config, the key
+- ``bare``: ``kernels.triton_launch.launch`` (no validation, no plan: the config, the key
   and Triton's JIT launch on every call);
 - ``staged_032`` / ``staged_026``: vLLM's block, BF16: ``bmm`` into a token-major buffer
   through a transposed view (0.32) or into a head-major buffer then transposed (0.26), then
@@ -34,8 +34,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from fusedq.bench import RECIPES, out_dtype_of
-from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
+from fusedq.bench_common import RECIPES, abba_order, md_table, out_dtype_of
+from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH, V_HEAD
 
 PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
 # The fused paths compared with the staged block, and the staged variant each is divided by.
@@ -56,7 +56,7 @@ class EagerOperands:
     q_nope: object  # [M, H, 192] slice of q
     q_nope_t: object  # vLLM's (N, B, P) transposed view of it
     q_pe: object
-    staged_w: object  # bf16 W_UK_T view [H, 192, 512] of a [H, 448, 512] tensor
+    staged_w: object  # bf16 W_UK_T view [H, QK_NOPE, KV_LORA] of [H, QK_NOPE + V_HEAD, KV_LORA]
     fused_w: object  # the same, or its MXFP8 quantisation
     out: object
     out_dtype: object
@@ -69,9 +69,9 @@ def eager_operands(fmt: str, h: int, m: int, q_scale: float, device=None) -> Eag
     import fusedq
 
     dev = torch.device(device or "cuda")
-    # vLLM's W_UK_T is a strided view into kv_b_proj's [H, qk_nope + v_head, kv_lora] weight
-    # (v_head 256 in GLM-5), and q_nope / q_pe are slices of one [M, H, qk_nope + rope] q.
-    w = torch.randn(h, QK_NOPE + 256, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
+    # vLLM's W_UK_T is a strided view into kv_b_proj's [H, qk_nope + v_head, kv_lora] weight,
+    # and q_nope / q_pe are slices of one [M, H, qk_nope + rope] q.
+    w = torch.randn(h, QK_NOPE + V_HEAD, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
     w = w[:, :QK_NOPE, :]
     q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
     weight_format, out_fp8 = RECIPES[fmt]
@@ -94,15 +94,24 @@ def eager_paths(ops: EagerOperands) -> dict[str, Callable[[], object]]:
 
     import fusedq
     from fusedq.dispatch import split_weight
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch
     from fusedq.reference import quantize_e4m3
+    from fusedq.selection import launch_config
     from fusedq.vllm_hook import decode_query
 
     values, scales = split_weight(ops.fused_w)
     q_nope, q_nope_t, q_pe, w = ops.q_nope, ops.q_nope_t, ops.q_pe, ops.staged_w
     out, out_dtype, q_scale = ops.out, ops.out_dtype, ops.q_scale
     n, b, _ = q_nope_t.shape
-    pdl = kernel.DEFAULT_PDL
+    pdl = triton_launch.DEFAULT_PDL
+    weight_format = "bf16" if scales is None else "mxfp8"
+    out_fp8 = q_scale is not None
+
+    def bare():
+        # The configuration chosen per call, as the launch did before plans existed.
+        config = launch_config(n, b, weight_format, out_fp8)
+        return triton_launch.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
+
     custom_op = torch.ops.fusedq.mla_query_projection
 
     def finish(ql_nope):
@@ -110,12 +119,12 @@ def eager_paths(ops: EagerOperands) -> dict[str, Callable[[], object]]:
         return cat if q_scale is None else quantize_e4m3(cat, q_scale)
 
     def staged_032():
-        ql_nope = q_nope_t.new_empty((b, n, 512))
+        ql_nope = q_nope_t.new_empty((b, n, KV_LORA))
         torch.bmm(q_nope_t, w, out=ql_nope.transpose(0, 1))
         return finish(ql_nope)
 
     def staged_026():
-        ql_nope = q_nope_t.new_empty((n, b, 512))
+        ql_nope = q_nope_t.new_empty((n, b, KV_LORA))
         torch.bmm(q_nope_t, w, out=ql_nope)
         return finish(ql_nope.transpose(0, 1))
 
@@ -130,7 +139,7 @@ def eager_paths(ops: EagerOperands) -> dict[str, Callable[[], object]]:
             q_nope_t, ops.fused_w, q_pe, out_dtype=out_dtype, q_scale=q_scale
         ),
         "custom_op": lambda: custom_op(q_nope, values, scales, q_pe, out, q_scale, "auto", pdl),
-        "bare": lambda: kernel.launch(q_nope, values, scales, q_pe, out, q_scale),
+        "bare": bare,
         "staged_032": staged_032,
         "staged_026": staged_026,
     }
@@ -141,8 +150,6 @@ def time_paths(
 ) -> dict[str, list[float]]:
     """µs per call of every path, one figure per repeat; paths ABBA-interleaved."""
     import torch
-
-    from fusedq.bench import abba_order
 
     for fn in paths.values():
         for _ in range(warmup):
@@ -224,19 +231,13 @@ def one_line(row: dict) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table: best µs per call of every path, and fused/staged."""
-    names = list(PATHS)
-    head = (
-        "| format | H | M | "
-        + " | ".join(f"{p} µs" for p in names)
-        + " | public/staged | hook/staged |\n|"
-        + "---|" * (3 + len(names) + 2)
-    )
-    lines = [head]
+    header = ["format", "H", "M", *(f"{p} µs" for p in PATHS), "public/staged", "hook/staged"]
+    body = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['format']} | {r['H']} | {r['M']} | error: {r['error']} |")
+            body.append([r["format"], r["H"], r["M"], f"error: {r['error']}"])
             continue
-        cells = " | ".join(f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in names)
-        ratios = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in RATIOS)
-        lines.append(f"| {r['format']} | {r['H']} | {r['M']} | {cells} | {ratios} |")
-    return "\n".join(lines)
+        cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in PATHS]
+        ratios = [f"{r[k]:.2f}" if k in r else "-" for k in RATIOS]
+        body.append([r["format"], r["H"], r["M"], *cells, *ratios])
+    return md_table(header, body)

@@ -3,8 +3,9 @@
 In eager decode every layer of every step calls the query projection, so what a call checks
 is paid ~78 times per step. A call's *signature* is everything the checks and the path
 choice read: for each tensor its type, dtype, shape, strides and device, plus ``out_dtype``,
-``backend`` and ``pdl``. The first call with a signature runs ``validate`` and ``explain``,
-picks the path (fused or staged) and binds the launch (``fast_launch.BoundLaunch``); the plan
+``backend`` and ``pdl``. The first call with a signature runs ``validate``, asks
+``selection.select`` which kernel runs it (fused or staged, and its launch configuration) and
+binds that launch (``fast_launch.BoundLaunch``, or the CuTe kernel's ``BoundCute``); the plan
 is cached under the signature, as FlashInfer's ``skip_check`` does. Later calls build the key
 (one tuple), probe the cache and run the plan. A call with any new stride, dtype or shape
 misses the cache and is checked in full, so bad input still gets its error.
@@ -13,9 +14,9 @@ Two things depend on addresses and stay per call: ``out`` must not overlap an in
 extents are computed once, the comparison per call), and the pointers' alignment picks among
 the compiled variants (inside ``BoundLaunch``).
 
-``explain`` depends on process-wide facts besides the signature (Triton importable, the
-device's capability, ``TRITON_INTERPRET``); they do not change within a process, and
-``clear_plans`` forgets every plan where a test changes them.
+The selection depends on process-wide facts besides the signature (Triton importable, the
+device's capability, ``TRITON_INTERPRET``, what is installed); they do not change within a
+process, and ``clear_plans`` forgets every plan where a test changes them.
 
 Every check here reads metadata only, so ``validate`` also runs while ``torch.compile``
 traces with fake tensors (``through_op``).
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from fusedq.capability import OUT_DTYPES, cute_problem, explain, kernel_choice
+from fusedq.capability import OUT_DTYPES, cute_problem
 from fusedq.kernels import fast_launch
-from fusedq.kernels import triton_mla_query as kernel
-from fusedq.kernels.triton_mla_query import HEAD_K, HEAD_N, OUT_WIDTH, ROPE
+from fusedq.kernels.triton_launch import DEFAULT_PDL
+from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
 from fusedq.mxfp8 import SCALE_BLOCKS, MXFP8Weight
-from fusedq.reference import staged_into
+from fusedq.reference import staged
+from fusedq.selection import select
 
 BACKENDS = ("auto", "triton", "cute", "staged")
 # Signatures are few in practice (one per M per weight layout); a caller whose shapes never
@@ -85,8 +87,8 @@ def check_weight(values: object, scales: object) -> None:
             "weight: MXFP8 parts must be float8_e4m3fn values [H, 192, 512] and uint8 scales "
             f"[H, 192, {SCALE_BLOCKS}] on one device (build them with MXFP8Weight)"
         )
-    if values.dim() != 3 or tuple(values.shape[1:]) != (HEAD_K, HEAD_N):
-        raise ValueError(f"weight: shape {tuple(values.shape)} must be [H, {HEAD_K}, {HEAD_N}]")
+    if values.dim() != 3 or tuple(values.shape[1:]) != (QK_NOPE, KV_LORA):
+        raise ValueError(f"weight: shape {tuple(values.shape)} must be [H, {QK_NOPE}, {KV_LORA}]")
 
 
 def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -127,8 +129,8 @@ def _check_q_scale(q_scale: object, out_dtype: torch.dtype, device: torch.device
 
 
 def _check_out(out: object, m: int, num_heads: int, device: torch.device) -> None:
-    if tuple(out.shape) != (m, num_heads, OUT_WIDTH):
-        raise ValueError(f"out: shape {tuple(out.shape)} must be [{m}, {num_heads}, {OUT_WIDTH}]")
+    if tuple(out.shape) != (m, num_heads, QUERY_WIDTH):
+        raise ValueError(f"out: shape {tuple(out.shape)} must be [{m}, {num_heads}, {QUERY_WIDTH}]")
     if out.stride(2) != 1:
         raise ValueError(f"out: last-dim stride {out.stride(2)} must be 1")
     if out.device != device:
@@ -152,12 +154,12 @@ def validate(
         raise ValueError(f"backend: {backend!r} must be one of {BACKENDS}")
     if pdl not in (None, True, False):
         raise ValueError(f"pdl: {pdl!r} must be True, False or None (the FUSEDQ_PDL default)")
-    _check_activation("q_nope", q_nope, HEAD_K, None)
+    _check_activation("q_nope", q_nope, QK_NOPE, None)
     device = q_nope.device
     m, num_heads, _ = q_nope.shape
-    _check_activation("q_pe", q_pe, ROPE, device)
+    _check_activation("q_pe", q_pe, QK_ROPE, device)
     if tuple(q_pe.shape[:2]) != (m, num_heads):
-        raise ValueError(f"q_pe: shape {tuple(q_pe.shape)} must be [{m}, {num_heads}, {ROPE}]")
+        raise ValueError(f"q_pe: shape {tuple(q_pe.shape)} must be [{m}, {num_heads}, {QK_ROPE}]")
     check_weight(values, scales)
     if values.shape[0] != num_heads:
         raise ValueError(f"weight: {values.shape[0]} heads, q_nope has {num_heads}")
@@ -169,7 +171,7 @@ def validate(
     _check_q_scale(q_scale, out_dtype, device)
     if out is not None:
         _check_out(out, m, num_heads, device)
-    return out_dtype, kernel.DEFAULT_PDL if pdl is None else bool(pdl)
+    return out_dtype, DEFAULT_PDL if pdl is None else bool(pdl)
 
 
 # --- plans ----------------------------------------------------------------------------------
@@ -240,7 +242,7 @@ class _OpPlan:
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> torch.Tensor:
         if out is None:
             m, num_heads, _ = q_nope.shape
-            out = q_nope.new_empty((m, num_heads, OUT_WIDTH), dtype=self.out_dtype)
+            out = q_nope.new_empty((m, num_heads, QUERY_WIDTH), dtype=self.out_dtype)
         torch.ops.fusedq.mla_query_projection(
             q_nope, values, scales, q_pe, out, q_scale, self.backend, self.pdl
         )
@@ -310,7 +312,7 @@ def call(
         # (a cpu_op fusedq::mla_query_projection) as they did before the fast path: the trace
         # reader's query-step rule reads that name where no kernel event exists (the CPU
         # build), and an eager GPU kernel's launcher is its ground truth. Otherwise the check
-        # costs ~30 ns.
+        # is one C call.
         if out is None:
             out = plan.new_out()
         torch.ops.fusedq.mla_query_projection(
@@ -337,50 +339,43 @@ def _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pd
         return _OpPlan(out_dtype, backend, pdl)
     m, num_heads, _ = q_nope.shape
     device = q_nope.device
-    out_shape = (m, num_heads, OUT_WIDTH)
+    out_shape = (m, num_heads, QUERY_WIDTH)
     extents = None
     if out is not None and out.numel():
         extents = (_extent(out), tuple(_extent(t) for t in (q_nope, q_pe, values, scales, q_scale)))
     if backend != "staged":
         weight_format = "bf16" if scales is None else "mxfp8"
-        why = explain(num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device)
-        if why is None:
+        chosen = select(
+            num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
+        )
+        if chosen.path != "staged":
             example = (
                 out if out is not None else torch.empty(out_shape, dtype=out_dtype, device=device)
             )
-            config = kernel.LaunchConfig.for_problem(
-                num_heads, m, weight_format, out_dtype == torch.float8_e4m3fn, pdl=pdl
-            )
-            bound = fast_launch.BoundLaunch(q_nope, values, scales, q_pe, example, config)
-            if backend != "triton":
-                bound = _cute_or(bound, backend, (q_nope, values, scales, q_pe, example), pdl)
+            bound = fast_launch.BoundLaunch(q_nope, values, scales, q_pe, example, chosen.config)
+            if backend == "cute" or (backend == "auto" and chosen.path == "cute"):
+                bound = _bind_cute(bound, backend, (q_nope, values, scales, q_pe, example), pdl)
             return Plan(bound, True, out_shape, out_dtype, device, extents, pdl)
         if backend in ("triton", "cute"):
-            raise ValueError(f"backend={backend!r} cannot run this call: {why}")
-    return Plan(staged_into, False, out_shape, out_dtype, device, extents, pdl)
+            raise ValueError(f"backend={backend!r} cannot run this call: {chosen.why}")
+    return Plan(staged, False, out_shape, out_dtype, device, extents, pdl)
 
 
-def _cute_or(triton_launch, backend: str, operands: tuple, pdl: bool):
-    """The CuTe kernel's launch where ``backend`` asks for it (``"cute"``) or ``"auto"``
-    chooses it (``kernel_choice``), with the Triton launch as its fallback for misaligned
-    addresses; else ``triton_launch``. ``backend="cute"`` names why it cannot run."""
+def _bind_cute(triton_launch, backend: str, operands: tuple, pdl: bool):
+    """The CuTe kernel's launch, for ``backend="cute"`` or where ``backend="auto"``'s selection
+    chose it; under ``"auto"`` the Triton launch is its fallback (eager calls, misaligned
+    addresses) and stands in for it where these operands' signature does not qualify.
+    ``backend="cute"`` names why it cannot run."""
+    from fusedq.kernels import cute_mla_query
+
     q_nope, values, scales, q_pe, out = operands
     m, num_heads, _ = q_nope.shape
-    weight_format = "bf16" if scales is None else "mxfp8"
-    if backend == "auto":
-        path, _ = kernel_choice(
-            num_heads, m, weight_format=weight_format, out_dtype=out.dtype, device=out.device,
-            pdl=pdl,
-        )  # fmt: skip
-        if path != "cute":
-            return triton_launch
-        why = None
-    else:
+    why = None
+    if backend == "cute":  # (under "auto" the selection checked this gate)
+        weight_format = "bf16" if scales is None else "mxfp8"
         why = cute_problem(weight_format, out.dtype, pdl=pdl)
     if why is None:
         # This signature's operands (strides, alignment) the CuTe kernel must also take.
-        from fusedq.kernels import cute_mla_query
-
         why = cute_mla_query.unsupported_reason(q_nope, values, scales, q_pe, out)
         if why is None:
             fallback = None if backend == "cute" else triton_launch
@@ -402,5 +397,5 @@ def prepare_traced(
     out_dtype, pdl = validate(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl)
     if out is None:
         m, num_heads, _ = q_nope.shape
-        out = torch.empty((m, num_heads, OUT_WIDTH), dtype=out_dtype, device=q_nope.device)
+        out = torch.empty((m, num_heads, QUERY_WIDTH), dtype=out_dtype, device=q_nope.device)
     return values, scales, out, pdl

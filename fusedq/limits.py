@@ -12,6 +12,9 @@ QK_NOPE = 192
 QK_ROPE = 64
 KV_LORA = 512
 QUERY_WIDTH = KV_LORA + QK_ROPE
+# GLM-5's v_head_dim. vLLM's W_UK_T is a view into kv_b_proj's weight, whose heads hold
+# QK_NOPE + V_HEAD rows: the head stride the kernels see (and the benchmarks reproduce).
+V_HEAD = 256
 
 # Head counts per rank the kernel is qualified for: GLM-5 at TP8 (8), padded TP6 (11), TP4 (16).
 QUALIFIED_HEADS = (8, 11, 16)
@@ -20,8 +23,10 @@ MAX_M = 32
 
 # E4M3 (OCP, "fn") largest finite value; an E4M3 output is clamped to it.
 E4M3_MAX = 448.0
-# MX block size along N (OCP MX spec: one E8M0 scale per 32 elements).
+# MX block size along N (OCP MX spec: one E8M0 scale per 32 elements), and the scales a
+# weight row of KV_LORA values carries.
 MX_BLOCK = 32
+SCALE_BLOCKS = KV_LORA // MX_BLOCK
 
 # What a profiler trace calls the fused query: the kernels' names (the Triton and Gluon JIT
 # functions, as CUDA launches them; the CuTe DSL kernel's function, which its symbol embeds:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from fusedq.kernels.triton_mla_query import E4M3_MAX, HEAD_K, HEAD_N, MX_BLOCK
+from fusedq.limits import E4M3_MAX, KV_LORA, MX_BLOCK, QK_NOPE, SCALE_BLOCKS
 
 # E8M0 encodes 2^(byte - 127); 0xFF is NaN and must never reach a kernel.
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
-SCALE_BLOCKS = HEAD_N // MX_BLOCK
 
 
 def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
@@ -41,12 +40,14 @@ class MXFP8Weight:
         if not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn:
             got = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
             raise ValueError(f"values: dtype {got} must be torch.float8_e4m3fn")
-        if values.dim() != 3 or tuple(values.shape[1:]) != (HEAD_K, HEAD_N):
-            raise ValueError(f"values: shape {tuple(values.shape)} must be [H, {HEAD_K}, {HEAD_N}]")
+        if values.dim() != 3 or tuple(values.shape[1:]) != (QK_NOPE, KV_LORA):
+            raise ValueError(
+                f"values: shape {tuple(values.shape)} must be [H, {QK_NOPE}, {KV_LORA}]"
+            )
         if not isinstance(scales, torch.Tensor):
             raise ValueError(f"scales: {type(scales).__name__} is not a tensor")
         raw = _scale_bytes(scales)
-        expected = (values.shape[0], HEAD_K, SCALE_BLOCKS)
+        expected = (values.shape[0], QK_NOPE, SCALE_BLOCKS)
         if tuple(raw.shape) != expected:
             raise ValueError(f"scales: shape {tuple(raw.shape)} must be {list(expected)}")
         if raw.device != values.device:
@@ -88,17 +89,17 @@ def quantize_mxfp8(w_bf16: torch.Tensor) -> MXFP8Weight:
     """
     if not isinstance(w_bf16, torch.Tensor) or w_bf16.dtype != torch.bfloat16:
         raise ValueError("w_bf16: must be a torch.bfloat16 tensor")
-    if w_bf16.dim() != 3 or tuple(w_bf16.shape[1:]) != (HEAD_K, HEAD_N):
-        raise ValueError(f"w_bf16: shape {tuple(w_bf16.shape)} must be [H, {HEAD_K}, {HEAD_N}]")
+    if w_bf16.dim() != 3 or tuple(w_bf16.shape[1:]) != (QK_NOPE, KV_LORA):
+        raise ValueError(f"w_bf16: shape {tuple(w_bf16.shape)} must be [H, {QK_NOPE}, {KV_LORA}]")
     h = w_bf16.shape[0]
-    blocks = w_bf16.float().reshape(h, HEAD_K, SCALE_BLOCKS, MX_BLOCK)
+    blocks = w_bf16.float().reshape(h, QK_NOPE, SCALE_BLOCKS, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     tiny = torch.finfo(torch.float32).tiny
     exp = torch.ceil(torch.log2(amax.clamp_min(tiny) / E4M3_MAX))
     exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS)
     values = (blocks / torch.exp2(exp)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     scales = (exp + E8M0_BIAS).to(torch.uint8).squeeze(-1)
-    return MXFP8Weight(values.reshape(h, HEAD_K, HEAD_N), scales)
+    return MXFP8Weight(values.reshape(h, QK_NOPE, KV_LORA), scales)
 
 
 def dequantize_mxfp8(wq: MXFP8Weight) -> torch.Tensor:

@@ -684,7 +684,7 @@ def setup_layer(layer) -> None:
         return
     if note:
         logger.info("fusedq: layer %s: %s", name, note)
-    from fusedq.kernels.triton_mla_query import DEFAULT_PDL
+    from fusedq.kernels.triton_launch import DEFAULT_PDL
 
     first = _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed, DEFAULT_PDL))
     if first:

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.fusedq_limits import limits
+from orchestrator.fusedq_files import limits
 from orchestrator.gpucheck_worker import MARKER
 from orchestrator.mdtable import md_table
 

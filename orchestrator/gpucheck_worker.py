@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from orchestrator.fusedq_limits import limits
+from orchestrator.fusedq_files import limits
 from orchestrator.probes import gpu_bus_ids
 
 MARKER = "GPUCHECK-RESULT "

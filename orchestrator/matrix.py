@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator import tinymodel
-from orchestrator.fusedq_limits import limits
+from orchestrator.fusedq_files import limits
 from orchestrator.store import case_slug
 
 # The unmeasured warm-up request (warmup_requests of them per server): short, because what

@@ -93,25 +93,11 @@ def gpu_bus_ids(runner: Runner | None = None) -> dict[str, str]:
 
 
 def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """Commit and dirtiness of the checkout the orchestrator (and the fusedq it ships) runs from."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return {"commit": None, "dirty": None}
-    if head.returncode:
-        return {"commit": None, "dirty": None}
-    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    """Commit and dirtiness of the checkout the orchestrator (and the fusedq it ships) runs from
+    (one home: fusedq/provenance.py, read without importing torch)."""
+    from orchestrator.fusedq_files import provenance
+
+    return provenance.git_commit(root)
 
 
 def dist_version(name: str) -> str | None:

@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator.provenance import commit_label
+from orchestrator.fusedq_files import provenance as _provenance
 from orchestrator.severity import Severity
 
 SCHEMA_VERSION = 1
@@ -476,7 +476,7 @@ class RunManifest(_Record):
     versions: dict[str, Any] | None = None
     git: dict[str, Any] | None = None
     fusedq_fingerprint: str | None = None
-    # orchestrator.provenance.describe() of the code that ran (absent before 2026-12-02).
+    # fusedq.provenance.describe() of the code that ran (absent before 2026-12-02).
     provenance: dict[str, Any] | None = None
 
     @property
@@ -488,7 +488,7 @@ class RunManifest(_Record):
         """The code's commit: the provenance record's (``+dirty`` where the tree differed from
         it), else git's HEAD as recorded before provenance existed."""
         if self.provenance is not None:
-            return commit_label(self.provenance)
+            return _provenance.commit_label(self.provenance)
         return (self.git or {}).get("commit")
 
     @property

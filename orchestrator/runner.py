@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import probes, provenance
+from orchestrator import probes
+from orchestrator.fusedq_files import provenance
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.matrix import Case, Matrix, expand, load_matrix
 from orchestrator.redact import redact, redact_argv, redact_text, secret_args, secret_values
@@ -142,7 +143,7 @@ def _manifest(
         "versions": probes.versions(),
         "git": probes.git_commit(),
         # The commit and fingerprints of the code that runs, even where `git` above is a
-        # copied tree's stale HEAD or absent (orchestrator.provenance).
+        # copied tree's stale HEAD or absent (fusedq.provenance).
         "provenance": provenance.describe(),
         "cluster": launcher.cluster,
         "fusedq_fingerprint": launcher.driver_fingerprints.get("fusedq"),

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from orchestrator.fusedq_limits import limits
+from orchestrator.fusedq_files import limits
 
 # Bump when the files written change in a way the config hash does not capture, so old
 # caches are not reused.

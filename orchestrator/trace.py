@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.fusedq_limits import limits
+from orchestrator.fusedq_files import limits
 from orchestrator.results import KernelTotal, QueryStep, TraceFigures
 
 # One file per worker: dp{d}_pp{p}_tp{t}_dcp{c}_ep{e}_rank{r}.<id>.pt.trace.json.gz (vLLM's

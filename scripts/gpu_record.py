@@ -7,7 +7,7 @@ On a Hopper GPU with the ``cute`` extra installed (``pip install -e '.[cute]'``,
 wheels on the path), it runs the ``gpu``-marked tests (``pytest -m gpu tests/fusedq``) and a
 short ``fusedq-bench --floors``, and writes one small record,
 ``tests/fusedq/gpu_records/<fingerprint>.json``: the fingerprint of the fusedq tree it tested
-(orchestrator.provenance: code only, so a comment or docstring edit keeps it), the commit,
+(fusedq.provenance: code only, so a comment or docstring edit keeps it), the commit,
 GPU, driver, torch / Triton / CUDA / nvidia-cutlass-dsl versions, passed / failed / skipped per
 test file, and the bench summary (fused/staged and fused/read-floor ratios per recipe).
 ``--out`` (default ``$OUT`` when set) also gets a copy of the record, the junit XML, the bench
@@ -63,10 +63,10 @@ class RecordError(RuntimeError):
 
 
 def fingerprint(root: Path = REPO) -> str:
-    """The fusedq tree's code fingerprint (orchestrator.provenance), the record's key."""
+    """The fusedq tree's code fingerprint (fusedq.provenance), the record's key."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from orchestrator.provenance import package_fingerprint
+    from fusedq.provenance import package_fingerprint
 
     return package_fingerprint(root / "fusedq")
 
@@ -214,8 +214,8 @@ def environment() -> dict[str, Any]:
             f"the CuTe kernel cannot run here ({why}); with pip --target, put the DSL's "
             "python_packages (4.3) or dsl_packages (4.6) directory on PYTHONPATH"
         )
+    from fusedq.provenance import describe
     from orchestrator.probes import NvidiaSmiError, nvidia_smi
-    from orchestrator.provenance import describe
 
     try:
         driver = nvidia_smi(["--query-gpu=driver_version", "--format=csv,noheader"]).split()[0]

@@ -9,7 +9,7 @@ from it where none is.
 ``build`` downloads exactly the pinned wheels of ``requirements/gpu-vllm026.txt`` (no
 dependency resolution: the file *is* the closure over the base it names) for the given Python
 and platform, checks that every pin got exactly one wheel, adds the project's own wheel
-(fusedq + orchestrator, stamped with the commit it was built from: orchestrator.provenance),
+(fusedq + orchestrator, stamped with the commit it was built from: fusedq.provenance),
 and writes ``SHA256SUMS`` and ``wheelhouse.json``. ``--split`` also
 writes the whole as tar chunks of at most that size (``DIR.tar.part.00``, ...) for carriers
 that take one bounded file at a time (e.g. 60 MiB per transfer).
@@ -164,9 +164,9 @@ def project_wheel(out: Path) -> None:
     """The project itself, pure Python (its entry points are what vLLM's plugin loader finds),
     carrying the build-info stamp of the checkout it is built from: a GPU host that installs
     the wheel has no git, and its runs and benchmarks must still name their commit
-    (orchestrator.provenance). The checkout's own stamp is put back as it was afterwards."""
+    (fusedq.provenance). The checkout's own stamp is put back as it was afterwards."""
     sys.path.insert(0, str(REPO))
-    from orchestrator import provenance
+    from fusedq import provenance
 
     before = provenance.BUILD_INFO.read_bytes() if provenance.BUILD_INFO.is_file() else None
     try:

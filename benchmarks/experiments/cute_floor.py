@@ -29,12 +29,13 @@ import torch
 
 from fusedq import bench
 from fusedq.kernels import cute_mla_query as cm
+from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, SCALE_BLOCKS
 
 
 def threads(bf16: bool) -> int:
     """CTA size, as the CuTe kernel's: ROWS_PER_THREAD weight rows a thread, one vector of
     W_VEC weights of a 32-column tile each (8 bytes of fp8, or 16 of bf16), 192 threads."""
-    return cm.HEAD_K // cm.ROWS_PER_THREAD * (cm.BLOCK_N // cm.W_VEC)
+    return QK_NOPE // cm.ROWS_PER_THREAD * (cm.BLOCK_N // cm.W_VEC)
 
 
 def weight_words(bf16: bool) -> int:
@@ -50,13 +51,13 @@ def build(H, MB, bf16=False, swh=None):
     THREADS, ROWS = threads(bf16), cm.ROWS_PER_THREAD
     COL_GROUPS = cm.BLOCK_N // cm.W_VEC
     WV = weight_words(bf16)
-    KV = cm.HEAD_K // cm.Q_VEC  # 16-byte q vectors per token row
-    RV = cm.ROPE // cm.Q_VEC
+    KV = QK_NOPE // cm.Q_VEC  # 16-byte q vectors per token row
+    RV = QK_ROPE // cm.Q_VEC
     q_loads = -(-MB * KV // THREADS)
     pe_loads = -(-MB * RV // THREADS)
-    NW = cm.HEAD_N * (2 if bf16 else 1) // 4  # int32 words per weight row
+    NW = KV_LORA * (2 if bf16 else 1) // 4  # int32 words per weight row
     # The weight's head stride in words, compiled in (a runtime stride loses the 16-byte loads)
-    SWH = swh if swh is not None else cm.HEAD_K * NW
+    SWH = swh if swh is not None else QK_NOPE * NW
 
     @cute.kernel
     def floor_kernel(
@@ -120,28 +121,28 @@ def build(H, MB, bf16=False, swh=None):
         gQ = cute.make_tensor(
             q_ptr,
             cute.make_layout(
-                (MB, H, cm.HEAD_K // 2),
+                (MB, H, QK_NOPE // 2),
                 stride=(cute.assume(sqm, divby=4), cute.assume(sqh, divby=4), 1),
             ),
         )
         gP = cute.make_tensor(
             pe_ptr,
             cute.make_layout(
-                (MB, H, cm.ROPE // 2),
+                (MB, H, QK_ROPE // 2),
                 stride=(cute.assume(spm, divby=4), cute.assume(sph, divby=4), 1),
             ),
         )
-        gW = cute.make_tensor(w_ptr, cute.make_layout((H, cm.HEAD_K, NW), stride=(SWH, NW, 1)))
+        gW = cute.make_tensor(w_ptr, cute.make_layout((H, QK_NOPE, NW), stride=(SWH, NW, 1)))
         gS = cute.make_tensor(
             s_ptr,
             cute.make_layout(
-                (H, cm.HEAD_K, cm.SCALE_BLOCKS),
-                stride=(cm.HEAD_K * cm.SCALE_BLOCKS, cm.SCALE_BLOCKS, 1),
+                (H, QK_NOPE, SCALE_BLOCKS),
+                stride=(QK_NOPE * SCALE_BLOCKS, SCALE_BLOCKS, 1),
             ),
         )
-        gO = cute.make_tensor(o_ptr, cute.make_layout(cm.HEAD_N // cm.BLOCK_N * H * THREADS))
+        gO = cute.make_tensor(o_ptr, cute.make_layout(KV_LORA // cm.BLOCK_N * H * THREADS))
         floor_kernel(gQ, gP, gW, gS, gO, M).launch(
-            grid=[cm.HEAD_N // cm.BLOCK_N, H, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[KV_LORA // cm.BLOCK_N, H, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     from cuda.bindings import driver as cuda
@@ -206,7 +207,7 @@ def main() -> None:
             w0 = lay.fused_w[0] if bf16 else lay.fused_w[0].values
             fn = build(h, cm.m_bucket(m), bf16, w0.stride(0) * w0.element_size() // 4)
             sink = torch.empty(
-                cm.HEAD_N // cm.BLOCK_N * h * threads(bf16), dtype=torch.int32, device="cuda"
+                KV_LORA // cm.BLOCK_N * h * threads(bf16), dtype=torch.int32, device="cuda"
             )
 
             def floor(i, lay=lay, fn=fn, sink=sink, bf16=bf16):

@@ -43,12 +43,8 @@ import torch  # noqa: F401 (the rebound launch path's)
 from fusedq.kernels import cute_mla_query as _base
 from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch path's
     BLOCK_N,
-    HEAD_K,
-    HEAD_N,
     OUT_GROUP,
     Q_VEC,
-    ROPE,
-    SCALE_BLOCKS,
     VEC_BYTES,
     WARP,
     _clamp_scaled,
@@ -56,6 +52,14 @@ from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch
     m_bucket,  # noqa: F401
     unavailable_reason,  # noqa: F401
     variant_key,  # noqa: F401
+)
+from fusedq.limits import (  # QUERY_WIDTH and V_HEAD: the rebound launch path's
+    KV_LORA,
+    QK_NOPE,
+    QK_ROPE,
+    QUERY_WIDTH,  # noqa: F401
+    SCALE_BLOCKS,
+    V_HEAD,  # noqa: F401
 )
 
 _KNOBS = set(__name__.split("_"))
@@ -85,11 +89,11 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
 
     H, MB = num_heads, bucket
     NT = -(-MB // 8)  # n8 tiles of token rows
-    KT = HEAD_K // 16  # k16 tiles
+    KT = QK_NOPE // 16  # k16 tiles
     KTW = KT_PER_WARP
     NWARPS = KT // KTW
     NTHREADS = NWARPS * WARP
-    RV = ROPE // Q_VEC
+    RV = QK_ROPE // Q_VEC
     # wide: 64-column tiles, 8 columns (one 8-byte fp8 / 16-byte bf16 load) a thread and row,
     # the E8M0 scale on the weights (a tile spans two MX blocks), q unscaled.
     BN = 2 * BLOCK_N if WIDE else BLOCK_N
@@ -100,7 +104,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
     pe_loads = -(-MB * RV // NTHREADS)
     out_per_thread = -(-MB * BN // NTHREADS)
     groups_per_thread = -(-MB * BN // OUT_GROUP // NTHREADS)
-    W_WORDS = HEAD_N // (2 if bf16_weights else 4)  # 32-bit words per weight row
+    W_WORDS = KV_LORA // (2 if bf16_weights else 4)  # 32-bit words per weight row
     WV = CPT // (2 if bf16_weights else 4)  # words a thread loads per row
 
     def asm(ret, ops, text, cons):
@@ -331,7 +335,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
                         for j in cutlass.range_constexpr(Q_VEC):
                             frag[j] = _clamp_scaled(pe_f[j], inv_scale)
                         pe = frag.load().to(cutlass.Float8E4M3FN)
-                    tO[(None, (v // RV, h, HEAD_N // Q_VEC + v % RV))].store(pe)
+                    tO[(None, (v // RV, h, KV_LORA // Q_VEC + v % RV))].store(pe)
         cute.arch.sync_threads()
 
         if cutlass.const_expr(not out_fp8):
@@ -393,29 +397,29 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
         gQ = cute.make_tensor(
             cute.recast_ptr(q_ptr, dtype=cutlass.Int32),
             cute.make_layout(
-                (MB, H, HEAD_K // 2),
+                (MB, H, QK_NOPE // 2),
                 stride=(cute.assume(sqm // 2, divby=4), cute.assume(sqh // 2, divby=4), 1),
             ),
         )
-        gP = cute.make_tensor(pe_ptr, lay(ROPE, spm, sph))
-        gO = cute.make_tensor(out_ptr, lay(HEAD_N + ROPE, som, soh))
+        gP = cute.make_tensor(pe_ptr, lay(QK_ROPE, spm, sph))
+        gO = cute.make_tensor(out_ptr, lay(KV_LORA + QK_ROPE, som, soh))
         if cutlass.const_expr(bf16_weights):
             w_head = cute.assume(swh // 2, divby=4)
         else:
-            w_head = HEAD_K * HEAD_N // 4
+            w_head = QK_NOPE * KV_LORA // 4
         gW = cute.make_tensor(
             cute.recast_ptr(w_ptr, dtype=cutlass.Int32),
-            cute.make_layout((H, HEAD_K, W_WORDS), stride=(w_head, W_WORDS, 1)),
+            cute.make_layout((H, QK_NOPE, W_WORDS), stride=(w_head, W_WORDS, 1)),
         )
         gS = cute.make_tensor(
             s_ptr,
             cute.make_layout(
-                (H, HEAD_K, SCALE_BLOCKS), stride=(HEAD_K * SCALE_BLOCKS, SCALE_BLOCKS, 1)
+                (H, QK_NOPE, SCALE_BLOCKS), stride=(QK_NOPE * SCALE_BLOCKS, SCALE_BLOCKS, 1)
             ),
         )
         gSc = cute.make_tensor(scale_ptr, cute.make_layout(1))
         _mla_query_mma_kernel(gQ, gP, gW, gS, gO, gSc, M).launch(
-            grid=[HEAD_N // BN, H, 1], block=[NTHREADS, 1, 1], stream=stream
+            grid=[KV_LORA // BN, H, 1], block=[NTHREADS, 1, 1], stream=stream
         )
 
     return host

@@ -25,9 +25,8 @@ Design (SIMT, fp32 FMAs): one CTA per (32-column N tile, head), 192 threads. Thr
 q_nope: for one token row it is staged through shared memory (each thread loads 16-byte
 vectors of it with the weights, stores them after all loads are issued); for two or more each
 thread loads the 4 values of its own rows per token row directly (8 bytes each, with the
-weights), which the H200 measured 0.03-0.11 us faster at M = 2 and up to 0.06 slower at M = 1
-(2026-12-01, in the former 96-thread layout; in this one 0.06-0.12 slower at M = 1, MXFP8 and
-bf16 weights alike, docs/bench/h200-cute-directq-m1-2026-12-01.json). The E8M0 scale of a row
+weights), which measured faster from two token rows and slower at one
+(docs/decisions/0001-cute-for-small-m.md). The E8M0 scale of a row
 multiplies q (exact: a power of two), not the row's weights. Per token row: 32 FMAs into 8
 partial sums, a butterfly reduce-scatter over the 8 lanes that share the columns, one
 shared-memory partial per warp, and a final sum of the 6 warps' partials (E4M3: four adjacent
@@ -53,25 +52,24 @@ from typing import Any
 
 import torch
 
-from fusedq import limits
-
-HEAD_K = limits.QK_NOPE
-HEAD_N = limits.KV_LORA
-ROPE = limits.QK_ROPE
-MX_BLOCK = limits.MX_BLOCK
-E4M3_MAX = limits.E4M3_MAX
-SCALE_BLOCKS = HEAD_N // MX_BLOCK
+from fusedq.limits import (
+    E4M3_MAX,
+    KV_LORA,
+    MX_BLOCK,
+    QK_NOPE,
+    QK_ROPE,
+    QUERY_WIDTH,
+    SCALE_BLOCKS,
+    V_HEAD,
+)
 
 # One MX block per CTA: a thread needs one scale byte per weight row it owns.
 BLOCK_N = MX_BLOCK
 # 16-byte q vectors (8 bf16 values); the alignment every operand must have.
 VEC_BYTES = 16
 # fp8 weights per thread and row: one 8-byte load. With ROWS_PER_THREAD below, the layout
-# the H200 measured fastest (2026-12-01, docs/bench/h200-cute-layouts-2026-12-01.json: MXFP8
-# -> BF16 at H 8/11/16) among 1-8 rows of 4-16 weights a thread: 4 rows x 8 weights (192
-# threads) ran M = 1 in 2.31/2.38/2.55 us, M = 2 in 2.50/2.59/2.75 and M = 4 in
-# 2.64/2.83/2.94, against 2.37/2.45/2.65, 2.56/2.72/2.94 and 2.73/3.07/3.29 for the 4 x 16
-# layout it replaced (96 threads; both with the scale on q). More threads with fewer rows or
+# that measured fastest among 1-8 rows of 4-16 weights a thread
+# (docs/decisions/0001-cute-for-small-m.md). More threads with fewer rows or
 # weights each shorten each thread's dequantisation and FMAs (the work after the loads
 # arrive, which a one-CTA-per-SM grid runs on few warps); below 8 weights the loads get
 # small, and with more than 4 rows at 8 weights, fewer warps share the work.
@@ -82,7 +80,7 @@ OUT_GROUP = 4
 COL_GROUPS = BLOCK_N // W_VEC  # threads that share a weight row
 # Four K rows per thread: 192 threads (6 warps) per CTA (see W_VEC).
 ROWS_PER_THREAD = 4
-THREADS = HEAD_K // ROWS_PER_THREAD * COL_GROUPS
+THREADS = QK_NOPE // ROWS_PER_THREAD * COL_GROUPS
 WARP = 32
 WARPS = THREADS // WARP
 # Token rows are compiled in power-of-two buckets; rows past M are computed, not stored.
@@ -103,10 +101,11 @@ _compiled: dict[tuple, Any] = {}
 _compiled_lock = threading.Lock()
 
 
-# nvidia-cutlass-dsl releases this kernel has run and been timed with on a GPU: 4.3.5 (H200,
-# driver 580, 2026-11-30..12-01). 4.6.0, the release vLLM 0.26 pins (with quack-kernels), traces
-# and compiles for sm_90a offline (the CPU tests run under both) but has not run on a GPU here,
-# so by default the Triton kernels run there; FUSEDQ_CUTE_UNVALIDATED=1 takes it anyway.
+# nvidia-cutlass-dsl releases this kernel has run and been timed with on a GPU (4.3.5). 4.6.0,
+# the release vLLM 0.26 pins (with quack-kernels), traces and compiles for sm_90a offline (the
+# CPU tests run under both) but has not run on a GPU, so by default the Triton kernels run
+# there; FUSEDQ_CUTE_UNVALIDATED=1 takes it anyway
+# (docs/decisions/0007-cute-dsl-validated-releases.md).
 VALIDATED_DSL = ("4.3.",)
 UNVALIDATED_ENV = "FUSEDQ_CUTE_UNVALIDATED"
 
@@ -187,7 +186,7 @@ def unsupported_reason(
 ) -> str | None:
     """Why these operands are outside what the kernel implements, or None. Weights: MXFP8
     (``values`` float8_e4m3fn and ``scales`` E8M0 bytes, both contiguous) or bf16
-    (``scales`` None; rows of HEAD_N unit-stride elements, consecutive, as vLLM's W_UK_T view
+    (``scales`` None; rows of KV_LORA unit-stride elements, consecutive, as vLLM's W_UK_T view
     has them; any 16-byte aligned head stride)."""
     bf16_weights = scales is None
     if bf16_weights:
@@ -205,19 +204,19 @@ def unsupported_reason(
     if not 1 <= m <= MAX_M:
         return f"M={m} is outside [1, {MAX_M}]"
     shapes = {
-        "q_nope": (q_nope, (m, h, HEAD_K)),
-        "q_pe": (q_pe, (m, h, ROPE)),
-        "out": (out, (m, h, HEAD_N + ROPE)),
-        "values": (values, (h, HEAD_K, HEAD_N)),
+        "q_nope": (q_nope, (m, h, QK_NOPE)),
+        "q_pe": (q_pe, (m, h, QK_ROPE)),
+        "out": (out, (m, h, KV_LORA + QK_ROPE)),
+        "values": (values, (h, QK_NOPE, KV_LORA)),
     }
     if not bf16_weights:
-        shapes["scales"] = (scales, (h, HEAD_K, SCALE_BLOCKS))
+        shapes["scales"] = (scales, (h, QK_NOPE, SCALE_BLOCKS))
     for name, (t, shape) in shapes.items():
         if tuple(t.shape) != shape:
             return f"{name}: shape {tuple(t.shape)} must be {list(shape)}"
     if bf16_weights:
-        if values.stride()[1:] != (HEAD_N, 1):
-            return f"values: strides {values.stride()} are not (any, {HEAD_N}, 1)"
+        if values.stride()[1:] != (KV_LORA, 1):
+            return f"values: strides {values.stride()} are not (any, {KV_LORA}, 1)"
     else:
         for name in ("values", "scales"):
             if not shapes[name][0].is_contiguous():
@@ -366,10 +365,10 @@ class BoundCute:
     def __call__(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
         if self.fallback is not None:
             if not torch.cuda.is_current_stream_capturing():
-                # Eager: a CuTe DSL call costs ~85 us of host time (its argument marshalling),
-                # against ~14 us for the Triton fast path (fusedq-bench --eager, H200): the
-                # GPU's 0.2-0.3 us gain cannot pay for it. Inside a CUDA-graph capture the
-                # host cost is paid once, and replays run the faster kernel.
+                # Eager: a CuTe DSL call costs far more host time (its argument marshalling)
+                # than the Triton fast path, more than its GPU time saves. Inside a CUDA-graph
+                # capture the host cost is paid once, and replays run the faster kernel
+                # (docs/decisions/0001-cute-for-small-m.md).
                 self.fallback(q_nope, values, scales, q_pe, out, q_scale)
                 return
             if self.key not in _compiled:
@@ -472,6 +471,10 @@ def compile_variant(
     host = _build(num_heads, bucket, out_fp8, bf16_weights)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream if device else 0)
     fake = 1 << 20  # any 16-byte aligned address: compilation never dereferences it
+    # Strides as vLLM's operands have them (q sliced from [M, H, QK_NOPE + QK_ROPE], W_UK_T's
+    # heads QK_NOPE + V_HEAD rows apart); as Int32 arguments their values are not compiled in.
+    q_row = QK_NOPE + QK_ROPE
+    w_head = (QK_NOPE + V_HEAD) * KV_LORA
     return cute.compile(
         host,
         make_ptr(cutlass.BFloat16, fake, assumed_align=VEC_BYTES),
@@ -487,8 +490,8 @@ def compile_variant(
         ),
         make_ptr(cutlass.Float32, fake, assumed_align=4),
         # cutlass.Int32, not int: a Python int would be compiled in as a constant.
-        *(cutlass.Int32(x) for x in (1, 256 * num_heads, 256, 256 * num_heads, 256)),
-        *(cutlass.Int32(x) for x in (576 * num_heads, 576, 448 * HEAD_N)),
+        *(cutlass.Int32(x) for x in (1, q_row * num_heads, q_row, q_row * num_heads, q_row)),
+        *(cutlass.Int32(x) for x in (QUERY_WIDTH * num_heads, QUERY_WIDTH, w_head)),
         stream,
     )
 
@@ -528,9 +531,9 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
     # q is multiplied by each row's E8M0 scale (MXFP8), or by the fence's 1 (bf16 weights, q
     # loaded per thread); bf16 weights with q staged need neither.
     SCALE_Q = not (bf16_weights and STAGE_Q)
-    KV = HEAD_K // Q_VEC  # q vectors per token row
+    KV = QK_NOPE // Q_VEC  # q vectors per token row
     q_loads = -(-MB * KV // THREADS)
-    RV = ROPE // Q_VEC  # q_pe vectors per token row
+    RV = QK_ROPE // Q_VEC  # q_pe vectors per token row
     pe_loads = -(-MB * RV // THREADS)
     out_per_thread = -(-MB * BLOCK_N // THREADS)
     groups_per_thread = -(-MB * BLOCK_N // OUT_GROUP // THREADS)
@@ -561,7 +564,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
         smem = cutlass.utils.SmemAllocator()
         if cutlass.const_expr(STAGE_Q):
             sQ = smem.allocate_tensor(
-                cutlass.BFloat16, cute.make_layout((MB, HEAD_K), stride=(HEAD_K, 1)), VEC_BYTES
+                cutlass.BFloat16, cute.make_layout((MB, QK_NOPE), stride=(QK_NOPE, 1)), VEC_BYTES
             )
         sRed = smem.allocate_tensor(
             cutlass.Float32,
@@ -656,8 +659,8 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
             # The row's power-of-two scale multiplies q (ROWS_PER_THREAD products per token
             # row), not the row's W_VEC weights: q * 2^e and w * 2^e are both exact, so the
             # FMAs see the same products as with dequantised weights, with fewer multiplies
-            # between the loads' arrival and the store (H200, 2026-12-01, M = 1, H 8/11/16:
-            # 2.46/2.61/2.79 us -> 2.37/2.45/2.65 in the 96-thread layout).
+            # between the loads' arrival and the store (measured faster:
+            # docs/decisions/0001-cute-for-small-m.md).
             if cutlass.const_expr(SCALE_Q):
                 qs = [qk[r] * row_scale[r] for r in range(ROWS_PER_THREAD)]
             else:  # bf16 weights, q staged: nothing to scale
@@ -684,8 +687,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
             # by it. x * (1/s) and x / s round differently for some x. Computed after the
             # FMAs, not next to the loads: its slow path is a subroutine call, which ptxas
             # schedules nothing across, and there the 1-row variant waited for q_scale before
-            # it issued the weight loads (sm_90 SASS; H200, 2026-12-01: 2.83/2.95/3.15 us at
-            # H 8/11/16, M 1, against 2.58/2.71/2.87 with the reciprocal here).
+            # it issued the weight loads (sm_90 SASS; docs/decisions/0004-e4m3-reciprocal.md).
             inv_scale = cutlass.Float32(1.0) / q_scale
         # --- RoPE copy (first N tile of each head) ---
         if pid_n == 0:
@@ -700,7 +702,7 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
                         for j in cutlass.range_constexpr(Q_VEC):
                             frag[j] = _clamp_scaled(pe_f[j], inv_scale)
                         pe = frag.load().to(cutlass.Float8E4M3FN)
-                    tO[(None, (v // RV, h, HEAD_N // Q_VEC + v % RV))].store(pe)
+                    tO[(None, (v // RV, h, KV_LORA // Q_VEC + v % RV))].store(pe)
         cute.arch.sync_threads()
 
         # --- sum the warps' partials, store ---
@@ -761,28 +763,28 @@ def _build(num_heads: int, bucket: int, out_fp8: bool, bf16_weights: bool = Fals
                 stride=(cute.assume(sm, divby=Q_VEC), cute.assume(sh, divby=Q_VEC), 1),
             )
 
-        gQ = cute.make_tensor(q_ptr, lay(HEAD_K, sqm, sqh))
-        gP = cute.make_tensor(pe_ptr, lay(ROPE, spm, sph))
-        gO = cute.make_tensor(out_ptr, lay(HEAD_N + ROPE, som, soh))
+        gQ = cute.make_tensor(q_ptr, lay(QK_NOPE, sqm, sqh))
+        gP = cute.make_tensor(pe_ptr, lay(QK_ROPE, spm, sph))
+        gO = cute.make_tensor(out_ptr, lay(KV_LORA + QK_ROPE, som, soh))
         if cutlass.const_expr(bf16_weights):
-            # vLLM's W_UK_T view: rows of HEAD_N, the head stride spanning the V rows too
+            # vLLM's W_UK_T view: rows of KV_LORA, the head stride spanning the V rows too
             # (checked 16-byte aligned on the host, which keeps the 16-byte loads).
             w_head = cute.assume(swh, divby=W_VEC)
         else:
-            w_head = HEAD_K * HEAD_N  # (swh is the same; compiled in)
+            w_head = QK_NOPE * KV_LORA  # (swh is the same; compiled in)
         gW = cute.make_tensor(
-            w_ptr, cute.make_layout((H, HEAD_K, HEAD_N), stride=(w_head, HEAD_N, 1))
+            w_ptr, cute.make_layout((H, QK_NOPE, KV_LORA), stride=(w_head, KV_LORA, 1))
         )
         gS = cute.make_tensor(
             s_ptr,
             cute.make_layout(
-                (H, HEAD_K, SCALE_BLOCKS), stride=(HEAD_K * SCALE_BLOCKS, SCALE_BLOCKS, 1)
+                (H, QK_NOPE, SCALE_BLOCKS), stride=(QK_NOPE * SCALE_BLOCKS, SCALE_BLOCKS, 1)
             ),
         )
         # q_scale (E4M3 out; the BF16 variant gets any address and never loads it).
         gSc = cute.make_tensor(scale_ptr, cute.make_layout(1))
         _mla_query_cute_kernel(gQ, gP, gW, gS, gO, gSc, M).launch(
-            grid=[HEAD_N // BLOCK_N, H, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[KV_LORA // BLOCK_N, H, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     return host

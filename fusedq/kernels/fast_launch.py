@@ -3,7 +3,7 @@ to Triton's launcher.
 
 ``JITFunction.__getitem__(grid)(...)`` pays, on every call, for binding ~30 arguments,
 specialising each one, hashing the specialisation into its cache key, and building launch
-metadata for hooks nobody set; ``triton_mla_query.launch`` adds the launch config, the kernel
+metadata for hooks nobody set; ``triton_launch.launch`` adds the launch config, the kernel
 key and the registry lock. With a fixed signature (shapes, strides, dtypes, device, config)
 all of that is constant except which of the four pointer-alignment variants the addresses
 select. ``BoundLaunch`` computes the rest once; its first launch of each variant goes the
@@ -24,13 +24,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from fusedq.kernels import triton_mla_query as kernel
+from fusedq.kernels import common, triton_launch
 
 # The pointer parameters every kernel variant opens with, in order; the launch tail follows.
 POINTER_PARAMS = ("q_ptr", "qpe_ptr", "w_ptr", "ws_ptr", "out_ptr", "qs_ptr")
-# Low address bits that must be zero for the alignment hints (kernel.pointer_aligned, inlined:
-# this runs on every call).
-_MISALIGNED = kernel.ALIGN_BYTES - 1
+# Low address bits that must be zero for the alignment hints (triton_launch.pointer_aligned,
+# inlined: this runs on every call).
+_MISALIGNED = common.ALIGN_BYTES - 1
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 # Triton's own choice of stream getter (torch's raw-stream accessor, a C function).
@@ -75,12 +75,12 @@ class BoundLaunch:
         scales: torch.Tensor | None,
         q_pe: torch.Tensor,
         out: torch.Tensor,
-        config: kernel.LaunchConfig,
+        config: triton_launch.LaunchConfig,
     ) -> None:
         self.config = config
-        _, self.w_strides = kernel.weight_stride_traits(values)
-        self.io_strides = kernel.io_strides_aligned(q_nope, q_pe, out)
-        n_tiles, num_heads = kernel.grid_for(config, q_nope.shape[1])
+        _, self.w_strides = triton_launch.weight_stride_traits(values)
+        self.io_strides = triton_launch.io_strides_aligned(q_nope, q_pe, out)
+        n_tiles, num_heads = triton_launch.grid_for(config, q_nope.shape[1])
         self.grid = (n_tiles, num_heads, 1)
         self.device_index = out.device.index if out.is_cuda else -1
         # The compiled kernel's function handle belongs to the device that was current when it
@@ -88,7 +88,7 @@ class BoundLaunch:
         self.direct = (
             supported()
             and out.is_cuda
-            and not kernel.interpreting()
+            and not common.interpreting()
             and self.device_index == torch.cuda.current_device()
         )
         self._variants: list[tuple | None] = [None, None, None, None]
@@ -138,17 +138,17 @@ class BoundLaunch:
         )
 
     def _launch_normally(self, q_nope, values, scales, q_pe, out, q_scale) -> None:
-        key, compiled = kernel.launch_compiled(
+        key, compiled = triton_launch.launch_compiled(
             q_nope, values, scales, q_pe, out, q_scale, config=self.config
         )
         if not self.direct or compiled is None:
             return
-        ints, constexprs = kernel.launch_arguments(q_nope, values, scales, q_pe, out, key)
+        ints, constexprs = triton_launch.launch_arguments(q_nope, values, scales, q_pe, out, key)
         self._variants[variant_index(key.io_aligned, key.w_aligned)] = (
             compiled.run,
             compiled.function,
             compiled.packed_metadata,
-            launch_tail(kernel.kernel_for(self.config), ints, constexprs),
+            launch_tail(triton_launch.kernel_for(self.config), ints, constexprs),
         )
 
 

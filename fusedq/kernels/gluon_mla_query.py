@@ -1,11 +1,11 @@
 """Gluon (explicit-layout) kernels for the fused MLA decode query projection.
 
 Same arguments, constexprs and specialisation options as ``_mla_query_kernel`` (the launch
-machinery, ``KernelKey`` and ``fast_launch`` treat them alike); ``LaunchConfig(gluon=True,
-gluon_operands=...)`` selects one. Why it exists: plain Triton puts the layout conversion of a loaded fp8 tile (and
-of the MXFP8 scales) right after its load, so MXFP8 on the ``tl.dot`` path waits on DRAM two
-or three times in series (docs/fusedq.md, "Why MXFP8 keeps two memory waits"). Here every
-layout is chosen by hand:
+machinery in ``triton_launch``, its ``KernelKey`` and ``fast_launch`` treat them alike);
+``LaunchConfig(gluon=True, gluon_operands=...)`` selects one. Why it exists: plain Triton puts
+the layout conversion of a loaded fp8 tile (and of the MXFP8 scales) right after its load, so
+MXFP8 on the ``tl.dot`` path waits on DRAM two or three times in series
+(docs/decisions/0006-gluon-for-larger-m.md). Here every layout is chosen by hand:
 
 - every global load (q chunks, scales, weight chunks, the RoPE CTA's q_pe, q_scale) is
   issued, in program order, before any loaded value is used: one memory round trip per CTA;
@@ -23,7 +23,8 @@ rejected at compile time.
 
 from __future__ import annotations
 
-from fusedq.kernels import triton_mla_query as base
+from fusedq.kernels import common
+from fusedq.limits import E4M3_MAX, KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE
 
 try:
     from triton.experimental import gluon
@@ -55,7 +56,7 @@ MMA_INSTR = (16, 8)
 BF16_K_WIDTH = 2
 DIRECT_K_WIDTH = 8
 # Gluon's kernel is written for three unrolled 64-wide K chunks (K = 192 exactly).
-GLUON_BLOCK_K = base.BLOCK_K
+GLUON_BLOCK_K = common.BLOCK_K
 GLUON_BLOCK_MS = (16, 32)
 # Triton versions this kernel was compiled with (sm_90, offline): the GPU's 3.6 and CI's 3.9.
 # Gluon's API moves between releases; on others a compile failure is a version limitation.
@@ -69,12 +70,13 @@ if AVAILABLE:
     # Globals a Gluon function reads must be constexprs.
     _K_WIDTH = gl.constexpr(BF16_K_WIDTH)
     _DIRECT_K_WIDTH = gl.constexpr(DIRECT_K_WIDTH)
-    _MX_BLOCK = gl.constexpr(base.MX_BLOCK)
-    # The OUT_FP8 modes (base.E4M3_EPILOGUES) the kernel branches on.
-    _OUT_E4M3 = gl.constexpr(base.OUT_E4M3)
-    _OUT_E4M3_DIV = gl.constexpr(base.OUT_E4M3_DIV)
-    _OUT_E4M3_NOSCALE = gl.constexpr(base.OUT_E4M3_NOSCALE)
-    _OUT_E4M3_WIDE = gl.constexpr(base.OUT_E4M3_WIDE)
+    _MX_BLOCK = gl.constexpr(MX_BLOCK)
+    _E4M3_MAX = gl.constexpr(E4M3_MAX)
+    # The OUT_FP8 modes (common.E4M3_EPILOGUES) the kernel branches on.
+    _OUT_E4M3 = gl.constexpr(common.OUT_E4M3)
+    _OUT_E4M3_DIV = gl.constexpr(common.OUT_E4M3_DIV)
+    _OUT_E4M3_NOSCALE = gl.constexpr(common.OUT_E4M3_NOSCALE)
+    _OUT_E4M3_WIDE = gl.constexpr(common.OUT_E4M3_WIDE)
 
     @gluon.constexpr_function
     def _tile_layout(rows, cols, vec, unit_axis, num_warps):
@@ -168,12 +170,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _to_e4m3(x, factor, out_ty: gl.constexpr, OUT_FP8: gl.constexpr):
-        # factor: 1 / q_scale (base.OUT_E4M3, vLLM's quantisation), q_scale (OUT_E4M3_DIV) or 1.
+        # factor: 1 / q_scale (OUT_E4M3, vLLM's quantisation), q_scale (OUT_E4M3_DIV) or 1.
         if OUT_FP8 == _OUT_E4M3_DIV:  # noqa: SIM108 (a constexpr branch, as in the kernels)
             y = gl.div_rn(x, factor)
         else:
             y = x * factor
-        y = gl.minimum(gl.maximum(y, -448.0), 448.0)
+        y = gl.minimum(gl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
         return y.to(out_ty, fp_downcast_rounding="rtne")
 
     @gluon.jit
@@ -313,7 +315,8 @@ if AVAILABLE:
             # unchanged), it keeps every global load above it issued before the first use of
             # any; without it ptxas sinks the last q loads of the MXFP8 kernels below the
             # dequantisation, which waits for the weights (sm_90 SASS, 2026-12-01). Measured on
-            # the H200 it costs more than that wait saves (docs/fusedq.md, sixth session).
+            # the H200 it costs more than that wait saves
+            # (docs/decisions/0006-gluon-for-larger-m.md).
             # E4M3 out has q_scale's reciprocal at this point already.
             fence = gl.div_rn(1.0, M.to(gl.float32))
             pe_mask = pe_mask & (fence > 0.0)
@@ -353,7 +356,7 @@ if AVAILABLE:
         # The result is stored from the accumulator's layout (2 adjacent columns per thread):
         # a conversion to a wider-vector layout costs a shared-memory round trip. BF16 never
         # pays it; E4M3's "wide" epilogue (_OUT_E4M3_WIDE) does from 16 tokens, where its 2-byte
-        # stores cost more than the round trip (base.GLUON_TUNED has the figures).
+        # stores cost more than the round trip (fusedq.selection.GLUON_TUNED picks it).
         o_layout: gl.constexpr = (
             _tile_layout(BLOCK_M, BLOCK_N, 16, 1, NUM_WARPS) if OUT_FP8 == _OUT_E4M3_WIDE else mma
         )
@@ -378,7 +381,7 @@ if AVAILABLE:
 
     # One kernel per OPERANDS choice, each with the shared parameter list (the launch
     # machinery passes exactly those, so the choice cannot be one more constexpr).
-    @gluon.jit(**base._JIT_OPTIONS)
+    @gluon.jit(**common.JIT_OPTIONS)
     def _mla_query_gluon_kernel(
         q_ptr,
         qpe_ptr,
@@ -451,7 +454,7 @@ if AVAILABLE:
             LOAD_FENCE,
         )
 
-    @gluon.jit(**base._JIT_OPTIONS)
+    @gluon.jit(**common.JIT_OPTIONS)
     def _mla_query_gluon_smem_kernel(
         q_ptr,
         qpe_ptr,
@@ -524,7 +527,7 @@ if AVAILABLE:
             LOAD_FENCE,
         )
 
-    @gluon.jit(**base._JIT_OPTIONS)
+    @gluon.jit(**common.JIT_OPTIONS)
     def _mla_query_gluon_direct_kernel(
         q_ptr,
         qpe_ptr,
@@ -652,9 +655,9 @@ def offline_compile(
     from triton.experimental.gluon._runtime import GluonASTSource
 
     constexprs = {
-        "K": base.HEAD_K,
-        "N": base.HEAD_N,
-        "R": base.ROPE,
+        "K": QK_NOPE,
+        "N": KV_LORA,
+        "R": QK_ROPE,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": GLUON_BLOCK_K,
@@ -662,7 +665,7 @@ def offline_compile(
         "W_ALIGNED": w_aligned,
         "IO_ALIGNED": io_aligned,
         "MXFP8": mxfp8,
-        "OUT_FP8": base.out_mode(out_fp8, e4m3_epilogue),
+        "OUT_FP8": common.out_mode(out_fp8, e4m3_epilogue),
         "INTERPRET": False,
         "USE_PDL": pdl,
         "LOAD_FENCE": load_fence,
@@ -676,7 +679,7 @@ def offline_compile(
     return triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": num_warps, "num_stages": base.DEFAULT_NUM_STAGES},
+        options={"num_warps": num_warps, "num_stages": common.DEFAULT_NUM_STAGES},
     )
 
 

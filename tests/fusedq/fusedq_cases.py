@@ -180,7 +180,7 @@ def launch_matches_staged(
 ) -> None:
     """kernel.launch with `config` on fresh operands (sliced q, a weight in `layout`), against
     the staged path; a pitched out's padding must stay unwritten."""
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch as kernel
 
     gen = torch.Generator().manual_seed(seed)
     weight = weight_in_layout(fmt, layout, h, device, gen)

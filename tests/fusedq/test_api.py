@@ -273,7 +273,7 @@ def test_wrong_device_named():
 @pytest.mark.parametrize("fmt,out_dtype", RECIPES, ids=lambda v: str(v).replace("torch.", ""))
 def test_launch_configs(pdl, block_k, block_n, fmt, out_dtype, device):
     """Every K chunking and N tile the heuristic may pick, whatever this machine picks."""
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch as kernel
 
     config = kernel.LaunchConfig(block_m=16, block_n=block_n, block_k=block_k, pdl=pdl)
     # One head is enough here (the launcher has no head gate) and keeps the interpreter fast.
@@ -286,7 +286,7 @@ def test_launch_configs(pdl, block_k, block_n, fmt, out_dtype, device):
 def test_register_path_configs(pdl, block_m, m, fmt, out_dtype, device):
     """The register (no tl.dot) path for every row count it unrolls and every recipe, E4M3
     output included, on a pitched out with padding rows (m < block_m) masked."""
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch as kernel
 
     # BLOCK_N 16 with one warp on the GPU (the interpreter's layouts do not depend on it).
     config = kernel.LaunchConfig(block_m=block_m, block_n=16, num_warps=1, pdl=pdl, fma=True)
@@ -367,7 +367,7 @@ def test_e4m3_rounds_as_vllm(fields, m, epilogue, device):
     """Both halves of the output hold the split values (the 512 part through a one-hot q_nope,
     so the bf16 product is the weight value itself); the kernels must round them as vLLM does,
     and the "div" measurement variant as the division does."""
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch as kernel
 
     x = split_values()
     assert len(x) >= 32, "no discriminating values: the test would pass either way"

@@ -69,7 +69,7 @@ def test_sweep_fence_twins_the_fenced_kernels_with_bf16_out(capsys):
 
 
 def test_load_fence_defaults_to_each_kernels_measured_choice():
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch as kernel
 
     with pytest.raises(ValueError, match="load_fence=False chooses a Gluon or register-path"):
         kernel.LaunchConfig(block_m=16, block_n=32, load_fence=False)
@@ -94,16 +94,64 @@ def test_cute_variant_says_why_it_cannot_run(monkeypatch):
 
 
 def test_verdict_and_table_state_the_targets():
+    """A row written before the bmm-only baseline existed still renders, with "-" there."""
     row = {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.0, "staged_us": 4.0, "copy_us": 2.0,
            "fused_over_staged": 0.5, "fused_over_copy": 1.0}  # fmt: skip
     assert bench.verdict(row) == "MISS <=0.4x staged, ok <=1.3x copy"
-    table = bench.format_table([row, {"format": "mxfp8", "H": 8, "M": 1, "error": "boom"}])
-    assert "| bf16 | 8 | 1 | 2.00 | 4.00 | 2.00 | 0.50 | 1.00 |" in table
-    assert "error: boom" in table
+    table = bench.format_table([row, {"format": "mxfp8", "H": 8, "M": 1, "error": "a|b"}])
+    assert "| bf16 | 8 | 1 | 2.00 | 4.00 | - | 2.00 | 0.50 | - | 1.00 | - |" in table
+    assert "error: a\\|b" in table
+
+
+def test_both_staged_baselines_side_by_side_and_the_served_one_named():
+    """fused against vLLM 0.32's bmm + cat (``staged_us``, the key it always had) and vLLM
+    0.26's FLASH_ATTN_MLA form, the bmm alone (``bmm_us``); BF16 output is served by the latter,
+    E4M3 output (no FP8 in FLASH_ATTN_MLA) by the former."""
+    import torch
+
+    rows = []
+    for fmt, out_dtype in (("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
+        row = {"format": fmt, "H": 16, "M": 4, "fused_us": 2.0, "staged_us": 5.0, "bmm_us": 2.5,
+               "copy_us": 2.0, "fused_over_copy": 1.0}  # fmt: skip
+        bench.add_baseline_ratios(row, out_dtype)
+        rows.append(row)
+    bf16, e4m3 = rows
+    assert bf16["fused_over_staged"] == 0.4 and bf16["fused_over_bmm"] == 0.8
+    assert bf16["served_baseline"] == "bmm" and bf16["fused_over_served"] == 0.8
+    assert e4m3["served_baseline"] == "bmm+cat" and e4m3["fused_over_served"] == 0.4
+    table = bench.format_table(rows)
+    assert "| fused µs | bmm+cat µs | bmm-only µs | copy µs | fused/bmm+cat | fused/bmm-only |" in (
+        table
+    )
+    assert "| bf16 | 16 | 4 | 2.00 | 5.00 | 2.50 | 2.00 | 0.40 | 0.80 | 1.00 | bmm-only |" in table
+    assert "| e4m3 | 16 | 4 | 2.00 | 5.00 | 2.50 | 2.00 | 0.40 | 0.80 | 1.00 | bmm+cat |" in table
+    assert "FLASH_ATTN_MLA" in bench.SERVED_NOTE
+
+
+@pytest.mark.gpu
+def test_concat_quant_kernel_is_the_reference_quantisation():
+    """The E4M3 staged baseline's one-launch concat and quantise (vLLM's op on a GPU) writes
+    what the reference's torch ops write, bit for bit. (GPU only: the interpreter's fp8
+    conversion does not round to nearest even.)"""
+    import torch
+    from fusedq_cases import E4M3, Q_SCALE, make_q, make_weight
+
+    from fusedq import reference
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(12)
+    w = make_weight(11, "vllm", device, gen)
+    q_nope, q_pe = make_q(5, 11, device, gen)
+    q_scale = torch.tensor([Q_SCALE], device=device)
+    ref = reference.staged(q_nope, w, None, q_pe, None, q_scale)
+    got = reference.staged(
+        q_nope, w, None, q_pe, None, q_scale, concat_quant=bench.concat_quant_kernel
+    )
+    assert got.dtype == E4M3 and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
 
 def test_floor_bars_judge_each_ratio_against_its_own_bar():
-    """Issue 15's bar: BF16 fused <= 1.15x read, MXFP8 <= 1.25x read, E4M3 output <= 1.10x the
+    """The bars: BF16 fused <= 1.15x read, MXFP8 <= 1.25x read, E4M3 output <= 1.10x the
     BF16 output's time of the same weights at the same shape (BF16: "e4m3" / "bf16"; MXFP8:
     "mxfp8-e4m3" / "mxfp8"); a shape missing a row has no verdict for that ratio."""
     rows = [
@@ -244,14 +292,25 @@ def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
     [("bf16", 8, 1, 8 * 512 // 32), ("bf16", 16, 4, 16 * 512 // 64), ("e4m3", 8, 4, 8 * 16)],
 )
 def test_fused_grid_ctas_follow_the_launch_config(monkeypatch, fmt, h, m, ctas):
-    from fusedq.kernels import triton_mla_query as kernel
+    import torch
 
-    monkeypatch.setattr(kernel, "interpreting", lambda: False)
-    monkeypatch.setattr(kernel, "_gluon_available", lambda: True)
-    monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
-    monkeypatch.setattr(fusedq, "kernel_choice", lambda *a, **k: ("triton", "measured"))
+    from fusedq import selection
+    from fusedq.kernels import common, gluon_mla_query, triton_launch
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(gluon_mla_query, "AVAILABLE", True)
+    monkeypatch.setattr(triton_launch.LaunchConfig, "_check_gluon", lambda self: None)
+
+    def selected(path: str):
+        def select(h, m, *, weight_format, out_dtype, **kw):
+            config = selection.launch_config(h, m, weight_format, out_dtype != torch.bfloat16)
+            return selection.Selection(path, "measured", config)
+
+        return select
+
+    monkeypatch.setattr(selection, "select", selected("triton"))
     assert bench.fused_grid_ctas(fmt, h, m) == ctas
-    monkeypatch.setattr(fusedq, "kernel_choice", lambda *a, **k: ("cute", "measured"))
+    monkeypatch.setattr(selection, "select", selected("cute"))
     assert bench.fused_grid_ctas("mxfp8", h, m) == h * 512 // 32
 
 
@@ -267,7 +326,7 @@ def test_floor_ratios_take_the_fastest_read():
     base = {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.5, "staged_us": 5.0, "copy_us": 2.0,
             "fused_over_staged": 0.5, "fused_over_copy": 1.25}  # fmt: skip
     table = bench.format_table([{**base, **row}, base]).splitlines()
-    assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 13
+    assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 16
     assert "| 1.00 | 2.00 | 0.40 |" in table[2] and "| - | - | - |" in table[3]
     assert bench.parse_args(["--floors"])[0].floors
     # The grid and split-K floors, as fractions of the read floor, and in the tables.
@@ -416,14 +475,17 @@ def test_every_eager_path_computes_the_query(fmt, device):
         assert_matches(ops.out, ref, weight_format, ops.q_scale)
 
 
-def test_bench_imports_without_the_orchestrators_pydantic_stack():
-    """GPU machines have torch and Triton but not the orchestrator's pydantic: fusedq-bench
+def test_bench_imports_without_the_orchestrator():
+    """GPU machines have torch and Triton but not the orchestrator's pydantic stack: fusedq-bench
     must start there (found on the H200: the Markdown table's old home imported the result
-    model)."""
+    model), and fusedq imports nothing of the orchestrator at all."""
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['pydantic'] = None; import fusedq.bench"
+    code = (
+        "import sys; sys.modules['pydantic'] = None; sys.modules['orchestrator'] = None; "
+        "import fusedq.bench, fusedq.bench_eager"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -487,8 +549,10 @@ for fmt, dtype, gdtype, scales in (("bf16", torch.int16, gl.int16, False),
         desc = TensorDescriptor.from_tensor(mat, [64, bn], shared)
         sig = {"w_desc": mangle_type(desc), "s_ptr": "*u8", "sink_ptr": "*i32",
                "rows_per_head": "i32", "s_sh": "i32", "s_sk": "i32", "BLOCK_N": "constexpr",
-               "CHUNK_K": "constexpr", "SCALES": "constexpr", "SCALE_COLS": "constexpr"}
-        consts = {"BLOCK_N": bn, "CHUNK_K": 64, "SCALES": scales, "SCALE_COLS": max(1, bn // 32)}
+               "CHUNK_K": "constexpr", "SCALES": "constexpr", "SCALE_COLS": "constexpr",
+               "MX": "constexpr"}
+        consts = {"BLOCK_N": bn, "CHUNK_K": 64, "SCALES": scales, "SCALE_COLS": max(1, bn // 32),
+                  "MX": 32}
         src = GluonASTSource(kernel, sig, constexprs=consts)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4 if bn <= 32 else 8})

@@ -253,29 +253,30 @@ def test_e4m3_variant_is_bound_and_prewarmed_apart(monkeypatch):
     """An E4M3 out binds (dispatch) and prewarms (fusedq.prewarm) the E4M3 variant, under its
     own key: a compiled BF16 variant of the same heads and bucket does not stand in for it."""
     from fusedq import api, dispatch
-    from fusedq.kernels import triton_mla_query
+    from fusedq.kernels import triton_launch
+    from fusedq.selection import Selection, launch_config
 
     calls = []
     monkeypatch.setattr(cute, "prewarm", lambda *a, **k: calls.append((a, k)) or 1)
     monkeypatch.setattr(cute, "unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
     gen = torch.Generator().manual_seed(5)
     cpu = torch.device("cpu")
     wq = fusedq.quantize_mxfp8(make_weight(8, "vllm", cpu, gen))
     q_nope, q_pe = make_q(1, 8, cpu, gen)
     out = torch.empty(1, 8, 576, dtype=E4M3)
-    bound = dispatch._cute_or(object(), "auto", (q_nope, wq.values, wq.scales, q_pe, out), False)
+    bound = dispatch._bind_cute(object(), "auto", (q_nope, wq.values, wq.scales, q_pe, out), False)
     assert isinstance(bound, cute.BoundCute)
     assert bound.key == (8, 1, 0, cute.E4M3_TAG) != cute.variant_key(8, 1, 0, False)
     assert calls == [((8, 1, cpu), {"out_fp8": True, "bf16_weights": False})]
     calls.clear()
-    monkeypatch.setattr(api, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
-    monkeypatch.setattr(triton_mla_query, "prewarm", lambda *a, **k: 0)
+    chosen = Selection("cute", "measured faster", launch_config(8, 1))
+    monkeypatch.setattr(api, "select", lambda *a, **k: chosen)
+    monkeypatch.setattr(triton_launch, "prewarm", lambda *a, **k: 0)
     assert fusedq.prewarm(wq, [1], out_dtype=E4M3) == 1
     assert calls == [((8, 1, cpu), {"out_fp8": True, "bf16_weights": False})]
     # bf16 weights: their own variant, beside the MXFP8 one of the same heads and bucket
     w = make_weight(8, "vllm", cpu, gen)
-    bound = dispatch._cute_or(object(), "auto", (q_nope, w, None, q_pe, out), False)
+    bound = dispatch._bind_cute(object(), "auto", (q_nope, w, None, q_pe, out), False)
     assert bound.key == (8, 1, 0, cute.E4M3_TAG, cute.BF16_WEIGHTS_TAG)
     calls.clear()
     assert fusedq.prewarm(w, [1], out_dtype=E4M3) == 1
@@ -385,7 +386,7 @@ def test_ptx_issues_every_load_before_any_use(h, bucket, out_fp8, bf16_weights, 
 
 
 def _product_variants() -> list[tuple[int, int, int, int]]:
-    from fusedq.capability import CUTE_MAX_M
+    from fusedq.selection import CUTE_MAX_M
 
     variants = []
     for bf16_weights in (0, 1):
@@ -400,8 +401,7 @@ def _product_variants() -> list[tuple[int, int, int, int]]:
 
 # In the bf16-weight E4M3 variant for one token row, ptxas gives q_pe's head stride (a
 # constant-bank load) the scoreboard of q's global load, and q_pe's load waits for q's data.
-# Measured as it is (H200, 2026-12-01, docs/bench/h200-cute-bf16-2026-12-01.json): 1.04x its
-# BF16-out twin at H 8/11/16, 0.17-0.29 us faster than Triton's E4M3 kernel.
+# Measured as it is, it still beats Triton's E4M3 kernel (docs/decisions/0001-cute-for-small-m.md).
 KNOWN_EARLY_BF16W_E4M3_M1 = 1
 
 
@@ -410,7 +410,7 @@ def test_sass_issues_every_load_before_waiting_on_any(h, bucket, out_fp8, bf16_w
     # What ptxas makes of that PTX (fusedq/sass.py), in every variant the
     # product runs (M <= CUTE_MAX_M): no wait on a global load's data before the last global
     # load is issued. The 1-row E4M3 variant failed this while q_scale's reciprocal sat next
-    # to the loads (ptxas waited for q_scale before the weight loads: 0.1-0.3 us slower); the
+    # to the loads (ptxas waited for q_scale before the weight loads); the
     # 2-row variants while they staged q through shared memory (its stores and the
     # dequantisation moved above the last loads), and, loading q per thread, without the
     # fence (three of four weight rows' loads sunk below the first row's FMAs).
@@ -448,7 +448,7 @@ def test_public_op_auto_picks_cute_at_small_m(m, out_dtype, weights, device):
     staged path. A misaligned out falls back to Triton; backend="cute" refuses it by name."""
     _needs_cute()
     from fusedq import dispatch
-    from fusedq.capability import CUTE_MAX_M
+    from fusedq.selection import CUTE_MAX_M
 
     h = 16
     gen = torch.Generator().manual_seed(50 + m)
@@ -532,7 +532,7 @@ def test_prewarm_compiles_the_e4m3_variant(device):
     no eager warm-up runs the CuTe kernel."""
     _needs_cute()
     from fusedq import dispatch
-    from fusedq.capability import CUTE_MAX_M
+    from fusedq.selection import CUTE_MAX_M
 
     h, m = 8, CUTE_MAX_M["mxfp8"]
     gen = torch.Generator().manual_seed(77)

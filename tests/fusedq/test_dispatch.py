@@ -10,8 +10,9 @@ from fusedq_cases import E4M3, Q_SCALE, assert_matches, make_out, make_q, make_w
 
 import fusedq
 from fusedq import dispatch
-from fusedq.kernels import fast_launch
-from fusedq.kernels import triton_mla_query as kernel
+from fusedq.kernels import fast_launch, triton_mla_query
+from fusedq.kernels import triton_launch as kernel
+from fusedq.selection import launch_config
 
 
 @pytest.fixture(autouse=True)
@@ -23,8 +24,8 @@ def no_plans():
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts of dispatch.validate and dispatch.explain calls (the per-signature checks)."""
-    counts = {"validate": 0, "explain": 0}
+    """Counts of dispatch.validate and dispatch.select calls (the per-signature checks)."""
+    counts = {"validate": 0, "select": 0}
     for name in counts:
         real = getattr(dispatch, name)
 
@@ -48,11 +49,11 @@ def test_second_call_of_a_signature_is_not_checked_again(device, counted):
     w = make_weight(h, "vllm", device, gen)
     q_nope, q_pe = make_q(m, h, device, gen)
     fusedq.mla_query_projection(q_nope, w, q_pe)
-    assert counted == {"validate": 1, "explain": 1}
+    assert counted == {"validate": 1, "select": 1}
     # New data, same signature: the plan runs, nothing is checked again.
     q_nope2, q_pe2 = make_q(m, h, device, gen)
     got = fusedq.mla_query_projection(q_nope2, w, q_pe2)
-    assert counted == {"validate": 1, "explain": 1}
+    assert counted == {"validate": 1, "select": 1}
     assert_matches(got, fusedq.staged_mla_query(q_nope2, w, q_pe2), "bf16")
     # Another row stride of q: a new signature, checked in full.
     q_nope3, q_pe3 = _wider_q(m, h, 320, device, gen)
@@ -258,9 +259,7 @@ def test_launch_tail_follows_the_kernel_parameters(fma, device):
     q_nope, q_pe = make_q(m, h, device, gen)
     out = torch.empty(m, h, 576, dtype=torch.bfloat16, device=device)
     config = kernel.LaunchConfig(block_m=2 if fma else 16, block_n=32, fma=fma)
-    key = kernel.kernel_key(
-        w, m, weight_format="bf16", out_fp8=False, io_is_aligned=True, config=config
-    )
+    key = kernel.kernel_key(w, config, weight_format="bf16", out_fp8=False, io_is_aligned=True)
     ints, constexprs = kernel.launch_arguments(q_nope, w, None, q_pe, out, key)
     fn = kernel.kernel_for(config)
     tail = fast_launch.launch_tail(fn, ints, constexprs)
@@ -289,10 +288,10 @@ def test_variant_follows_the_addresses_as_the_kernel_key_does(q_lead, w_lead, de
     q = torch.randn(q_lead + m * h * 256, generator=gen).bfloat16().to(device)[q_lead:]
     q = q.view(m, h, 256)
     out = torch.empty(m, h, 576, dtype=torch.bfloat16, device=device)
-    config = kernel.LaunchConfig.for_problem(h, m)
+    config = launch_config(h, m)
     bound = fast_launch.BoundLaunch(q[..., :192], w, None, q[..., 192:], out, config)
     key = kernel.kernel_key(
-        w, m, weight_format="bf16", out_fp8=False, config=config,
+        w, config, weight_format="bf16", out_fp8=False,
         io_is_aligned=kernel.io_aligned(q[..., :192], q[..., 192:], out),
     )  # fmt: skip
     got = bound.variant(q.data_ptr(), q[..., 192:].data_ptr(), w.data_ptr(), out.data_ptr())
@@ -336,7 +335,7 @@ def test_direct_launch_matches_staged(h, m, recipe):
 def test_direct_launch_captures_in_a_graph(pdl):
     """Eager calls bind the direct launch; a graph captured on a side stream then holds the
     direct launches (allocating out from the graph's pool), and its replays see new inputs."""
-    if pdl and not kernel.HAS_PDL:
+    if pdl and not triton_mla_query.HAS_PDL:
         pytest.skip("this Triton has no griddepcontrol")
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(11)
@@ -415,31 +414,36 @@ def test_backend_cute_names_why_it_cannot_run(fmt, device):
         fusedq.mla_query_projection(q_nope, weight, q_pe, backend="cutlass")
 
 
-def test_auto_binds_the_cute_launch_when_kernel_choice_picks_it(monkeypatch):
-    """The plan's launch is the CuTe one when kernel_choice says "cute" and the operands
-    qualify, with the Triton launch as its fallback; else the Triton launch itself. (Found on
-    the H200: the chosen path's reason string was read as a refusal.)"""
+def test_auto_binds_the_cute_launch_when_the_selection_picks_it(monkeypatch):
+    """The plan's launch is the CuTe one when the selection says "cute" and the operands
+    qualify, with the selected Triton launch as its fallback; else that Triton launch itself.
+    (Found on the H200: the chosen path's reason string was read as a refusal.)"""
     from fusedq.kernels import cute_mla_query
+    from fusedq.selection import Selection
 
-    triton_launch = object()
+    cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(5)
-    wq = fusedq.quantize_mxfp8(make_weight(8, "vllm", torch.device("cpu"), gen))
-    q_nope, q_pe = make_q(1, 8, torch.device("cpu"), gen)
-    out = torch.empty(1, 8, 576, dtype=torch.bfloat16)
-    operands = (q_nope, wq.values, wq.scales, q_pe, out)
+    wq = fusedq.quantize_mxfp8(make_weight(8, "vllm", cpu, gen))
+    q_nope, q_pe = make_q(1, 8, cpu, gen)
     monkeypatch.setattr(cute_mla_query, "unsupported_reason", lambda *a: None)
     compiled = []
     monkeypatch.setattr(cute_mla_query, "prewarm", lambda *a, **k: compiled.append(a) or 1)
-    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
-    bound = dispatch._cute_or(triton_launch, "auto", operands, False)
-    assert isinstance(bound, cute_mla_query.BoundCute) and bound.fallback is triton_launch
+    config = launch_config(8, 1, "mxfp8")
+
+    def bound_for(path: str):
+        chosen = Selection(path, "measured faster", config)
+        monkeypatch.setattr(dispatch, "select", lambda *a, **k: chosen)
+        args = (q_nope, wq.values, wq.scales, q_pe, None, None, None, "auto", False)
+        return dispatch._new_plan(*args, real=True).launch
+
+    bound = bound_for("cute")
+    assert isinstance(bound, cute_mla_query.BoundCute)
+    assert isinstance(bound.fallback, fast_launch.BoundLaunch) and bound.fallback.config == config
     # Bound outside a capture, the variant is compiled then (eager calls never run it).
-    assert compiled == [(8, 1, torch.device("cpu"))] and bound.key == (8, 1, 0)
-    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("triton", "M=8 > 2"))
-    assert dispatch._cute_or(triton_launch, "auto", operands, False) is triton_launch
+    assert compiled == [(8, 1, cpu)] and bound.key == (8, 1, 0)
+    assert isinstance(bound_for("triton"), fast_launch.BoundLaunch)
     monkeypatch.setattr(cute_mla_query, "unsupported_reason", lambda *a: "out: not aligned")
-    monkeypatch.setattr(dispatch, "kernel_choice", lambda *a, **k: ("cute", "measured faster"))
-    assert dispatch._cute_or(triton_launch, "auto", operands, False) is triton_launch
+    assert isinstance(bound_for("cute"), fast_launch.BoundLaunch)
 
 
 def test_bound_cute_runs_the_fallback_eagerly_and_in_a_capture_it_cannot_serve(monkeypatch):

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import triton
 from fusedq_cases import HEADS, MS, RECIPES, launch_matches_staged
 
-from fusedq.kernels import fast_launch, gluon_mla_query
-from fusedq.kernels import triton_mla_query as kernel
+from fusedq.kernels import common, fast_launch, gluon_mla_query, triton_mla_query
+from fusedq.kernels import triton_launch as kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,9 +32,9 @@ def test_same_parameters_and_specialisation_as_the_triton_kernel():
     if not gluon_mla_query.AVAILABLE:
         pytest.skip(gluon_mla_query.UNAVAILABLE_REASON)
     for fn in map(gluon_mla_query.kernel_for_operands, gluon_mla_query.OPERANDS):
-        assert fn.arg_names == kernel._mla_query_kernel.arg_names
-        assert list(fn.do_not_specialize) == kernel._JIT_OPTIONS["do_not_specialize"]
-        no_align = kernel._JIT_OPTIONS["do_not_specialize_on_alignment"]
+        assert fn.arg_names == triton_mla_query._mla_query_kernel.arg_names
+        assert list(fn.do_not_specialize) == common.JIT_OPTIONS["do_not_specialize"]
+        no_align = common.JIT_OPTIONS["do_not_specialize_on_alignment"]
         assert list(fn.do_not_specialize_on_alignment) == no_align
         ints = tuple(range(13))
         constexprs = {n: 0 for n in fn.arg_names[len(fast_launch.POINTER_PARAMS) + len(ints) :]}
@@ -59,20 +58,16 @@ def test_bad_gluon_configs_are_named(kwargs, match):
 def test_gluon_operands_need_gluon_and_a_known_path():
     with pytest.raises(ValueError, match=r"gluon_operands='smem' .* needs gluon=True"):
         kernel.LaunchConfig(block_m=16, block_n=32, gluon_operands="smem")
-    if gluon_mla_query.AVAILABLE and not kernel.interpreting():
+    if gluon_mla_query.AVAILABLE and not common.interpreting():
         with pytest.raises(ValueError, match="gluon_operands='tma' must be one of"):
             kernel.LaunchConfig(block_m=16, block_n=32, gluon=True, gluon_operands="tma")
 
 
-def test_the_interpreter_never_gets_gluon():
-    if not kernel.interpreting():
+def test_the_interpreter_refuses_a_gluon_config():
+    if not common.interpreting():
         pytest.skip("runs where the CPU suite runs: under TRITON_INTERPRET=1")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         kernel.LaunchConfig(block_m=16, block_n=32, gluon=True)
-    for fmt, out_dtype in RECIPES:
-        for m in (1, 2, 16, 32):
-            cfg = kernel.LaunchConfig.for_problem(8, m, fmt, out_dtype != torch.bfloat16)
-            assert not cfg.gluon
 
 
 # (block_m, block_n, warps, pdl, mxfp8, out_fp8, w_layout, w_aligned, io_aligned): both weight
@@ -192,37 +187,3 @@ def test_gluon_tiles(layout, fmt, out_dtype, block_n, num_warps, operands, devic
     launch_matches_staged(
         config, fmt, out_dtype, 11, 17, device, block_n, pitched=True, layout=layout
     )
-
-
-@pytest.mark.parametrize(
-    ("h", "m", "fmt", "out_fp8", "expect"),
-    [
-        (16, 4, "bf16", False, ("gluon", "convert", 64, 4, "mul")),
-        (11, 2, "bf16", False, ("gluon", "convert", 64, 4, "mul")),  # wide from 11 heads
-        (8, 32, "mxfp8", False, ("gluon", "convert", 32, 4, "mul")),
-        (8, 4, "bf16", True, ("gluon", "smem", 32, 4, "mul")),
-        (8, 32, "bf16", True, ("gluon", "smem", 32, 4, "wide")),  # E4M3's wide store from M=16
-        (11, 16, "bf16", True, ("gluon", "smem", 64, 4, "wide")),
-        (8, 1, "bf16", False, ("fma", None, 32, 4, "mul")),  # the register path keeps its ties
-        (16, 1, "bf16", False, ("gluon", "convert", 64, 4, "mul")),  # ... and not its losses
-        (16, 4, "mxfp8", True, ("gluon", "smem", 64, 8, "mul")),  # MXFP8 -> E4M3: 8 warps wide
-        (11, 1, "mxfp8", True, ("gluon", "smem", 64, 8, "mul")),
-        (16, 32, "mxfp8", True, ("gluon", "convert", 64, 4, "wide")),
-        (16, 1, "mxfp8", True, ("fma", None, 32, 4, "mul")),
-    ],
-)  # fmt: skip
-def test_for_problem_picks_gluon_where_it_measured_faster(monkeypatch, h, m, fmt, out_fp8, expect):
-    """On a GPU with Gluon, the tl.dot shapes of the swept recipes take the Gluon kernel
-    (GLUON_TUNED); the register path keeps its shapes (FMA_TUNED)."""
-    monkeypatch.setattr(kernel, "interpreting", lambda: False)
-    monkeypatch.setattr(kernel, "_gluon_available", lambda: True)
-    monkeypatch.setattr(kernel.LaunchConfig, "_check_gluon", lambda self: None)
-    cfg = kernel.LaunchConfig.for_problem(h, m, fmt, out_fp8, pdl=False)
-    path = "gluon" if cfg.gluon else "fma" if cfg.fma else "dot"
-    assert path == expect[0]
-    if path == "gluon":
-        assert (cfg.gluon_operands, cfg.block_n, cfg.num_warps, cfg.e4m3_epilogue) == expect[1:]
-    elif path == "fma":
-        assert (cfg.block_n, cfg.num_warps, cfg.e4m3_epilogue) == expect[2:]
-    monkeypatch.setattr(kernel, "_gluon_available", lambda: False)  # an older Triton
-    assert not kernel.LaunchConfig.for_problem(h, m, fmt, out_fp8, pdl=False).gluon

@@ -8,7 +8,8 @@ from fusedq_cases import E4M3, Q_SCALE, assert_matches, make_out, make_q, make_w
 
 import fusedq
 from fusedq import dispatch
-from fusedq.kernels import triton_mla_query as kernel
+from fusedq.kernels import triton_launch as kernel
+from fusedq.kernels import triton_mla_query
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ def test_staged_path_captures(monkeypatch):
 def test_pdl_chain_in_a_graph_replays_correctly():
     """Back-to-back PDL launches (weights prefetched before griddepcontrol.wait) in a graph,
     the second reading what the first wrote into q: the wait must order them."""
-    if not kernel.HAS_PDL:
+    if not triton_mla_query.HAS_PDL:
         pytest.skip("this Triton has no griddepcontrol")
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(9)

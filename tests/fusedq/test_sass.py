@@ -88,15 +88,18 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from fusedq.kernels import common
 from fusedq.kernels import gluon_mla_query as g
 from fusedq.kernels import triton_mla_query as t
+from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE
+from fusedq.selection import launch_config
 out, done = Path(sys.argv[1]), {}
 fence = json.loads(sys.argv[2])  # None: each variant's own (LaunchConfig.fence)
 for wf in ("bf16", "mxfp8"):
     for of in (False, True):
         for h in (8, 11, 16):
             for m in (1, 2, 4, 8, 16, 32):
-                cfg = t.LaunchConfig.for_problem(h, m, wf, of)
+                cfg = launch_config(h, m, wf, of)
                 if cfg.gluon:
                     key = f"gluon-{cfg.gluon_operands}-m{cfg.block_m}-n{cfg.block_n}-w{cfg.num_warps}-{wf}-{'e4m3-' + cfg.e4m3_epilogue if of else 'bf16'}"
                     if key not in done:
@@ -111,10 +114,10 @@ for wf in ("bf16", "mxfp8"):
                 elif cfg.fma:
                     key = f"fma-m{cfg.block_m}-n{cfg.block_n}-w{cfg.num_warps}-{wf}-{'e4m3' if of else 'bf16'}"
                     if key not in done:
-                        cx = {"K": t.HEAD_K, "N": t.HEAD_N, "R": t.ROPE, "BLOCK_M": cfg.block_m,
+                        cx = {"K": QK_NOPE, "N": KV_LORA, "R": QK_ROPE, "BLOCK_M": cfg.block_m,
                               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "W_LAYOUT": 1,
                               "W_ALIGNED": True, "IO_ALIGNED": True, "MXFP8": wf == "mxfp8",
-                              "OUT_FP8": t.out_mode(of), "INTERPRET": False, "USE_PDL": False,
+                              "OUT_FP8": common.out_mode(of), "INTERPRET": False, "USE_PDL": False,
                               "LOAD_FENCE": cfg.fence if fence is None else fence}
                         ptr = {"q_ptr": "*bf16", "qpe_ptr": "*bf16",
                                "w_ptr": "*fp8e4nv" if wf == "mxfp8" else "*bf16",
@@ -154,8 +157,8 @@ def _compile(tmp: Path, fence: bool | None = None) -> dict[str, list]:
 # The product variants whose SASS waits on a global load before its last one, and why each
 # stays. The Gluon MXFP8 -> BF16 kernels wait for a weight load before issuing the last q
 # loads (ptxas sinks them below the dequantisation); the scheduling fence that removes the
-# wait (LaunchConfig.load_fence) measured slower on the H200 (2026-12-01: up to 0.16 us at
-# M = 32, 0.05 at M = 16, docs/fusedq.md), since the q loads it delays hit L2. The register
+# wait (LaunchConfig.load_fence) measured slower on the H200, since the q loads it delays hit
+# L2 (docs/decisions/0006-gluon-for-larger-m.md). The register
 # path's MXFP8 -> E4M3 kernel: ptxas gives q_scale's load one scoreboard for its data and its
 # address register and waits on it to reuse that register; that kernel runs only outside CUDA
 # graphs (in graphs MXFP8 at M <= 4 runs the CuTe kernel), where host time dominates.
@@ -177,7 +180,7 @@ def _early(tmp: Path, shapes: dict[str, list]) -> dict[str, list[str]]:
 
 
 def test_product_kernels_wait_early_only_where_it_was_measured(tmp_path):
-    """Every Gluon and register-path variant for_problem picks (4 recipes x H 8/11/16 x M
+    """Every Gluon and register-path variant the selection picks (4 recipes x H 8/11/16 x M
     1..32): no wait on a global load's data before the last global load is issued, except in
     KNOWN_EARLY. A new early wait fails here; so does a known one that went away (then the
     measured reason for it may be gone too)."""
@@ -191,8 +194,8 @@ def test_product_kernels_wait_early_only_where_it_was_measured(tmp_path):
 
 def test_the_fence_orders_the_loads(tmp_path):
     """With the fence on, no BF16-out variant waits early; off, the register path's does
-    (ptxas converts q before issuing the RoPE load: 3.10 against 2.69 us, H200, H 8, M 1)
-    and the MXFP8 Gluon ones do."""
+    (ptxas converts q before issuing the RoPE load, measured slower on the H200) and the
+    MXFP8 Gluon ones do."""
     on, off = tmp_path / "on", tmp_path / "off"
     on.mkdir()
     off.mkdir()

@@ -99,14 +99,14 @@ def test_build_refuses_a_non_empty_directory(tmp_path, capsys):
 def test_the_project_wheel_carries_the_commit_it_was_built_from(tmp_path):
     import zipfile
 
-    from orchestrator import provenance
+    from fusedq import provenance
 
     before = provenance.BUILD_INFO.exists()
     wh.project_wheel(tmp_path)
     assert provenance.BUILD_INFO.exists() == before  # the checkout is left as it was
     (wheel,) = tmp_path.glob("fusedq-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        stamp = json.loads(z.read("orchestrator/build_info.json"))
+        stamp = json.loads(z.read("fusedq/build_info.json"))
     here = provenance.describe()
     assert stamp["product_fingerprint"] == here["product_fingerprint"]
     if here["source"] == "git":

@@ -9,14 +9,14 @@ ways, because a tree copied to a GPU host often carries an old ``.git`` or none:
   was and an edit to code changes it; the orchestrator's data files (fault catalogue, report
   templates) count by their bytes.
 - **the commit**: from git where the tree is a clean checkout; otherwise from the build-info
-  stamp (``python -m orchestrator.provenance stamp``, written by ``scripts/wheelhouse.py
+  stamp (``python -m fusedq.provenance stamp``, written by ``scripts/wheelhouse.py
   build`` too), which holds the commit, whether the tree was dirty, and the product
   fingerprint at stamping time. A stamp counts only while the tree still has that fingerprint,
   so a stamp left behind by an older tree never names the wrong commit.
 
-    python -m orchestrator.provenance stamp     # before copying a tree to a GPU host
-    python -m orchestrator.provenance show      # what a run or a bench would record here
-    python -m orchestrator.provenance clear     # remove the stamp
+    python -m fusedq.provenance stamp     # before copying a tree to a GPU host
+    python -m fusedq.provenance show      # what a run or a bench would record here
+    python -m fusedq.provenance clear     # remove the stamp
 """
 
 from __future__ import annotations
@@ -26,18 +26,23 @@ import ast
 import datetime as dt
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator import probes
+# Stdlib only and no import from either package: the orchestrator loads this file on its own
+# (orchestrator/fusedq_files.py) so that `orchestrator plan` never imports torch, and fusedq's
+# bench imports it as fusedq.provenance -- one home for both, and no import cycle.
 
 PACKAGES_ROOT = Path(__file__).resolve().parent.parent
 PRODUCT_PACKAGES = ("orchestrator", "fusedq")
-# Inside the orchestrator package so that it travels with a copied tree and inside the
-# project's wheel (package data); it is not git-ignored for the same reason, and must never
+# Inside the fusedq package so that it travels with a copied tree and inside the project's
+# wheel (package data); it is not git-ignored for the same reason, and must never
 # be committed (a test checks).
 BUILD_INFO = Path(__file__).resolve().parent / "build_info.json"
+# One git call may not hold a run or a bench for long (a wedged filesystem, a huge tree).
+GIT_TIMEOUT_S = 10
 # Non-Python files whose bytes decide what the product does (the audit's fault catalogue, the
 # report templates).
 DATA_SUFFIXES = (".yaml", ".j2")
@@ -118,12 +123,38 @@ def fingerprints(root: Path = PACKAGES_ROOT) -> dict[str, str]:
 # --------------------------------------------------------------------------- commit
 
 
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``git -C root ARGS``; a git that cannot run answers like a failed command."""
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), *args],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return subprocess.CompletedProcess(["git", *args], 127, "", str(exc))
+
+
+def git_commit(root: Path = PACKAGES_ROOT) -> dict[str, Any]:
+    """``{"commit": HEAD, "dirty": whether tracked files differ}`` of the checkout at ``root``
+    (both None outside a git checkout) -- what git alone says; ``describe`` weighs it against
+    the build-info stamp."""
+    head = _git(root, "rev-parse", "HEAD")
+    if head.returncode:
+        return {"commit": None, "dirty": None}
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
 def _git_state(root: Path) -> dict[str, Any]:
     """git's commit and dirtiness of ``root`` when ``root`` is itself a checkout (an installed
     wheel inside some other repository's venv must not report that repository's HEAD)."""
     if not (root / ".git").exists():
         return {"commit": None, "dirty": None}
-    state = probes.git_commit(root)
+    state = git_commit(root)
     if state["commit"] and not state["dirty"] and _untracked_code(root):
         state["dirty"] = True
     return state
@@ -131,10 +162,7 @@ def _git_state(root: Path) -> dict[str, Any]:
 
 def _untracked_code(root: Path) -> list[str]:
     """Product files git does not track: code that runs but that no commit holds."""
-    proc = probes.run_command(
-        ["git", "-C", str(root), "ls-files", "--others", "--exclude-standard", "--",
-         *PRODUCT_PACKAGES]
-    )  # fmt: skip
+    proc = _git(root, "ls-files", "--others", "--exclude-standard", "--", *PRODUCT_PACKAGES)
     return [
         f
         for f in proc.stdout.splitlines()
@@ -143,9 +171,7 @@ def _untracked_code(root: Path) -> list[str]:
 
 
 def _dirty_files(root: Path) -> list[str]:
-    proc = probes.run_command(
-        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
-    )
+    proc = _git(root, "status", "--porcelain", "--untracked-files=no")
     changed = [line[3:] for line in proc.stdout.splitlines() if line.strip()]
     return changed + [f"{f} (untracked)" for f in _untracked_code(root)]
 
@@ -223,7 +249,7 @@ def stamp(root: Path = PACKAGES_ROOT, path: Path = BUILD_INFO) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.provenance", description=__doc__.split("\n\n")[0]
+        prog="python -m fusedq.provenance", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("command", choices=("stamp", "show", "clear"))
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""orchestrator.provenance: code fingerprints that ignore prose, and the commit of a tree that
+"""fusedq.provenance: code fingerprints that ignore prose, and the commit of a tree that
 was copied with a stale .git or none (real git repositories in tmp_path)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import provenance
+from fusedq import provenance
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def test_fingerprints_follow_code_and_data_not_prose(tmp_path):
     kernel.write_text(MODULE.replace("Doubles.", "Returns twice x."))
     (root / "fusedq" / "__pycache__").mkdir()
     (root / "fusedq" / "__pycache__" / "k.cpython-311.pyc").write_bytes(b"\0")
-    (root / "orchestrator" / "build_info.json").write_text("{}")  # the stamp is not code
+    (root / "fusedq" / "build_info.json").write_text("{}")  # the stamp is not code
     assert provenance.fingerprints(root) == base
     kernel.write_text(MODULE.replace("x * SCALE", "x + SCALE"))
     changed = provenance.fingerprints(root)
@@ -93,7 +93,7 @@ def _copy(src: Path, dst: Path, git_dir: Path | None = None) -> Path:
 
 def test_a_clean_checkout_is_named_by_git(tmp_path):
     root = _repo(tmp_path)
-    info = provenance.describe(root, root / "orchestrator" / "build_info.json")
+    info = provenance.describe(root, root / "fusedq" / "build_info.json")
     assert info["source"] == "git" and info["commit"] == _git(root, "rev-parse", "HEAD")
     assert info["dirty"] is False and provenance.commit_label(info) == info["commit"]
     assert info["product_fingerprint"] == provenance.fingerprints(root)["product"]
@@ -106,7 +106,7 @@ def test_a_dirty_checkout_says_so(tmp_path, edit):
         (root / "fusedq" / "kernels" / "k.py").write_text(MODULE.replace("2", "3"))
     else:
         (root / "fusedq" / "kernels" / "new.py").write_text("X = 1\n")
-    info = provenance.describe(root, root / "orchestrator" / "build_info.json")
+    info = provenance.describe(root, root / "fusedq" / "build_info.json")
     assert info["source"] == "git" and info["dirty"] is True
     assert provenance.commit_label(info).endswith("+dirty")
 
@@ -114,17 +114,17 @@ def test_a_dirty_checkout_says_so(tmp_path, edit):
 def test_a_stamp_names_a_copy_without_git(tmp_path):
     root = _repo(tmp_path)
     head = _git(root, "rev-parse", "HEAD")
-    written = provenance.stamp(root, root / "orchestrator" / "build_info.json")
+    written = provenance.stamp(root, root / "fusedq" / "build_info.json")
     assert written["commit"] == head and written["dirty"] is False
     copy = _copy(root, tmp_path / "copy")
-    info = provenance.describe(copy, copy / "orchestrator" / "build_info.json")
+    info = provenance.describe(copy, copy / "fusedq" / "build_info.json")
     assert (info["source"], info["commit"], info["dirty"]) == ("stamp", head, False)
     # A prose edit on the copy keeps the stamp valid; a code edit makes it stale.
     kernel = copy / "fusedq" / "kernels" / "k.py"
     kernel.write_text("# a note\n" + MODULE)
-    assert provenance.describe(copy, copy / "orchestrator" / "build_info.json")["commit"] == head
+    assert provenance.describe(copy, copy / "fusedq" / "build_info.json")["commit"] == head
     kernel.write_text(MODULE.replace("x * SCALE", "x - SCALE"))
-    stale = provenance.describe(copy, copy / "orchestrator" / "build_info.json")
+    stale = provenance.describe(copy, copy / "fusedq" / "build_info.json")
     assert (stale["source"], stale["commit"]) == ("none", None)
     assert stale["stale_stamp"]["commit"] == head
     assert provenance.commit_label(stale) == "unknown"
@@ -139,11 +139,11 @@ def test_a_stamp_beats_a_stale_git_head(tmp_path):
     _git(root, "commit", "-qam", "two")
     new_head = _git(root, "rev-parse", "HEAD")
     (root / "orchestrator" / "kernels" / "k.py").write_text(MODULE.replace("2", "5"))
-    written = provenance.stamp(root, root / "orchestrator" / "build_info.json")
+    written = provenance.stamp(root, root / "fusedq" / "build_info.json")
     assert written["dirty"] is True and written["dirty_files"] == ["orchestrator/kernels/k.py"]
     copy = _copy(root, tmp_path / "copy", git_dir=old_git)
-    assert provenance.probes.git_commit(copy)["commit"] == old_head  # what git alone would say
-    info = provenance.describe(copy, copy / "orchestrator" / "build_info.json")
+    assert provenance.git_commit(copy)["commit"] == old_head  # what git alone would say
+    info = provenance.describe(copy, copy / "fusedq" / "build_info.json")
     assert (info["source"], info["commit"], info["dirty"]) == ("stamp", new_head, True)
     assert info["dirty_files"] == ["orchestrator/kernels/k.py"]
     assert provenance.commit_label(info) == new_head + "+dirty"
@@ -152,13 +152,13 @@ def test_a_stamp_beats_a_stale_git_head(tmp_path):
 def test_stamp_refuses_a_tree_without_git(tmp_path):
     root = _tree(tmp_path / "plain")
     with pytest.raises(provenance.ProvenanceError, match="not a git checkout"):
-        provenance.stamp(root, root / "orchestrator" / "build_info.json")
-    assert not (root / "orchestrator" / "build_info.json").exists()
+        provenance.stamp(root, root / "fusedq" / "build_info.json")
+    assert not (root / "fusedq" / "build_info.json").exists()
 
 
 def test_show_prints_this_trees_provenance():
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.provenance", "show"],
+        [sys.executable, "-m", "fusedq.provenance", "show"],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     shown = json.loads(done.stdout)

@@ -1,0 +1,271 @@
+"""Which kernel runs a problem, with which launch configuration, and why: the one table.
+
+A problem is a recipe (weight format x output dtype), the heads per rank H, the token count M,
+the device, PDL, and what is installed (nvidia-cutlass-dsl for the CuTe kernel, Triton's
+Gluon). ``select`` answers for one problem with a ``Selection``, and everything that needs the
+answer reads it here: the dispatcher binds it, ``prewarm`` compiles it, ``kernel_choice`` and
+``kernel_summary`` report it, ``fusedq-bench`` times it. ``capability`` only gates (can the
+recipe run on this device at all); the kernel modules run the configuration they are given.
+
+The rules, in the order ``select`` applies them:
+
+1. ``capability.explain`` gives a reason: the staged path.
+2. CPU tensors (the Triton interpreter): the Triton kernels, one program per head.
+3. On CUDA, the CuTe DSL kernel where ``capability.cute_problem`` has no objection and M is at
+   most ``CUTE_MAX_M`` of the weight format. It runs in CUDA graphs; eager calls (and operands
+   it cannot take) run its fallback, the Triton-family configuration of rule 4.
+4. The Triton family: the register path where ``FMA_TUNED`` has the shape, else the Gluon
+   kernel as ``GLUON_TUNED`` says where Gluon imports, else the tl.dot kernel as ``TUNED``
+   says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+import triton
+
+from fusedq import capability
+from fusedq.kernels import common, gluon_mla_query, triton_mla_query
+from fusedq.kernels.triton_launch import DEFAULT_NUM_WARPS, DEFAULT_PDL, LaunchConfig
+from fusedq.limits import KV_LORA
+
+PATHS = ("cute", "triton", "staged")
+
+# The largest M the CuTe kernel runs, per weight format: up to there it measured faster than
+# the Triton kernels in CUDA graphs, above it falls behind (its FMAs do not scale with M);
+# docs/decisions/0001-cute-for-small-m.md.
+CUTE_MAX_M = {"mxfp8": 4, "bf16": 2}
+
+# The register (FMA) path, where it measured as fast as the Gluon kernel or faster:
+# (weight format, E4M3 out, block_m) -> {heads: (block_n, num_warps)}. Shapes without an entry
+# take the Gluon kernel (GLUON_TUNED), or tl.dot without Gluon;
+# docs/decisions/0006-gluon-for-larger-m.md.
+FMA_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int]]] = {
+    ("bf16", False, 1): {8: (32, 4)},
+    ("mxfp8", False, 1): {8: (32, 4)},
+    ("bf16", True, 1): {8: (32, 4), 16: (32, 4)},
+    ("mxfp8", True, 1): {8: (32, 4), 16: (32, 4)},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonChoice:
+    """How the Gluon kernel runs one shape: its operand path (gluon_mla_query.OPERANDS),
+    BLOCK_N and warps, and for E4M3 out whether the result is stored 16 bytes a thread
+    through shared memory (the "wide" epilogue) rather than from the MMA layout."""
+
+    operands: str
+    block_n: int
+    num_warps: int
+    wide_store: bool = False
+
+
+# The Gluon kernel replaces the tl.dot kernel everywhere it runs (it measured faster at every
+# shape): (weight format, E4M3 out) -> rules (min heads, min M, choice), the first that holds
+# wins. 64-wide N tiles from 11 heads, 32-wide at 8 (where the wider tiles leave too few CTAs);
+# BF16 out converts its operands, E4M3 out stages them in shared memory; E4M3 from 16 tokens
+# stores through shared memory 16 bytes a thread, where the MMA layout's 2-byte stores cost
+# more than the round trip; docs/decisions/0006-gluon-for-larger-m.md.
+GLUON_TUNED: dict[tuple[str, bool], tuple[tuple[int, int, GluonChoice], ...]] = {
+    ("bf16", False): ((11, 1, GluonChoice("convert", 64, 4)), (1, 1, GluonChoice("convert", 32, 4))),
+    ("mxfp8", False): ((11, 1, GluonChoice("convert", 64, 4)), (1, 1, GluonChoice("convert", 32, 4))),
+    ("bf16", True): (
+        (11, 16, GluonChoice("smem", 64, 4, wide_store=True)),
+        (11, 1, GluonChoice("smem", 64, 4)),
+        (1, 16, GluonChoice("smem", 32, 4, wide_store=True)),
+        (1, 1, GluonChoice("smem", 32, 4)),
+    ),
+    ("mxfp8", True): (
+        (11, 16, GluonChoice("convert", 64, 4, wide_store=True)),
+        (11, 1, GluonChoice("smem", 64, 8)),
+        (1, 16, GluonChoice("smem", 32, 4, wide_store=True)),
+        (1, 1, GluonChoice("smem", 32, 4)),
+    ),
+}  # fmt: skip
+
+# The tl.dot kernel, where Gluon does not import: (weight format, E4M3 out, block_m) ->
+# {heads: (block_n, num_warps, block_k)}. BF16 weights: three K chunks (one wide staging tile
+# costs more than it saves), wider N tiles for more heads (fewer, fuller CTAs). MXFP8: K in one
+# chunk, because Triton re-lays-out each fp8 tile right after its load (three chunks would mean
+# three serial waits); docs/decisions/0006-gluon-for-larger-m.md.
+_ONE_K = triton_mla_query.SINGLE_BLOCK_K
+_THREE_K = common.BLOCK_K
+TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
+    ("bf16", False, 16): {8: (32, 8, _THREE_K), 11: (64, 8, _THREE_K), 16: (64, 8, _THREE_K)},
+    ("bf16", False, 32): {8: (32, 4, _THREE_K), 11: (64, 4, _THREE_K), 16: (64, 4, _THREE_K)},
+    ("bf16", True, 16): {8: (32, 8, _THREE_K), 11: (32, 8, _THREE_K), 16: (32, 8, _THREE_K)},
+    ("bf16", True, 32): {8: (32, 8, _ONE_K), 11: (64, 8, _ONE_K), 16: (64, 8, _ONE_K)},
+    ("mxfp8", False, 16): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
+    ("mxfp8", False, 32): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
+    ("mxfp8", True, 16): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
+    ("mxfp8", True, 32): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
+}
+# A head count TUNED does not list: 32-wide N tiles give heads*16 CTAs (128 at H=8), enough to
+# cover the H200's 132 SMs once.
+DEFAULT_BLOCK_N = 32
+# The interpreter pays per program, not per element: one program per head keeps CPU CI fast.
+INTERPRET_BLOCK_N = KV_LORA
+
+
+def gluon_choice(weight_format: str, out_fp8: bool, num_heads: int, m: int) -> GluonChoice | None:
+    """The GLUON_TUNED choice for one shape (None for a recipe without Gluon rules)."""
+    for min_heads, min_m, choice in GLUON_TUNED.get((weight_format, out_fp8), ()):
+        if num_heads >= min_heads and m >= min_m:
+            return choice
+    return None
+
+
+def launch_config(
+    num_heads: int,
+    m: int,
+    weight_format: str = "bf16",
+    out_fp8: bool = False,
+    *,
+    allow_fma: bool = True,
+    pdl: bool | None = None,
+) -> LaunchConfig:
+    """The Triton-family configuration for ``m`` tokens of ``num_heads`` heads (rule 4 of the
+    module docstring, or the interpreter's); ``allow_fma=False`` gives the MMA kernels' choice.
+    ``pdl=None`` is ``DEFAULT_PDL``."""
+    pdl = DEFAULT_PDL if pdl is None else pdl
+    fma_m = triton.next_power_of_2(max(m, 1))
+    fma = FMA_TUNED.get((weight_format, out_fp8, fma_m), {}) if allow_fma else {}
+    block_m = max(triton_mla_query.MIN_BLOCK_M, fma_m)
+    if common.interpreting():
+        if num_heads in fma:  # the GPU takes the register path here: so does the interpreter
+            return LaunchConfig(block_m=fma_m, block_n=INTERPRET_BLOCK_N, num_warps=1, fma=True)
+        return LaunchConfig(block_m=block_m, block_n=INTERPRET_BLOCK_N, block_k=_ONE_K)
+    if num_heads in fma:
+        block_n, num_warps = fma[num_heads]
+        return LaunchConfig(fma_m, block_n, num_warps=num_warps, pdl=pdl, fma=True)
+    choice = gluon_choice(weight_format, out_fp8, num_heads, m)
+    if choice is not None and gluon_mla_query.AVAILABLE:
+        return LaunchConfig(
+            block_m, choice.block_n, num_warps=choice.num_warps, pdl=pdl, gluon=True,
+            gluon_operands=choice.operands, e4m3_epilogue="wide" if choice.wide_store else "mul",
+        )  # fmt: skip
+    tuned = TUNED.get((weight_format, out_fp8, block_m), {})
+    block_n, num_warps, block_k = tuned.get(
+        num_heads, (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, common.BLOCK_K)
+    )
+    return LaunchConfig(block_m, block_n, num_warps=num_warps, block_k=block_k, pdl=pdl)
+
+
+def triton_kernel_name(config: LaunchConfig) -> str:
+    """The Triton-family kernel a configuration runs, as ``kernel_summary`` names it:
+    ``"register"``, ``"tl.dot"`` or ``"gluon-<operands>"`` (``-widestore`` for E4M3's
+    shared-memory store)."""
+    if config.gluon:
+        store = "-widestore" if config.e4m3_epilogue == "wide" else ""
+        return f"gluon-{config.gluon_operands}{store}"
+    return "register" if config.fma else "tl.dot"
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """One problem's kernel: ``path`` (one of PATHS), ``why`` (what decided it) and
+    ``config``, the Triton-family launch: what runs under ``"triton"``, and under ``"cute"``
+    what eager calls and operands the CuTe kernel cannot take run (``None`` for ``"staged"``)."""
+
+    path: str
+    why: str
+    config: LaunchConfig | None = None
+
+    @property
+    def kernel(self) -> str:
+        """The kernel as ``kernel_summary`` names it, e.g. ``"gluon-convert"``,
+        ``"cute (graphs; eager: register)"`` or ``"staged"``."""
+        if self.config is None:
+            return self.path
+        name = triton_kernel_name(self.config)
+        return f"cute (graphs; eager: {name})" if self.path == "cute" else name
+
+
+def select(
+    num_heads: int,
+    m: int,
+    *,
+    weight_format: str = "bf16",
+    out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    pdl: bool = False,
+) -> Selection:
+    """The kernel ``backend="auto"`` runs for one call's problem (see the module docstring)."""
+    why = capability.explain(
+        num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device
+    )
+    if why is not None:
+        return Selection("staged", why)
+    out_fp8 = out_dtype == torch.float8_e4m3fn
+    config = launch_config(num_heads, m, weight_format, out_fp8, pdl=pdl)
+    if capability.resolve_device(device).type != "cuda":
+        return Selection("triton", "CPU tensors run the Triton kernel in its interpreter", config)
+    problem = capability.cute_problem(weight_format, out_dtype, pdl=pdl)
+    if problem is not None:
+        return Selection("triton", problem, config)
+    limit = CUTE_MAX_M[weight_format]
+    if m > limit:
+        return Selection(
+            "triton", f"M={m} > {limit}: the Triton kernel measured faster there", config
+        )
+    out = "E4M3" if out_fp8 else "BF16"
+    weights = "MXFP8" if weight_format == "mxfp8" else "BF16"
+    why = f"{weights} -> {out} at M <= {limit}: the CuTe DSL kernel measured faster"
+    return Selection("cute", why, config)
+
+
+def kernel_choice(
+    num_heads: int,
+    m: int,
+    *,
+    weight_format: str = "bf16",
+    out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    pdl: bool = False,
+) -> tuple[str, str]:
+    """(path, why) of ``backend="auto"`` for one call's problem: path is ``"cute"``,
+    ``"triton"`` or ``"staged"``, and why says what decided it, e.g. MXFP8 falling back to
+    the Triton kernel because nvidia-cutlass-dsl is not installed."""
+    chosen = select(
+        num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
+    )
+    return chosen.path, chosen.why
+
+
+def kernel_summary(
+    num_heads: int,
+    ms: Iterable[int],
+    *,
+    weight_format: str = "bf16",
+    out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    pdl: bool = False,
+) -> str:
+    """Which kernel ``backend="auto"`` runs at each of ``ms``, runs of equal M merged, e.g.
+    ``"M=1,2 cute (graphs; eager: register); M=4-16 gluon-convert"`` (E4M3's shared-memory
+    store shows as ``gluon-smem-widestore``); and, where the recipe could take the CuTe kernel
+    but does not, why (``"... [CuTe: nvidia-cutlass-dsl does not import (...)]"``). What a server
+    log shows so a run says which kernels it measured."""
+    runs: list[tuple[str, list[int]]] = []
+    for m in sorted(set(ms)):
+        name = select(
+            num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
+        ).kernel
+        if runs and runs[-1][0] == name:
+            runs[-1][1].append(m)
+        else:
+            runs.append((name, [m]))
+
+    def span(m_run: list[int]) -> str:
+        return str(m_run[0]) if len(m_run) == 1 else f"{m_run[0]}-{m_run[-1]}"
+
+    text = "; ".join(f"M={span(m_run)} {name}" for name, m_run in runs) or "no M"
+    on_gpu = capability.resolve_device(device).type == "cuda"
+    if on_gpu and not any(n.startswith("cute") for n, _ in runs):
+        problem = capability.cute_problem(weight_format, out_dtype, pdl=pdl)
+        if problem is not None:
+            text += f" [CuTe: {problem}]"
+    return text
