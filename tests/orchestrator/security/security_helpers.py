@@ -11,6 +11,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from orchestrator.matrix import expand, parse_matrix
+from orchestrator.results import CaseResult
+from orchestrator.store import RunStore
+
 REPO = Path(__file__).resolve().parents[3]
 ORCHESTRATOR = Path(sys.executable).parent / "orchestrator"
 
@@ -75,10 +79,6 @@ def write_matrix(tmp_path: Path, extra: str = "", base: str = MATRIX) -> Path:
 def make_run(tmp_path: Path, rows: Sequence[Mapping[str, object]] | None = None) -> Path:
     """A finished run directory of MATRIX's one case, with `rows` (default: one passed row)
     as its results, written the way the runner writes them."""
-    from orchestrator.matrix import expand, parse_matrix
-    from orchestrator.results import CaseResult
-    from orchestrator.store import RunStore
-
     matrix = parse_matrix(MATRIX, "m.yaml")
     case = expand(matrix)[0]
     store = RunStore.create(tmp_path, "run")
@@ -97,8 +97,6 @@ def make_run(tmp_path: Path, rows: Sequence[Mapping[str, object]] | None = None)
 
 
 def passed_row(**changes: object) -> dict[str, object]:
-    from orchestrator.matrix import expand, parse_matrix
-
     case = expand(parse_matrix(MATRIX, "m.yaml"))[0]
     row: dict[str, object] = {**case.to_dict(), "status": "passed", "reason": None, "errors": 0}
     row["workloads"] = {"w": {"mean": {"aggregate_tok_s": 10.0, "per_user_tok_s": 10.0}}}

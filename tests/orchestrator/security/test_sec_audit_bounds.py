@@ -16,6 +16,7 @@ from security_helpers import assert_refused, run_cli
 from typer.testing import CliRunner
 
 from orchestrator.audit import sources
+from orchestrator.audit.scan import GREP_MAX_LINE_BYTES, MAX_LINE_BYTES
 from orchestrator.cli import app
 
 NEEDLE = b" CUDA error: an illegal memory access was encountered "
@@ -57,8 +58,6 @@ def test_a_128_mib_line_in_a_plain_file(long_line):
 def test_long_lines_that_grep_still_takes(tmp_path):
     """Lines of 4 MiB (over MAX_LINE_BYTES, under GREP_MAX_LINE_BYTES) in a mapped file:
     each is read in a piece around its fault, and the finding keeps its line number."""
-    from orchestrator.audit.scan import GREP_MAX_LINE_BYTES, MAX_LINE_BYTES
-
     assert MAX_LINE_BYTES < 4 * MIB < GREP_MAX_LINE_BYTES
     half = b"y" * (2 * MIB)
     log = tmp_path / "long-lines.log"

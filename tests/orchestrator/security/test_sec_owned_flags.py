@@ -9,10 +9,20 @@ import subprocess
 import sys
 
 import pytest
-from security_helpers import ALIAS_BOMB, MATRIX, REPO, assert_refused, run_cli, write_matrix
+from security_helpers import (
+    ALIAS_BOMB,
+    MATRIX,
+    REPO,
+    assert_refused,
+    make_run,
+    rewrite_json,
+    run_cli,
+    write_matrix,
+)
 
 from orchestrator.engines.vllm import serve_argv
 from orchestrator.matrix import MatrixError, load_matrix, parse_matrix
+from orchestrator.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, owned_flag
 
 # (passthrough args, the owned flag vLLM 0.32's parser reads them as). The first five are
 # ones e3a37d8 let through; vLLM 0.32 read each as the owned flag it abbreviates.
@@ -195,8 +205,6 @@ def test_the_prefix_rule_agrees_with_vllms_parser(vllm_parser):
     """Every spelling vLLM reads as an owned flag is refused, and the only real vLLM flag
     refused is -dc (a prefix of -dcp: in a release without --diffusion-config, vLLM reads
     it as DCP)."""
-    from orchestrator.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, owned_flag
-
     owned = {**ALWAYS_OWNED, **PROFILE_OWNED}
     actions = vllm_parser._option_string_actions
     owned_dests = {actions[f].dest for f in owned if f in actions}
@@ -245,8 +253,6 @@ def test_the_opt_in_is_warned_about_when_a_run_starts(tmp_path):
 
 
 def test_the_opt_in_is_warned_about_in_the_report(tmp_path):
-    from security_helpers import make_run, rewrite_json
-
     root = make_run(tmp_path)
     manifest = json.loads((root / "manifest.json").read_text())
     matrix = {**manifest["matrix"], "host": "0.0.0.0", "bind_all_interfaces": True}

@@ -12,7 +12,10 @@ import re
 import pytest
 from security_helpers import make_run, passed_row, rewrite_json, run_cli
 
+from orchestrator.cli import _print_outcome
 from orchestrator.mdtable import md_cell, md_table
+from orchestrator.runner import RunSummary
+from orchestrator.store import RunStore
 
 HOSTILE = "a\nb|<script>alert(1)</script>\x00\x1b[31mred\x1b[0m\x07"
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
@@ -66,10 +69,6 @@ def test_report_md_escapes_labels_headings_and_reasons(tmp_path):
 
 
 def test_run_prints_failed_reasons_without_control_characters(tmp_path):
-    from orchestrator.cli import _print_outcome
-    from orchestrator.runner import RunSummary
-    from orchestrator.store import RunStore
-
     root = _hostile_run(tmp_path)
     results = RunStore(root).results()
     err = io.StringIO()

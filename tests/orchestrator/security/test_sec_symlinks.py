@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from security_helpers import make_run
+from security_helpers import assert_refused, make_run, run_cli, write_matrix
 
 from orchestrator.engines.vllm import start_server
 from orchestrator.redact import redact_file
@@ -101,8 +101,6 @@ def test_resuming_a_prepared_folder_is_refused_before_anything_starts(tmp_path, 
 
 
 def test_the_refusal_reaches_the_cli_as_one_line(tmp_path, victim):
-    from security_helpers import assert_refused, run_cli, write_matrix
-
     root = make_run(tmp_path)
     link = _link(root / ".lock", victim)
     matrix = write_matrix(tmp_path)
