@@ -125,6 +125,8 @@ def run(
 
 def _print_outcome(summary: RunSummary) -> None:
     """Where the run went, what it skipped, its closing table, and each failed case's reason."""
+    from orchestrator.mdtable import plain_text
+
     report = summary.run_dir / "report.md"
     typer.echo(f"run directory: {summary.run_dir}")
     typer.echo(f"report: {report}")
@@ -138,8 +140,9 @@ def _print_outcome(summary: RunSummary) -> None:
         # Named with the reason even under --quiet: an unattended log must say what failed.
         for rows, when in ((summary.earlier, " (in an earlier attempt)"), (summary.results, "")):
             for row in (r for r in rows if not r.passed):
-                # A reason's later lines (what happened, the log's tail) indented under it.
-                reason = str(row.reason).replace("\n", "\n    ")
+                # A reason's later lines (what happened, the log's tail) indented under it,
+                # without the control characters a log may hold (a terminal obeys them).
+                reason = plain_text(row.reason).replace("\n", "\n    ")
                 typer.echo(f"FAILED {row.case_id}{when}: {reason}", err=True)
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
 
@@ -363,7 +366,11 @@ def audit(
             False, None, "no --since given; pass --since to audit kernel lines after that time"
         )
         result.verdict = verdict(result.findings, result.searched)
-    typer.echo(json.dumps(result.to_dict(), indent=2) if json_out else _audit_text(result))
+    from orchestrator.redact import redact, redact_text
+
+    # The scanner redacts what it quotes; this catches whatever else reached the output.
+    text = json.dumps(redact(result.to_dict()), indent=2) if json_out else _audit_text(result)
+    typer.echo(text if json_out else redact_text(text))
     raise typer.Exit(EXIT_OK if result.verdict.clean else EXIT_FINDINGS)
 
 

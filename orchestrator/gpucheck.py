@@ -100,6 +100,8 @@ def _round_matrix(tp: int, bundles: int, heads: int, host: str) -> Any:
         "workloads": [{"name": "none", "prompt_tokens": 1, "output_tokens": 1, "requests": 1}],
         "variants": [{"name": f"bundle{i}"} for i in range(bundles)],
         "host": host,
+        # _PORT_HOST picks free ports; nothing serves on it (see above).
+        "bind_all_interfaces": True,
     }
     return parse_matrix(yaml.safe_dump(doc), f"gpu-check tp{tp}")
 

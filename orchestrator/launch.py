@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import processes
+from orchestrator import processes, safe_io
 from orchestrator.leftovers import NODE_ENV
 from orchestrator.matrix import Case, Matrix
+from orchestrator.matrix_policy import RAY_WORKER_ENV
 
 # Ray's default object store takes 30% of RAM; the orchestrator moves only small dicts through it,
 # and every GiB it holds is a GiB a CPU vLLM server cannot have.
@@ -181,7 +182,8 @@ class _ServerActor:
     def case_dir(self, name: str) -> str:
         """A case directory of this node's own, under its temp directory."""
         self.own_dir = Path(tempfile.gettempdir()) / name
-        self.own_dir.mkdir(parents=True, exist_ok=True)
+        # A predictable name in a shared /tmp: only ever this user's own 0700 folder.
+        safe_io.private_dir(self.own_dir, "the case folder on this node")
         return str(self.own_dir)
 
     def start(
@@ -196,7 +198,7 @@ class _ServerActor:
         # The actor's own environment carries what Ray set up (CUDA_VISIBLE_DEVICES for the
         # bundle's GPUs, PYTHONPATH for py_modules); the case adds to it, never replaces those.
         env = {**os.environ, **env_overrides}
-        for key in ("CUDA_VISIBLE_DEVICES", "PYTHONPATH"):
+        for key in RAY_WORKER_ENV:
             if key in os.environ:
                 env[key] = os.environ[key]
         self.log_path = Path(log_path)
@@ -602,8 +604,7 @@ class Launcher:
     def _append(self, handle: ServerHandle, chunk: bytes) -> None:
         if not chunk or handle.mirror is None:
             return
-        with handle.mirror.open("ab") as f:
-            f.write(chunk)
+        safe_io.append_bytes(handle.mirror, chunk)  # never through a link in the run folder
         handle.mirrored += len(chunk)
 
     def describe_end(self, handle: ServerHandle | None) -> str:
@@ -634,13 +635,14 @@ class Launcher:
         for name in self._ray.get(handle.actor.files.remote(), timeout=60):
             target = dest.parent / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists():  # never over a file of the run directory
+            if os.path.lexists(target):  # never over a file (or a link) of the run directory
                 self.log(
                     f"warning: {handle.case.case_id}: {name} of the node not copied over {target}"
                 )
                 continue
             offset = 0
-            with target.open("wb") as f:
+            new = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a link there is refused too
+            with os.fdopen(safe_io.open_for_writing(target, new), "wb") as f:
                 while chunk := self._ray.get(
                     handle.actor.read_file.remote(name, offset), timeout=60
                 ):

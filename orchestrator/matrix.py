@@ -19,8 +19,9 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator import tinymodel
+from orchestrator import matrix_policy, safe_io, tinymodel
 from orchestrator.fusedq_files import limits
+from orchestrator.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, args_problem, owned_flag
 from orchestrator.store import case_slug
 
 # The unmeasured warm-up request (warmup_requests of them per server): short, because what
@@ -30,17 +31,6 @@ WARMUP_OUTPUT_TOKENS = 8
 # A model path with this prefix is built locally by orchestrator.tinymodel (the embedded default).
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = tuple(tinymodel.BUILTINS)
-# vLLM flags the orchestrator owns; passing them through would fight the topology axes.
-OWNED_FLAGS = (
-    "--tensor-parallel-size",
-    "-tp",
-    "--decode-context-parallel-size",
-    "-dcp",
-    "--speculative-config",
-    "--host",
-    "--port",
-    "--served-model-name",
-)
 
 
 class MatrixError(ValueError):
@@ -69,12 +59,10 @@ def _check_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def _check_args(args: Sequence[str]) -> list[str]:
-    for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in OWNED_FLAGS:
-            raise ValueError(
-                f"{arg!r} is set by the orchestrator from the topology; remove it from args"
-            )
+    # Owned flags in every spelling vLLM reads, --config files included (orchestrator.owned_flags).
+    problem = args_problem(args, ALWAYS_OWNED)
+    if problem is not None:
+        raise ValueError(f"{problem}; remove it from args")
     return list(args)
 
 
@@ -302,6 +290,11 @@ class Matrix(_Strict):
         description="Address servers bind; loopback unless you need more: `node` binds the "
         "address Ray knows each server's node by (servers on other nodes of a cluster), "
         "0.0.0.0 every interface.",
+    )
+    bind_all_interfaces: bool = Field(
+        False,
+        description="Say yes to a host that binds every interface (0.0.0.0, ::); plan, run "
+        "and the report then warn about it (orchestrator/matrix_policy.py).",
     )
     max_mtp: int = Field(8, ge=0, description="Sanity bound on speculative tokens.")
 
@@ -543,7 +536,9 @@ def parse_matrix(
     """
     env = os.environ if env is None else env
     try:
-        raw = yaml.safe_load(text)
+        raw = safe_io.load_yaml(text, source)
+    except safe_io.UnsafeFileError as exc:
+        raise MatrixError(source, "", exc.reason) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "YAML"
@@ -583,12 +578,13 @@ def load_matrix(
     unresolved: list[str] | None = None,
 ) -> Matrix:
     """Read, parse and validate a matrix file."""
-    p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = safe_io.read_text(Path(path), safe_io.MAX_YAML_BYTES)
     except FileNotFoundError:
         raise MatrixError(str(path), "", "no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except safe_io.UnsafeFileError as exc:
+        raise MatrixError(str(path), "", exc.reason) from None
+    except OSError as exc:
         raise MatrixError(str(path), "", f"cannot read: {exc}") from None
     return parse_matrix(text, str(path), sets=sets, env=env, unresolved=unresolved)
 
@@ -685,11 +681,45 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
                     f"{where}.mtp",
                     f"MTP > 0 but models[{mi}] ({model.label}) has_mtp: false",
                 )
+    _check_host(m, source)
     cases = expand(m)
     _check_profile(m, cases, source)
     dup = _dups(c.case_id for c in cases)
     if dup:
         raise MatrixError(source, "topologies", f"case {dup[0]!r} appears twice")
+    _check_case_folders(cases, source)
+
+
+def _check_host(m: Matrix, source: str) -> None:
+    problem = matrix_policy.host_problem(m.host, m.bind_all_interfaces)
+    if problem is not None:
+        raise MatrixError(source, "host", problem)
+
+
+# A case folder's name is one path component; most filesystems stop at 255 bytes.
+_MAX_FOLDER_BYTES = 255
+
+
+def _check_case_folders(cases: Sequence[Case], source: str) -> None:
+    """Every case gets a folder of its own: two case ids that map to one folder name (or to
+    names only case differs in, which a case-insensitive filesystem makes one) are refused,
+    naming both. The mapping itself stays: committed runs are read by it."""
+    seen: dict[str, Case] = {}
+    for case in cases:
+        slug = case.slug
+        if len(slug.encode()) > _MAX_FOLDER_BYTES:
+            raise MatrixError(
+                source, "models", f"case {case.case_id!r} needs a folder name of "
+                f"{len(slug.encode())} bytes, over the {_MAX_FOLDER_BYTES} a filesystem takes: "
+                "shorten its model label",
+            )  # fmt: skip
+        other = seen.setdefault(slug.casefold(), case)
+        if other is not case:
+            raise MatrixError(
+                source, "models", f"cases {other.case_id!r} and {case.case_id!r} would share "
+                f"the folder cases/{slug}: give their models (or variants) labels that differ "
+                "in more than punctuation, spaces or case",
+            )  # fmt: skip
 
 
 def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
@@ -707,8 +737,8 @@ def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
 
 
 def _profiler_flag(arg: str) -> bool:
-    # vLLM's spellings: --profiler-config JSON, and its dotted --profiler-config.profiler=...
-    return arg.split("=", 1)[0].replace("_", "-").split(".", 1)[0] == "--profiler-config"
+    # Every spelling vLLM reads as --profiler-config: dotted, abbreviated (owned_flags).
+    return owned_flag(arg, PROFILE_OWNED) is not None
 
 
 def expand(m: Matrix) -> list[Case]:

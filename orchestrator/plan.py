@@ -8,6 +8,7 @@ from typing import Any
 
 from orchestrator.estimate import estimate_run, human_s
 from orchestrator.matrix import expand, load_matrix, units_needed
+from orchestrator.matrix_policy import env_notes, matrix_warnings
 
 
 def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]:
@@ -19,6 +20,7 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
     unit = "GPU" if matrix.resources.accelerator == "gpu" else "CPU"
     per_rank = 1 if unit == "GPU" else matrix.resources.cpus_per_rank
     notes = [f"unresolved: {u} (set it before `orchestrator run`)" for u in unresolved]
+    notes += env_notes(matrix)
     if matrix.resources.accelerator == "cpu":
         notes.append(
             "CPU build: DCP > 1 is not possible (vLLM's CPU MLA backends return no softmax LSE); "
@@ -63,6 +65,7 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
         ],
         "estimate": estimate.to_dict(),
         "notes": notes,
+        "warnings": matrix_warnings(matrix),
     }
 
 
@@ -93,4 +96,6 @@ def render_plan(plan: dict[str, Any]) -> str:
     lines.append(f"estimated duration: ~{human_s(est['total_s'])} ({est['basis']})")
     for n in plan["notes"]:
         lines.append(f"note: {n}")
+    for w in plan["warnings"]:
+        lines.append(f"warning: {w}")
     return "\n".join(lines)

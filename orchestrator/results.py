@@ -479,6 +479,22 @@ class RunManifest(_Record):
     # fusedq.provenance.describe() of the code that ran (absent before 2026-12-02).
     provenance: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _readable(self) -> RunManifest:
+        """What the readers index: each case's id, each workload's and variant's name (a
+        manifest someone else wrote is refused here, naming the field, not in a report)."""
+        for i, case in enumerate(self.cases):
+            if not isinstance(case.get("case_id"), str):
+                raise ValueError(f"cases[{i}].case_id is not a string")
+        for kind in ("workloads", "variants"):
+            specs = self.matrix.get(kind) or []
+            if not isinstance(specs, list):
+                raise ValueError(f"matrix.{kind} is not a list")
+            for i, spec in enumerate(specs):
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                    raise ValueError(f"matrix.{kind}[{i}] has no name")
+        return self
+
     @property
     def matrix_name(self) -> str | None:
         return self.matrix.get("name")

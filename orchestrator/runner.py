@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import probes
+from orchestrator import probes, safe_io
 from orchestrator.fusedq_files import provenance
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.matrix import Case, Matrix, expand, load_matrix
+from orchestrator.matrix_policy import matrix_warnings
 from orchestrator.redact import redact, redact_argv, redact_text, secret_args, secret_values
 from orchestrator.results import CaseResult
 from orchestrator.store import RunStore, new_run_id
@@ -80,8 +81,8 @@ class _Log:
 
     def __call__(self, msg: str) -> None:
         line = f"{_now()} {redact_text(msg, self.secrets)}"
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        # Never through a link in the log's place (safe_io.UnsafeFileError, one line).
+        safe_io.append_bytes(self.path, (line + "\n").encode("utf-8", "backslashreplace"))
         if self.echo:
             print(line, file=sys.stderr, flush=True)
 
@@ -220,6 +221,7 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     """
     t_run = time.monotonic()
     matrix = load_matrix(matrix_path, sets=options.sets)
+    warnings = _warn(matrix)
     cases = expand(matrix)
     selected = [c for c in cases if not options.only or any(s in c.case_id for s in options.only)]
     if not selected:
@@ -238,7 +240,19 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 nothing_left=True,
             )
     attempt = _Attempt(matrix_path, matrix, cases, selected, options, store, t_run)
+    for warning in warnings:
+        attempt.log(f"warning: {warning}")
     return attempt.run()
+
+
+def _warn(matrix: Matrix) -> list[str]:
+    """What the matrix does that a reader of the run must know (orchestrator.matrix_policy:
+    servers bound to every interface, env a Ray worker replaces), said before anything
+    starts; the run's log gets the same lines."""
+    warnings = matrix_warnings(matrix)
+    for warning in warnings:
+        print(f"orchestrator: warning: {warning}", file=sys.stderr, flush=True)
+    return warnings
 
 
 class _Attempt:

@@ -22,12 +22,13 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from orchestrator import safe_io
 from orchestrator.redact import redact
 from orchestrator.results import SCHEMA_VERSION, CaseResult
 
@@ -38,6 +39,15 @@ LOCK = ".lock"
 
 class StoreError(RuntimeError):
     """A run directory that cannot be created, opened or resumed."""
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """safe_io's refusals (a link, a FIFO, a bound passed) as StoreError: one line, the file."""
+    try:
+        yield
+    except safe_io.UnsafeFileError as exc:
+        raise StoreError(str(exc)) from None
 
 
 def case_slug(case_id: str) -> str:
@@ -72,17 +82,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    """Append one JSON line with a single write(2) on O_APPEND, then fsync."""
+    """Append one JSON line with a single write(2) on O_APPEND, then fsync; never through a
+    link in the file's place (StoreError)."""
     line = (json.dumps(row, default=str, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        view = memoryview(line)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with _refusals():
+        safe_io.append_bytes(path, line, sync=True)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -91,19 +95,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def read_jsonl_numbered(path: Path) -> list[tuple[int, Any]]:
-    """(line number, value) of each complete JSON line; see read_jsonl."""
-    if not path.exists():
+    """(line number, value) of each complete JSON line; see read_jsonl. A file that is no
+    regular file, a line or file past its bound, or a value nested too deep is a StoreError
+    (safe_io states the bounds)."""
+    if not os.path.lexists(path):
         return []
-    rows = []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.endswith(b"\n"):
-                break
-            try:
-                rows.append((number, json.loads(raw)))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    try:
+        with _refusals():
+            return list(safe_io.iter_json_lines(path))
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot read it ({exc.strerror})") from None
 
 
 class RunStore:
@@ -136,6 +137,8 @@ class RunStore:
         root = (Path(run_id) if os.sep in run_id else logs_dir / run_id).absolute()
         if not (root / MANIFEST).is_file():
             raise StoreError(f"{root}: no run to resume (missing {MANIFEST})")
+        with _refusals():  # a folder someone prepared must not redirect what the run writes
+            safe_io.check_run_dir(root)
         return cls(root)
 
     @classmethod
@@ -146,11 +149,13 @@ class RunStore:
         if not root.is_dir():
             raise StoreError(f"{root}: not a run directory (does not exist)")
         manifest_path = root / MANIFEST
-        if not manifest_path.is_file():
+        if not os.path.lexists(manifest_path):  # anything else in its place is read, refused
             raise StoreError(f"{root}: not a run directory (missing {MANIFEST})")
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            manifest = safe_io.read_json(manifest_path)
+        except safe_io.UnsafeFileError as exc:
+            raise StoreError(f"{exc.path}: unreadable manifest ({exc.reason})") from None
+        except OSError as exc:
             raise StoreError(f"{manifest_path}: unreadable manifest ({exc})") from None
         if not isinstance(manifest, dict):
             raise StoreError(f"{manifest_path}: manifest is not a JSON object")
@@ -162,7 +167,8 @@ class RunStore:
 
     def lock(self) -> None:
         """Hold an exclusive lock so two orchestrators never write one run directory."""
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        with _refusals():
+            fd = safe_io.open_for_writing(self.root / LOCK, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -190,13 +196,16 @@ class RunStore:
     def case_dir(self, slug: str) -> Path:
         d = self.root / "cases" / slug
         d.mkdir(parents=True, exist_ok=True)
+        with _refusals():  # a link put there while the run went on
+            safe_io.check_not_linked(d)
         return d
 
     def write_manifest(self, manifest: dict[str, Any], secrets: tuple[str, ...] = ()) -> None:
         write_json_atomic(self.root / MANIFEST, redact(manifest, secrets))
 
     def manifest(self) -> dict[str, Any]:
-        return json.loads((self.root / MANIFEST).read_text())
+        with _refusals():
+            return safe_io.read_json(self.root / MANIFEST)
 
     def append_result(self, result: CaseResult, secrets: tuple[str, ...] = ()) -> None:
         """One line more in results.jsonl: the row as written, stamped with the schema

@@ -50,8 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import safe_io
 from orchestrator.fusedq_files import limits
 from orchestrator.results import KernelTotal, QueryStep, TraceFigures
+from orchestrator.safe_io import MAX_JSON_DEPTH
 
 # One file per worker: dp{d}_pp{p}_tp{t}_dcp{c}_ep{e}_rank{r}.<id>.pt.trace.json.gz (vLLM's
 # get_worker_rank_suffix); the API server's own CPU trace (<host>_<pid>.async_llm.<id>...) is
@@ -152,49 +154,147 @@ class TraceError(ValueError):
 
 # --------------------------------------------------------------------------- reading
 
+# What one trace may take, whatever the file holds (docs/security.md). A real rank's trace is
+# hundreds of MB of JSON and ~1M events; the caps are several times that.
+MAX_TRACE_BYTES = 2 << 30  # decompressed JSON
+MAX_TRACE_EVENTS = 5_000_000  # traceEvents items: what the reader keeps grows with them
+# JSON read without the parser finishing one value: one value (a string, a number) or
+# padding that long is no trace, and the parser would hold all of it.
+MAX_JSON_TOKEN_BYTES = 1 << 20
+_READ_BYTES = 64 << 10
+
 
 def iter_events(path: Path) -> Iterator[dict[str, Any]]:
-    """The trace's events one at a time (gzip or plain JSON, told by the file's first bytes).
+    """The trace's events one at a time (gzip or plain JSON, told by the file's first bytes),
+    each with its scalar fields and its ``args``' scalar fields (what the figures read).
 
-    Raises TraceError for a missing, unreadable, truncated or non-JSON file, or one without a
-    ``traceEvents`` array.
+    Raises TraceError naming the file for a missing, special, unreadable, truncated or
+    non-JSON file, one without a ``traceEvents`` array, and one past a bound above or
+    nested deeper than MAX_JSON_DEPTH.
     """
-    import ijson
-
     path = Path(path)
     try:
-        with path.open("rb") as raw:
-            gz = raw.read(2) == b"\x1f\x8b"
+        raw = safe_io.open_regular(path)
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise TraceError(f"{path}: is a directory, not a trace file") from None
+    except safe_io.UnsafeFileError as exc:
+        raise TraceError(str(exc)) from None
     except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    seen = False
+    with raw:
+        try:
+            gz = raw.read(2) == b"\x1f\x8b"
+            raw.seek(0)
+            source: Any = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+            yield from _EventReader(path).events(_tokens(source, path))
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            raise TraceError(f"{path}: truncated or corrupt gzip ({exc})") from None
+        except OSError as exc:
+            raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _tokens(f: Any, path: Path) -> Iterator[tuple[str, Any]]:
+    """ijson's (event, value) stream, fed by hand so that no bound can be passed: bytes read,
+    and bytes read without a complete value (ijson holds an unfinished one whole). The push
+    parser keeps no path prefix per level, which made memory grow with the square of the
+    nesting depth (80 KB of brackets took 3.9 GB)."""
+    import ijson
+
+    events = ijson.sendable_list()
+    parser = ijson.basic_parse_coro(events, use_float=True)
+    total = idle = 0
     try:
-        with gzip.open(path, "rb") if gz else path.open("rb") as f:
-            for event in ijson.items(f, "traceEvents.item", use_float=True):
-                seen = True
-                if isinstance(event, dict):
-                    yield event
-            if not seen:
-                # items() found no array: say whether the file is JSON at all.
-                f.seek(0)
-                first = next(ijson.parse(f), None)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise TraceError(f"{path}: truncated or corrupt gzip ({exc})") from None
+        while chunk := f.read(_READ_BYTES):
+            total += len(chunk)
+            if total > MAX_TRACE_BYTES:
+                raise TraceError(f"{path}: more than {safe_io.size_text(MAX_TRACE_BYTES)} of "
+                                 "JSON, a trace's bound")  # fmt: skip
+            parser.send(chunk)
+            if not events:
+                idle += len(chunk)
+                if idle > MAX_JSON_TOKEN_BYTES:
+                    raise TraceError(
+                        f"{path}: {safe_io.size_text(MAX_JSON_TOKEN_BYTES)} of JSON without "
+                        "one complete value (a value that long is no trace event)"
+                    )
+                continue
+            idle = 0
+            yield from events
+            del events[:]
+        parser.close()
     except ijson.JSONError as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise TraceError(f"{path}: not a JSON trace ({first_line[:120]})") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read: {exc}") from None
-    if not seen:
-        what = "an empty traceEvents array" if first and first[1] == "start_map" else "no JSON"
-        raise TraceError(
-            f"{path}: not a torch-profiler trace (no events: {what}; expected a JSON object "
-            "with a traceEvents array, as torch.profiler writes)"
-        )
+    yield from events
+
+
+class _EventReader:
+    """Builds each item of the top-level ``traceEvents`` array from the token stream, keeping
+    its scalar fields and those of its ``args``; everything else is only walked, its depth
+    counted."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.top_map = False  # the document is a JSON object
+        self.found = False  # it holds a traceEvents array
+        self.count = 0
+
+    def events(self, tokens: Iterable[tuple[str, Any]]) -> Iterator[dict[str, Any]]:
+        depth = 0
+        in_events = False
+        top_key = key = arg_key = None
+        event: dict[str, Any] | None = None
+        args: dict[str, Any] | None = None
+        for kind, value in tokens:
+            if kind == "map_key":
+                if depth == 1:
+                    top_key = value
+                elif depth == 3:
+                    key = value
+                elif depth == 4:
+                    arg_key = value
+            elif kind == "start_map" or kind == "start_array":
+                depth += 1
+                if depth > MAX_JSON_DEPTH:
+                    raise TraceError(f"{self.path}: nests deeper than {MAX_JSON_DEPTH} levels")
+                if depth == 1:
+                    self.top_map = kind == "start_map"
+                elif depth == 2 and top_key == "traceEvents" and kind == "start_array":
+                    in_events = self.found = True
+                elif depth == 3 and in_events and kind == "start_map":
+                    event = {}
+                elif depth == 4 and event is not None and key == "args" and kind == "start_map":
+                    args = event["args"] = {}
+            elif kind == "end_map" or kind == "end_array":
+                depth -= 1
+                if depth == 2 and event is not None:
+                    self.count += 1
+                    if self.count > MAX_TRACE_EVENTS:
+                        raise TraceError(
+                            f"{self.path}: more than {MAX_TRACE_EVENTS:,} events, a trace's bound"
+                        )
+                    yield event
+                    event = None
+                elif depth == 3:
+                    args = None
+                elif depth == 1:
+                    in_events = False
+            elif depth == 3 and event is not None:
+                event[key] = value  # type: ignore[index]
+            elif depth == 4 and args is not None:
+                args[arg_key] = value  # type: ignore[index]
+        if not self.count:
+            what = (
+                "an empty traceEvents array"
+                if self.found
+                else "no traceEvents array"
+                if self.top_map
+                else "no JSON object"
+            )
+            raise TraceError(
+                f"{self.path}: not a torch-profiler trace (no events: {what}; expected a JSON "
+                "object with a traceEvents array, as torch.profiler writes)"
+            )
 
 
 _Launch = tuple[Any, Any, float, str]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from orchestrator.audit import sources
 from orchestrator.audit.catalogue import Catalogue
 from orchestrator.audit.findings import (
     AuditInputError,
@@ -36,14 +37,23 @@ from orchestrator.audit.prefilter import (
 )
 from orchestrator.audit.sources import open_log, read_chunks
 from orchestrator.logline import HEADER_RE, LABEL_RE, strip_ansi
+from orchestrator.redact import redact_text
+from orchestrator.safe_io import size_text
 from orchestrator.severity import Severity
 
-# A "line" without a newline for this long (a binary dump, a runaway progress bar) is
-# scanned in pieces of this size instead of being held in memory whole.
-MAX_LINE_BYTES = 64 << 20
+# A "line" longer than this (a binary dump, a runaway progress bar, no newline at all) is
+# scanned in pieces of this size, each around a candidate, and never held whole: with the
+# block below, what bounds the scanner's memory whatever the input (docs/security.md).
+MAX_LINE_BYTES = 1 << 20
+# GNU grep holds a whole line in memory: a plain file with a line this long is scanned in
+# blocks (sources.BLOCK_BYTES at a time) instead of being handed to grep whole.
+GREP_MAX_LINE_BYTES = 16 << 20
 CONTEXT_LINES = 2  # before and after each finding: enough to see the failing call
 MAX_REPORT_CHARS = 400  # a finding's line, truncated around the match
 MAX_CONTEXT_CHARS = 200
+# Bytes read for one context line or a process label: MAX_CONTEXT_CHARS of UTF-8 with room
+# for colour codes, never the rest of a line that has no end.
+_CONTEXT_BYTES = 4096
 # Per file and signature: a dying 8-rank job repeats the same NCCL WARN thousands of
 # times; the rest are counted, not stored.
 MAX_FINDINGS_PER_SIGNATURE = 20
@@ -61,7 +71,14 @@ _UNPRINTABLE_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def _escape(text: str, limit: int, around: int | None = None) -> str:
-    """Printable, bounded form of a log line: control bytes escaped, long lines cut around the match."""
+    """Printable, bounded form of a log line: secrets redacted before anything is cut (a cut
+    could leave half a password no pattern knows), control bytes escaped, long lines cut
+    around the match."""
+    if around is None:
+        text = redact_text(text)
+    else:  # the match stays where it was, relative to the redacted text
+        left = redact_text(text[:around])
+        text, around = left + redact_text(text[around:]), len(left)
     text = _UNPRINTABLE_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     if len(text) <= limit:
         return text
@@ -177,7 +194,9 @@ class _Scanner:
             if compressed or self.prefilter.grep is None or path.stat().st_size == 0:
                 return self.scan_stream(str(path), fh, compressed)
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return self._scan_mapped(str(path), path, mm)
+                if not _has_line_over(mm, GREP_MAX_LINE_BYTES):
+                    return self._scan_mapped(str(path), path, mm)
+            return self.scan_stream(str(path), fh)
 
     def _scan_mapped(self, name: str, path: Path, mm: mmap.mmap) -> FileSearched:
         """A plain file with GNU grep: Python touches only the pages around candidates.
@@ -211,15 +230,20 @@ class _Scanner:
                 if not (ln.isdigit() and off.isdigit()) or int(off) < pos:
                     continue
                 hit, line_no = int(off), int(ln)
-                pos = max(pos, mm.rfind(b"\n", 0, hit) + 1)
+                # Every search is bounded: a line without end must not be walked (or paged
+                # in) whole for each hit in it.
+                start = mm.rfind(b"\n", max(pos, hit - MAX_LINE_BYTES), hit)
+                if start >= 0:
+                    pos = start + 1
+                elif hit - pos > MAX_LINE_BYTES:  # deep in a monster line: the piece at the hit
+                    pos = self._piece(st, mm, hit - MAX_LINE_BYTES // 2, hit, line_no)
+                    continue
                 while True:  # one line, then every line while a traceback is open
-                    end = mm.find(b"\n", pos)
-                    end = n if end < 0 else end
-                    if end - pos > MAX_LINE_BYTES:  # a monster line: only the piece at the hit
-                        piece = max(pos, min(hit, end) - MAX_LINE_BYTES // 2)
-                        self._line(st, mm, piece, min(end, piece + MAX_LINE_BYTES), line_no)  # type: ignore[arg-type]
-                        pos = min(end, piece + MAX_LINE_BYTES)
+                    end = mm.find(b"\n", pos, pos + MAX_LINE_BYTES + 1)
+                    if end < 0 and n - pos > MAX_LINE_BYTES:  # a monster line: its first piece
+                        pos = self._piece(st, mm, pos, max(pos, hit), line_no)
                         break
+                    end = n if end < 0 else end
                     self._line(st, mm, pos, end, line_no)  # type: ignore[arg-type]
                     pos, line_no = end + 1, line_no + 1
                     if not st.tracebacks or pos >= n:
@@ -241,17 +265,37 @@ class _Scanner:
         self._finish(st)
         return st.searched
 
+    def _piece(self, st: _FileState, mm: mmap.mmap, start: int, hit: int, line_no: int) -> int:
+        """Scan MAX_LINE_BYTES of a monster line from `start` (its end, if it ends before,
+        and never before the hit it is read for); return where the scan stopped."""
+        start = max(0, min(start, hit))
+        end = mm.find(b"\n", hit, start + MAX_LINE_BYTES)
+        end = min(len(mm), start + MAX_LINE_BYTES) if end < 0 else end
+        self._line(st, mm, start, end, line_no)  # type: ignore[arg-type]
+        return end
+
     def scan_stream(self, name: str, raw: IO[bytes], compressed: bool = False) -> FileSearched:
-        """Scan a byte stream block by block (gzip files, the kernel log, no grep)."""
+        """Scan a byte stream block by block (gzip files, the kernel log, no grep, a file
+        with a line longer than GREP_MAX_LINE_BYTES).
+
+        A compressed stream is refused past sources.MAX_GZIP_BYTES of text (AuditInputError
+        naming it): a gzip bomb decompresses a thousand times its size."""
         st = _FileState(name, FileSearched(path=name, lines=0, bytes=0, compressed=compressed))
         finder = self.prefilter.block_finder()
         carry = b""
+        open_line = False  # the text so far ends inside a line (one scanned in pieces)
         error: BaseException | None = None
         for chunk in read_chunks(raw):
             if isinstance(chunk, BaseException):
                 error = chunk  # scan what arrived before a truncated gzip member ended
                 break
             st.searched.bytes += len(chunk)
+            if compressed and st.searched.bytes > sources.MAX_GZIP_BYTES:
+                raise AuditInputError(
+                    f"{name}: decompresses to more than {size_text(sources.MAX_GZIP_BYTES)}, "
+                    "the audit's bound for a compressed log (decompress it and audit the "
+                    "plain file, which has none)"
+                )
             buf = carry + chunk if carry else chunk
             cut = buf.rfind(b"\n") + 1
             if cut == 0:
@@ -261,8 +305,11 @@ class _Scanner:
                 cut = len(buf)  # a monster line: scan this piece, keep its line number
             self._scan_block(st, buf[:cut], finder, st.searched.bytes - len(buf))
             carry = buf[cut:]
+            open_line = not buf.endswith(b"\n")
         if carry:
             self._scan_block(st, carry + b"\n", finder, st.searched.bytes - len(carry))
+        elif open_line:
+            st.base += 1  # a last line without its newline is a line (as wc counts +1)
         self._finish(st)
         if error is not None:
             st.searched.error = f"could not read to the end: {error}"
@@ -327,7 +374,8 @@ class _Scanner:
             end = block.find(b"\n", pos)
             if end < 0:
                 end = n
-            self._line(st, block, pos, end, st.base + nl + 1)
+            for piece in range(pos, max(end, pos + 1), MAX_LINE_BYTES):
+                self._line(st, block, piece, min(end, piece + MAX_LINE_BYTES), st.base + nl + 1)
             pos = end + 1
             if end < n:
                 nl += 1
@@ -345,9 +393,11 @@ class _Scanner:
     def _scan_expectations(self, st: _FileState, block: bytes) -> None:
         for ex in self.expectations:
             for m in ex.regex.finditer(block):
-                ls = block.rfind(b"\n", 0, m.start()) + 1
-                le = block.find(b"\n", m.end())
-                label, _ = _split_label(_clean(block[ls : le if le >= 0 else len(block)]))
+                # Only the line's start is read: the process label is there.
+                lo = max(0, m.start() - MAX_LINE_BYTES)
+                ls = block.rfind(b"\n", lo, m.start()) + 1
+                head = block[ls : ls + _CONTEXT_BYTES].split(b"\n", 1)[0]
+                label = None if ls == 0 and lo > 0 else _split_label(_clean(head))[0]
                 if label is None:
                     ex.unlabelled += 1
                 else:
@@ -358,9 +408,10 @@ class _Scanner:
         lines: list[str] = []
         pos = 0
         while len(lines) < need and pos < len(block):
-            end = block.find(b"\n", pos)
-            end = len(block) if end < 0 else end
-            lines.append(_escape(_clean(block[pos:end]), MAX_CONTEXT_CHARS))
+            end = _line_end(block, pos)
+            lines.append(
+                _escape(_clean(block[pos : min(end, pos + _CONTEXT_BYTES)]), MAX_CONTEXT_CHARS)
+            )
             pos = end + 1
         for finding, k in st.pending_after:
             finding.context_after.extend(lines[:k])
@@ -372,19 +423,23 @@ class _Scanner:
         before: list[bytes] = []
         j = start
         while len(before) < CONTEXT_LINES and j > 0:
-            p = block.rfind(b"\n", 0, j - 1) + 1
-            before.append(block[p : j - 1])
+            lo = max(0, j - 1 - MAX_LINE_BYTES)
+            p = block.rfind(b"\n", lo, j - 1) + 1
+            if p == 0 and lo > 0:  # a monster line: its last bytes, and nothing before it
+                before.append(block[j - 1 - _CONTEXT_BYTES : j - 1])
+                break
+            before.append(block[p : min(j - 1, p + _CONTEXT_BYTES)])
             j = p
-        if len(before) < CONTEXT_LINES:
+        if len(before) < CONTEXT_LINES and j == 0:
             before.extend(reversed(list(st.tail)[-(CONTEXT_LINES - len(before)) :]))
         before_s = [_escape(_clean(b), MAX_CONTEXT_CHARS) for b in reversed(before)]
 
         def attach_after(f: Finding) -> None:
             pos = end + 1
             while len(f.context_after) < CONTEXT_LINES and pos < len(block):
-                e = block.find(b"\n", pos)
-                e = len(block) if e < 0 else e
-                f.context_after.append(_escape(_clean(block[pos:e]), MAX_CONTEXT_CHARS))
+                e = _line_end(block, pos)
+                text = _clean(block[pos : min(e, pos + _CONTEXT_BYTES)])
+                f.context_after.append(_escape(text, MAX_CONTEXT_CHARS))
                 pos = e + 1
             if len(f.context_after) < CONTEXT_LINES:
                 st.pending_after.append((f, CONTEXT_LINES - len(f.context_after)))
@@ -545,6 +600,20 @@ class _Scanner:
                 )
             )
         return out
+
+
+def _line_end(block: bytes | mmap.mmap, pos: int) -> int:
+    """The end of the line at `pos`, looked for no further than MAX_LINE_BYTES (past that,
+    the block's end: the rest of a monster line is nobody's context)."""
+    end = block.find(b"\n", pos, pos + MAX_LINE_BYTES + 1)
+    return len(block) if end < 0 else end
+
+
+def _has_line_over(mm: mmap.mmap, limit: int) -> bool:
+    """Whether a line may be longer than `limit`: some `limit`-sized window holds no newline.
+    One bounded find per window, so a GB file costs a few dozen calls; a line of up to
+    2 x limit can pass unseen, which is what GREP_MAX_LINE_BYTES allows for."""
+    return any(mm.find(b"\n", i, i + limit) < 0 for i in range(0, len(mm) - limit + 1, limit))
 
 
 def _compile_expectation(e: Expectation) -> re.Pattern[bytes]:

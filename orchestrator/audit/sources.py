@@ -20,10 +20,15 @@ from typing import IO, Any
 from orchestrator.audit.catalogue import Catalogue, load_catalogue
 from orchestrator.audit.findings import AuditInputError, Finding, SourceStatus
 from orchestrator.probes import NvidiaSmiError, Runner, first_line, nvidia_smi, run_command
+from orchestrator.safe_io import UnsafeFileError, open_regular
 
 # 8 MiB blocks: large enough that per-block Python and grep start-up cost vanish
 # (<1 % at 8 MiB on the 2-core sandbox), small enough to keep memory flat on GB logs.
 BLOCK_BYTES = 8 << 20
+# Text one compressed log may decompress to. A rotated vLLM log is well under it; a gzip
+# bomb (deflate reaches ~1000:1: 37 MB held 8 GiB) is refused past it, in seconds, instead
+# of being read for minutes. A larger real log can be decompressed and audited plain.
+MAX_GZIP_BYTES = 2 << 30
 
 
 # Log file names a directory walk picks up: *.log, *.out, *.err, *.txt, their rotations
@@ -99,8 +104,13 @@ def read_chunks(raw: IO[bytes]) -> Iterator[bytes | BaseException]:
 
 
 def open_log(path: Path) -> tuple[IO[bytes], bool]:
-    """Open by content, not name: a rotated ``.1`` may be gzip, a ``.gz`` may be plain."""
-    fh = open(path, "rb")  # noqa: SIM115 - returned to the caller, closed there
+    """Open by content, not name: a rotated ``.1`` may be gzip, a ``.gz`` may be plain.
+    A regular file only (AuditInputError): a FIFO would hang the audit, /dev/zero fill it;
+    OSError as open() raises it (the caller says the file could not be read)."""
+    try:
+        fh = open_regular(path)
+    except UnsafeFileError as exc:
+        raise AuditInputError(str(exc)) from None
     magic = fh.read(2)
     fh.seek(0)
     if magic == b"\x1f\x8b":

@@ -22,21 +22,10 @@ from pathlib import Path
 
 import httpx
 
-from orchestrator import processes
+from orchestrator import processes, safe_io
+from orchestrator.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, owned_flag
 
-# Flags the adapter sets from the topology; a passthrough copy would silently override
-# (argparse keeps the last) or contradict them. Short forms are vLLM's own aliases.
-_OWNED_FLAGS = {
-    "--model": "the model path is the positional argument",
-    "--host": "set from the matrix's host",
-    "--port": "chosen per server by the orchestrator",
-    "--tensor-parallel-size": "set from the topology's tp",
-    "-tp": "set from the topology's tp",
-    "--decode-context-parallel-size": "set from the topology's dcp",
-    "-dcp": "set from the topology's dcp",
-    "--speculative-config": "set from the topology's mtp",
-}
-# Only owned when the caller names the served model.
+# Only owned when the caller names the served model (the others: orchestrator.owned_flags).
 _SERVED_NAME_FLAG = "--served-model-name"
 # vLLM's torch profiler. Both releases the orchestrator runs take it as one JSON flag:
 # 0.32.0 (the CPU build: vllm/config/profiler.py) and 0.26.0 (the H200's: seen serving with
@@ -57,6 +46,8 @@ _RUN_DIR_ENV = {
 
 # 107 bytes of sun_path, minus "ipc://", "/", a 36-character uuid and some headroom.
 _MAX_TMPDIR_LEN = 60
+# A deep run directory's TMPDIR stand-in (run_dir_env): /tmp/orch-<12 hex digits>.
+_STAND_IN_PREFIX = "orch-"
 _POLL_S = 0.25  # between readiness probes
 _PROBE_TIMEOUT_S = 0.4  # per HTTP probe: keeps alive() checks at least every 0.5 s
 _LOG_TAIL_LINES = 25
@@ -166,17 +157,7 @@ def serve_argv(
         raise ValueError(f"mtp={mtp} must be >= 0 (0 = speculative decoding off)")
     if not 0 < port < 65536:
         raise ValueError(f"port={port} is not a TCP port")
-    owned = dict(_OWNED_FLAGS)
-    if served_name is not None:
-        owned[_SERVED_NAME_FLAG] = "set from the model's served name"
-    if profiler_dir is not None:
-        owned[PROFILER_FLAG] = "set by the matrix's profile phase"
-    for arg in extra_args:
-        name = _flag_name(arg)
-        # `--speculative-config.method mtp` is vLLM's dotted form of the same flag.
-        base = name.split(".", 1)[0] if name.startswith("--") else name
-        if base in owned:
-            raise ValueError(f"engine arg {arg!r} conflicts with {base}: {owned[base]}")
+    _check_owned(extra_args, served_name is not None, profiler_dir is not None)
 
     argv = [vllm_bin or default_vllm_bin(), "serve", model_path]
     argv += ["--host", host, "--port", str(port), "--tensor-parallel-size", str(tp)]
@@ -191,6 +172,18 @@ def serve_argv(
         argv += [PROFILER_FLAG, profiler_config(profiler_dir)]
     argv += list(extra_args)
     return argv
+
+
+def _check_owned(extra_args: Sequence[str], names_model: bool, profiles: bool) -> None:
+    """Refuse a passthrough arg that sets a flag serve_argv sets, in any spelling vLLM's
+    parser reads (prefixes, underscores, the dotted JSON form): argparse keeps the last."""
+    owned = {k: v for k, v in ALWAYS_OWNED.items() if names_model or k != _SERVED_NAME_FLAG}
+    if profiles:
+        owned.update(PROFILE_OWNED)
+    for arg in extra_args:
+        flag = owned_flag(arg, owned)
+        if flag is not None:
+            raise ValueError(f"engine arg {arg!r} conflicts with {flag}: {owned[flag]}")
 
 
 def profiler_config(trace_dir: str) -> str:
@@ -287,7 +280,7 @@ def run_dir_env(run_dir: Path) -> dict[str, str]:
         # vLLM binds ZeroMQ IPC sockets at TMPDIR/<uuid4>; a socket path holds at most 107
         # bytes, so a deep run directory gets a short stand-in named after it instead (in
         # /tmp when the temp directory is itself too deep).
-        name = f"orch-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]}"
+        name = f"{_STAND_IN_PREFIX}{hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]}"
         stand_in = Path(tempfile.gettempdir()) / name
         env["TMPDIR"] = str(
             stand_in if len(str(stand_in)) <= _MAX_TMPDIR_LEN else Path("/tmp") / name
@@ -433,12 +426,14 @@ def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) ->
     """Start the server in its own session (so its process group can be stopped whole),
     stdout and stderr appended to `log_path`, working directory the log's directory (so
     nothing in the caller's directory, e.g. a source checkout, shadows installed packages)."""
+    log_path = Path(log_path).absolute()
     for key in _RUN_DIR_ENV:
         if env.get(key):
-            Path(env[key]).mkdir(parents=True, exist_ok=True)
-    log_path = Path(log_path).absolute()
+            _make_run_dir_env_dir(key, Path(env[key]), log_path.parent)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
+    # Appended to, never through a link someone left in the case folder (safe_io).
+    fd = safe_io.open_for_writing(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(fd, "ab") as log:
         return subprocess.Popen(
             list(argv),
             env=dict(env),
@@ -449,6 +444,19 @@ def start_server(argv: Sequence[str], env: Mapping[str, str], log_path: Path) ->
             close_fds=True,
             cwd=log_path.parent,
         )
+
+
+def _make_run_dir_env_dir(key: str, path: Path, case_dir: Path) -> None:
+    """Create a cache or temp folder named by run_dir_env. A TMPDIR stand-in outside the case
+    folder has a predictable name in a shared /tmp, and vLLM keeps its IPC sockets there:
+    it is used only as this user's own 0700 folder (safe_io.private_dir), never one someone
+    else prepared. A TMPDIR the matrix names is the matrix's choice, made as given."""
+    stand_in = path.name.startswith(_STAND_IN_PREFIX) and not path.is_relative_to(case_dir)
+    if key == "TMPDIR" and stand_in:
+        fix = "remove it, or set TMPDIR in the matrix's env"
+        safe_io.private_dir(path, "the server's TMPDIR stand-in", fix)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:

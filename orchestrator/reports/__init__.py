@@ -14,7 +14,6 @@ report RUN` rebuilds the reports of any run, finished, interrupted or resumed.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from orchestrator.reports.run import OVERHEAD, Overhead, Run
@@ -39,7 +38,7 @@ def write_reports(
 
     if overhead is not None:
         saved = store.root / OVERHEAD
-        figures = Overhead.of(json.loads(saved.read_text()) if saved.exists() else None)
+        figures = Overhead.load(saved)
         if resume:
             figures.resumes.append(overhead)
         else:

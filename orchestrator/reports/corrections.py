@@ -16,10 +16,11 @@ not misled::
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from orchestrator import safe_io
 
 CORRECTIONS = "corrections.json"
 
@@ -61,12 +62,14 @@ def load(run_dir: Path) -> list[Correction]:
     if not path.is_file():
         return []
     try:
-        return Corrections.model_validate(json.loads(path.read_text(encoding="utf-8"))).corrections
-    except ValueError as exc:  # JSONDecodeError and ValidationError alike
+        return Corrections.model_validate(safe_io.read_json(path)).corrections
+    except ValueError as exc:  # a hostile file (UnsafeFileError), bad JSON, a wrong field
         if isinstance(exc, ValidationError):
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"])
             raise CorrectionsError(f"{path}: {where}: {err['msg']}") from None
+        if isinstance(exc, safe_io.UnsafeFileError):
+            raise CorrectionsError(str(exc)) from None
         raise CorrectionsError(f"{path}: not JSON ({exc})") from None
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.mdtable import md_table
+from orchestrator.mdtable import md_code, md_table, md_text, plain_text
 from orchestrator.reports import corrections as superseded
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     MISSING,
     Run,
     audit_sentence,
+    exposure_warning,
     findings,
     fmt_tok,
     paired_deltas,
@@ -71,7 +72,8 @@ def _paired_section(run: Run) -> list[str]:
             for d in deltas
         ]
         header = ["Topology", "Workload", base.title(), cand.title(), "Delta"]
-        lines += [f"## Paired variants: {base} vs {cand}", "", md_table(header, body), ""]
+        lines += [f"## Paired variants: {md_text(base)} vs {md_text(cand)}", ""]
+        lines += [md_table(header, body), ""]
     return lines
 
 
@@ -90,10 +92,12 @@ def _profile_section(run: Run) -> list[str]:
             "parentheses where they differ (docs/profiling.md)."
         )
         for p in pairs:
-            out += ["", f"### {p.topology_id}: {p.baseline} vs {p.candidate}", ""]
+            title = f"{p.topology_id}: {p.baseline} vs {p.candidate}"
+            out += ["", f"### {md_text(title)}", ""]
             header = ["Metric", p.baseline.title(), p.candidate.title(), "Delta"]
             out += [md_table(header, p.table()), ""]
-            out += [f"- {p.identity()}", f"- {p.sync()}", f"- {p.paths()}.", ""]
+            out += [f"- {md_text(line)}" for line in (p.identity(), p.sync(), f"{p.paths()}.")]
+            out += [""]
             out += [md_table(*p.per_rank())]
         return [*out, ""]
     header, body = case_profile_rows(run.ordered)
@@ -106,8 +110,8 @@ def _failed_case(case_id: str, reason: str) -> list[str]:
     """A bullet with the reason's first line (its root cause, when known); the rest (what
     happened, the log's last lines) as a code block inside the bullet, so log lines keep
     their breaks and nothing in them is read as Markdown."""
-    first, _, rest = reason.partition("\n")
-    out = [f"- **{case_id}**: {first}"]
+    first, _, rest = plain_text(reason).partition("\n")
+    out = [f"- **{md_text(case_id)}**: {md_text(first)}"]
     if rest:
         # A fence longer than any run of backticks in the text cannot be closed by it.
         longest = max((len(m) for m in re.findall(r"`+", rest)), default=0)
@@ -141,15 +145,20 @@ def _overhead_section(run: Run) -> list[str]:
 
 def render_markdown(run: Run) -> str:
     m = run.manifest
-    out = [f"# Run {m.run_id}", ""]
+    out = [f"# Run {md_text(m.run_id)}", ""]
     out.append(
-        f"Matrix `{m.matrix_path}` ({m.matrix_name}), "
+        f"Matrix `{md_code(m.matrix_path)}` ({md_text(m.matrix_name)}), "
         f"{len(run.results)}/{len(m.cases)} cases finished, {len(run.failed)} failed. "
-        f"vLLM {m.version('vllm')}, fusedq {m.version('fusedq')} "
-        f"(tree {m.fusedq_fingerprint}), torch {m.version('torch')}, "
-        f"Ray {m.version('ray')}, commit {m.commit}"
-        + (f" (product tree {m.product_fingerprint})." if m.product_fingerprint else ".")
+        + md_text(
+            f"vLLM {m.version('vllm')}, fusedq {m.version('fusedq')} "
+            f"(tree {m.fusedq_fingerprint}), torch {m.version('torch')}, "
+            f"Ray {m.version('ray')}, commit {m.commit}"
+            + (f" (product tree {m.product_fingerprint})." if m.product_fingerprint else ".")
+        )
     )
+    warning = exposure_warning(run)
+    if warning:
+        out += ["", f"**Warning:** {md_text(warning)}."]
     out += ["", *superseded.markdown_section(run.corrections)]
     out += ["## Aggregate output tok/s", ""]
     out.append(
@@ -162,7 +171,10 @@ def render_markdown(run: Run) -> str:
     out += _latency_section(run)
     out += _paired_section(run)
     out += _profile_section(run)
-    checks = [f"- {t} {w}: **{v}** -- {s}" for t, w, v, s in token_checks(run)]
+    checks = [
+        f"- {md_text(t)} {md_text(w)}: **{md_text(v)}** -- {md_text(s)}"
+        for t, w, v, s in token_checks(run)
+    ]
     if checks:
         out += ["## Same tokens (greedy, request by request)", "", *checks, ""]
     measured = repeats(run)
@@ -171,7 +183,10 @@ def render_markdown(run: Run) -> str:
         for case_id, name, reps in measured:
             agg = "/".join(f"{x.aggregate_tok_s or 0:.3f}" for x in reps)
             usr = "/".join(f"{x.per_user_tok_s or 0:.3f}" for x in reps)
-            out.append(f"- {case_id} {name}: aggregate {agg} tok/s, active per-user {usr} tok/s")
+            out.append(
+                f"- {md_text(case_id)} {md_text(name)}: aggregate {agg} tok/s, "
+                f"active per-user {usr} tok/s"
+            )
         out.append("")
     failed = [r for r in run.ordered if not r.passed]
     if failed:
@@ -179,11 +194,12 @@ def render_markdown(run: Run) -> str:
         for r in failed:
             out += _failed_case(r.case_id, str(r.reason))
         out.append("")
-    out += ["## Log audit", "", audit_sentence(run.results), ""]
+    out += ["## Log audit", "", md_text(audit_sentence(run.results)), ""]
     for case_id, f in findings(run)[:MAX_FINDINGS]:
-        text = f.text[:160].replace("`", "'")
+        where = md_text(f"{f.location(basename=True)}")
         out.append(
-            f"- {case_id}: `{f.signature}` ({f.severity}) {f.location(basename=True)}: `{text}`"
+            f"- {md_text(case_id)}: `{md_code(f.signature)}` ({md_text(f.severity)}) {where}: "
+            f"`{md_code(f.text[:160])}`"
         )
     out += _overhead_section(run)
     return "\n".join(out).rstrip() + "\n"

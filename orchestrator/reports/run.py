@@ -8,18 +8,24 @@ a latency row) and every report shows the same one.
 
 from __future__ import annotations
 
-import json
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from orchestrator import safe_io
+from orchestrator.matrix_policy import bind_all_warning
 from orchestrator.reports import corrections as superseded
 from orchestrator.results import CaseResult, RunManifest
-from orchestrator.store import RunStore
+from orchestrator.store import MANIFEST, RunStore, StoreError
 
 MISSING = "-"
 OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (see reports.write_reports)
+# What every attempt's figures hold (runner._Attempt._finish writes them).
+OVERHEAD_FIGURES = ("wall_s", "startup_and_measured_s", "overhead_s", "overhead_pct")
 
 
 def fmt_tok(v: float | None) -> str:
@@ -42,15 +48,49 @@ class Overhead:
     @classmethod
     def of(cls, saved: Any) -> Overhead:
         """From overhead.json; a bare figures dict (what runs before resumes were kept apart
-        wrote) is the run's."""
+        wrote) is the run's. ValueError says what a malformed one lacks."""
         if not saved:
             return cls()
+        if not isinstance(saved, dict):
+            raise ValueError(f"not a JSON object but {type(saved).__name__}")
         if "wall_s" in saved:
-            return cls(dict(saved))
-        return cls(saved.get("run"), list(saved.get("resumes", [])))
+            return cls(_figures(saved, "the run"))
+        run, resumes = saved.get("run"), saved.get("resumes", [])
+        if not isinstance(resumes, list):
+            raise ValueError("resumes is not a list")
+        return cls(
+            None if run is None else _figures(run, "run"),
+            [_figures(r, f"resumes[{i}]") for i, r in enumerate(resumes)],
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Overhead:
+        """overhead.json, or no figures where there is none; StoreError naming it when it is
+        no such file (a link to a device, a FIFO, past its bound, not JSON, malformed)."""
+        if not path.exists() and not path.is_symlink():
+            return cls()
+        try:
+            return cls.of(safe_io.read_json(path))
+        except safe_io.UnsafeFileError as exc:
+            raise StoreError(str(exc)) from None
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"{path}: malformed overhead figures ({exc})") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "resumes": self.resumes}
+
+
+def _figures(value: Any, what: str) -> dict[str, Any]:
+    """One attempt's figures, every one a finite number (the reports format them)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    for key in OVERHEAD_FIGURES:
+        figure = value.get(key)
+        if isinstance(figure, bool) or not isinstance(figure, (int, float)):
+            raise ValueError(f"{what}.{key} is {figure!r}, not a number")
+        if not math.isfinite(figure):
+            raise ValueError(f"{what}.{key} is {figure!r}")
+    return dict(value)
 
 
 @dataclass
@@ -67,10 +107,15 @@ class Run:
 
     @classmethod
     def load(cls, where: RunStore | str | Path) -> Run:
+        """Read a run directory; StoreError names the file (and field) that is malformed."""
         store = where if isinstance(where, RunStore) else RunStore(Path(where))
-        saved = store.root / OVERHEAD
-        overhead = Overhead.of(json.loads(saved.read_text()) if saved.exists() else None)
-        manifest = RunManifest.model_validate(store.manifest())
+        overhead = Overhead.load(store.root / OVERHEAD)
+        try:
+            manifest = RunManifest.model_validate(store.manifest())
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or "manifest"
+            raise StoreError(f"{store.root / MANIFEST}: {field}: {err['msg']}") from None
         return cls(store, manifest, store.results(), overhead, superseded.load(store.root))
 
     @property
@@ -144,6 +189,12 @@ def token_checks(run: Run) -> list[tuple[str, str, str, str]]:
         for r in run.ordered
         for workload, c in r.same_tokens.items()
     ]
+
+
+def exposure_warning(run: Run) -> str | None:
+    """The warning for a run whose servers bound every interface (matrix_policy), or None."""
+    host = run.manifest.matrix.get("host")
+    return bind_all_warning(host) if isinstance(host, str) else None
 
 
 def audit_sentence(results: list[CaseResult]) -> str:

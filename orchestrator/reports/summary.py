@@ -20,6 +20,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from orchestrator.mdtable import plain_text
 from orchestrator.reports.run import MISSING, Run
 
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
@@ -130,9 +131,10 @@ def render_summary(run: Run) -> str:
     lines = summary_rows(run)
     header = ["Case", "Workload", "Output tok/s", *latency_header(), "Err", "Status"]
     body = [
-        [r.case_id, r.workload, fmt_tok_s(r), *latency_cells(r), str(r.errors), r.status]
+        [_line(r.case_id), _line(r.workload), fmt_tok_s(r), *latency_cells(r), str(r.errors),
+         r.status]
         for r in lines
-    ]
+    ]  # fmt: skip
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
 
     def fmt(cells: list[str]) -> str:
@@ -145,7 +147,7 @@ def render_summary(run: Run) -> str:
 
     table = [fmt(header), *(fmt(b) for b in body)]
     width = max(len(t) for t in table)
-    title = f" Run {run.run_id} "
+    title = f" Run {_line(run.run_id)} "
     failed = len(run.failed)
     finished = len(run.results)
     total = len(run.manifest.cases)
@@ -158,3 +160,8 @@ def render_summary(run: Run) -> str:
     out += textwrap.wrap(note, width)
     out.append("=" * width)
     return "\n".join(out)
+
+
+def _line(text: str) -> str:
+    # A label or id from the run: one line, no control codes (a terminal would obey them).
+    return plain_text(text).replace("\n", " ")

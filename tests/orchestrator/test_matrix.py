@@ -110,7 +110,8 @@ def test_unresolved_env_is_reported_not_fatal_for_plan():
 
 
 def test_set_overrides_before_validation():
-    m = _parse(BASE, sets=["models[0].path=/other", "topologies.0.mtp=[0, 1]", "host=0.0.0.0"])
+    sets = ["models[0].path=/other", "topologies.0.mtp=[0, 1]", "host=0.0.0.0"]
+    m = _parse(BASE, sets=[*sets, "bind_all_interfaces=true"])
     assert m.models[0].path == "/other"
     assert m.topologies[0].mtp == [0, 1]
     assert m.host == "0.0.0.0"
