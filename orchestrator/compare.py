@@ -333,8 +333,9 @@ def _interval_cell(j: Judgement | None) -> str:
 
 
 _METHOD_NOTE = (
-    "95% interval: of the change in aggregate tok/s, Welch's t over each run's repeats, "
-    "with each repeat's requests as a floor under its noise (docs/reports.md). A regression "
+    "95% interval: of the change in aggregate tok/s, Fieller's over each run's repeats, "
+    "with each repeat's requests as a floor under its noise (docs/statistics.md); over server "
+    "starts for an A/B matrix's cases. A regression "
     "is a drop whose whole interval lies past the threshold; a run with fewer than "
     f"{MIN_REPEATS} repeats of a workload gives it no interval."
 )
@@ -428,6 +429,9 @@ def judge(base: RunSamples, cand: RunSamples, threshold_pct: float) -> Judgement
     if min(r.value for r in (*base.repeats, *cand.repeats)) <= 0:
         return Judgement(TOO_FEW, *texts, None, "a repeat measured 0 tok/s")
     interval = change_interval(base.repeats, cand.repeats)
+    if interval is None:
+        why = f"base {texts[0]}: its repeats are too far apart to bound the change at 95%"
+        return Judgement(TOO_FEW, *texts, None, why)
     position = interval.position(-threshold_pct, math.inf)
     if position == "across":
         why = f"95% interval {interval.bounds()} reaches both sides of -{threshold_pct:g}%"
