@@ -780,6 +780,7 @@ def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
 
 # Flags a switch-mode server gets from the orchestrator (orchestrator.switch): the extension
 # that flips its path, and no prefix caching (the blocks of one pair send the same prompts).
+SWITCH_SERVER_VARIANT = "switch"  # the name a switch-mode server's own case directory carries
 SWITCH_FLAGS = ("--worker-extension-cls", "--enable-prefix-caching", "--no-enable-prefix-caching")
 
 
@@ -804,6 +805,11 @@ def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
         if extra:
             raise MatrixError(source, f"ab.{extra[0]}", "is for mode: switch")
         return
+    if SWITCH_SERVER_VARIANT in names:
+        raise MatrixError(
+            source, "variants", f"{SWITCH_SERVER_VARIANT!r} names a switch-mode server's own "
+            "directory; call the variant something else",
+        )  # fmt: skip
     for key in ([ab.serve_as] if ab.serve_as else []) + list(ab.paths):
         if key not in names:
             raise MatrixError(source, "ab", f"names variant {key!r}; the variants are {names}")
