@@ -70,7 +70,6 @@ METRICS = (
     Metric("tpot_p50_ms", "TPOT p50", "ms", False, *_tpot("p50")),
     Metric("tpot_mean_ms", "TPOT mean", "ms", False, *_tpot("mean")),
 )
-TPOT_METRICS = tuple(m for m in METRICS if m.key.startswith("tpot"))
 
 
 def verdict(interval: Interval | None, higher_is_better: bool) -> str:

@@ -128,7 +128,7 @@ class RunEstimate:
     def basis(self) -> str:
         """How the figure was made, in a sentence a plan prints beside it."""
         s = self.speeds
-        starts = sorted({round(c.startup_s) for c in self.cases})
+        starts = sorted({round(c.startup_s) for c in self.cases if c.startup_s})
         start = " or ".join(f"{x} s" for x in starts) or f"{s.startup_s:.0f} s"
         out = (
             f"an estimate from assumed {self.accelerator.upper()} speeds, not a measurement: "

@@ -45,7 +45,9 @@ def _row(r: ABResult) -> list[str]:
     return [
         r.topology_id,
         r.workload,
-        f"{r.metric.label} ({r.metric.unit})",
+        r.metric.label
+        if r.metric.unit in r.metric.label
+        else f"{r.metric.label} ({r.metric.unit})",
         r.baseline.text(_digits(r)),
         r.candidate.text(_digits(r)),
         "-" if r.ratio is None else f"{r.ratio:.4f}",
