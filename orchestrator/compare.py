@@ -9,7 +9,10 @@ signature. What fails a comparison (``Comparison.ok`` is False, the CLI exits 1)
   each run's repeats, with their recorded requests as a floor under each repeat's noise;
   see orchestrator.stats) lies below ``-threshold_pct``. With fewer than ``MIN_REPEATS``
   repeats in either run, or an interval that reaches both sides of the threshold, the
-  figure is *too few samples to tell*: reported, not a regression;
+  figure is *too few samples to tell*: reported, not a regression. An A/B matrix's server
+  starts are judged together instead, one row per (topology, variant) over the units its
+  own A/B report is judged on (server starts, or the blocks of a switch-mode server;
+  orchestrator.ab): the noise of one server's repeats is not the noise between servers;
 - a case that passed in BASE and failed in CAND;
 - a new finding of severity ``fatal`` or ``quarantine-node``.
 
