@@ -161,6 +161,17 @@ def measure_unit(unit: Sequence[Case], matrix: Matrix, *args: Any) -> list[CaseR
     return [CaseRun(unit[0], matrix, *args).run()]
 
 
+class _AsCase:
+    """A live view (orchestrator.progress.ProgressView) that files every update under one
+    case id: the run expects its cases' ids, and a switch server's own is none of them."""
+
+    def __init__(self, view: Any, case_id: str) -> None:
+        self.view, self.case_id = view, case_id
+
+    def update(self, _case_id: str, phase: str, *args: Any, **kwargs: Any) -> None:
+        self.view.update(self.case_id, phase, *args, **kwargs)
+
+
 class SwitchRun(CaseRun):
     """One switch-mode server: brought up, audited and stopped as a case (CaseRun), measured
     block by block between path flips, its figures split into one row per variant."""
@@ -175,7 +186,9 @@ class SwitchRun(CaseRun):
         progress: Any,
         secrets: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(server_case(unit, matrix), matrix, launcher, store, log, progress, secrets)
+        # The live view follows the run's cases: the server shows as the first one it measures.
+        view = _AsCase(progress, unit[0].case_id)
+        super().__init__(server_case(unit, matrix), matrix, launcher, store, log, view, secrets)
         ab = matrix.ab
         assert ab is not None
         self.ab = ab
@@ -289,9 +302,10 @@ class SwitchRun(CaseRun):
             flips=self.flips[variant],
         ).model_dump(mode="json")
         profile = self.profiles.get(variant)
-        row["profile"] = None if profile is None else profile[0].model_dump(mode="json")
-        if profile is None:
-            row.pop("profile")
+        if profile is not None:
+            row["profile"] = profile[0].model_dump(mode="json")
+        else:
+            row.pop("profile", None)
         checks = token_checks(case, self.matrix, self.store, row["workloads"])
         row["same_tokens"] = checks
         differs = [c["sentence"] for c in checks.values() if c["verdict"] == "differs"]
