@@ -386,10 +386,13 @@ class CaseRun:
                 self.store.write_records(slug, wl.name, exc.records)
                 raise
 
-    def _profile(self, model_path: str, vocab: int, key: str | None, **wait: Any) -> dict[str, int]:
+    def _profile(
+        self, model_path: str, vocab: int, key: str | None, known: Collection[str] = ()
+    ) -> dict[str, int]:
         """Profile exactly `decode_steps` model steps of one request, alone on the server, and
         wait until every rank's trace is written (orchestrator.trace reads them after the
-        stop, once a remote node's files are home)."""
+        stop, once a remote node's files are home); the new trace files and their sizes
+        (`known`: an earlier profile's, on a switch-mode server)."""
         spec = self.matrix.profile
         assert spec is not None
         self.progress.update(self.case_id, "profile")
@@ -426,7 +429,7 @@ class CaseRun:
             if summary["errors"]:
                 first = (summary.get("error_samples") or ["?"])[0]
                 raise CaseFailed(f"profile: the profiled request failed: {first}")
-            found = self._wait_for_traces(spec.wait_s, **wait)
+            found = self._wait_for_traces(spec.wait_s, known)
         self.log(f"{self.case_id}: profile: {len(found)} rank trace(s) written")
         return found
 
