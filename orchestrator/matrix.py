@@ -801,7 +801,8 @@ def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
                 "restarts mode needs 2 or more server starts per variant: one cannot show how "
                 "far two servers of one configuration differ",
             )  # fmt: skip
-        extra = sorted(ab.model_fields_set & {"blocks", "order", "first", "serve_as", "paths"})
+        switch_only = {"blocks", "order", "first", "serve_as", "paths", "extension"}
+        extra = sorted(ab.model_fields_set & switch_only)
         if extra:
             raise MatrixError(source, f"ab.{extra[0]}", "is for mode: switch")
         return
