@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +54,7 @@ from orchestrator.workload import (
     ServerDiedError,
     WorkloadAborted,
     WorkloadParams,
+    WorkloadResult,
     WorkloadTimeoutError,
     run_workload,
 )
@@ -212,6 +213,18 @@ class CaseRun:
             self.timings[key] = self.timings.get(key, 0.0) + time.monotonic() - t0
 
     def _serve_and_measure(self) -> None:
+        self._measure_all(*self._bring_up())
+
+    def _measure_all(self, model_path: str, vocab: int, key: str | None) -> None:
+        """The measurements of a ready server: every workload, then the profile phase."""
+        for wl in self.matrix.workloads:
+            self._measure(wl, vocab, key)
+        if self.matrix.profile is not None:
+            # After the workloads: the profiler's overhead never touches a measured figure.
+            self._profile(model_path, vocab, key)
+
+    def _bring_up(self) -> tuple[str, int, str | None]:
+        """Place, start and warm up the case's server: (model path, vocabulary size, API key)."""
         model_path = _model_path(self.case, self.log)
         env = serve_env({}, host=self.matrix.host, run_dir=self.dir, extra=self.case.env_dict)
         if "TMPDIR" not in self.case.env_dict and not Path(env["TMPDIR"]).is_relative_to(self.dir):
@@ -225,11 +238,7 @@ class CaseRun:
         vocab = _vocab_size(model_path)
         if self.matrix.warmup_requests:
             self._warm_up(vocab, key)
-        for wl in self.matrix.workloads:
-            self._measure(wl, vocab, key)
-        if self.matrix.profile is not None:
-            # After the workloads: the profiler's overhead never touches a measured figure.
-            self._profile(model_path, vocab, key)
+        return model_path, vocab, key
 
     def _start(self, model_path: str, env: dict[str, str], key: str | None) -> None:
         """Place the case and start its server until it is ready; a port lost to another
@@ -328,29 +337,7 @@ class CaseRun:
         self.warmup = {"requests": self.matrix.warmup_requests, "errors": warm.to_dict()["errors"]}
 
     def _measure(self, wl: WorkloadSpec, vocab: int, key: str | None) -> None:
-        deadline = self.t0 + self.matrix.timeouts.case_s
-        if time.monotonic() > deadline:
-            raise CaseFailed(f"case timeout ({self.matrix.timeouts.case_s:.0f} s) before {wl.name}")
-        self.progress.update(self.case_id, f"{wl.name}")
-        # Measured time even when the workload ends in a fault: it was spent measuring.
-        with self._timed(f"workload_{wl.name}_s"):
-            try:
-                result = run_workload(
-                    self.handle.base_url,
-                    self.case.model.served_name or self.case.model.label,
-                    _workload_params(wl),
-                    vocab_size=vocab,
-                    seed=self.matrix.seed,
-                    request_timeout_s=self.matrix.timeouts.request_s,
-                    alive=lambda: self.launcher.alive(self.handle),
-                    progress=lambda p, _n=wl.name: self.progress.update(self.case_id, _n, p),
-                    deadline=deadline,
-                    api_key=key,
-                )
-            except WorkloadAborted as exc:
-                # What finished before the fault is evidence; keep it beside the log.
-                self.store.write_records(self.case.slug, wl.name, exc.records)
-                raise
+        result = self._run_measured(wl, vocab, key, slug=self.case.slug)
         summary = WorkloadSummary.model_validate(result.to_dict())
         self.workloads[wl.name] = summary
         self.store.write_records(self.case.slug, wl.name, result.records)
@@ -360,10 +347,52 @@ class CaseRun:
             f"errors {summary.errors}"
         )
 
-    def _profile(self, model_path: str, vocab: int, key: str | None) -> None:
+    def _run_measured(
+        self,
+        wl: WorkloadSpec,
+        vocab: int,
+        key: str | None,
+        *,
+        slug: str,
+        first_repeat: int = 0,
+        phase: str | None = None,
+        timing: str | None = None,
+    ) -> WorkloadResult:
+        """Run one measured workload (`first_repeat`: the number its repeats count from, which
+        picks their prompts); a fault keeps what finished as `slug`'s records and raises."""
+        deadline = self.t0 + self.matrix.timeouts.case_s
+        if time.monotonic() > deadline:
+            raise CaseFailed(f"case timeout ({self.matrix.timeouts.case_s:.0f} s) before {wl.name}")
+        phase = phase or wl.name
+        self.progress.update(self.case_id, phase)
+        # Measured time even when the workload ends in a fault: it was spent measuring.
+        with self._timed(timing or f"workload_{wl.name}_s"):
+            try:
+                return run_workload(
+                    self.handle.base_url,
+                    self.case.model.served_name or self.case.model.label,
+                    _workload_params(wl),
+                    vocab_size=vocab,
+                    seed=self.matrix.seed,
+                    request_timeout_s=self.matrix.timeouts.request_s,
+                    alive=lambda: self.launcher.alive(self.handle),
+                    progress=lambda p: self.progress.update(self.case_id, phase, p),
+                    deadline=deadline,
+                    api_key=key,
+                    first_repeat=first_repeat,
+                )
+            except WorkloadAborted as exc:
+                # What finished before the fault is evidence; keep it beside the log.
+                self.store.write_records(slug, wl.name, exc.records)
+                raise
+
+    def _profile(
+        self, model_path: str, vocab: int, key: str | None, known: Collection[str] = ()
+    ) -> dict[str, int]:
         """Profile exactly `decode_steps` model steps of one request, alone on the server, and
         wait until every rank's trace is written (orchestrator.trace reads them after the
-        stop, once a remote node's files are home)."""
+        stop, once a remote node's files are home); the new trace files and their sizes
+        (`known`: an earlier profile's, on a switch-mode server)."""
         spec = self.matrix.profile
         assert spec is not None
         self.progress.update(self.case_id, "profile")
@@ -400,12 +429,14 @@ class CaseRun:
             if summary["errors"]:
                 first = (summary.get("error_samples") or ["?"])[0]
                 raise CaseFailed(f"profile: the profiled request failed: {first}")
-            found = self._wait_for_traces(spec.wait_s)
+            found = self._wait_for_traces(spec.wait_s, known)
         self.log(f"{self.case_id}: profile: {len(found)} rank trace(s) written")
+        return found
 
-    def _wait_for_traces(self, wait_s: float) -> dict[str, int]:
-        """The ranks' trace files, once there is one per rank and none has grown for
-        TRACE_SETTLE_S; CaseFailed naming what is missing after `wait_s`."""
+    def _wait_for_traces(self, wait_s: float, known: Collection[str] = ()) -> dict[str, int]:
+        """The ranks' trace files (other than the `known` ones of an earlier profile of this
+        server), once there is one per rank and none has grown for TRACE_SETTLE_S;
+        CaseFailed naming what is missing after `wait_s`."""
         from orchestrator.trace import RANK_TRACE
 
         deadline = time.monotonic() + wait_s
@@ -415,7 +446,9 @@ class CaseRun:
             files = {
                 name: size
                 for name, size in self.launcher.case_files(self.handle).items()
-                if name.startswith(f"{PROFILE_DIR}/") and RANK_TRACE.match(Path(name).name)
+                if name.startswith(f"{PROFILE_DIR}/")
+                and RANK_TRACE.match(Path(name).name)
+                and name not in known
             }
             if files != last:
                 last, steady_since = files, time.monotonic()

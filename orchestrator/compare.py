@@ -9,7 +9,10 @@ signature. What fails a comparison (``Comparison.ok`` is False, the CLI exits 1)
   each run's repeats, with their recorded requests as a floor under each repeat's noise;
   see orchestrator.stats) lies below ``-threshold_pct``. With fewer than ``MIN_REPEATS``
   repeats in either run, or an interval that reaches both sides of the threshold, the
-  figure is *too few samples to tell*: reported, not a regression;
+  figure is *too few samples to tell*: reported, not a regression. An A/B matrix's server
+  starts are judged together instead, one row per (topology, variant) over the units its
+  own A/B report is judged on (server starts, or the blocks of a switch-mode server;
+  orchestrator.ab): the noise of one server's repeats is not the noise between servers;
 - a case that passed in BASE and failed in CAND;
 - a new finding of severity ``fatal`` or ``quarantine-node``.
 
@@ -26,10 +29,13 @@ before request records were read still compare: their repeats are the samples.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from orchestrator.ab import METRICS as AB_METRICS
+from orchestrator.ab import group_id, server_groups, unit_values
 from orchestrator.mdtable import md_table
 from orchestrator.reports.run import Run, plural
 from orchestrator.reports.run import fmt_tok as _fmt
@@ -41,6 +47,8 @@ DEFAULT_THRESHOLD_PCT = 3.0
 METRICS = ("aggregate_tok_s", "per_user_tok_s")
 # The gate: only aggregate tok/s is the throughput figure the seeds' tables are judged by.
 GATED_METRIC = "aggregate_tok_s"
+# The A/B figure the gate reads for an A/B's groups: output tok/s, the same aggregate figure.
+AB_GATED = next(m for m in AB_METRICS if m.key == "output_tok_s")
 # What the gate says of one gated figure.
 REGRESSION, NO_REGRESSION, TOO_FEW = "regression", "no regression", "too few samples to tell"
 
@@ -333,8 +341,9 @@ def _interval_cell(j: Judgement | None) -> str:
 
 
 _METHOD_NOTE = (
-    "95% interval: of the change in aggregate tok/s, Welch's t over each run's repeats, "
-    "with each repeat's requests as a floor under its noise (docs/reports.md). A regression "
+    "95% interval: of the change in aggregate tok/s, Fieller's over each run's repeats, "
+    "with each repeat's requests as a floor under its noise (docs/statistics.md); over server "
+    "starts for an A/B matrix's cases. A regression "
     "is a drop whose whole interval lies past the threshold; a run with fewer than "
     f"{MIN_REPEATS} repeats of a workload gives it no interval."
 )
@@ -428,6 +437,9 @@ def judge(base: RunSamples, cand: RunSamples, threshold_pct: float) -> Judgement
     if min(r.value for r in (*base.repeats, *cand.repeats)) <= 0:
         return Judgement(TOO_FEW, *texts, None, "a repeat measured 0 tok/s")
     interval = change_interval(base.repeats, cand.repeats)
+    if interval is None:
+        why = f"base {texts[0]}: its repeats are too far apart to bound the change at 95%"
+        return Judgement(TOO_FEW, *texts, None, why)
     position = interval.position(-threshold_pct, math.inf)
     if position == "across":
         why = f"95% interval {interval.bounds()} reaches both sides of -{threshold_pct:g}%"
@@ -503,7 +515,8 @@ def compare(base: Run, cand: Run, *, threshold_pct: float = DEFAULT_THRESHOLD_PC
                     base=b.mean_of(wl, metric),
                     cand=c.mean_of(wl, metric),
                 )
-                if metric == GATED_METRIC and d.delta_pct is not None:
+                # An A/B's server starts are judged together (_ab_rows), never one by one.
+                if metric == GATED_METRIC and d.delta_pct is not None and c.ab_server is None:
                     d.judgement = judge(
                         repeat_samples(base, b, wl), repeat_samples(cand, c, wl), threshold_pct
                     )
@@ -518,27 +531,82 @@ def compare(base: Run, cand: Run, *, threshold_pct: float = DEFAULT_THRESHOLD_PC
                     f"{c.reason or 'no reason recorded'}",
                 )
             )
-        for d in row.deltas:
-            j = d.judgement
-            if j is not None and j.verdict == REGRESSION and j.interval is not None:
-                cmp.regressions.append(
-                    Regression(
-                        case_id=case_id,
-                        kind="throughput",
-                        workload=d.workload,
-                        delta_pct=d.delta_pct,
-                        interval=j.interval,
-                        message=f"{d.column} aggregate tok/s {d.base:.2f} → {d.cand:.2f} "
-                        f"({j.interval.describe()}, threshold -{threshold_pct:g}%; "
-                        f"{j.samples_base} vs {j.samples_cand})",
-                    )
-                )
+        cmp.regressions += _throughput_regressions(row, threshold_pct)
         base_f, cand_f = _findings(b), _findings(c)
         cmp.new_findings += [_change(case_id, s, fs) for s, fs in cand_f.items() if s not in base_f]
         cmp.cleared_findings += [
             _change(case_id, s, fs) for s, fs in base_f.items() if s not in cand_f
         ]
+    for row in _ab_rows(base, cand, columns, threshold_pct):
+        cmp.rows.append(row)
+        cmp.regressions += _throughput_regressions(row, threshold_pct)
     return cmp
+
+
+def _throughput_regressions(row: CaseRow, threshold_pct: float) -> list[Regression]:
+    """A regression for every gated figure of the row whose interval lies past the threshold."""
+    out = []
+    for d in row.deltas:
+        j = d.judgement
+        if j is not None and j.verdict == REGRESSION and j.interval is not None:
+            out.append(
+                Regression(
+                    case_id=row.case_id,
+                    kind="throughput",
+                    workload=d.workload,
+                    delta_pct=d.delta_pct,
+                    interval=j.interval,
+                    message=f"{d.column} aggregate tok/s {d.base:.2f} → {d.cand:.2f} "
+                    f"({j.interval.describe()}, threshold -{threshold_pct:g}%; "
+                    f"{j.samples_base} vs {j.samples_cand})",
+                )
+            )
+    return out
+
+
+def _unit_samples(rows: list[CaseResult], workload: str) -> RunSamples:
+    """An A/B group's gated figure as samples: one per unit, the same units (server starts,
+    or the blocks of one switch-mode server) and figures the run's own A/B is judged on."""
+    unit, values = unit_values(rows, workload, AB_GATED)
+    return RunSamples([RepeatSample(v) for v in values], plural(len(values), unit[:-1]))
+
+
+def _group_status(rows: list[CaseResult]) -> str:
+    failed = sum(not r.passed for r in rows)
+    return "passed" if not failed else f"failed ({failed} of {len(rows)})"
+
+
+def _ab_rows(base: Run, cand: Run, columns: dict[str, str], threshold_pct: float) -> list[CaseRow]:
+    """One row per (topology, variant) of an A/B present in both runs: its figures are the
+    means of its units, and the gate reads the interval over those units (orchestrator.ab)."""
+    base_groups = server_groups(_ordered(base))
+    rows = []
+    for key, c_rows in server_groups(_ordered(cand)).items():
+        b_rows = base_groups.get(key)
+        if b_rows is None:
+            continue
+        row = CaseRow(
+            group_id(*key), key[0], c_rows[0].model, key[1],
+            _group_status(b_rows), _group_status(c_rows),
+        )  # fmt: skip
+        workloads = list(dict.fromkeys(w for r in [*b_rows, *c_rows] for w in r.workloads))
+        for wl in workloads:
+            for metric in METRICS:
+                d = MetricDelta(
+                    row.case_id, wl, columns.get(wl, wl), metric,
+                    _mean_of(b_rows, wl, metric), _mean_of(c_rows, wl, metric),
+                )  # fmt: skip
+                if metric == GATED_METRIC and d.delta_pct is not None:
+                    samples = _unit_samples(b_rows, wl), _unit_samples(c_rows, wl)
+                    d.judgement = judge(*samples, threshold_pct)
+                row.deltas.append(d)
+        rows.append(row)
+    return rows
+
+
+def _mean_of(rows: list[CaseResult], workload: str, metric: str) -> float | None:
+    values = [v for r in rows if r.passed and (v := r.mean_of(workload, metric)) is not None]
+    return statistics.fmean(values) if values else None
 
 
 def compare_runs(

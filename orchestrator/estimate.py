@@ -128,7 +128,7 @@ class RunEstimate:
     def basis(self) -> str:
         """How the figure was made, in a sentence a plan prints beside it."""
         s = self.speeds
-        starts = sorted({round(c.startup_s) for c in self.cases})
+        starts = sorted({round(c.startup_s) for c in self.cases if c.startup_s})
         start = " or ".join(f"{x} s" for x in starts) or f"{s.startup_s:.0f} s"
         out = (
             f"an estimate from assumed {self.accelerator.upper()} speeds, not a measurement: "
@@ -162,7 +162,30 @@ def estimate_run(matrix: Matrix, cases: Sequence[Case]) -> RunEstimate:
                 overhead_s=speeds.case_overhead_s,
             )
         )
+    if matrix.ab is not None and matrix.ab.mode == "switch":
+        out = _switch_servers(matrix, cases, out)
     return RunEstimate(matrix.resources.accelerator, speeds, out, speeds.run_overhead_s)
+
+
+def _switch_servers(
+    matrix: Matrix, cases: Sequence[Case], estimates: list[CaseEstimate]
+) -> list[CaseEstimate]:
+    """A switch-mode server measures every variant of its topology and start (one start-up,
+    `blocks` runs of the workloads per variant, a warm-up after each flip): the whole
+    server is estimated on its baseline case, which the run begins it with, the others at 0."""
+    assert matrix.ab is not None
+    baseline = matrix.baseline_variant.name
+    rounds = matrix.ab.blocks * len(matrix.variants)
+    out = []
+    for c, e in zip(cases, estimates, strict=True):
+        if c.variant.name != baseline:
+            out.append(CaseEstimate(c.case_id, 0.0, 0.0, {}, 0.0))
+            continue
+        workloads = {k: v * rounds for k, v in e.workloads_s.items()}
+        out.append(
+            CaseEstimate(c.case_id, e.startup_s, e.warmup_s * (rounds + 1), workloads, e.overhead_s)
+        )
+    return out
 
 
 class Eta:

@@ -201,6 +201,12 @@ class _ServerActor:
         for key in RAY_WORKER_ENV:
             if key in os.environ:
                 env[key] = os.environ[key]
+        if env_overrides.get("PYTHONPATH") and "PYTHONPATH" in os.environ:
+            # A matrix's own PYTHONPATH (a worker extension's module, say) comes after Ray's:
+            # the shipped fusedq must still win.
+            env["PYTHONPATH"] = os.pathsep.join(
+                [os.environ["PYTHONPATH"], env_overrides["PYTHONPATH"]]
+            )
         self.log_path = Path(log_path)
         if rebase:
             # Caches and temp files in this node's case directory, as the driver's would be in

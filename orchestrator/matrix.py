@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -263,6 +263,69 @@ class ProfileSpec(_Strict):
     )
 
 
+# The worker extension a switch-mode server loads (vLLM's --worker-extension-cls): fusedq's,
+# whose methods flip every worker between the staged and the fused decode query.
+SWITCH_EXTENSION = "fusedq.vllm_worker_ext.FusedqWorkerExtension"
+# Server starts per variant when ab.servers is not given: 4 starts per variant put the 95 %
+# interval at about +-0.3 % where servers differ by 0.2 % (docs/statistics.md).
+DEFAULT_AB_SERVERS = 4
+
+
+class ABSpec(_Strict):
+    """An A/B of the variants that can resolve a fraction of a percent (orchestrator.ab).
+
+    ``restarts``: per topology each variant is served `servers` times, round by round
+    (A B A B ..., never A A B B); every server start is a case and the interval is over
+    server starts. ``switch``: per topology `servers` servers (default 1) that each serve
+    every variant, flipping the decode path between blocks of the workloads through the
+    worker extension (orchestrator.switch); the interval is over blocks (over servers when
+    there are two or more)."""
+
+    mode: Literal["restarts", "switch"] = "restarts"
+    servers: int | None = Field(
+        None,
+        ge=1,
+        le=100,
+        description=f"Server starts per variant and topology (restarts, default "
+        f"{DEFAULT_AB_SERVERS}, at least 2), or switch servers per topology (switch, default 1).",
+    )
+    blocks: int = Field(
+        8, ge=2, le=1000, description="switch: blocks of the workloads per variant and server."
+    )
+    order: Literal["abba", "alternate"] = Field(
+        "abba",
+        description="switch: ABBA (A B B A A B B A ..., cancels a linear drift) or alternate "
+        "(A B A B ...).",
+    )
+    first: Literal["baseline", "candidate"] = Field(
+        "baseline", description="switch: the path of each server's first block."
+    )
+    extension: str = Field(
+        SWITCH_EXTENSION,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$",
+        description="switch: the worker extension class (module.Class) the server loads.",
+    )
+    serve_as: str | None = Field(
+        None,
+        description="switch: the variant whose args and env the server runs with (default: "
+        "the first that is not the baseline: the one that loads the fused path).",
+    )
+    paths: dict[str, str] = Field(
+        default_factory=dict,
+        description="switch: variant -> the path fusedq_set_path is asked for (default: the "
+        "variant's name).",
+    )
+
+    @property
+    def server_count(self) -> int:
+        if self.servers is not None:
+            return self.servers
+        return DEFAULT_AB_SERVERS if self.mode == "restarts" else 1
+
+    def path_of(self, variant: str) -> str:
+        return self.paths.get(variant, variant)
+
+
 class RaySpec(_Strict):
     address: str | None = Field(None, description="Join this cluster; default: a local Ray.")
 
@@ -284,6 +347,9 @@ class Matrix(_Strict):
     ray: RaySpec = Field(default_factory=RaySpec)
     profile: ProfileSpec | None = Field(
         None, description="Profile each case's decode after its workloads (see ProfileSpec)."
+    )
+    ab: ABSpec | None = Field(
+        None, description="Serve the variants several times each, interleaved (see ABSpec)."
     )
     host: str = Field(
         "127.0.0.1",
@@ -325,6 +391,8 @@ class Case:
     variant: VariantSpec
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    # An A/B matrix's server start of this variant (1, 2, ...); None outside an A/B.
+    server: int | None = None
 
     @property
     def topology_id(self) -> str:
@@ -332,7 +400,8 @@ class Case:
 
     @property
     def case_id(self) -> str:
-        return f"{self.topology_id}/{self.variant.name}"
+        start = f"/s{self.server}" if self.server is not None else ""
+        return f"{self.topology_id}/{self.variant.name}{start}"
 
     @property
     def slug(self) -> str:
@@ -347,8 +416,10 @@ class Case:
         return dict(self.env)
 
     def to_dict(self) -> dict[str, Any]:
+        start = {} if self.server is None else {"ab_server": self.server}
         return {
             "case_id": self.case_id,
+            **start,
             "topology_id": self.topology_id,
             "model": self.model.label,
             "model_path": self.model.path,
@@ -684,6 +755,7 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
     _check_host(m, source)
     cases = expand(m)
     _check_profile(m, cases, source)
+    _check_ab(m, cases, source)
     dup = _dups(c.case_id for c in cases)
     if dup:
         raise MatrixError(source, "topologies", f"case {dup[0]!r} appears twice")
@@ -736,6 +808,59 @@ def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
         )
 
 
+# Flags a switch-mode server gets from the orchestrator (orchestrator.switch): the extension
+# that flips its path, and no prefix caching (the blocks of one pair send the same prompts).
+SWITCH_SERVER_VARIANT = "switch"  # the name a switch-mode server's own case directory carries
+SWITCH_FLAGS = ("--worker-extension-cls", "--enable-prefix-caching", "--no-enable-prefix-caching")
+
+
+def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
+    """An A/B needs a baseline and a candidate and, in restarts mode, two starts of each;
+    switch mode's server owns its extension and prefix-cache flags, and its blocks are the
+    repeats."""
+    ab = m.ab
+    if ab is None:
+        return
+    names = [v.name for v in m.variants]
+    if len(names) < 2:
+        raise MatrixError(source, "ab", "needs two or more variants: a baseline and a candidate")
+    if ab.mode == "restarts":
+        if ab.server_count < 2:
+            raise MatrixError(
+                source, f"ab.servers={ab.server_count}",
+                "restarts mode needs 2 or more server starts per variant: one cannot show how "
+                "far two servers of one configuration differ",
+            )  # fmt: skip
+        switch_only = {"blocks", "order", "first", "serve_as", "paths", "extension"}
+        extra = sorted(ab.model_fields_set & switch_only)
+        if extra:
+            raise MatrixError(source, f"ab.{extra[0]}", "is for mode: switch")
+        return
+    if SWITCH_SERVER_VARIANT in names:
+        raise MatrixError(
+            source, "variants", f"{SWITCH_SERVER_VARIANT!r} names a switch-mode server's own "
+            "directory; call the variant something else",
+        )  # fmt: skip
+    for key in ([ab.serve_as] if ab.serve_as else []) + list(ab.paths):
+        if key not in names:
+            raise MatrixError(source, "ab", f"names variant {key!r}; the variants are {names}")
+    for i, w in enumerate(m.workloads):
+        if w.repeats != 1:
+            raise MatrixError(
+                source, f"workloads[{i}].repeats={w.repeats}",
+                "ab.mode switch runs each workload once per block; the blocks are the repeats "
+                "(set ab.blocks)",
+            )  # fmt: skip
+    for c in cases:
+        flag = next((a for a in c.args if a.split("=", 1)[0] in SWITCH_FLAGS), None)
+        if flag is not None:
+            raise MatrixError(
+                source, "ab",
+                f"case {c.case_id!r} passes {flag.split('=', 1)[0]}; a switch-mode server gets "
+                "it from the orchestrator (ab.extension, and no prefix caching)",
+            )  # fmt: skip
+
+
 def _profiler_flag(arg: str) -> bool:
     # Every spelling vLLM reads as --profiler-config: dotted, abbreviated (owned_flags).
     return owned_flag(arg, PROFILE_OWNED) is not None
@@ -762,7 +887,20 @@ def expand(m: Matrix) -> list[Case]:
                                 env=tuple(sorted(env.items())),
                             )
                         )
-    return cases
+    return cases if m.ab is None else _ab_rounds(cases, m)
+
+
+def _ab_rounds(cases: list[Case], m: Matrix) -> list[Case]:
+    """Each topology's variants served `ab.server_count` times, round by round: A B A B,
+    never A A B B (a drift of the machine over the run then lands on every variant alike)."""
+    assert m.ab is not None
+    per_topology = len(m.variants)
+    out: list[Case] = []
+    for i in range(0, len(cases), per_topology):
+        variants = cases[i : i + per_topology]
+        for start in range(1, m.ab.server_count + 1):
+            out += [replace(c, server=start) for c in variants]
+    return out
 
 
 def units_needed(m: Matrix) -> int:

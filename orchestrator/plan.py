@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.estimate import estimate_run, human_s
-from orchestrator.matrix import expand, load_matrix, units_needed
+from orchestrator.matrix import Case, Matrix, expand, load_matrix, units_needed
 from orchestrator.matrix_policy import env_notes, matrix_warnings
 
 
@@ -32,6 +32,8 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
                 f"{c.topology_id}: {c.model.num_heads} heads over TP{c.tp} -> "
                 f"{c.heads_per_rank} per rank padded (engine.pads_heads: true)"
             )
+    if matrix.ab is not None:
+        notes.append(_ab_note(matrix))
     estimate = estimate_run(matrix, cases)
     per_case = estimate.per_case()
     seen: set[str] = set()
@@ -41,7 +43,7 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
         "path": str(path),
         "accelerator": matrix.resources.accelerator,
         "largest_bundle": {unit: units_needed(matrix)},
-        "servers": len(cases),
+        "servers": _servers(matrix, cases),
         "workloads": [
             {
                 "name": w.name,
@@ -69,11 +71,33 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
     }
 
 
+def _servers(matrix: Matrix, cases: Sequence[Case]) -> int:
+    """Server launches: one per case, or one per topology and start in switch mode."""
+    if matrix.ab is not None and matrix.ab.mode == "switch":
+        return len({(c.topology_id, c.server) for c in cases})
+    return len(cases)
+
+
+def _ab_note(matrix: Matrix) -> str:
+    ab = matrix.ab
+    assert ab is not None
+    if ab.mode == "restarts":
+        return (
+            f"A/B: each variant served {ab.server_count} times per topology, round by round; "
+            "the 95% interval is over server starts (docs/statistics.md)"
+        )
+    return (
+        f"A/B switch: {ab.server_count} server(s) per topology serve every variant, "
+        f"{ab.blocks} blocks each ({ab.order}), flipping the path through {ab.extension}; "
+        "the 95% interval is over blocks (docs/statistics.md)"
+    )
+
+
 def render_plan(plan: dict[str, Any]) -> str:
     unit = "gpus" if plan["accelerator"] == "gpu" else "cpus"
     lines = [
         f"{plan['path']}: matrix {plan['matrix']}, {plan['servers']} server launches "
-        f"(one per case; workloads run one at a time on each), largest bundle "
+        f"(workloads run one at a time on each), largest bundle "
         f"{next(iter(plan['largest_bundle'].values()))} {unit.upper()} on one node",
         "",
         f"{'case':<44} {'TP':>3} {'DCP':>4} {'MTP':>4} {'heads/rank':>10} {unit.upper():>5} "

@@ -46,9 +46,11 @@ __all__ = [
     "CaseResult",
     "Distribution",
     "Finding",
+    "PathFlip",
     "ProfileResult",
     "RunManifest",
     "Severity",
+    "SwitchRecord",
     "TraceFigures",
     "WorkloadSummary",
 ]
@@ -405,6 +407,36 @@ class Warmup(_Record):
     errors: int = 0
 
 
+class PathFlip(_Record):
+    """One flip of a switch-mode server's decode path (orchestrator.switch): when in the
+    server's schedule, the path asked for, how long the RPC took, and what the workers said
+    (``fusedq_set_path``'s dict per worker: path, recaptured, seconds, layers)."""
+
+    block: int = 0  # the block it preceded, counted from 1 over the server's whole schedule
+    path: str = ""
+    seconds: float | None = None  # the RPC's wall time, as the orchestrator waited for it
+    workers: list[dict[str, Any]] = Field(default_factory=list)
+
+    @property
+    def worker_seconds(self) -> float | None:
+        """The slowest worker's own figure for the flip (CUDA-graph re-capture included)."""
+        got = [
+            float(w["seconds"]) for w in self.workers if isinstance(w.get("seconds"), int | float)
+        ]
+        return max(got) if got else None
+
+
+class SwitchRecord(_Record):
+    """How a switch-mode row was measured: its server (shared with the other variants' rows of
+    that server), the path its blocks ran, where they sat in the schedule, and the flips."""
+
+    server_case: str = ""  # the server's id; its log and audit are in cases/<its slug>/
+    path: str = ""
+    blocks: list[int] = Field(default_factory=list)  # schedule positions of this row's blocks
+    schedule: list[str] = Field(default_factory=list)  # the server's whole schedule, by variant
+    flips: list[PathFlip] = Field(default_factory=list)  # flips into this row's path
+
+
 class CaseResult(_Record):
     """One finished case: one line of results.jsonl."""
 
@@ -434,6 +466,8 @@ class CaseResult(_Record):
     audit: AuditSummary = Field(default_factory=AuditSummary)
     profile: ProfileResult | None = None
     timings: dict[str, float] = Field(default_factory=dict)
+    ab_server: int | None = None  # an A/B matrix's server start of this variant (1, 2, ...)
+    switch: SwitchRecord | None = None  # measured on a switch-mode server
 
     @field_validator("audit", "server", "same_tokens", "workloads", "timings", mode="before")
     @classmethod
@@ -528,6 +562,11 @@ class RunManifest(_Record):
         specs = self.matrix.get("variants") or []
         names = [v["name"] for v in specs if v.get("baseline")]
         return names + [v["name"] for v in specs if not v.get("baseline")] or ["default"]
+
+    @property
+    def ab(self) -> dict[str, Any] | None:
+        """The matrix's ``ab`` block as run (orchestrator.matrix.ABSpec), or None."""
+        return self.matrix.get("ab") or None
 
     def concurrency(self, workload: str) -> int:
         for w in self.matrix.get("workloads", []):

@@ -358,8 +358,8 @@ class _Attempt:
             self.log(line)
 
     def _run_cases(self, launcher: Any, view: Any) -> None:
-        from orchestrator.case_run import CaseRun
         from orchestrator.estimate import estimate_run
+        from orchestrator.switch import measure_unit, measured_units
 
         assert self.store is not None
         store = self.store
@@ -374,21 +374,22 @@ class _Attempt:
         estimates = estimate_run(self.matrix, todo).per_case()
         view.expect([c.case_id for c in todo], estimates, done=len(summary.skipped))
         view.start()
-        for case in todo:
-            view.begin(case.case_id)
-            result = CaseRun(case, self.matrix, launcher, store, self.log, view, self.secrets).run()
-            # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
-            result = CaseResult.model_validate(redact(result.to_record(), self.secrets))
-            store.append_result(result, self.secrets)
-            summary.results.append(result)
-            t = result.timings
-            # The warm-up belongs to bringing the server up, not to the orchestrator.
-            self.measured += (
-                t.get("startup_s", 0.0)
-                + t.get("warmup_s", 0.0)
-                + sum(v for k, v in t.items() if k.startswith("workload_"))
-            )
-            view.finish(case.case_id, result)
+        for unit in measured_units(self.matrix, todo, self.cases):
+            view.begin(unit[0].case_id)
+            rows = measure_unit(unit, self.matrix, launcher, store, self.log, view, self.secrets)
+            for result in rows:
+                # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
+                result = CaseResult.model_validate(redact(result.to_record(), self.secrets))
+                store.append_result(result, self.secrets)
+                summary.results.append(result)
+                t = result.timings
+                # The warm-up belongs to bringing the server up, not to the orchestrator.
+                self.measured += (
+                    t.get("startup_s", 0.0)
+                    + t.get("warmup_s", 0.0)
+                    + sum(v for k, v in t.items() if k.startswith("workload_"))
+                )
+                view.finish(result.case_id, result)
 
     def _finish(self) -> None:
         """Overhead figures and reports of whatever ran, then the run directory is let go."""

@@ -1,19 +1,24 @@
 """Intervals for noisy throughput figures: is a difference beyond the noise we can measure?
 
-Two readers decide with these: `orchestrator compare` (and `nightly`'s gate) asks whether a
-candidate run's aggregate tok/s dropped by more than a threshold, and `scripts/fidelity.py`
-asks whether our workload client and `vllm bench serve` agree within a bar. Both used to
-compare two point figures, and on a shared CPU machine, where single runs swing ±10 % and
-more, two runs of one commit then read as a regression. Here each figure gets a 95 %
-interval, and `position` says whether the interval lies inside a bar, outside it, or
-across its edge (too few samples to tell).
+Three readers decide with these: `orchestrator compare` (and `nightly`'s gate) asks whether a
+candidate run's aggregate tok/s dropped by more than a threshold, an A/B matrix
+(orchestrator.ab) whether a variant is faster than the baseline, and `scripts/fidelity.py`
+whether our workload client and `vllm bench serve` agree within a bar. Comparing two point
+figures fails all three: on a shared CPU machine single runs swing ±10 % and more, and on an
+H200 two servers of one configuration differ by 0.1-0.35 %, as much as the effect under
+test. Here each figure gets a 95 % interval, and `position` says whether the interval lies
+inside a bar, outside it, or across its edge (too few samples to tell).
 
-- `change_interval`: the change of one run's mean over repeats against another's: Welch's
-  t interval of the log ratio, the repeats being the samples and each repeat's recorded
-  requests setting a floor under its variance.
+- `ratio_interval`: the one interval of a ratio of two means in this project: Fieller's,
+  with Welch-Satterthwaite degrees of freedom (docs/statistics.md says why). It is fed
+  `MeanEstimate`s: a mean, the variance of that mean and its degrees of freedom, from
+  whatever the experiment's independent units are (server starts, blocks, repeats).
+- `change_interval`: `ratio_interval` of one run's mean over repeats against another's,
+  the repeats being the units and each repeat's recorded requests setting a floor under
+  its variance (`RunFigure`).
 - `t_interval`: Student's t interval of a mean, for a handful of paired differences.
 
-Both are closed-form: the same inputs give the same interval, with no seed to fix.
+All are closed-form: the same inputs give the same interval, with no seed to fix.
 Stdlib only: `compare` must run where only the run directories are.
 """
 
@@ -52,6 +57,11 @@ class Interval:
         if self.high < low_bar or self.low > high_bar:
             return "outside"
         return "across"
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval's width (a Fieller interval is not symmetric about its estimate)."""
+        return (self.high - self.low) / 2.0
 
     def bounds(self) -> str:
         """``-0.40% … +2.80%``."""
@@ -191,26 +201,80 @@ class RunFigure:
         within = statistics.fmean(r.relative_variance() * (r.value / mean) ** 2 for r in repeats)
         return cls(mean, max(between, within) / k, k - 1)
 
+    def estimate(self) -> MeanEstimate:
+        """The figure as `ratio_interval` takes it: the variance of the mean, not relative."""
+        return MeanEstimate(self.mean, self.relative_variance * self.mean**2, self.df, self.df + 1)
+
 
 def change_interval(
     base: Sequence[RepeatSample],
     cand: Sequence[RepeatSample],
     confidence: float = CONFIDENCE,
-) -> Interval:
-    """Percent change of CAND's mean over repeats against BASE's, with Welch's t interval
-    of the log ratio (degrees of freedom by Welch-Satterthwaite); see `RunFigure.of`."""
-    b, c = RunFigure.of(base), RunFigure.of(cand)
-    log_ratio = math.log(c.mean / b.mean)
-    variance = b.relative_variance + c.relative_variance
-    if variance > 0:
-        df = variance**2 / (b.relative_variance**2 / b.df + c.relative_variance**2 / c.df)
-        half = t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(variance)
-    else:  # every repeat identical: nothing to widen the interval with
-        df, half = float(b.df + c.df), 0.0
+) -> Interval | None:
+    """Percent change of CAND's mean over repeats against BASE's: `ratio_interval` of the two
+    runs' figures (see `RunFigure.of`); None when it is unbounded (a run's repeats too far
+    apart to tell its mean from 0)."""
+    return ratio_interval(RunFigure.of(base).estimate(), RunFigure.of(cand).estimate(), confidence)
+
+
+# --------------------------------------------------------------------------- ratio of means
+
+
+@dataclass(frozen=True)
+class MeanEstimate:
+    """A sample mean, the variance of that mean (s² / n) and its degrees of freedom."""
+
+    mean: float
+    variance: float
+    df: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> MeanEstimate:
+        """From two or more values (the units of the experiment: server starts, blocks)."""
+        n = len(values)
+        if n < 2:
+            raise ValueError(f"need 2 or more values for a mean and its variance: {list(values)}")
+        return cls(statistics.fmean(values), statistics.variance(values) / n, n - 1, n)
+
+    @property
+    def relative_sd(self) -> float:
+        """The values' sample standard deviation relative to their mean (the spread of one
+        unit, not of the mean): sqrt(variance * n) / mean."""
+        return math.sqrt(self.variance * self.n) / self.mean if self.mean else math.nan
+
+
+def ratio_interval(
+    base: MeanEstimate, cand: MeanEstimate, confidence: float = CONFIDENCE
+) -> Interval | None:
+    """Fieller's interval of cand.mean / base.mean, as a percent change (``+0.64%``).
+
+    The set of ratios r for which ``cand.mean - r * base.mean`` is not significantly
+    different from 0 (Fieller 1954): the roots of
+    ``(c - r b)² = t² (v_c + r² v_b)``, with v the variances of the means and t Student's
+    quantile at the Welch-Satterthwaite degrees of freedom of ``c - r b`` taken at the
+    estimated ratio (Tamhane & Logan 2004). None when the interval is unbounded: the
+    baseline's mean is itself not told from 0 at this confidence (t² v_b >= b²).
+    """
+    b, c = base.mean, cand.mean
+    if not b > 0 or not c > 0:
+        raise ValueError(f"ratio_interval needs positive means: base {b}, candidate {c}")
+    ratio = c / b
+    spread = cand.variance + ratio**2 * base.variance
+    if spread > 0:
+        df = spread**2 / (cand.variance**2 / cand.df + ratio**4 * base.variance**2 / base.df)
+        t = t_quantile(0.5 + confidence / 2.0, df)
+    else:  # every unit identical: the ratio is known exactly
+        df, t = float(base.df + cand.df), 0.0
+    a = b * b - t * t * base.variance
+    if a <= 0:
+        return None
+    root = t * math.sqrt(cand.variance * a + c * c * base.variance)
+    low, high = (b * c - root) / a, (b * c + root) / a
     return Interval(
-        100.0 * (c.mean / b.mean - 1.0),
-        100.0 * math.expm1(log_ratio - half),
-        100.0 * math.expm1(log_ratio + half),
+        100.0 * (ratio - 1.0),
+        100.0 * (low - 1.0),
+        100.0 * (high - 1.0),
         confidence,
-        f"Welch t of the log ratio, {df:.1f} df",
+        f"Fieller, {df:.1f} df",
     )

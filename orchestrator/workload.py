@@ -594,6 +594,7 @@ async def arun_workload(
     progress: Callable[[dict[str, Any]], None] | None = None,
     deadline: float | None = None,
     api_key: str | None = None,
+    first_repeat: int = 0,
 ) -> WorkloadResult:
     """`run_workload` for callers that already run an event loop."""
     # One connection per user; trust_env=False keeps proxy variables from routing
@@ -610,7 +611,7 @@ async def arun_workload(
         trust_env=False,
         headers=headers,
     ) as client:
-        for r in range(params.repeats):
+        for r in range(first_repeat, first_repeat + params.repeats):
             repeat = _Repeat(
                 client,
                 model,
@@ -648,7 +649,9 @@ run_workload = _blocking(
 
 Raises ServerDiedError within about a second of `alive()` turning False, and
 WorkloadTimeoutError when a request runs past `request_timeout_s` or the clock passes
-`deadline` (time.monotonic()). `api_key` is sent as a bearer token. `arun_workload` is the
+`deadline` (time.monotonic()). `api_key` is sent as a bearer token. Repeats are numbered
+from `first_repeat` (0-based in the records, 1-based in the summary), and a repeat's number
+picks its prompts: a block of a switch-mode server sends its own. `arun_workload` is the
 same for callers that already run an event loop.
 """,
 )

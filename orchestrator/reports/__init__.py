@@ -6,7 +6,9 @@
 - ``html``: report.html, the page a person reads in the morning (charts, trend, findings);
 - ``junit``: junit.xml, each case as a test for CI dashboards;
 - ``summary``: the closing table `orchestrator run` prints, and the latency table the
-  others show.
+  others show;
+- ``ab_section``: an A/B matrix's verdicts with their intervals and the evidence chain
+  (orchestrator.ab, orchestrator.evidence), which every report above shows.
 
 Input is only the run directory (manifest, results.jsonl, overhead.json), so `orchestrator
 report RUN` rebuilds the reports of any run, finished, interrupted or resumed.

@@ -410,6 +410,13 @@ def _profile(run: Run) -> dict[str, Any]:
     return {"pairs": pairs, "header": header, "rows": body}
 
 
+def _ab(run: Run) -> Any:
+    """The A/B tables, design and evidence chain (orchestrator.reports.ab_section), or None."""
+    from orchestrator.reports.ab_section import ab_section
+
+    return ab_section(run)
+
+
 def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> dict[str, Any]:
     """Everything the template shows, computed: the run's figures, tables and charts."""
     m = run.manifest
@@ -418,6 +425,7 @@ def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> di
     latency_header, latency_body = latency_table(run)
     trend_runs, trend_charts = _trend(run, history)
     listed = findings(run)
+    ab = _ab(run)
     return {
         "run_id": run.run_id,
         "status": "bad" if failed else "warn" if len(ordered) < len(m.cases) else "ok",
@@ -434,7 +442,9 @@ def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> di
         "tables": [_topology_table(run, "aggregate_tok_s"), _topology_table(run, "per_user_tok_s")],
         "throughput_charts": _throughput_charts(run) if ordered else [],
         "latency": {"note": LATENCY_NOTE, "header": latency_header, "body": latency_body},
-        "delta_charts": _delta_charts(run),
+        "ab": ab,
+        # An A/B's section supersedes the one-server deltas of the paired chart.
+        "delta_charts": [] if ab is not None else _delta_charts(run),
         "token_checks": token_checks(run),
         "profile": _profile(run),
         "trend_runs": trend_runs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from orchestrator.reports.ab_section import ab_json
 from orchestrator.reports.profile import profile_pairs
 from orchestrator.reports.run import Run, audit_sentence, paired_deltas
 from orchestrator.reports.summary import LATENCIES, QUANTILES
@@ -64,5 +65,6 @@ def render_json(run: Run) -> dict[str, Any]:
         ],
         "paired": [asdict(d) for d in paired_deltas(run)],
         "profile_pairs": [p.to_dict() for p in profile_pairs(rows, run.variants)],
+        "ab": ab_json(run),
         "audit_summary": audit_sentence(run.results),
     }

@@ -64,6 +64,21 @@ def _system_out(row: CaseResult) -> str:
     )
 
 
+def _ab_properties(run: Run) -> list[tuple[str, str]]:
+    """The A/B verdicts (orchestrator.ab) as suite properties: a dashboard shows them beside
+    the run, and they are figures about variants, not a test a case passed or failed."""
+    from orchestrator.ab import ab_results
+
+    out = []
+    for r in ab_results(run):
+        key = f"ab.{r.topology_id}.{r.workload}.{r.metric.key}.{r.candidate.variant}"
+        bounds = "no interval" if r.interval is None else f"95% interval {r.interval.bounds()}"
+        ratio = "-" if r.ratio is None else f"{r.ratio:.4f}"
+        value = f"{r.candidate.variant}/{r.baseline.variant} {ratio}, {bounds} over {r.unit}"
+        out.append((key, f"{value}: {r.verdict}"))
+    return out
+
+
 def render_junit(run: Run, comparison: Comparison | None = None) -> str:
     """The run (and, given one, its comparison's regressions) as a JUnit XML document."""
     m = run.manifest
@@ -78,6 +93,7 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
         ("commit", m.commit),
         *((f"version.{k}", v) for k, v in (m.versions or {}).items()),
         ("compared_with", comparison.base_run if comparison else None),
+        *_ab_properties(run),
     ):
         if value is not None:
             ET.SubElement(props, "property", name=xml_text(key), value=xml_text(value))

@@ -77,6 +77,25 @@ def _paired_section(run: Run) -> list[str]:
     return lines
 
 
+def _ab_section(run: Run) -> list[str]:
+    """The A/B of the variants over server starts or blocks (orchestrator.ab), with the
+    evidence chain; it replaces the paired table, whose one-server deltas it supersedes."""
+    from orchestrator.reports.ab_section import ab_section
+
+    section = ab_section(run)
+    if section is None:
+        return []
+    out: list[str] = []
+    for t in section.tables:
+        out += [f"## {t.title}", "", md_table(t.header, t.body), ""]
+    out += [section.design, ""]
+    if section.evidence:
+        out += ["Evidence chain (the paired decode profile against the measured TPOT):", ""]
+        out += [f"- {e}" for e in section.evidence]
+        out.append("")
+    return out
+
+
 def _profile_section(run: Run) -> list[str]:
     """The decode profile: the seeds' paired table per staged/fused pair (averaged over
     ranks, then rank by rank), or each profiled case's figures where nothing is paired."""
@@ -169,7 +188,7 @@ def render_markdown(run: Run) -> str:
     out += ["## Active per-user output tok/s (time to first token excluded)", ""]
     out += [topology_table(run, "per_user_tok_s"), ""]
     out += _latency_section(run)
-    out += _paired_section(run)
+    out += _ab_section(run) or _paired_section(run)
     out += _profile_section(run)
     checks = [
         f"- {md_text(t)} {md_text(w)}: **{md_text(v)}** -- {md_text(s)}"

@@ -159,7 +159,15 @@ def render_summary(run: Run) -> str:
     )
     out += textwrap.wrap(note, width)
     out.append("=" * width)
-    return "\n".join(out)
+    return "\n".join(out) + _ab_block(run, width)
+
+
+def _ab_block(run: Run, width: int) -> str:
+    # The A/B verdicts under the table: what an A/B run is for (orchestrator.reports.ab_section).
+    from orchestrator.reports.ab_section import render_ab_terminal
+
+    block = render_ab_terminal(run, width)
+    return f"\n\n{block}" if block else ""
 
 
 def _line(text: str) -> str:

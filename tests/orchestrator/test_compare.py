@@ -7,10 +7,12 @@ import importlib.util
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import abrun
 import pytest
 
 from orchestrator.compare import (
@@ -20,6 +22,7 @@ from orchestrator.compare import (
     compare_runs,
     request_blocks,
 )
+from orchestrator.stats import MeanEstimate, ratio_interval
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
@@ -410,3 +413,61 @@ def test_run_stopped_before_its_first_case_compares_as_empty(pair):
     cmp = compare_runs(base, cand)
     assert cmp.ok and not cmp.rows and len(cmp.only_in_base) == 10
     assert "No case is in both runs." in cmp.to_markdown()
+
+
+# --------------------------------------------------------------------------- A/B runs
+
+# Four server starts per variant, 0.1-0.2 % apart (the H200's between-server spread).
+AB_STAGED = [(116.99, 8.53, 8.53), (116.86, 8.54, 8.54), (117.05, 8.52, 8.52), (116.80, 8.55, 8.55)]
+AB_FUSED = [(117.73, 8.48, 8.48), (117.32, 8.50, 8.50), (117.61, 8.49, 8.49), (117.50, 8.49, 8.49)]
+AB_GROUP = "glm5-h16/tp1-dcp1-mtp0/fused"
+
+
+def _ab_pair(tmp_path, factor: float, *, spread: float = 1.0, matrix: str = abrun.RESTARTS):
+    """A base A/B run and a candidate whose fused servers run at `factor` of base's, with
+    their distance from their mean scaled by `spread`."""
+    figures = abrun.switch if matrix is abrun.SWITCH else abrun.restarts
+    mean = statistics.fmean(u[0] for u in AB_FUSED)
+    slower = [(factor * (mean + spread * (u[0] - mean)), *u[1:]) for u in AB_FUSED]
+    base = abrun.write_run(tmp_path / "b", figures(AB_STAGED, AB_FUSED), matrix=matrix, run_id="b")
+    cand = abrun.write_run(tmp_path / "c", figures(AB_STAGED, slower), matrix=matrix, run_id="c")
+    return compare_runs(base, cand)
+
+
+def _group(cmp, group=AB_GROUP):
+    return next(d for r in cmp.rows if r.case_id == group for d in r.deltas if d.judgement)
+
+
+def test_an_ab_run_is_gated_over_server_starts_not_one_server(tmp_path):
+    cmp = _ab_pair(tmp_path, 0.94)
+    # Each server's own row is listed, never judged: one server's repeats are not the noise.
+    server_rows = [r for r in cmp.rows if r.case_id.startswith(AB_GROUP + "/s")]
+    assert len(server_rows) == 4 and not any(d.judgement for r in server_rows for d in r.deltas)
+    d = _group(cmp)
+    assert d.judgement.samples_base == "4 server starts"
+    staged_group = _group(cmp, "glm5-h16/tp1-dcp1-mtp0/staged")
+    assert staged_group.judgement.verdict == NO_REGRESSION
+    assert not cmp.ok and d.judgement.verdict == "regression"
+    [regression] = cmp.regressions
+    assert regression.case_id == AB_GROUP
+    assert regression.message.endswith("; 4 server starts vs 4 server starts)")
+    # The interval is the A/B's own: Fieller over the server means.
+    base_means = [u[0] for u in AB_FUSED]
+    cand_means = [0.94 * u[0] for u in AB_FUSED]
+    assert d.judgement.interval == ratio_interval(
+        MeanEstimate.of(base_means), MeanEstimate.of(cand_means)
+    )
+
+
+def test_a_small_ab_drop_passes_and_a_noisy_one_cannot_be_told(tmp_path):
+    assert _ab_pair(tmp_path / "small", 0.99).ok
+    assert _group(_ab_pair(tmp_path / "small2", 0.99)).judgement.verdict == NO_REGRESSION
+    # Servers 5 % apart around a 4 % drop: the interval reaches both sides of -3 %.
+    noisy = _group(_ab_pair(tmp_path / "noisy", 0.96, spread=30.0))
+    assert noisy.judgement.verdict == TOO_FEW
+
+
+def test_a_switch_run_is_gated_over_its_blocks(tmp_path):
+    cmp = _ab_pair(tmp_path, 0.94, matrix=abrun.SWITCH)
+    d = _group(cmp)
+    assert d.judgement.samples_base == "4 blocks" and d.judgement.verdict == "regression"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -432,3 +433,61 @@ def test_baseline_variant_is_the_marked_one_or_the_first():
     assert m.baseline_variant.name == "staged"
     assert [c.variant.name for c in expand(m)][:2] == ["fused", "staged"]  # run order kept
     assert _parse(_with("variants", [{"name": "a"}, {"name": "b"}])).baseline_variant.name == "a"
+
+
+# --------------------------------------------------------------------------- A/B
+
+
+def _ab(ab: dict, **changes) -> dict:
+    doc = {**BASE, "topologies": [{"tp": 8, "mtp": [0]}], "workloads": BASE["workloads"][:1]}
+    doc |= {"variants": [{"name": "staged"}, {"name": "fused"}], "ab": ab, **changes}
+    return doc
+
+
+def test_restarts_serve_each_variant_round_by_round():
+    m = _parse(_ab({"servers": 3}))
+    assert [c.case_id for c in expand(m)] == [
+        f"m/tp8-dcp1-mtp0/{v}/s{s}" for s in (1, 2, 3) for v in ("staged", "fused")
+    ]
+    first = expand(m)[0].to_dict()
+    assert first["ab_server"] == 1 and first["variant"] == "staged"
+    assert "ab_server" not in expand(_parse(BASE))[0].to_dict()
+    assert _parse(_ab({})).ab.server_count == 4  # the default: 4 starts per variant
+    assert _parse(_ab({"mode": "switch"})).ab.server_count == 1
+
+
+@pytest.mark.parametrize(
+    ("ab", "changes", "expected"),
+    [
+        ({}, {"variants": [{"name": "fused"}]}, "ab: needs two or more variants"),
+        ({"servers": 1}, {}, "ab.servers=1 restarts mode needs 2 or more server starts"),
+        ({"blocks": 4}, {}, "ab.blocks: is for mode: switch"),
+        ({"mode": "switch", "serve_as": "fast"}, {}, "ab: names variant 'fast'; the variants"),
+        ({"mode": "switch", "paths": {"x": "fused"}}, {}, "ab: names variant 'x'"),
+        (
+            {"mode": "switch"},
+            {"variants": [{"name": "staged"}, {"name": "switch"}]},
+            "variants: 'switch' names a switch-mode server's own directory",
+        ),
+        (
+            {"mode": "switch"},
+            {"workloads": [{**BASE["workloads"][1], "name": "w"}]},
+            "workloads[0].repeats=2 ab.mode switch runs each workload once per block",
+        ),
+        (
+            {"mode": "switch"},
+            {"engine": {"args": ["--worker-extension-cls=my.Ext"]}},
+            "passes --worker-extension-cls; a switch-mode server gets it from the orchestrator",
+        ),
+        (
+            {"mode": "switch"},
+            {"engine": {"args": ["--enable-prefix-caching"]}},
+            "passes --enable-prefix-caching",
+        ),
+        ({"mode": "switch", "extension": "NoModule"}, {}, "ab.extension='NoModule'"),
+        ({"mode": "flip"}, {}, "ab.mode='flip'"),
+    ],
+)
+def test_ab_rules_name_the_field(ab, changes, expected):
+    with pytest.raises(MatrixError, match=re.escape(expected)):
+        _parse(_ab(ab, **changes))

@@ -225,3 +225,24 @@ def test_cli_bad_matrix_exits_2_and_launches_nothing(tmp_path):
     [line] = out.stderr.splitlines()
     assert line.startswith("orchestrator: ") and "nope.yaml" in line
     assert not h.exists() or not any(h.iterdir())
+
+
+def test_an_ab_night_gates_on_the_interval_over_server_starts(tmp_path):
+    import abrun
+
+    staged = [(116.99, 8.53, 8.53), (116.86, 8.54, 8.54), (117.05, 8.52, 8.52)]
+    fused = [(117.73, 8.48, 8.48), (117.32, 8.50, 8.50), (117.61, 8.49, 8.49)]
+    matrix = abrun.RESTARTS.replace("servers: 4", "servers: 3")
+    history = tmp_path / "h"
+    abrun.write_run(
+        history, abrun.restarts(staged, fused), matrix=matrix, run_id="last",
+        created_at="2026-12-01T02:00:00+00:00",
+    )  # fmt: skip
+    slow = [(0.95 * u[0], *u[1:]) for u in fused]
+    tonight = abrun.write_run(tmp_path / "src", abrun.restarts(staged, slow), matrix=matrix)
+    result = run_nightly("ab.yaml", history, runner=FakeRunner(source=tonight))
+    assert result.exit_code == 1
+    [regression] = result.comparison.regressions
+    assert regression.case_id == "glm5-h16/tp1-dcp1-mtp0/fused"
+    assert regression.message.endswith("3 server starts vs 3 server starts)")
+    assert regression.interval.high < -3.0

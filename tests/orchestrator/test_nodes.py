@@ -239,3 +239,18 @@ def test_a_remote_servers_log_and_files_come_back_and_its_directory_goes(
     assert not own.exists() and not tmp.exists()
     with pytest.raises(ValueError, match="not a file of the case directory"):
         actor.read_file("../server.log", 0)
+
+
+def test_a_matrix_pythonpath_comes_after_the_one_ray_gives_the_actor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker extension's module reaches the server through the matrix's env; the fusedq
+    # Ray ships to the actor must still win.
+    monkeypatch.setenv("PYTHONPATH", "/ray/py_modules")
+    actor = _ServerActor()
+    log = tmp_path / "c" / "server.log"
+    show = [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"]
+    actor.start(show, {"PYTHONPATH": "/ext"}, str(log))
+    while actor.poll() is None:
+        time.sleep(0.05)
+    assert log.read_text().strip() == os.pathsep.join(["/ray/py_modules", "/ext"])

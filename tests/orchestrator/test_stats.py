@@ -10,9 +10,11 @@ import pytest
 
 from orchestrator.stats import (
     Interval,
+    MeanEstimate,
     RepeatSample,
     RunFigure,
     change_interval,
+    ratio_interval,
     t_cdf,
     t_interval,
     t_quantile,
@@ -99,19 +101,24 @@ def test_change_interval_of_identical_and_of_spread_repeats():
     same = [RepeatSample(100.0), RepeatSample(100.0)]
     iv = change_interval(same, [RepeatSample(90.0), RepeatSample(90.0)])
     assert (iv.estimate, iv.low, iv.high) == pytest.approx((-10.0, -10.0, -10.0))
-    # Base 100 ± 1, candidate 90 ± 1 (two repeats each): log ratio -0.1054, its standard
-    # error sqrt(2e-4/2/100**2... ) -> Welch with 2 df, t 4.303.
+    # Base 100 ± 1, candidate 90 ± 1 (two repeats each): each mean's variance s²/n = 2/2 = 1,
+    # ratio 0.9. Welch-Satterthwaite at the ratio: (1 + 0.81)² / (1 + 0.81²) = 1.978 df.
+    # Fieller: r = (b c ± t sqrt(v_c a + c² v_b)) / a with a = b² - t² v_b.
     iv = change_interval(
         [RepeatSample(99.0), RepeatSample(101.0)], [RepeatSample(89.0), RepeatSample(91.0)]
     )
-    se = math.sqrt(2 / 100**2 / 2 + 2 / 90**2 / 2)
-    df = se**4 / ((2 / 100**2 / 2) ** 2 + (2 / 90**2 / 2) ** 2)
-    half = t_quantile(0.975, df) * se
+    df = 1.81**2 / (1 + 0.81**2)
+    t = t_quantile(0.975, df)
+    a = 100.0**2 - t * t
+    root = t * math.sqrt(a + 90.0**2)
     assert iv.estimate == pytest.approx(-10.0)
-    assert iv.low == pytest.approx(100 * math.expm1(math.log(0.9) - half))
-    assert iv.high == pytest.approx(100 * math.expm1(math.log(0.9) + half))
-    assert iv.method == f"Welch t of the log ratio, {df:.1f} df"
+    assert iv.low == pytest.approx(100 * ((9000 - root) / a - 1))
+    assert iv.high == pytest.approx(100 * ((9000 + root) / a - 1))
+    assert iv.method == f"Fieller, {df:.1f} df"
     assert change_interval(same, same) == change_interval(same, same)  # no seed, no state
+    # Two repeats 20 % apart at t(1) = 12.7: the base's mean cannot be told from 0, and
+    # Fieller's set is unbounded; the gate reads that as too few samples.
+    assert change_interval([RepeatSample(80.0), RepeatSample(120.0)], same) is None
 
 
 def test_same_commit_pairs_are_not_flagged_and_a_large_drop_is():
@@ -130,3 +137,69 @@ def test_same_commit_pairs_are_not_flagged_and_a_large_drop_is():
         change_interval(_run(rng, 1.0, repeats=4), _run(rng, 0.8, repeats=4)) for _ in range(200)
     ]
     assert sum(iv.position(-3.0, math.inf) == "outside" for iv in drop) >= 195
+
+
+# --------------------------------------------------------------------------- Fieller
+
+
+def test_fieller_by_hand_on_three_servers_each():
+    # Base 98, 100, 102 and candidate 102, 100, 98: means 100, s² 4, variance of each mean
+    # 4/3, ratio 1. Welch-Satterthwaite: (4/3 + 4/3)² / (2 (4/3)² / 2) = 4 df, t = 2.776445
+    # (tables: 2.776). a = 100² - t² 4/3 = 9989.7218; root = t sqrt(4/3 a + 100² 4/3)
+    # = 2.776445 x 163.2573 = 453.275; r = (10000 -/+ 453.275) / 9989.7218
+    # = 0.955655 ... 1.046403: not symmetric about 1, as a ratio's interval should not be.
+    iv = ratio_interval(
+        MeanEstimate.of([98.0, 100.0, 102.0]), MeanEstimate.of([102.0, 100.0, 98.0])
+    )
+    assert iv is not None and iv.method == "Fieller, 4.0 df"
+    assert (iv.estimate, iv.low, iv.high) == pytest.approx((0.0, -4.4345, 4.6403), abs=1e-3)
+    assert iv.half_width == pytest.approx((4.6403 + 4.4345) / 2, abs=1e-3)
+
+
+def test_fieller_bounds_are_where_the_ratio_t_statistic_reaches_the_quantile():
+    # The definition, checked without the closed form: at each bound r the statistic
+    # (c - r b) / sqrt(v_c + r² v_b) is -t and +t (t at the interval's degrees of freedom).
+    base = MeanEstimate.of([116.99, 116.86, 117.05, 116.80])
+    cand = MeanEstimate.of([117.73, 117.32, 117.61, 117.50])
+    iv = ratio_interval(base, cand)
+    df = float(iv.method.split()[1])
+    ratio = cand.mean / base.mean
+    spread = cand.variance + ratio**2 * base.variance
+    exact_df = spread**2 / (cand.variance**2 / 3 + ratio**4 * base.variance**2 / 3)
+    assert df == pytest.approx(exact_df, abs=0.05)
+    t = t_quantile(0.975, exact_df)
+    for pct, sign in ((iv.low, 1.0), (iv.high, -1.0)):
+        r = 1 + pct / 100
+        stat = (cand.mean - r * base.mean) / math.sqrt(cand.variance + r * r * base.variance)
+        assert stat == pytest.approx(sign * t, rel=1e-9)
+
+
+def test_fieller_matches_the_t_interval_of_log_means_at_small_spread():
+    # At spreads like the H200's (0.1-0.35 % between servers) the two intervals the
+    # literature offers for a ratio agree to a thousandth of a percent.
+    base = [100.0 * (1 + 0.002 * d) for d in (-1.2, 0.3, 0.9, -0.4, 0.6, -0.2)]
+    cand = [100.5 * (1 + 0.002 * d) for d in (0.8, -1.1, 0.2, 0.5, -0.6, 0.1)]
+    fieller = ratio_interval(MeanEstimate.of(base), MeanEstimate.of(cand))
+    lb, lc = (
+        MeanEstimate.of([math.log(v) for v in base]),
+        MeanEstimate.of([math.log(v) for v in cand]),
+    )
+    se = math.sqrt(lb.variance + lc.variance)
+    df = se**4 / (lb.variance**2 / lb.df + lc.variance**2 / lc.df)
+    half = t_quantile(0.975, df) * se
+    diff = lc.mean - lb.mean
+    assert fieller.low == pytest.approx(100 * math.expm1(diff - half), abs=1e-3)
+    assert fieller.high == pytest.approx(100 * math.expm1(diff + half), abs=1e-3)
+
+
+def test_fieller_degenerate_unbounded_and_bad_input():
+    same = MeanEstimate.of([50.0, 50.0, 50.0])
+    iv = ratio_interval(same, MeanEstimate.of([55.0, 55.0, 55.0]))
+    assert (iv.estimate, iv.low, iv.high) == pytest.approx((10.0, 10.0, 10.0))
+    # t(1) = 12.706 and a base mean 40 % uncertain: t² v_b > b², no bounded interval.
+    assert ratio_interval(MeanEstimate.of([60.0, 140.0]), MeanEstimate.of([100.0, 101.0])) is None
+    with pytest.raises(ValueError, match="positive means"):
+        ratio_interval(MeanEstimate.of([0.0, 0.0]), same)
+    with pytest.raises(ValueError, match="2 or more values"):
+        MeanEstimate.of([1.0])
+    assert MeanEstimate.of([99.0, 101.0]).relative_sd == pytest.approx(math.sqrt(2) / 100)

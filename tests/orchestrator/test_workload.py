@@ -228,6 +228,20 @@ def test_duration_mode_repeats(fake_url: str) -> None:
     )
 
 
+def test_first_repeat_numbers_the_repeats_and_picks_their_prompts(
+    fake_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A switch-mode server's k-th block of each path is repeat k: the same prompts for both.
+    keys: list[str] = []
+    make = wl.make_prompt
+    monkeypatch.setattr(wl, "make_prompt", lambda n, **kw: keys.append(kw["key"]) or make(n, **kw))
+    p = wl.WorkloadParams("w", 3, 2, repeats=2)
+    res = wl.run_workload(fake_url, "m", p, vocab_size=2048, first_repeat=3)
+    assert keys == ["w/3/0", "w/4/0"]
+    assert [r["repeat"] for r in res.records] == [3, 4]
+    assert [r["repeat"] for r in res.to_dict()["repeats"]] == [4, 5]
+
+
 def test_connection_refused_is_recorded() -> None:
     from orchestrator.engines.vllm import free_port
 
