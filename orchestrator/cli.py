@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    # Plain help: click re-wraps each paragraph to the terminal (rich's panels kept the
+    # docstrings' own line breaks, cutting sentences in two) and names no "<bool>" for flags.
+    rich_markup_mode=None,
     help="Validate vLLM serving topologies: plan, run, audit, report, compare.",
 )
 
@@ -34,13 +37,36 @@ def _fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
 
 
 _SET_HELP = "Override a matrix field: --set models[0].path=/ckpt (repeatable)."
+# Metavars for the help text: what to type, not a Python type ("<str>", "<list[str]>").
+_SET = {"metavar": "KEY=VALUE", "help": _SET_HELP}
 
 
-@app.command()
+def _print_version(value: bool) -> None:
+    if value:
+        from orchestrator.version import version_line
+
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the version (and the commit of a git checkout) and exit.",
+    ),
+) -> None:
+    """Validate vLLM serving topologies: plan, run, audit, report, compare."""
+
+
+@app.command(short_help="Validate a matrix and list its cases; launches nothing.")
 def plan(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    sets: list[str] = typer.Option([], "--set", **_SET),
 ) -> None:
     """Validate a matrix and list its cases and their needs; launches nothing."""
     import json
@@ -55,28 +81,29 @@ def plan(
     typer.echo(json.dumps(result, indent=2) if json_out else render_plan(result))
 
 
-@app.command()
+@app.command(short_help="Run a matrix and write its reports.")
 def run(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
+    sets: list[str] = typer.Option([], "--set", **_SET),
     resume: str | None = typer.Option(
-        None, "--resume", help="Continue RUN-ID, skipping finished cases."
+        None, "--resume", metavar="RUN-ID", help="Continue RUN-ID, skipping finished cases."
     ),
     retry_failed: bool = typer.Option(
         False, "--retry-failed", help="With --resume: re-run failed cases too."
     ),
     run_id: str | None = typer.Option(
-        None, "--run-id", help="Name of a new run (default: matrix-UTC time)."
+        None, "--run-id", metavar="RUN-ID", help="Name of a new run (default: matrix-UTC time)."
     ),
-    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", help="Where run directories go."),
+    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."),
     ray_address: str | None = typer.Option(
         None,
         "--ray-address",
+        metavar="ADDRESS",
         envvar="RAY_ADDRESS",
         help="Join this Ray cluster (default: local Ray).",
     ),
     only: list[str] = typer.Option(
-        [], "--only", help="Run only cases whose id contains this (repeatable)."
+        [], "--only", metavar="TEXT", help="Run only cases whose id contains this (repeatable)."
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
     kill_leftovers: bool = typer.Option(
@@ -144,19 +171,19 @@ def _print_outcome(summary: RunSummary) -> None:
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
 
 
-@app.command()
+@app.command(short_help="Run a matrix with each case's decode profiled.")
 def profile(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
     decode_steps: int | None = typer.Option(
         None, "--decode-steps", help="Model steps to profile (default: the matrix's, else 4)."
     ),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
-    run_id: str | None = typer.Option(None, "--run-id", help="Name of the new run."),
-    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", help="Where run directories go."),
+    sets: list[str] = typer.Option([], "--set", **_SET),
+    run_id: str | None = typer.Option(None, "--run-id", metavar="RUN-ID", help="Name of the new run."),
+    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+        None, "--ray-address", metavar="ADDRESS", envvar="RAY_ADDRESS", help="Join this Ray cluster."
     ),
-    only: list[str] = typer.Option([], "--only", help="Run only cases whose id contains this."),
+    only: list[str] = typer.Option([], "--only", metavar="TEXT", help="Run only cases whose id contains this."),
     quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
 ) -> None:
     """Run a matrix with its profile phase on (`profile:` in the matrix, or --decode-steps):
@@ -186,7 +213,7 @@ def profile(
     )
 
 
-@app.command("trace-summary")
+@app.command("trace-summary", short_help="Figures of torch-profiler traces.")
 def trace_summary(
     traces: list[Path] = typer.Argument(..., help="Torch-profiler traces (.pt.trace.json[.gz])."),
     json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
@@ -238,9 +265,9 @@ def _print_summary(run_dir: Path) -> None:
     typer.echo(render_summary(Run.load(run_dir)))
 
 
-@app.command()
+@app.command(short_help="Rebuild the reports of a run directory.")
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory (logs/<run-id>)."),
+    run_dir: Path = typer.Argument(..., metavar="RUN-DIR", help="A run directory (logs/<run-id>)."),
 ) -> None:
     """Rebuild report.md, report.json, report.html and junit.xml of a run; print the Markdown."""
     from orchestrator.reports import write_reports
@@ -254,10 +281,10 @@ def report(
     typer.echo((store.root / "report.md").read_text())
 
 
-@app.command()
+@app.command(short_help="Compare two runs: regressions and new findings.")
 def compare(
-    base: Path = typer.Argument(..., help="The baseline run directory."),
-    cand: Path = typer.Argument(..., help="The candidate run directory."),
+    base: Path = typer.Argument(..., metavar="BASE", help="The baseline run directory."),
+    cand: Path = typer.Argument(..., metavar="CAND", help="The candidate run directory."),
     threshold_pct: float = typer.Option(
         3.0, "--threshold-pct", help="A drop in aggregate tok/s over this is a regression."
     ),
@@ -277,18 +304,18 @@ def compare(
         raise typer.Exit(EXIT_FINDINGS)
 
 
-@app.command()
+@app.command(short_help="Run a matrix and compare it with the last good run.")
 def nightly(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
     history: Path = typer.Option(
         ..., "--history", help="Directory of earlier runs; the new run goes there too."
     ),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    sets: list[str] = typer.Option([], "--set", **_SET),
     threshold_pct: float = typer.Option(
         3.0, "--threshold-pct", help="A drop in aggregate tok/s over this is a regression."
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+        None, "--ray-address", metavar="ADDRESS", envvar="RAY_ADDRESS", help="Join this Ray cluster."
     ),
     kill_leftovers: bool = typer.Option(
         False,
@@ -326,7 +353,7 @@ def nightly(
     raise typer.Exit(result.exit_code)
 
 
-@app.command()
+@app.command(short_help="Scan logs or a run directory for GPU faults.")
 def audit(
     paths: list[Path] = typer.Argument(
         ..., help="Log files or directories (gzip and rotated logs too)."
@@ -389,14 +416,14 @@ def _audit_text(result: Any) -> str:
     return "\n".join(out)
 
 
-@app.command("gpu-check")
+@app.command("gpu-check", short_help="Check GPU placement and fusedq on every rank.")
 def gpu_check(
     tp: str = typer.Option("1,2,4,8", "--tp", help="Bundle sizes to place, e.g. 1,2,4,8."),
     out: Path | None = typer.Option(
         None, "--out", help="Output directory (default logs/gpu-check-<UTC time>)."
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+        None, "--ray-address", metavar="ADDRESS", envvar="RAY_ADDRESS", help="Join this Ray cluster."
     ),
     tests: Path | None = typer.Option(
         None, "--tests", help="Run these fusedq GPU tests in every bundle (tests/fusedq)."
