@@ -94,7 +94,9 @@ def run(
     run_id: str | None = typer.Option(
         None, "--run-id", metavar="RUN-ID", help="Name of a new run (default: matrix-UTC time)."
     ),
-    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."),
+    logs_dir: Path = typer.Option(
+        Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."
+    ),
     ray_address: str | None = typer.Option(
         None,
         "--ray-address",
@@ -178,12 +180,22 @@ def profile(
         None, "--decode-steps", help="Model steps to profile (default: the matrix's, else 4)."
     ),
     sets: list[str] = typer.Option([], "--set", **_SET),
-    run_id: str | None = typer.Option(None, "--run-id", metavar="RUN-ID", help="Name of the new run."),
-    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."),
-    ray_address: str | None = typer.Option(
-        None, "--ray-address", metavar="ADDRESS", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+    run_id: str | None = typer.Option(
+        None, "--run-id", metavar="RUN-ID", help="Name of the new run."
     ),
-    only: list[str] = typer.Option([], "--only", metavar="TEXT", help="Run only cases whose id contains this."),
+    logs_dir: Path = typer.Option(
+        Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        metavar="ADDRESS",
+        envvar="RAY_ADDRESS",
+        help="Join this Ray cluster.",
+    ),
+    only: list[str] = typer.Option(
+        [], "--only", metavar="TEXT", help="Run only cases whose id contains this."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
 ) -> None:
     """Run a matrix with its profile phase on (`profile:` in the matrix, or --decode-steps):
@@ -229,7 +241,7 @@ def trace_summary(
 
     from orchestrator.mdtable import md_table
     from orchestrator.reports.profile import mean_rows, trace_rows
-    from orchestrator.trace import TraceError, read_trace
+    from orchestrator.trace import TraceError, read_trace, short_name
 
     try:
         figures = [read_trace(p, top=top) for p in traces]
@@ -244,7 +256,8 @@ def trace_summary(
     for f in figures:
         typer.echo(f"## {f.file}\n")
         typer.echo(md_table(["Figure", "Value"], trace_rows(f, steps)) + "\n")
-        body = [[k.name, f"{k.count:,}", f"{k.total_us:,.3f}"] for k in f.top]
+        # Template instances run to 1,000 characters: shortened here, whole in --json.
+        body = [[short_name(k.name), f"{k.count:,}", f"{k.total_us:,.3f}"] for k in f.top]
         typer.echo(md_table(["Top kernels" if f.domain == "kernel" else "Top CPU ops",
                              "Count", "Total (us)"], body) + "\n")  # fmt: skip
         calls = [[name, f"{n:,}"] for name, n in f.runtime_calls.items()]
@@ -315,7 +328,11 @@ def nightly(
         3.0, "--threshold-pct", help="A drop in aggregate tok/s over this is a regression."
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", metavar="ADDRESS", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+        None,
+        "--ray-address",
+        metavar="ADDRESS",
+        envvar="RAY_ADDRESS",
+        help="Join this Ray cluster.",
     ),
     kill_leftovers: bool = typer.Option(
         False,
@@ -423,7 +440,11 @@ def gpu_check(
         None, "--out", help="Output directory (default logs/gpu-check-<UTC time>)."
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", metavar="ADDRESS", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+        None,
+        "--ray-address",
+        metavar="ADDRESS",
+        envvar="RAY_ADDRESS",
+        help="Join this Ray cluster.",
     ),
     tests: Path | None = typer.Option(
         None, "--tests", help="Run these fusedq GPU tests in every bundle (tests/fusedq)."

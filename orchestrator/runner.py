@@ -297,7 +297,11 @@ class _Attempt:
             total=len(self.selected), enabled=self.options.progress, secrets=self.secrets
         )
         try:
-            with _marked_environ(self.run_id), _sigterm_unwinds() as rearm:
+            with (
+                _marked_environ(self.run_id),
+                _explicit_ray_auth(local=not cluster),
+                _sigterm_unwinds() as rearm,
+            ):
                 try:
                     with Launcher(
                         self.matrix, ray_address=self.options.ray_address, log=self.log
@@ -375,6 +379,7 @@ class _Attempt:
     def _finish(self) -> None:
         """Overhead figures and reports of whatever ran, then the run directory is let go."""
         from orchestrator.reports import write_reports
+        from orchestrator.reports.markdown import overhead_sentence
 
         store, summary = self.store, self.summary
         if store is not None and summary is not None:
@@ -387,7 +392,7 @@ class _Attempt:
                 "overhead_pct": round(100.0 * (total - measured) / total, 2) if total else 0.0,
                 "cases_run": len(summary.results),
             }
-            self.log(f"run {store.run_id}: wall {total:.1f} s, overhead {summary.overhead}")
+            self.log(f"run {store.run_id}: {overhead_sentence(summary.overhead)}")
             write_reports(store, overhead=summary.overhead, resume=bool(self.options.resume))
         if store is not None:
             store.unlock()
@@ -408,6 +413,26 @@ def _marked_environ(run_id: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# Ray's switch for token authentication. A new local Ray turns it on when the switch is unset,
+# and says so on stderr at every start ("Token authentication is enabled for this Ray
+# cluster..."): set, the same mode is taken without the warning.
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+
+
+@contextlib.contextmanager
+def _explicit_ray_auth(*, local: bool) -> Iterator[None]:
+    """A local Ray with token authentication on, as Ray chooses by default, said explicitly
+    so its start-up warning does not print on every run. A cluster's mode is the cluster's."""
+    if not local or RAY_AUTH_MODE in os.environ:
+        yield
+        return
+    os.environ[RAY_AUTH_MODE] = "token"
+    try:
+        yield
+    finally:
+        os.environ.pop(RAY_AUTH_MODE, None)
 
 
 @contextlib.contextmanager

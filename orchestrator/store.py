@@ -174,7 +174,13 @@ class RunStore:
         self._lock_fd = fd
 
     def unlock(self) -> None:
+        """Let the run directory go; the lock file goes with it (a finished run leaves no
+        `.lock` naming a pid that is gone). Removed while still held: an orchestrator that
+        opened the old file meanwhile was refused (LOCK_NB), one that comes later makes a
+        new file."""
         if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / LOCK)
             os.close(self._lock_fd)
             self._lock_fd = None
 
