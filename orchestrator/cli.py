@@ -125,8 +125,6 @@ def run(
     from orchestrator.runner import RunOptions, run_matrix
     from orchestrator.store import StoreError
 
-    if retry_failed and not resume:
-        raise _fail("--retry-failed needs --resume RUN-ID")
     options = RunOptions(
         logs_dir=logs_dir,
         run_id=run_id,
@@ -288,10 +286,23 @@ def report(
 
     try:
         store = RunStore.read(run_dir)
+        _warn_torn(store)
         write_reports(store)
     except StoreError as exc:
         raise _fail(str(exc)) from None
     typer.echo((store.root / "report.md").read_text())
+
+
+def _warn_torn(store: Any) -> None:
+    """A run whose results.jsonl ends in an incomplete line: the readers skip that line, and
+    say so rather than drop it silently (a resume moves it to results.jsonl.partial)."""
+    torn = store.torn_tail()
+    if torn:
+        typer.echo(
+            f"orchestrator: warning: {store.results_path}: its last line is incomplete "
+            f"({torn} bytes, no newline) and is not read; `run --resume` moves it aside",
+            err=True,
+        )
 
 
 @app.command(short_help="Compare two runs: regressions and new findings.")
@@ -308,10 +319,14 @@ def compare(
 
     from orchestrator.compare import CompareError, compare_runs
 
+    from orchestrator.store import RunStore
+
     try:
         result = compare_runs(base, cand, threshold_pct=threshold_pct)
     except CompareError as exc:
         raise _fail(str(exc)) from None
+    for run_dir in (base, cand):
+        _warn_torn(RunStore(run_dir))
     typer.echo(json.dumps(result.to_dict(), indent=2) if json_out else result.to_markdown())
     if not result.ok:
         raise typer.Exit(EXIT_FINDINGS)

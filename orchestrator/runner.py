@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import probes
+from orchestrator import preflight, probes
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
-from orchestrator.matrix import Case, Matrix, expand, load_matrix
+from orchestrator.matrix import Case, Matrix, expand
 from orchestrator.redact import redact, redact_argv, redact_text, secret_args, secret_values
 from orchestrator.results import CaseResult
 from orchestrator.store import RunStore, new_run_id
@@ -208,6 +208,26 @@ def handle_leftovers(
     return found
 
 
+def checked_inputs(
+    matrix_path: str | Path, options: RunOptions
+) -> tuple[Matrix, list[Case], list[Case]]:
+    """(matrix, its cases, the selected ones) once every input check has passed, in
+    orchestrator.preflight's order; nothing is started or written before they have."""
+    from orchestrator.launch import ray_address_for
+
+    preflight.check_flags(
+        resume=options.resume, run_id=options.run_id, retry_failed=options.retry_failed
+    )
+    matrix = preflight.load_for_run(matrix_path, options.sets)
+    cases = expand(matrix)
+    selected = preflight.select(cases, options.only, matrix_path)
+    cluster = bool(ray_address_for(matrix, options.ray_address))
+    preflight.check_machine(matrix, matrix_path, cluster=cluster)
+    if options.resume is None:
+        preflight.check_new_run(options.logs_dir, options.run_id)
+    return matrix, cases, selected
+
+
 def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     """Run (or resume) a matrix and write its reports.
 
@@ -215,12 +235,11 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     LaunchError or ValueError before any server starts and before a new run directory exists.
     """
     t_run = time.monotonic()
-    matrix = load_matrix(matrix_path, sets=options.sets)
-    cases = expand(matrix)
-    selected = [c for c in cases if not options.only or any(s in c.case_id for s in options.only)]
-    if not selected:
-        raise ValueError(f"{matrix_path}: --only {list(options.only)} matches no case")
+    matrix, cases, selected = checked_inputs(matrix_path, options)
     store = _open_for_resume(options, cases, matrix_path) if options.resume else None
+    torn = store.set_aside_torn_tail() if store is not None else None
+    if torn:
+        print(f"orchestrator: warning: {torn}", file=sys.stderr, flush=True)
     if store is not None:
         todo, earlier = _left_to_run(store, selected, options.retry_failed)
         if not todo:
@@ -234,6 +253,8 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
                 nothing_left=True,
             )
     attempt = _Attempt(matrix_path, matrix, cases, selected, options, store, t_run)
+    if torn:
+        attempt.log(f"warning: {torn}")
     return attempt.run()
 
 
@@ -310,7 +331,7 @@ class _Attempt:
                         if cluster:
                             nodes = launcher.nodes
                             self.leftovers(find=nodes.find_leftovers, stop=nodes.stop_leftovers)
-                        launcher.check_capacity()
+                        _check_capacity(launcher, self.matrix_path)
                         self._open(launcher)
                         self._run_cases(launcher, view)
                 except KeyboardInterrupt:
@@ -396,6 +417,16 @@ class _Attempt:
             write_reports(store, overhead=summary.overhead, resume=bool(self.options.resume))
         if store is not None:
             store.unlock()
+
+
+def _check_capacity(launcher: Any, matrix_path: str | Path) -> None:
+    """The cluster's nodes against the matrix's topologies, the error naming the matrix."""
+    from orchestrator.launch import LaunchError
+
+    try:
+        launcher.check_capacity()
+    except LaunchError as exc:
+        raise LaunchError(f"{matrix_path}: {exc}") from None
 
 
 @contextlib.contextmanager
