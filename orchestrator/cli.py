@@ -318,7 +318,6 @@ def compare(
     import json
 
     from orchestrator.compare import CompareError, compare_runs
-
     from orchestrator.store import RunStore
 
     try:
