@@ -387,7 +387,9 @@ def nightly(
 @app.command(short_help="Scan logs or a run directory for GPU faults.")
 def audit(
     paths: list[Path] = typer.Argument(
-        ..., help="Log files or directories (gzip and rotated logs too)."
+        ...,
+        metavar="PATH...",
+        help="Log files or directories (gzip and rotated logs too), or run directories.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print findings as JSON."),
     since: str | None = typer.Option(
@@ -395,6 +397,11 @@ def audit(
     ),
 ) -> None:
     """Scan logs for GPU faults: exit 0 clean, 1 findings, 2 usage error.
+
+    A run directory (or a case's server.log inside one) is audited as the run audited it:
+    each case's log with the lines its matrix expects and the line its stop began at, so
+    what vLLM logs because the orchestrator stopped it is discounted as it was then; the
+    run's own verdict is shown beside each case's.
 
     The kernel log is audited only with --since (the whole ring buffer would report every
     Xid since boot, from other jobs); without it the verdict says so.
@@ -404,30 +411,86 @@ def audit(
     from orchestrator.audit import (
         AuditInputError,
         CatalogueError,
-        SourceStatus,
         audit_logs,
         parse_since,
         verdict,
     )
+    from orchestrator.audit.rundir import audit_run, kernel_log_skipped, split_run_paths
 
     try:
         since_dt = parse_since(since) if since is not None else None
-        result = audit_logs(paths, since=since_dt, include_kernel_log=since_dt is not None)
+        runs, plain = split_run_paths(paths)
+        if runs and plain:
+            raise AuditInputError(
+                f"{plain[0]}: audit run directories (or their cases' server.log) and other "
+                "logs in separate calls: a run's logs are judged by the run's own settings"
+            )
+        kernel = since_dt is not None
+        if runs:
+            audits = [
+                audit_run(root, logs=logs, since=since_dt, include_kernel_log=kernel)
+                for root, logs in runs.items()
+            ]
+        else:
+            result = audit_logs(paths, since=since_dt, include_kernel_log=kernel)
     except (AuditInputError, CatalogueError) as exc:
         typer.echo(f"orchestrator audit: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    if since_dt is None:
-        result.searched.kernel_log = SourceStatus(
-            False, None, "no --since given; pass --since to audit kernel lines after that time"
-        )
+    if runs:
+        for ra in audits:
+            for ca in ra.cases if not kernel else []:
+                ca.result.searched.kernel_log = kernel_log_skipped()
+                ca.result.verdict = verdict(ca.result.findings, ca.result.searched)
+        if json_out:
+            out = [ra.to_dict() for ra in audits]
+            typer.echo(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+        else:
+            typer.echo("\n\n".join(_run_audit_text(ra) for ra in audits))
+        raise typer.Exit(EXIT_OK if all(ra.clean for ra in audits) else EXIT_FINDINGS)
+    if not kernel:
+        result.searched.kernel_log = kernel_log_skipped()
         result.verdict = verdict(result.findings, result.searched)
     typer.echo(json.dumps(result.to_dict(), indent=2) if json_out else _audit_text(result))
     raise typer.Exit(EXIT_OK if result.verdict.clean else EXIT_FINDINGS)
 
 
+def _run_audit_text(ra: Any) -> str:
+    """A run's audit: per case its findings, verdict (beside the run's) and what was
+    discounted, then the run's verdict."""
+    n = len(ra.cases)
+    out = [
+        f"run {ra.run_id} ({ra.root}): {n} case log{'' if n == 1 else 's'} audited as the run "
+        "audited them (the matrix's expected lines, each server's recorded stop line)"
+    ]
+    for ca in ra.cases:
+        c, r = ca.case, ca.result
+        out += ["", f"== {c.case_id}: {c.log}"]
+        out += _finding_lines(r)
+        for f in r.discounted:
+            out.append(
+                f"{f.location()}: discounted {f.signature}: logged after the orchestrator "
+                f"stopped the server (stop began at line {c.stop_line}: {c.stop_basis})"
+            )
+        run_said = "no result recorded" if c.run_verdict is None else c.run_verdict
+        agree = {True: "agrees", False: "DIFFERS", None: "nothing to compare"}[ca.agrees]
+        out.append(f"verdict: {r.verdict} (the run: {run_said}; {agree})")
+    for case_id, why in ra.missing:
+        out += ["", f"== {case_id}: not audited: {why}"]
+    out += ["", f"run verdict: {'clean' if ra.clean else 'findings'}"]
+    return "\n".join(out)
+
+
 def _audit_text(result: Any) -> str:
     """`orchestrator audit`'s text: each finding with its context, meaning and action, what
     was capped, the verdict and the summary sentence."""
+    out = _finding_lines(result)
+    out.append(f"verdict: {result.verdict}")
+    out.append(result.summary_sentence())
+    return "\n".join(out)
+
+
+def _finding_lines(result: Any) -> list[str]:
+    """Each finding of an audit with its context, meaning and action, and what was capped."""
     out = []
     for f in result.findings:
         mark = " (root cause)" if f.root_cause else ""
@@ -442,9 +505,7 @@ def _audit_text(result: Any) -> str:
     for sf in result.searched.files:
         for sig, n in sf.suppressed.items():
             out.append(f"{sf.path}: {n} more {sig} findings not shown")
-    out.append(f"verdict: {result.verdict}")
-    out.append(result.summary_sentence())
-    return "\n".join(out)
+    return out
 
 
 @app.command("gpu-check", short_help="Check GPU placement and fusedq on every rank.")

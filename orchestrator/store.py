@@ -30,24 +30,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from orchestrator.layout import MANIFEST, RESULTS
+from orchestrator.layout import case_slug as case_slug  # its readers import it from here
 from orchestrator.redact import redact
 from orchestrator.results import SCHEMA_VERSION, CaseResult
 
-RESULTS = "results.jsonl"
 # Where an incomplete last line of results.jsonl is kept when a resume must append after it.
 PARTIAL = "results.jsonl.partial"
-MANIFEST = "manifest.json"
 LOCK = ".lock"
 
 
 class StoreError(RuntimeError):
     """A run directory that cannot be created, opened or resumed."""
-
-
-def case_slug(case_id: str) -> str:
-    """A case's folder under ``cases/``: ``tiny-mla/tp1-dcp1-mtp0/default`` ->
-    ``tiny-mla__tp1-dcp1-mtp0__default``."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", case_id.replace("/", "__"))
 
 
 def new_run_id(matrix_name: str, now: dt.datetime | None = None) -> str:
