@@ -28,6 +28,7 @@ app = typer.Typer(
 EXIT_OK = 0
 EXIT_FINDINGS = 1  # a check ran and found something (audit findings, regressions, failed cases)
 EXIT_USAGE = 2  # bad input: nothing was launched
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the shell's code for a SIGINT
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -140,14 +141,26 @@ def run(
         summary = run_matrix(matrix, options)
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    except KeyboardInterrupt:
-        typer.echo(
-            "orchestrator: interrupted; finished cases are kept, continue with --resume", err=True
-        )
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        _print_interrupted(exc)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     _print_outcome(summary)
     if summary.failed:
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _print_interrupted(exc: KeyboardInterrupt) -> None:
+    """An interrupted run: the closing table of what it kept, then (on stderr) its id, where
+    it is and the exact command that continues it."""
+    from orchestrator.interrupted import RunInterrupted
+
+    if not isinstance(exc, RunInterrupted):
+        typer.echo("orchestrator: interrupted", err=True)
+        return
+    if exc.run_dir is not None and (exc.run_dir / "manifest.json").is_file():
+        _print_summary(exc.run_dir)
+    for line in exc.lines():
+        typer.echo(f"orchestrator: {line}", err=True)
 
 
 def _print_outcome(summary: RunSummary) -> None:
@@ -376,9 +389,9 @@ def nightly(
         )
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    except KeyboardInterrupt:
-        typer.echo("orchestrator: interrupted; finished cases are kept", err=True)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        _print_interrupted(exc)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     for line in result.summary_lines():
         typer.echo(line)
     raise typer.Exit(result.exit_code)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import preflight, probes
+from orchestrator import interrupted, preflight, probes
+from orchestrator.interrupted import RunInterrupted
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.matrix import Case, Matrix, expand
 from orchestrator.redact import redact, redact_argv, redact_text, secret_args, secret_values
@@ -282,6 +283,9 @@ class _Attempt:
         self.secrets = matrix_secrets(matrix)
         self.summary: RunSummary | None = None
         self.measured = 0.0  # start-up, warm-up and workload seconds: the servers' own time
+        self.t_last_case: float | None = None  # when the last finished case's row was written
+        self.interrupted: str | None = None  # "SIGTERM", "Ctrl-C": what stopped this attempt
+        self.cut_short: dict[str, Any] | None = None  # the case it stopped in the middle of
         self._pending: list[str] = []  # log lines from before the run directory exists
         self._log: _Log | None = None
 
@@ -302,6 +306,38 @@ class _Attempt:
         )
 
     def run(self) -> RunSummary:
+        """Run the attempt; RunInterrupted (a KeyboardInterrupt) once an interrupted run has
+        unwound, its reports written."""
+        try:
+            return self._run()
+        except KeyboardInterrupt as exc:
+            raise self._interrupted(exc) from None
+
+    def _interrupted(self, exc: KeyboardInterrupt) -> RunInterrupted:
+        store = self.store
+        done = len(store.finished_case_ids()) if store is not None else 0
+        return RunInterrupted(
+            self.interrupted or interrupted.how(exc),
+            self.run_id,
+            store.root if store is not None else None,
+            self._resume_command(),
+            done,
+            len(self.cases),
+        )
+
+    def _resume_command(self) -> str:
+        o = self.options
+        return interrupted.resume_command(
+            self.matrix_path,
+            self.run_id,
+            logs_dir=o.logs_dir,
+            sets=o.sets,
+            only=o.only,
+            ray_address=o.ray_address,
+            quiet=not o.progress,
+        )
+
+    def _run(self) -> RunSummary:
         from orchestrator.launch import Launcher, ray_address_for
         from orchestrator.progress import ProgressView
 
@@ -334,9 +370,11 @@ class _Attempt:
                         _check_capacity(launcher, self.matrix_path)
                         self._open(launcher)
                         self._run_cases(launcher, view)
-                except KeyboardInterrupt:
+                except KeyboardInterrupt as exc:
+                    self.interrupted = interrupted.how(exc)
                     self.log(
-                        "interrupted: servers stopped; finished cases kept; continue with --resume"
+                        f"interrupted ({self.interrupted}): servers stopped; finished cases kept; "
+                        f"continue with: {self._resume_command()}"
                     )
                     raise
         finally:
@@ -383,7 +421,15 @@ class _Attempt:
         view.start()
         for case in todo:
             view.begin(case.case_id)
-            result = CaseRun(case, self.matrix, launcher, store, self.log, view, self.secrets).run()
+            interrupted.set_aside_mark(store.case_dir(case.slug))
+            t_case = time.monotonic()
+            try:
+                result = CaseRun(
+                    case, self.matrix, launcher, store, self.log, view, self.secrets
+                ).run()
+            except KeyboardInterrupt:
+                self._mark_cut_short(case, view.phase, time.monotonic() - t_case)
+                raise
             # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
             result = CaseResult.model_validate(redact(result.to_record(), self.secrets))
             store.append_result(result, self.secrets)
@@ -395,7 +441,41 @@ class _Attempt:
                 + t.get("warmup_s", 0.0)
                 + sum(v for k, v in t.items() if k.startswith("workload_"))
             )
+            self.t_last_case = time.monotonic()
             view.finish(case.case_id, result)
+
+    def _mark_cut_short(self, case: Case, phase: str, seconds: float) -> None:
+        """The case an interrupt stopped in the middle: recorded for the reports (overhead
+        figures) and in its folder, which holds its logs so far but will have no row."""
+        assert self.store is not None
+        self.cut_short = {
+            "case_id": case.case_id,
+            "phase": phase or "placing",
+            "s": round(seconds, 3),
+        }
+        interrupted.mark_cut_short(self.store.case_dir(case.slug), self.cut_short)
+
+    def _overhead(self, cases_run: int) -> dict[str, Any]:
+        """This attempt's wall time and what of it the servers used (start-up, warm-up,
+        workloads). An interrupted attempt is measured up to its last finished case: the
+        case it cut short and the unwinding are no case's time, and counted as overhead
+        they read as the orchestrator's (34.8 % once, for a case stopped mid-start-up)."""
+        end = time.monotonic()
+        if self.interrupted:
+            end = self.t_last_case if self.t_last_case is not None else self.t_run
+        total, measured = end - self.t_run, self.measured
+        out: dict[str, Any] = {}
+        if cases_run:
+            out = {
+                "wall_s": round(total, 3),
+                "startup_and_measured_s": round(measured, 3),
+                "overhead_s": round(total - measured, 3),
+                "overhead_pct": round(100.0 * (total - measured) / total, 2) if total else 0.0,
+            }
+        out["cases_run"] = cases_run
+        if self.interrupted:
+            out |= interrupted.figures(self.interrupted, self._resume_command(), self.cut_short)
+        return out
 
     def _finish(self) -> None:
         """Overhead figures and reports of whatever ran, then the run directory is let go."""
@@ -404,15 +484,7 @@ class _Attempt:
 
         store, summary = self.store, self.summary
         if store is not None and summary is not None:
-            total = time.monotonic() - self.t_run
-            measured = self.measured
-            summary.overhead = {
-                "wall_s": round(total, 3),
-                "startup_and_measured_s": round(measured, 3),
-                "overhead_s": round(total - measured, 3),
-                "overhead_pct": round(100.0 * (total - measured) / total, 2) if total else 0.0,
-                "cases_run": len(summary.results),
-            }
+            summary.overhead = self._overhead(len(summary.results))
             self.log(f"run {store.run_id}: {overhead_sentence(summary.overhead)}")
             write_reports(store, overhead=summary.overhead, resume=bool(self.options.resume))
         if store is not None:
@@ -475,7 +547,7 @@ def _sigterm_unwinds() -> Iterator[Callable[[], None]]:
     seen on the H200). Outside the main thread there is no signal to trap."""
 
     def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def rearm() -> None:
         if trap:

@@ -35,6 +35,7 @@ from orchestrator.reports.run import (
     Run,
     audit_sentence,
     findings,
+    interrupted_sentence,
     paired_deltas,
     token_checks,
 )
@@ -420,6 +421,7 @@ def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> di
     return {
         "run_id": run.run_id,
         "status": "bad" if failed else "warn" if len(ordered) < len(m.cases) else "ok",
+        "interrupted": interrupted_sentence(run),
         "matrix_path": m.matrix_path or "",
         "matrix_name": m.matrix.get("name", ""),
         "created_at": m.created_at or "-",

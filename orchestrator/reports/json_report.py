@@ -37,6 +37,9 @@ def render_json(run: Run) -> dict[str, Any]:
         "cases_total": len(m.cases),
         "cases_finished": len(rows),
         "cases_failed": sum(not r.passed for r in rows),
+        # The latest attempt's figures when it was interrupted (what, the case cut short,
+        # the command that continues it); None for a run that was not.
+        "interrupted": run.interrupted,
         "overhead": run.overhead.run,
         "overhead_resumes": run.overhead.resumes,
         "cases": [

@@ -64,6 +64,16 @@ def _system_out(row: CaseResult) -> str:
     )
 
 
+def _not_run(run: Run, case_id: str) -> str:
+    """Why a case of the matrix has no result, as precisely as the run directory says."""
+    figures = run.interrupted
+    if figures is None:
+        return "not run (run interrupted or case not selected)"
+    cut = figures.get("cut_short") or {}
+    during = " during this case" if cut.get("case_id") == case_id else ""
+    return f"not run: the run was interrupted ({figures['interrupted']}){during}"
+
+
 def render_junit(run: Run, comparison: Comparison | None = None) -> str:
     """The run (and, given one, its comparison's regressions) as a JUnit XML document."""
     m = run.manifest
@@ -78,6 +88,7 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
         ("commit", m.commit),
         *((f"version.{k}", v) for k, v in (m.versions or {}).items()),
         ("compared_with", comparison.base_run if comparison else None),
+        ("interrupted", (run.interrupted or {}).get("interrupted")),
     ):
         if value is not None:
             ET.SubElement(props, "property", name=xml_text(key), value=xml_text(value))
@@ -95,7 +106,7 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
         row = rows.get(case_id)
         if row is None:
             skipped += 1
-            ET.SubElement(tc, "skipped", message="not run (run interrupted or case not selected)")
+            ET.SubElement(tc, "skipped", message=_not_run(run, case_id))
             continue
         seconds = row.timings.get("total_s", 0.0)
         total_time += seconds

@@ -16,6 +16,7 @@ from orchestrator.reports.run import (
     audit_sentence,
     findings,
     fmt_tok,
+    interrupted_sentence,
     paired_deltas,
     plural,
     repeats,
@@ -116,8 +117,17 @@ def _failed_case(case_id: str, reason: str) -> list[str]:
 
 
 def overhead_sentence(o: dict) -> str:
+    """One attempt's overhead figures; an interrupted attempt's are over its finished cases
+    only (orchestrator.runner), and one that finished none has none."""
+    if "wall_s" not in o:
+        return f"Interrupted ({o.get('interrupted', '?')}) before any case finished: no figures."
+    head = "Wall"
+    if o.get("interrupted"):
+        cut = o.get("cut_short")
+        left = f"; the {cut['s']:.1f} s of the case it cut short are left out" if cut else ""
+        head = f"Interrupted ({o['interrupted']}){left}. Up to its last finished case: wall"
     return (
-        f"Wall {o['wall_s']:.1f} s, of which server start-up and measured workloads "
+        f"{head} {o['wall_s']:.1f} s, of which server start-up and measured workloads "
         f"{o['startup_and_measured_s']:.1f} s; overhead {o['overhead_s']:.1f} s "
         f"({o['overhead_pct']:.1f}%)."
     )
@@ -138,12 +148,21 @@ def _overhead_section(run: Run) -> list[str]:
     return out
 
 
+def _interrupted(run: Run) -> str:
+    sentence = interrupted_sentence(run)
+    if sentence is None:
+        return ""
+    head, _, rest = sentence.partition(". Continue with: ")
+    return f"**{head}.** " + (f"Continue with `{rest}`. " if rest else "")
+
+
 def render_markdown(run: Run) -> str:
     m = run.manifest
     out = [f"# Run {m.run_id}", ""]
     out.append(
         f"Matrix `{m.matrix_path}` ({m.matrix_name}), "
         f"{len(run.results)}/{len(m.cases)} cases finished, {len(run.failed)} failed. "
+        f"{_interrupted(run)}"
         f"vLLM {m.version('vllm')}, fusedq {m.version('fusedq')} "
         f"(tree {m.fusedq_fingerprint}), torch {m.version('torch')}, "
         f"Ray {m.version('ray')}, commit {m.commit}."

@@ -96,6 +96,14 @@ class Run:
     def variants(self) -> list[str]:
         return self.manifest.variants()
 
+    @property
+    def interrupted(self) -> dict[str, Any] | None:
+        """The latest attempt's figures when it was interrupted (Ctrl-C, SIGTERM): what
+        stopped it, the case it cut short, the command that continues it."""
+        from orchestrator.interrupted import latest
+
+        return latest([self.overhead.run, *self.overhead.resumes])
+
 
 # --------------------------------------------------------------------------- shared tables
 
@@ -131,6 +139,22 @@ def paired_deltas(run: Run) -> list[PairedDelta]:
                 b, c = vs[base].mean_of(name), vs[cand].mean_of(name)
                 delta = None if b in (None, 0.0) or c is None else 100.0 * (c - b) / b
                 out.append(PairedDelta(topo, col, base, cand, b, c, delta))
+    return out
+
+
+def interrupted_sentence(run: Run) -> str | None:
+    """``Interrupted (SIGTERM) during tiny/tp1-dcp1-mtp0/fused (starting); it has no
+    result. Continue with: orchestrator run ... --resume ID``; None for a run that was not."""
+    figures = run.interrupted
+    if figures is None:
+        return None
+    out = f"Interrupted ({figures['interrupted']})"
+    cut = figures.get("cut_short")
+    if cut:
+        out += f" during {cut['case_id']} ({cut['phase']}); it has no result"
+    out += "."
+    if figures.get("resume"):
+        out += f" Continue with: {figures['resume']}"
     return out
 
 

@@ -150,8 +150,10 @@ def render_summary(run: Run) -> str:
     finished = len(run.results)
     total = len(run.manifest.cases)
     out = [title.center(width, "="), *table, "-" * width]
+    stopped = run.interrupted
+    how = f" (interrupted by {stopped['interrupted']})" if stopped else ""
     note = (
-        f"{finished}/{total} cases finished, {finished - failed} passed, {failed} failed. "
+        f"{finished}/{total} cases finished{how}, {finished - failed} passed, {failed} failed. "
         "Output tok/s: mean over repeats ± their sample standard deviation. TTFT, TPOT, ITL: "
         "ms, over every successful request of the workload. Err: failed requests."
     )
