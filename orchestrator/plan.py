@@ -9,6 +9,7 @@ from typing import Any
 from orchestrator.estimate import estimate_run, human_s
 from orchestrator.fused_plan import fused_plan
 from orchestrator.matrix import expand, load_matrix, units_needed
+from orchestrator.reports.measures import WorkloadDef
 
 
 def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]:
@@ -88,11 +89,8 @@ def render_plan(plan: dict[str, Any]) -> str:
         )
     lines.append("")
     for w in plan["workloads"]:
-        size = f"{w['requests']} requests" if w["requests"] else f"{w['duration_s']:g} s"
-        lines.append(
-            f"workload {w['name']} -> column {w['column']}: prompt {w['prompt_tokens']} tokens, "
-            f"output {w['output_tokens']}, concurrency {w['concurrency']}, {size} x {w['repeats']} repeats"
-        )
+        d = WorkloadDef.of(w)
+        lines.append(f"workload {d.title}: {d.describe()}")
     est = plan["estimate"]
     lines.append(f"estimated duration: ~{human_s(est['total_s'])} ({est['basis']})")
     for n in plan["notes"]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from orchestrator.mdtable import md_table
+from orchestrator.reports.measures import STATS_NOTE, bursty, workload_defs
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     MISSING,
@@ -22,7 +23,7 @@ from orchestrator.reports.run import (
     repeats,
     token_checks,
 )
-from orchestrator.reports.summary import latency_table
+from orchestrator.reports.summary import latency_table, totals_table
 
 # Findings listed in report.md; the rest are in each case's audit.json.
 MAX_FINDINGS = 50
@@ -32,7 +33,8 @@ def topology_table(run: Run, metric: str) -> str:
     """The seeds' table: Model | TP | DCP | MTP | [Variant] | columns | Errors | Status."""
     multi = len(run.variants) > 1
     header = ["Model", "TP", "DCP", "MTP"] + (["Variant"] if multi else [])
-    header += [c for _, c in run.columns] + ["Errors", "Status"]
+    # Each workload by its one name (a column it fills is said in the Workloads section).
+    header += [name for name, _ in run.columns] + ["Errors", "Status"]
     body = []
     for r in run.ordered:
         line = [r.model, str(r.tp), str(r.dcp), str(r.mtp)]
@@ -44,11 +46,49 @@ def topology_table(run: Run, metric: str) -> str:
     return md_table(header, body)
 
 
+def _workloads_section(run: Run) -> list[str]:
+    """What each workload is: the lengths, concurrency and size every figure stands on."""
+    defs = workload_defs(run)
+    if not defs:
+        return []
+    header = ["Workload", "Prompt tokens", "Output tokens", "Concurrency",
+              "Requests per repeat", "Duration (s)", "Repeats", "Stands in for"]  # fmt: skip
+    body = [
+        [
+            w.name, f"{w.prompt_tokens:,}", f"{w.output_tokens:,}", str(w.concurrency),
+            MISSING if w.requests is None else f"{w.requests:,}",
+            MISSING if w.duration_s is None else f"{w.duration_s:g}", str(w.repeats),
+            w.column if w.column != w.name else MISSING,
+        ]
+        for w in defs
+    ]  # fmt: skip
+    return ["## Workloads", "", md_table(header, body), ""]
+
+
+def _totals_section(run: Run) -> list[str]:
+    header, body = totals_table(run)
+    if not body:
+        return []
+    return [
+        "## Totals per workload",
+        "",
+        "As `vllm bench serve` reports them, summed over the workload's repeats; then how "
+        "the tokens were streamed (tokens per chunk, and the share of gaps between chunks "
+        "under 1 ms).",
+        "",
+        md_table(header, body),
+        "",
+    ]
+
+
 def _latency_section(run: Run) -> list[str]:
     header, body = latency_table(run)
     if not body:
         return []
-    return ["## Latency per request (ms)", "", LATENCY_NOTE, "", md_table(header, body), ""]
+    out = ["## Latency per request (ms)", "", LATENCY_NOTE, "", STATS_NOTE, ""]
+    out += [md_table(header, body), ""]
+    out += [f"- {s}" for s in bursty(run)]
+    return out + ([""] if out[-1] else [])
 
 
 def _paired_section(run: Run) -> list[str]:
@@ -63,14 +103,15 @@ def _paired_section(run: Run) -> list[str]:
         body = [
             [
                 d.topology_id,
-                d.column,
+                d.workload or d.column,
                 fmt_tok(d.baseline_tok_s),
                 fmt_tok(d.candidate_tok_s),
                 MISSING if d.delta_pct is None else f"{d.delta_pct:+.2f}%",
+                d.samples or MISSING,
             ]
             for d in deltas
         ]
-        header = ["Topology", "Workload", base.title(), cand.title(), "Delta"]
+        header = ["Topology", "Workload", base.title(), cand.title(), "Delta", "Samples each"]
         lines += [f"## Paired variants: {base} vs {cand}", "", md_table(header, body), ""]
     return lines
 
@@ -167,7 +208,8 @@ def render_markdown(run: Run) -> str:
         f"(tree {m.fusedq_fingerprint}), torch {m.version('torch')}, "
         f"Ray {m.version('ray')}, commit {m.commit}."
     )
-    out += ["", "## Aggregate output tok/s", ""]
+    out += ["", *_workloads_section(run)]
+    out += ["## Aggregate output tok/s", ""]
     out.append(
         "Mean over repeats of aggregate output tok/s; every long-context case includes the "
         "prefill-to-decode transition. Servers were measured one at a time."
@@ -175,6 +217,7 @@ def render_markdown(run: Run) -> str:
     out += ["", topology_table(run, "aggregate_tok_s"), ""]
     out += ["## Active per-user output tok/s (time to first token excluded)", ""]
     out += [topology_table(run, "per_user_tok_s"), ""]
+    out += _totals_section(run)
     out += _latency_section(run)
     out += _paired_section(run)
     out += _profile_section(run)

@@ -119,6 +119,10 @@ class PairedDelta:
     baseline_tok_s: float | None
     candidate_tok_s: float | None
     delta_pct: float | None
+    # The workload's one name (`column` is the report column it fills), and the samples each
+    # side's figure stands on: "2 requests x 1 repeat" (orchestrator.reports.measures).
+    workload: str = ""
+    samples: str = ""
 
 
 def paired_deltas(run: Run) -> list[PairedDelta]:
@@ -138,7 +142,8 @@ def paired_deltas(run: Run) -> list[PairedDelta]:
             for name, col in run.columns:
                 b, c = vs[base].mean_of(name), vs[cand].mean_of(name)
                 delta = None if b in (None, 0.0) or c is None else 100.0 * (c - b) / b
-                out.append(PairedDelta(topo, col, base, cand, b, c, delta))
+                samples = _samples(vs[base], vs[cand], name)
+                out.append(PairedDelta(topo, col, base, cand, b, c, delta, name, samples))
     return out
 
 
@@ -156,6 +161,20 @@ def interrupted_sentence(run: Run) -> str | None:
     if figures.get("resume"):
         out += f" Continue with: {figures['resume']}"
     return out
+
+
+def _samples(base: CaseResult, cand: CaseResult, workload: str) -> str:
+    """What a paired delta stands on: each side's successful requests and repeats."""
+
+    def side(r: CaseResult) -> str:
+        w = r.workloads.get(workload)
+        if w is None:
+            return MISSING
+        ok = sum(int(x.requests or 0) - int(x.errors or 0) for x in w.repeats)
+        return f"{plural(ok, 'request')} x {plural(len(w.repeats), 'repeat')}"
+
+    b, c = side(base), side(cand)
+    return b if b == c else f"{b} / {c}"
 
 
 def token_checks(run: Run) -> list[tuple[str, str, str, str]]:
@@ -217,7 +236,7 @@ def repeats(run: Run) -> list[tuple[str, str, list[Any]]]:
 
 
 LATENCY_NOTE = (
-    "Time to first token, time per output token after the first, and the gap between "
-    "streamed chunks (one value per gap; with MTP a chunk may carry several tokens), over "
-    "every successful request of the workload's repeats."
+    "Time to first token, time per output token after the first, the gap between streamed "
+    "chunks (one value per gap; with MTP a chunk may carry several tokens) and end-to-end "
+    "request latency, over every successful request of the workload's repeats."
 )
