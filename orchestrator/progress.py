@@ -141,6 +141,10 @@ class ProgressView:
             self._live.stop()
             self._live = None
 
+    def note(self, line: str) -> None:
+        """A line of its own in the progress (the run's id and directory, when it starts)."""
+        self._event(line)
+
     def begin(self, case_id: str) -> None:
         with self._lock:
             self.current = case_id

@@ -419,6 +419,8 @@ class _Attempt:
         estimates = estimate_run(self.matrix, todo).per_case()
         view.expect([c.case_id for c in todo], estimates, done=len(summary.skipped))
         view.start()
+        # Where the run is, on screen from its start (an interrupted run repeats it).
+        view.note(f"run {store.run_id}: {store.root}")
         for case in todo:
             view.begin(case.case_id)
             interrupted.set_aside_mark(store.case_dir(case.slug))
