@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-MARK = "interrupted.json"
+from orchestrator.layout import INTERRUPTED_MARK
+
+MARK = INTERRUPTED_MARK
 DEFAULT_LOGS_DIR = Path("logs")  # the CLI's --logs-dir default: left out of the command
 
 

@@ -4,7 +4,7 @@ Stdlib only: the audit reads run directories too, and must not load pydantic (wh
 orchestrator.store, the owner of the directory, does).
 
     manifest.json, results.jsonl, orchestrator.log
-    cases/<slug>/server.log, audit.json, requests-<workload>.jsonl
+    cases/<slug>/server.log, audit.json, requests-<workload>.jsonl, interrupted.json
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ RESULTS = "results.jsonl"
 CASES = "cases"
 SERVER_LOG = "server.log"
 AUDIT_RECORD = "audit.json"
+INTERRUPTED_MARK = "interrupted.json"  # a case an interrupt cut short (orchestrator.interrupted)
 
 
 def case_slug(case_id: str) -> str:

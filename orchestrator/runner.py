@@ -24,6 +24,7 @@ from typing import Any
 
 from orchestrator import interrupted, preflight, probes
 from orchestrator.interrupted import RunInterrupted
+from orchestrator.layout import SERVER_LOG
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.matrix import Case, Matrix, expand
 from orchestrator.redact import redact, redact_argv, redact_text, secret_args, secret_values
@@ -425,12 +426,14 @@ class _Attempt:
             view.begin(case.case_id)
             interrupted.set_aside_mark(store.case_dir(case.slug))
             t_case = time.monotonic()
+            case_run = CaseRun(case, self.matrix, launcher, store, self.log, view, self.secrets)
             try:
-                result = CaseRun(
-                    case, self.matrix, launcher, store, self.log, view, self.secrets
-                ).run()
+                result = case_run.run()
             except KeyboardInterrupt:
-                self._mark_cut_short(case, view.phase, time.monotonic() - t_case)
+                # CaseRun stopped the server on the way out; the line its stop began at lets
+                # a later `orchestrator audit` discount what that stop made vLLM log.
+                stop = case_run.stop_line or None
+                self._mark_cut_short(case, view.phase, time.monotonic() - t_case, stop)
                 raise
             # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
             result = CaseResult.model_validate(redact(result.to_record(), self.secrets))
@@ -446,7 +449,9 @@ class _Attempt:
             self.t_last_case = time.monotonic()
             view.finish(case.case_id, result)
 
-    def _mark_cut_short(self, case: Case, phase: str, seconds: float) -> None:
+    def _mark_cut_short(
+        self, case: Case, phase: str, seconds: float, stop_line: int | None
+    ) -> None:
         """The case an interrupt stopped in the middle: recorded for the reports (overhead
         figures) and in its folder, which holds its logs so far but will have no row."""
         assert self.store is not None
@@ -455,7 +460,8 @@ class _Attempt:
             "phase": phase or "placing",
             "s": round(seconds, 3),
         }
-        interrupted.mark_cut_short(self.store.case_dir(case.slug), self.cut_short)
+        mark = {**self.cut_short, "stopped_at": {SERVER_LOG: stop_line} if stop_line else {}}
+        interrupted.mark_cut_short(self.store.case_dir(case.slug), mark)
 
     def _overhead(self, cases_run: int) -> dict[str, Any]:
         """This attempt's wall time and what of it the servers used (start-up, warm-up,

@@ -33,7 +33,15 @@ from typing import Any
 
 from orchestrator.audit.findings import Expectation, Finding, SourceStatus
 from orchestrator.audit.verdict import AuditResult, verdict
-from orchestrator.layout import AUDIT_RECORD, CASES, MANIFEST, RESULTS, SERVER_LOG, case_slug
+from orchestrator.layout import (
+    AUDIT_RECORD,
+    CASES,
+    INTERRUPTED_MARK,
+    MANIFEST,
+    RESULTS,
+    SERVER_LOG,
+    case_slug,
+)
 
 # Out-of-file sources, as a finding names its file (orchestrator.audit.sources).
 KERNEL_LOG_PREFIX = "kernel log ("
@@ -190,6 +198,11 @@ def read_cases(root: Path) -> tuple[str, list[CaseLog], list[tuple[str, str]]]:
             missing.append((case_id, why))
             continue
         line, basis = stop_line(record)
+        cut = _json(folder / INTERRUPTED_MARK) if row is None else None
+        if line is None and cut:
+            # A case an interrupt cut short: no audit, but its stop line was kept.
+            line = _named(cut.get("stopped_at") or {}, SERVER_LOG)
+            basis = "recorded when the run was interrupted" if line else basis
         verdict_of_run = ((row or {}).get("audit") or {}).get("verdict") or {}
         found.append(
             CaseLog(

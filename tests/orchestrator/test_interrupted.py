@@ -209,6 +209,17 @@ def test_sigterm_after_a_finished_case_then_the_printed_resume(tmp_path: Path) -
     second = run / "cases" / "tiny__tp1-dcp1-mtp0__second"
     assert (second / "interrupted.json").is_file() and (second / "server.log").is_file()
     assert not (run / ".lock").exists()
+    # The audit of the interrupted run: the finished case as the run judged it; the case cut
+    # short (no verdict of the run's) with the stop line its interrupt recorded.
+    audit = subprocess.run(
+        [str(VENV_BIN / "orchestrator"), "audit", str(run), "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    cases = {c["case_id"]: c for c in json.loads(audit.stdout)["cases"]}
+    assert cases["tiny/tp1-dcp1-mtp0/first"]["agrees_with_run"] is True
+    cut = cases["tiny/tp1-dcp1-mtp0/second"]
+    assert cut["agrees_with_run"] is None
+    assert cut["stop_basis"] == "recorded when the run was interrupted" and cut["stop_line"] > 0
     # The printed command, as printed (the orchestrator of this environment).
     argv = shlex.split(resume)
     again = subprocess.run(
