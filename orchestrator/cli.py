@@ -486,10 +486,13 @@ def _run_audit_text(ra: Any) -> str:
             )
         run_said = "no result recorded" if c.run_verdict is None else c.run_verdict
         agree = {True: "agrees", False: "DIFFERS", None: "nothing to compare"}[ca.agrees]
-        out.append(f"verdict: {r.verdict} (the run: {run_said}; {agree})")
+        worst = "" if r.verdict.clean else f" (worst: {r.verdict.worst_severity})"
+        out.append(f"verdict: {r.verdict.status}{worst}; the run: {run_said} ({agree})")
     for case_id, why in ra.missing:
         out += ["", f"== {case_id}: not audited: {why}"]
+    caveats = dict.fromkeys(cv for ca in ra.cases for cv in ca.result.verdict.caveats)
     out += ["", f"run verdict: {'clean' if ra.clean else 'findings'}"]
+    out += [f"not searched: {cv}" for cv in caveats]
     return "\n".join(out)
 
 

@@ -151,5 +151,5 @@ def test_the_text_names_each_case_and_the_runs_verdict_beside_it(tmp_path) -> No
     assert out.returncode == 0, out.stdout + out.stderr
     assert "== tiny/tp1-dcp1-mtp0/staged:" in out.stdout
     assert "discounted python-traceback: logged after the orchestrator stopped" in out.stdout
-    assert "(the run: clean; agrees)" in out.stdout
-    assert out.stdout.rstrip().endswith("run verdict: clean")
+    assert "verdict: clean; the run: clean (agrees)" in out.stdout
+    assert "\nrun verdict: clean\nnot searched: kernel log not audited: no --since" in out.stdout
