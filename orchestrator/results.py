@@ -84,7 +84,16 @@ def _none_is_default(value: Any, default: Any) -> Any:
 # --------------------------------------------------------------------------- workloads
 
 
-class Distribution(_Record):
+class _Figures(_Record):
+    """Figures of which an undefined one (of no values) may have been written as NaN."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _nan_is_none(cls, v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+
+class Distribution(_Figures):
     """A latency distribution in ms: percentiles and mean (None where no request measured),
     and ``n``, the samples behind it (None in rows recorded before it was kept)."""
 
@@ -93,11 +102,6 @@ class Distribution(_Record):
     p99: float | None = None
     mean: float | None = None
     n: int | None = None
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _nan_is_none(cls, v: Any) -> Any:
-        return None if isinstance(v, float) and math.isnan(v) else v
 
 
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms")
@@ -132,7 +136,7 @@ class Repeat(Figures):
     prompt_tokens: int | None = None
 
 
-class Chunking(_Record):
+class Chunking(_Figures):
     """How a workload's tokens were streamed to the client (orchestrator.workload.chunking)."""
 
     chunks: int | None = None
@@ -140,11 +144,6 @@ class Chunking(_Record):
     tokens_per_chunk_max: int | None = None
     gaps: int | None = None
     gaps_under_1ms: int | None = None
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _nan_is_none(cls, v: Any) -> Any:
-        return None if isinstance(v, float) and math.isnan(v) else v
 
 
 class Latency(_Record):
