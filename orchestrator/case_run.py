@@ -315,6 +315,9 @@ class CaseRun:
                     prompt_tokens=WARMUP_PROMPT_TOKENS,
                     output_tokens=WARMUP_OUTPUT_TOKENS,
                     requests=self.matrix.warmup_requests,
+                    # Asking logprobs the first time costs a one-time setup (18 s seen at
+                    # MTP 1 on CPU): paid here when a workload will ask them, not in its TTFT.
+                    record_tokens=any(w.same_tokens for w in self.matrix.workloads),
                 ),
                 vocab_size=vocab,
                 seed=self.matrix.seed,
