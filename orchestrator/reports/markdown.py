@@ -17,6 +17,7 @@ from orchestrator.reports.run import (
     audit_sentence,
     findings,
     fmt_tok,
+    interpreted_note,
     interrupted_sentence,
     paired_deltas,
     plural,
@@ -113,6 +114,9 @@ def _paired_section(run: Run) -> list[str]:
         ]
         header = ["Topology", "Workload", base.title(), cand.title(), "Delta", "Samples each"]
         lines += [f"## Paired variants: {base} vs {cand}", "", md_table(header, body), ""]
+    note = interpreted_note(run)
+    if lines and note:
+        lines += [note, ""]
     return lines
 
 

@@ -163,6 +163,27 @@ def interrupted_sentence(run: Run) -> str | None:
     return out
 
 
+def interpreted_note(run: Run) -> str | None:
+    """What a paired delta means where the fused query ran in Triton's interpreter (a CPU
+    run): the interpreter's speed, not the kernel's."""
+    if run.manifest.matrix.get("resources", {}).get("accelerator") != "cpu":
+        return None
+    variants = {
+        c.get("variant")
+        for c in run.manifest.cases
+        if c.get("env", {}).get("TRITON_INTERPRET") == "1"
+    }
+    if not variants:
+        return None
+    return (
+        f"On CPU the {', '.join(sorted(v for v in variants if v))} variant ran fusedq's "
+        "kernel in Triton's interpreter (Python, a tenth of a second or more per layer and "
+        "step): its deltas measure the interpreter, not the kernel. What the CPU run shows is that the "
+        "fused path serves, gives the staged path's tokens, and is audited; the kernel's "
+        "speed is measured on a GPU."
+    )
+
+
 def _samples(base: CaseResult, cand: CaseResult, workload: str) -> str:
     """What a paired delta stands on: each side's successful requests and repeats."""
 
