@@ -148,3 +148,20 @@ def test_html_latency_table_escapes_names(tmp_path: Path) -> None:
     assert "<b>BF16" not in page
     assert "<td class=l>Luke &lt;b&gt;BF16&lt;/b&gt; &amp; co/tp8-dcp2-mtp0/fused</td>" in page
     assert "<td class=l>ctx64k</td><td class=l>TTFT</td><td>?</td><td>3900</td>" in page
+
+
+def test_paired_deltas_say_their_samples_and_what_a_cpu_fused_variant_ran(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+    md = render_markdown(Run.load(run))
+    assert "| Topology | Workload | Staged | Fused | Delta | Samples each |" in md
+    assert "On CPU" not in md  # a GPU run: nothing interpreted
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["matrix"]["resources"] = {"accelerator": "cpu"}
+    for c in manifest["cases"]:
+        if c["variant"] == "fused":
+            c["env"] = {"TRITON_INTERPRET": "1"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    loaded = Run.load(run)
+    md = render_markdown(loaded)
+    assert "On CPU the fused variant ran fusedq's kernel in Triton's interpreter" in md
+    assert "On CPU the fused variant ran fusedq's kernel" in render_html(loaded)
