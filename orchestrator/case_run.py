@@ -41,6 +41,7 @@ from orchestrator.matrix import (
     Matrix,
     WorkloadSpec,
 )
+from orchestrator.progress import STOPPING
 from orchestrator.redact import redact, redact_argv, redact_file
 from orchestrator.results import (
     SCHEMA_VERSION,
@@ -455,7 +456,7 @@ class CaseRun:
     def _stop(self) -> None:
         """Stop the server (if one was placed), redact its log, remove our temp directory."""
         if self.handle is not None:
-            self.progress.update(self.case_id, "stopping")
+            self.progress.update(self.case_id, STOPPING)
             # A server that exited on its own before the stop crashed during the case, however
             # its workloads ended (one SIGKILLed in CI answered all its requests with errors
             # before its pid polled as gone, and was recorded as passed).

@@ -433,7 +433,7 @@ class _Attempt:
                 # CaseRun stopped the server on the way out; the line its stop began at lets
                 # a later `orchestrator audit` discount what that stop made vLLM log.
                 stop = case_run.stop_line or None
-                self._mark_cut_short(case, view.phase, time.monotonic() - t_case, stop)
+                self._mark_cut_short(case, view.working_phase, time.monotonic() - t_case, stop)
                 raise
             # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
             result = CaseResult.model_validate(redact(result.to_record(), self.secrets))

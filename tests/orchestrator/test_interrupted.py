@@ -102,12 +102,18 @@ time.sleep(600)
 """
 
 
+def _default_sigint() -> None:
+    # A process started in the background of a script inherits SIGINT ignored, and Python
+    # then installs no Ctrl-C handler: the orchestrator starts as from a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(matrix: Path, logs: Path, run_id: str) -> subprocess.Popen:
     return subprocess.Popen(
         [str(VENV_BIN / "orchestrator"), "run", str(matrix), "--logs-dir", str(logs),
          "--run-id", run_id, "--quiet"],
         cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint,
     )  # fmt: skip
 
 
@@ -141,7 +147,12 @@ def test_ctrl_c_before_any_case_finished(tmp_path: Path) -> None:
     while "stand-in server up" not in server_log.read_text():
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # leave no run behind: SIGTERM unwinds it
+        proc.communicate(timeout=120)
+        raise
     assert proc.returncode == 130, err[-3000:]
     assert f"orchestrator: interrupted (Ctrl-C): run cc keeps 0 of 2 cases in {run}" in err
     assert (
