@@ -66,9 +66,10 @@ ASSUMED: dict[str, Speeds] = {
         decode_tok_s=60.0,
         prefill_tok_s=1500.0,
         mtp_step_rereads_context=True,
-        # fusedq's kernel in the interpreter, measured alone at M = 1 on the EPYC: 0.09 s at
-        # 8 heads, 0.35 s at 16 (per layer and step); an AVX2 machine is slower.
-        interpreted_query_s_per_head=0.022,
+        # fusedq's kernel in the interpreter inside the smoke matrix's TP2 server (8 heads a
+        # rank, 2 layers) on the 2-core EPYC, 2026-12-02: TPOT 170.5 ms fused against 12.5 ms
+        # staged, 0.0099 s per head, layer and step (alone at M = 1: 0.09 s at 8 heads).
+        interpreted_query_s_per_head=0.011,
     ),
     # A large MLA checkpoint (GLM-5, DeepSeek-V3) on one 8-GPU node: weight loading from local
     # disk, torch.compile and CUDA-graph capture take minutes (the shipped matrices allow
