@@ -1140,6 +1140,15 @@ def verdict(row: dict) -> str:
     return ", ".join(parts) or "-"
 
 
+class NoCudaError(SystemExit):
+    """No CUDA GPU here: `main` says so in one line and exits 2, the usage code (nothing was
+    measured); other callers of `run` exit with the message, as SystemExit does."""
+
+
+# Exit code of a refusal before anything ran (argparse's for bad arguments).
+EXIT_USAGE = 2
+
+
 def run(opts: Options) -> dict:
     """Run the benchmark (or the sweep) and return every figure."""
     import torch
@@ -1147,7 +1156,7 @@ def run(opts: Options) -> dict:
     from fusedq import bench_eager
 
     if not torch.cuda.is_available():
-        raise SystemExit(bench_eager.NO_CUDA if opts.eager else "fusedq-bench needs a CUDA GPU")
+        raise NoCudaError(bench_eager.NO_CUDA if opts.eager else "fusedq-bench needs a CUDA GPU")
     result = {"environment": environment(opts.commit), "options": dataclasses.asdict(opts)}
     if opts.eager:
         result["eager"] = bench_eager.run(opts)
@@ -1310,7 +1319,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts, json_path = parse_args(argv)
-    result = run(opts)
+    try:
+        result = run(opts)
+    except NoCudaError as exc:
+        print(exc, file=sys.stderr)  # one line, naming the tool
+        return EXIT_USAGE
     if opts.eager:
         from fusedq import bench_eager
 

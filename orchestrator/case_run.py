@@ -41,6 +41,7 @@ from orchestrator.matrix import (
     Matrix,
     WorkloadSpec,
 )
+from orchestrator.progress import STOPPING
 from orchestrator.redact import redact, redact_argv, redact_file
 from orchestrator.results import (
     SCHEMA_VERSION,
@@ -324,6 +325,9 @@ class CaseRun:
                     prompt_tokens=WARMUP_PROMPT_TOKENS,
                     output_tokens=WARMUP_OUTPUT_TOKENS,
                     requests=self.matrix.warmup_requests,
+                    # Asking logprobs the first time costs a one-time setup (18 s seen at
+                    # MTP 1 on CPU): paid here when a workload will ask them, not in its TTFT.
+                    record_tokens=any(w.same_tokens for w in self.matrix.workloads),
                 ),
                 vocab_size=vocab,
                 seed=self.matrix.seed,
@@ -485,7 +489,7 @@ class CaseRun:
     def _stop(self) -> None:
         """Stop the server (if one was placed), redact its log, remove our temp directory."""
         if self.handle is not None:
-            self.progress.update(self.case_id, "stopping")
+            self.progress.update(self.case_id, STOPPING)
             # A server that exited on its own before the stop crashed during the case, however
             # its workloads ended (one SIGKILLed in CI answered all its requests with errors
             # before its pid polled as gone, and was recorded as passed).

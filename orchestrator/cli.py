@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    # Plain help: click re-wraps each paragraph to the terminal (rich's panels kept the
+    # docstrings' own line breaks, cutting sentences in two) and names no "<bool>" for flags.
+    rich_markup_mode=None,
     help="Validate vLLM serving topologies: plan, run, audit, report, compare.",
 )
 
@@ -25,6 +28,7 @@ app = typer.Typer(
 EXIT_OK = 0
 EXIT_FINDINGS = 1  # a check ran and found something (audit findings, regressions, failed cases)
 EXIT_USAGE = 2  # bad input: nothing was launched
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the shell's code for a SIGINT
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -34,13 +38,36 @@ def _fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
 
 
 _SET_HELP = "Override a matrix field: --set models[0].path=/ckpt (repeatable)."
+# Metavars for the help text: what to type, not a Python type ("<str>", "<list[str]>").
+_SET = {"metavar": "KEY=VALUE", "help": _SET_HELP}
 
 
-@app.command()
+def _print_version(value: bool) -> None:
+    if value:
+        from orchestrator.version import version_line
+
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the version (and the commit of a git checkout) and exit.",
+    ),
+) -> None:
+    """Validate vLLM serving topologies: plan, run, audit, report, compare."""
+
+
+@app.command(short_help="Validate a matrix and list its cases; launches nothing.")
 def plan(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    sets: list[str] = typer.Option([], "--set", **_SET),
 ) -> None:
     """Validate a matrix and list its cases and their needs; launches nothing."""
     import json
@@ -55,28 +82,31 @@ def plan(
     typer.echo(json.dumps(result, indent=2) if json_out else render_plan(result))
 
 
-@app.command()
+@app.command(short_help="Run a matrix and write its reports.")
 def run(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
+    sets: list[str] = typer.Option([], "--set", **_SET),
     resume: str | None = typer.Option(
-        None, "--resume", help="Continue RUN-ID, skipping finished cases."
+        None, "--resume", metavar="RUN-ID", help="Continue RUN-ID, skipping finished cases."
     ),
     retry_failed: bool = typer.Option(
         False, "--retry-failed", help="With --resume: re-run failed cases too."
     ),
     run_id: str | None = typer.Option(
-        None, "--run-id", help="Name of a new run (default: matrix-UTC time)."
+        None, "--run-id", metavar="RUN-ID", help="Name of a new run (default: matrix-UTC time)."
     ),
-    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", help="Where run directories go."),
+    logs_dir: Path = typer.Option(
+        Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."
+    ),
     ray_address: str | None = typer.Option(
         None,
         "--ray-address",
+        metavar="ADDRESS",
         envvar="RAY_ADDRESS",
         help="Join this Ray cluster (default: local Ray).",
     ),
     only: list[str] = typer.Option(
-        [], "--only", help="Run only cases whose id contains this (repeatable)."
+        [], "--only", metavar="TEXT", help="Run only cases whose id contains this (repeatable)."
     ),
     quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
     kill_leftovers: bool = typer.Option(
@@ -96,8 +126,6 @@ def run(
     from orchestrator.runner import RunOptions, run_matrix
     from orchestrator.store import StoreError
 
-    if retry_failed and not resume:
-        raise _fail("--retry-failed needs --resume RUN-ID")
     options = RunOptions(
         logs_dir=logs_dir,
         run_id=run_id,
@@ -113,14 +141,26 @@ def run(
         summary = run_matrix(matrix, options)
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    except KeyboardInterrupt:
-        typer.echo(
-            "orchestrator: interrupted; finished cases are kept, continue with --resume", err=True
-        )
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        _print_interrupted(exc)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     _print_outcome(summary)
     if summary.failed:
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _print_interrupted(exc: KeyboardInterrupt) -> None:
+    """An interrupted run: the closing table of what it kept, then (on stderr) its id, where
+    it is and the exact command that continues it."""
+    from orchestrator.interrupted import RunInterrupted
+
+    if not isinstance(exc, RunInterrupted):
+        typer.echo("orchestrator: interrupted", err=True)
+        return
+    if exc.run_dir is not None and (exc.run_dir / "manifest.json").is_file():
+        _print_summary(exc.run_dir)
+    for line in exc.lines():
+        typer.echo(f"orchestrator: {line}", err=True)
 
 
 def _print_outcome(summary: RunSummary) -> None:
@@ -147,19 +187,29 @@ def _print_outcome(summary: RunSummary) -> None:
         typer.echo(f"{len(summary.failed)} case(s) failed", err=True)
 
 
-@app.command()
+@app.command(short_help="Run a matrix with each case's decode profiled.")
 def profile(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
     decode_steps: int | None = typer.Option(
         None, "--decode-steps", help="Model steps to profile (default: the matrix's, else 4)."
     ),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
-    run_id: str | None = typer.Option(None, "--run-id", help="Name of the new run."),
-    logs_dir: Path = typer.Option(Path("logs"), "--logs-dir", help="Where run directories go."),
-    ray_address: str | None = typer.Option(
-        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+    sets: list[str] = typer.Option([], "--set", **_SET),
+    run_id: str | None = typer.Option(
+        None, "--run-id", metavar="RUN-ID", help="Name of the new run."
     ),
-    only: list[str] = typer.Option([], "--only", help="Run only cases whose id contains this."),
+    logs_dir: Path = typer.Option(
+        Path("logs"), "--logs-dir", metavar="DIR", help="Where run directories go."
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        metavar="ADDRESS",
+        envvar="RAY_ADDRESS",
+        help="Join this Ray cluster.",
+    ),
+    only: list[str] = typer.Option(
+        [], "--only", metavar="TEXT", help="Run only cases whose id contains this."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No live progress."),
 ) -> None:
     """Run a matrix with its profile phase on (`profile:` in the matrix, or --decode-steps):
@@ -189,7 +239,7 @@ def profile(
     )
 
 
-@app.command("trace-summary")
+@app.command("trace-summary", short_help="Figures of torch-profiler traces.")
 def trace_summary(
     traces: list[Path] = typer.Argument(..., help="Torch-profiler traces (.pt.trace.json[.gz])."),
     json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
@@ -205,7 +255,7 @@ def trace_summary(
 
     from orchestrator.mdtable import md_table
     from orchestrator.reports.profile import mean_rows, trace_rows
-    from orchestrator.trace import TraceError, read_trace
+    from orchestrator.trace import TraceError, read_trace, short_name
 
     try:
         figures = [read_trace(p, top=top) for p in traces]
@@ -220,7 +270,8 @@ def trace_summary(
     for f in figures:
         typer.echo(f"## {f.file}\n")
         typer.echo(md_table(["Figure", "Value"], trace_rows(f, steps)) + "\n")
-        body = [[k.name, f"{k.count:,}", f"{k.total_us:,.3f}"] for k in f.top]
+        # Template instances run to 1,000 characters: shortened here, whole in --json.
+        body = [[short_name(k.name), f"{k.count:,}", f"{k.total_us:,.3f}"] for k in f.top]
         typer.echo(md_table(["Top kernels" if f.domain == "kernel" else "Top CPU ops",
                              "Count", "Total (us)"], body) + "\n")  # fmt: skip
         calls = [[name, f"{n:,}"] for name, n in f.runtime_calls.items()]
@@ -241,9 +292,9 @@ def _print_summary(run_dir: Path) -> None:
     typer.echo(render_summary(Run.load(run_dir)))
 
 
-@app.command()
+@app.command(short_help="Rebuild the reports of a run directory.")
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory (logs/<run-id>)."),
+    run_dir: Path = typer.Argument(..., metavar="RUN-DIR", help="A run directory (logs/<run-id>)."),
 ) -> None:
     """Rebuild report.md, report.json, report.html and junit.xml of a run; print the Markdown."""
     from orchestrator.reports import write_reports
@@ -251,16 +302,29 @@ def report(
 
     try:
         store = RunStore.read(run_dir)
+        _warn_torn(store)
         write_reports(store)
     except StoreError as exc:
         raise _fail(str(exc)) from None
     typer.echo((store.root / "report.md").read_text())
 
 
-@app.command()
+def _warn_torn(store: Any) -> None:
+    """A run whose results.jsonl ends in an incomplete line: the readers skip that line, and
+    say so rather than drop it silently (a resume moves it to results.jsonl.partial)."""
+    torn = store.torn_tail()
+    if torn:
+        typer.echo(
+            f"orchestrator: warning: {store.results_path}: its last line is incomplete "
+            f"({torn} bytes, no newline) and is not read; `run --resume` moves it aside",
+            err=True,
+        )
+
+
+@app.command(short_help="Compare two runs: regressions and new findings.")
 def compare(
-    base: Path = typer.Argument(..., help="The baseline run directory."),
-    cand: Path = typer.Argument(..., help="The candidate run directory."),
+    base: Path = typer.Argument(..., metavar="BASE", help="The baseline run directory."),
+    cand: Path = typer.Argument(..., metavar="CAND", help="The candidate run directory."),
     threshold_pct: float = typer.Option(
         3.0, "--threshold-pct", help="A drop in aggregate tok/s over this is a regression."
     ),
@@ -270,28 +334,35 @@ def compare(
     import json
 
     from orchestrator.compare import CompareError, compare_runs
+    from orchestrator.store import RunStore
 
     try:
         result = compare_runs(base, cand, threshold_pct=threshold_pct)
     except CompareError as exc:
         raise _fail(str(exc)) from None
+    for run_dir in (base, cand):
+        _warn_torn(RunStore(run_dir))
     typer.echo(json.dumps(result.to_dict(), indent=2) if json_out else result.to_markdown())
     if not result.ok:
         raise typer.Exit(EXIT_FINDINGS)
 
 
-@app.command()
+@app.command(short_help="Run a matrix and compare it with the last good run.")
 def nightly(
-    matrix: Path = typer.Argument(..., help="Matrix YAML file."),
+    matrix: Path = typer.Argument(..., metavar="MATRIX", help="Matrix YAML file."),
     history: Path = typer.Option(
         ..., "--history", help="Directory of earlier runs; the new run goes there too."
     ),
-    sets: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    sets: list[str] = typer.Option([], "--set", **_SET),
     threshold_pct: float = typer.Option(
         3.0, "--threshold-pct", help="A drop in aggregate tok/s over this is a regression."
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+        None,
+        "--ray-address",
+        metavar="ADDRESS",
+        envvar="RAY_ADDRESS",
+        help="Join this Ray cluster.",
     ),
     kill_leftovers: bool = typer.Option(
         False,
@@ -321,18 +392,20 @@ def nightly(
         )
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    except KeyboardInterrupt:
-        typer.echo("orchestrator: interrupted; finished cases are kept", err=True)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        _print_interrupted(exc)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     for line in result.summary_lines():
         typer.echo(line)
     raise typer.Exit(result.exit_code)
 
 
-@app.command()
+@app.command(short_help="Scan logs or a run directory for GPU faults.")
 def audit(
     paths: list[Path] = typer.Argument(
-        ..., help="Log files or directories (gzip and rotated logs too)."
+        ...,
+        metavar="PATH...",
+        help="Log files or directories (gzip and rotated logs too), or run directories.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print findings as JSON."),
     since: str | None = typer.Option(
@@ -340,6 +413,11 @@ def audit(
     ),
 ) -> None:
     """Scan logs for GPU faults: exit 0 clean, 1 findings, 2 usage error.
+
+    A run directory (or a case's server.log inside one) is audited as the run audited it:
+    each case's log with the lines its matrix expects and the line its stop began at, so
+    what vLLM logs because the orchestrator stopped it is discounted as it was then; the
+    run's own verdict is shown beside each case's.
 
     The kernel log is audited only with --since (the whole ring buffer would report every
     Xid since boot, from other jobs); without it the verdict says so.
@@ -349,22 +427,44 @@ def audit(
     from orchestrator.audit import (
         AuditInputError,
         CatalogueError,
-        SourceStatus,
         audit_logs,
         parse_since,
         verdict,
     )
+    from orchestrator.audit.rundir import audit_run, kernel_log_skipped, split_run_paths
 
     try:
         since_dt = parse_since(since) if since is not None else None
-        result = audit_logs(paths, since=since_dt, include_kernel_log=since_dt is not None)
+        runs, plain = split_run_paths(paths)
+        if runs and plain:
+            raise AuditInputError(
+                f"{plain[0]}: audit run directories (or their cases' server.log) and other "
+                "logs in separate calls: a run's logs are judged by the run's own settings"
+            )
+        kernel = since_dt is not None
+        if runs:
+            audits = [
+                audit_run(root, logs=logs, since=since_dt, include_kernel_log=kernel)
+                for root, logs in runs.items()
+            ]
+        else:
+            result = audit_logs(paths, since=since_dt, include_kernel_log=kernel)
     except (AuditInputError, CatalogueError) as exc:
         typer.echo(f"orchestrator audit: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    if since_dt is None:
-        result.searched.kernel_log = SourceStatus(
-            False, None, "no --since given; pass --since to audit kernel lines after that time"
-        )
+    if runs:
+        for ra in audits:
+            for ca in ra.cases if not kernel else []:
+                ca.result.searched.kernel_log = kernel_log_skipped()
+                ca.result.verdict = verdict(ca.result.findings, ca.result.searched)
+        if json_out:
+            out = [ra.to_dict() for ra in audits]
+            typer.echo(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+        else:
+            typer.echo("\n\n".join(_run_audit_text(ra) for ra in audits))
+        raise typer.Exit(EXIT_OK if all(ra.clean for ra in audits) else EXIT_FINDINGS)
+    if not kernel:
+        result.searched.kernel_log = kernel_log_skipped()
         result.verdict = verdict(result.findings, result.searched)
     from orchestrator.redact import redact, redact_text
 
@@ -374,9 +474,46 @@ def audit(
     raise typer.Exit(EXIT_OK if result.verdict.clean else EXIT_FINDINGS)
 
 
+def _run_audit_text(ra: Any) -> str:
+    """A run's audit: per case its findings, verdict (beside the run's) and what was
+    discounted, then the run's verdict."""
+    n = len(ra.cases)
+    out = [
+        f"run {ra.run_id} ({ra.root}): {n} case log{'' if n == 1 else 's'} audited as the run "
+        "audited them (the matrix's expected lines, each server's recorded stop line)"
+    ]
+    for ca in ra.cases:
+        c, r = ca.case, ca.result
+        out += ["", f"== {c.case_id}: {c.log}"]
+        out += _finding_lines(r)
+        for f in r.discounted:
+            out.append(
+                f"{f.location()}: discounted {f.signature}: logged after the orchestrator "
+                f"stopped the server (stop began at line {c.stop_line}: {c.stop_basis})"
+            )
+        run_said = "no result recorded" if c.run_verdict is None else c.run_verdict
+        agree = {True: "agrees", False: "DIFFERS", None: "nothing to compare"}[ca.agrees]
+        worst = "" if r.verdict.clean else f" (worst: {r.verdict.worst_severity})"
+        out.append(f"verdict: {r.verdict.status}{worst}; the run: {run_said} ({agree})")
+    for case_id, why in ra.missing:
+        out += ["", f"== {case_id}: not audited: {why}"]
+    caveats = dict.fromkeys(cv for ca in ra.cases for cv in ca.result.verdict.caveats)
+    out += ["", f"run verdict: {'clean' if ra.clean else 'findings'}"]
+    out += [f"not searched: {cv}" for cv in caveats]
+    return "\n".join(out)
+
+
 def _audit_text(result: Any) -> str:
     """`orchestrator audit`'s text: each finding with its context, meaning and action, what
     was capped, the verdict and the summary sentence."""
+    out = _finding_lines(result)
+    out.append(f"verdict: {result.verdict}")
+    out.append(result.summary_sentence())
+    return "\n".join(out)
+
+
+def _finding_lines(result: Any) -> list[str]:
+    """Each finding of an audit with its context, meaning and action, and what was capped."""
     out = []
     for f in result.findings:
         mark = " (root cause)" if f.root_cause else ""
@@ -391,19 +528,21 @@ def _audit_text(result: Any) -> str:
     for sf in result.searched.files:
         for sig, n in sf.suppressed.items():
             out.append(f"{sf.path}: {n} more {sig} findings not shown")
-    out.append(f"verdict: {result.verdict}")
-    out.append(result.summary_sentence())
-    return "\n".join(out)
+    return out
 
 
-@app.command("gpu-check")
+@app.command("gpu-check", short_help="Check GPU placement and fusedq on every rank.")
 def gpu_check(
     tp: str = typer.Option("1,2,4,8", "--tp", help="Bundle sizes to place, e.g. 1,2,4,8."),
     out: Path | None = typer.Option(
         None, "--out", help="Output directory (default logs/gpu-check-<UTC time>)."
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster."
+        None,
+        "--ray-address",
+        metavar="ADDRESS",
+        envvar="RAY_ADDRESS",
+        help="Join this Ray cluster.",
     ),
     tests: Path | None = typer.Option(
         None, "--tests", help="Run these fusedq GPU tests in every bundle (tests/fusedq)."

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 from orchestrator.ab import METRICS as AB_METRICS
 from orchestrator.ab import group_id, server_groups, unit_values
 from orchestrator.mdtable import md_table
+from orchestrator.reports.measures import legend
 from orchestrator.reports.run import Run, plural
 from orchestrator.reports.run import fmt_tok as _fmt
 from orchestrator.results import CaseResult, Finding, Severity
@@ -169,6 +170,8 @@ class Comparison:
     cleared_findings: list[FindingChange] = field(default_factory=list)
     only_in_base: list[str] = field(default_factory=list)
     only_in_cand: list[str] = field(default_factory=list)
+    # Each run's workloads, as the figures were measured ("ctx0: prompt 1 token, ...").
+    workloads: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def new_fatal_findings(self) -> list[FindingChange]:
@@ -250,6 +253,7 @@ class Comparison:
             "cleared_findings": [f.to_dict() for f in self.cleared_findings],
             "only_in_base": self.only_in_base,
             "only_in_cand": self.only_in_cand,
+            "workloads": self.workloads,
             "rows": [r.to_dict() for r in self.rows],
         }
 
@@ -262,7 +266,7 @@ class Comparison:
         if self.unconfirmed_drops:
             out += [f"## Drops past the threshold, {TOO_FEW}", ""]
             out += [
-                f"- **{d.case_id}**: {d.column} aggregate tok/s {_fmt(d.base)} → {_fmt(d.cand)} "
+                f"- **{d.case_id}**: {d.workload} aggregate tok/s {_fmt(d.base)} → {_fmt(d.cand)} "
                 f"({_pct(d.delta_pct)}): {d.judgement.why}"
                 for d in self.unconfirmed_drops
                 if d.judgement
@@ -276,6 +280,7 @@ class Comparison:
             out += ["## Cleared findings", ""]
             out += [_finding_line(f) for f in self.cleared_findings]
             out.append("")
+        out += _workloads_section(self.workloads)
         out += ["## Throughput, base → candidate", ""]
         header = [
             "Case",
@@ -304,7 +309,7 @@ class Comparison:
                 body.append(
                     [
                         row.case_id,
-                        agg.column,
+                        agg.workload,
                         *_delta_cells(agg),
                         _interval_cell(agg.judgement),
                         *_delta_cells(usr),
@@ -321,6 +326,21 @@ class Comparison:
             out += [f"- only in {self.cand_run}: {c}" for c in self.only_in_cand]
             out.append("")
         return "\n".join(out).rstrip() + "\n"
+
+
+def _workloads_section(workloads: dict[str, list[str]]) -> list[str]:
+    """What the compared figures measured: one list when both runs ran the same workloads,
+    each run's otherwise (a figure of another workload is no regression of this one)."""
+    if not workloads:
+        return []
+    lists = list(workloads.values())
+    out = ["## Workloads", ""]
+    if all(x == lists[0] for x in lists):
+        out += [f"- {line}" for line in lists[0]]
+    else:
+        for run_id, lines in workloads.items():
+            out += [f"- {run_id}:", *(f"  - {line}" for line in lines)]
+    return [*out, ""]
 
 
 def _pct(v: float | None) -> str:
@@ -487,6 +507,7 @@ def compare(base: Run, cand: Run, *, threshold_pct: float = DEFAULT_THRESHOLD_PC
         cand_dir=str(cand.root),
         threshold_pct=threshold_pct,
     )
+    cmp.workloads = {base.run_id: legend(base), cand.run_id: legend(cand)}
     cand_ids = {r.case_id for r in cand_rows}
     cmp.only_in_base = [c for c in base_rows if c not in cand_ids]
     cmp.only_in_cand = [r.case_id for r in cand_rows if r.case_id not in base_rows]
@@ -556,7 +577,7 @@ def _throughput_regressions(row: CaseRow, threshold_pct: float) -> list[Regressi
                     workload=d.workload,
                     delta_pct=d.delta_pct,
                     interval=j.interval,
-                    message=f"{d.column} aggregate tok/s {d.base:.2f} → {d.cand:.2f} "
+                    message=f"{d.workload} aggregate tok/s {d.base:.2f} → {d.cand:.2f} "
                     f"({j.interval.describe()}, threshold -{threshold_pct:g}%; "
                     f"{j.samples_base} vs {j.samples_cand})",
                 )

@@ -44,6 +44,10 @@ class Speeds:
     # the whole latent context every step (docs/cpu-vllm.md): each output token then also
     # costs a prefill of the context so far. GPU backends have a real decode path.
     mtp_step_rereads_context: bool = False
+    # The fused query where it runs in Triton's interpreter (CPU): seconds per head of a
+    # rank, per decode layer and step. 0 where the kernel is compiled (its cost is in
+    # decode_tok_s).
+    interpreted_query_s_per_head: float = 0.0
 
 
 ASSUMED: dict[str, Speeds] = {
@@ -62,6 +66,10 @@ ASSUMED: dict[str, Speeds] = {
         decode_tok_s=60.0,
         prefill_tok_s=1500.0,
         mtp_step_rereads_context=True,
+        # fusedq's kernel in the interpreter inside the smoke matrix's TP2 server (8 heads a
+        # rank, 2 layers) on the 2-core EPYC, 2026-12-02: TPOT 170.5 ms fused against 12.5 ms
+        # staged, 0.0099 s per head, layer and step (alone at M = 1: 0.09 s at 8 heads).
+        interpreted_query_s_per_head=0.011,
     ),
     # A large MLA checkpoint (GLM-5, DeepSeek-V3) on one 8-GPU node: weight loading from local
     # disk, torch.compile and CUDA-graph capture take minutes (the shipped matrices allow
@@ -81,17 +89,34 @@ ASSUMED: dict[str, Speeds] = {
 }
 
 
-def request_s(prompt_tokens: int, output_tokens: int, mtp: int, speeds: Speeds) -> float:
-    """One request's estimated latency: prefill, then decode (see Speeds for CPU MTP)."""
-    t = prompt_tokens / speeds.prefill_tok_s + output_tokens / speeds.decode_tok_s
+def request_s(
+    prompt_tokens: int, output_tokens: int, mtp: int, speeds: Speeds, query_s: float = 0.0
+) -> float:
+    """One request's estimated latency: prefill, then decode (see Speeds for CPU MTP), each
+    step `query_s` more where the fused query runs interpreted (`interpreted_query_s`)."""
+    t = prompt_tokens / speeds.prefill_tok_s + output_tokens * (1 / speeds.decode_tok_s + query_s)
     if mtp and speeds.mtp_step_rereads_context:
         # Each step re-reads the context, which grows from the prompt by one token a step.
         t += output_tokens * (prompt_tokens + output_tokens / 2) / speeds.prefill_tok_s
     return t
 
 
-def workload_s(w: WorkloadSpec, mtp: int, speeds: Speeds) -> float:
-    one = request_s(w.prompt_tokens, w.output_tokens, mtp, speeds)
+def interpreted_query_s(case: Case, accelerator: str, speeds: Speeds) -> float:
+    """Seconds the fused query adds to one decode step where Triton's interpreter runs it:
+    every decoder layer's, or on CPU with MTP only the draft layer's (the verify step takes
+    the prefill path); 0 where the fused query does not run or is compiled."""
+    from orchestrator.fused_plan import fused_plan
+
+    if not speeds.interpreted_query_s_per_head or not fused_plan(case, accelerator).runs:
+        return 0.0
+    layers = case.model.builtin_layers if case.model.is_builtin else 2
+    if case.mtp and speeds.mtp_step_rereads_context:
+        layers = case.mtp
+    return layers * case.heads_per_rank * speeds.interpreted_query_s_per_head
+
+
+def workload_s(w: WorkloadSpec, mtp: int, speeds: Speeds, query_s: float = 0.0) -> float:
+    one = request_s(w.prompt_tokens, w.output_tokens, mtp, speeds, query_s)
     if w.duration_s is not None:
         return w.repeats * (w.duration_s + one)
     assert w.request_count is not None
@@ -117,6 +142,7 @@ class RunEstimate:
     speeds: Speeds
     cases: list[CaseEstimate]
     run_overhead_s: float
+    interpreted: bool = False  # a case's fused query runs in Triton's interpreter
 
     @property
     def total_s(self) -> float:
@@ -137,6 +163,11 @@ class RunEstimate:
         )
         if s.mtp_step_rereads_context:
             out += ", an MTP step re-reads its context (vLLM's CPU MLA backend)"
+        if self.interpreted:
+            out += (
+                f", the fused query in Triton's interpreter {s.interpreted_query_s_per_head:g} s "
+                "per head of a rank, layer and step"
+            )
         return out + "; the run's ETA corrects it with measured cases"
 
     def to_dict(self) -> dict[str, object]:
@@ -151,20 +182,25 @@ class RunEstimate:
 def estimate_run(matrix: Matrix, cases: Sequence[Case]) -> RunEstimate:
     speeds = ASSUMED[matrix.resources.accelerator]
     out = []
+    interpreted = False
     for c in cases:
-        warm = request_s(WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS, c.mtp, speeds)
+        q = interpreted_query_s(c, matrix.resources.accelerator, speeds)
+        interpreted = interpreted or q > 0
+        warm = request_s(WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS, c.mtp, speeds, q)
         out.append(
             CaseEstimate(
                 case_id=c.case_id,
                 startup_s=speeds.builtin_startup_s if c.model.is_builtin else speeds.startup_s,
                 warmup_s=matrix.warmup_requests * warm,
-                workloads_s={w.name: workload_s(w, c.mtp, speeds) for w in matrix.workloads},
+                workloads_s={w.name: workload_s(w, c.mtp, speeds, q) for w in matrix.workloads},
                 overhead_s=speeds.case_overhead_s,
             )
         )
     if matrix.ab is not None and matrix.ab.mode == "switch":
         out = _switch_servers(matrix, cases, out)
-    return RunEstimate(matrix.resources.accelerator, speeds, out, speeds.run_overhead_s)
+    return RunEstimate(
+        matrix.resources.accelerator, speeds, out, speeds.run_overhead_s, interpreted
+    )
 
 
 def _switch_servers(

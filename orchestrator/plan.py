@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.estimate import estimate_run, human_s
+from orchestrator.fused_plan import fused_plan
 from orchestrator.matrix import Case, Matrix, expand, load_matrix, units_needed
 from orchestrator.matrix_policy import env_notes, matrix_warnings
+from orchestrator.reports.measures import WorkloadDef
 
 
 def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]:
@@ -62,6 +64,9 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
                 **{k: v for k, v in c.to_dict().items() if k not in ("env", "args")},
                 unit.lower() + "s": c.tp * per_rank,
                 "estimated_s": round(per_case[c.case_id], 1),
+                # Whether the server will run the fused query, not only whether its head
+                # count is qualified (orchestrator.fused_plan).
+                "fusedq": fused_plan(c, matrix.resources.accelerator).why,
             }
             for c in cases
         ],
@@ -107,15 +112,12 @@ def render_plan(plan: dict[str, Any]) -> str:
         lines.append(
             f"{c['case_id']:<44} {c['tp']:>3} {c['dcp']:>4} {c['mtp']:>4} {c['heads_per_rank']:>10} "
             f"{c[unit]:>5} {human_s(c['estimated_s']):>7}  "
-            f"{'qualified' if c['fusedq_qualified_heads'] else 'staged fallback'}"
+            f"{c['fusedq']}"
         )
     lines.append("")
     for w in plan["workloads"]:
-        size = f"{w['requests']} requests" if w["requests"] else f"{w['duration_s']:g} s"
-        lines.append(
-            f"workload {w['name']} -> column {w['column']}: prompt {w['prompt_tokens']} tokens, "
-            f"output {w['output_tokens']}, concurrency {w['concurrency']}, {size} x {w['repeats']} repeats"
-        )
+        d = WorkloadDef.of(w)
+        lines.append(f"workload {d.title}: {d.describe()}")
     est = plan["estimate"]
     lines.append(f"estimated duration: ~{human_s(est['total_s'])} ({est['basis']})")
     for n in plan["notes"]:

@@ -35,6 +35,7 @@ PLAIN_MAX_EVERY_S = 60.0
 _TICK_S = 1.0
 _LOG_TAIL_BYTES = 16384
 _LOG_LINE_CHARS = 120
+STOPPING = "stopping"  # the phase in which a case's server is stopped (orchestrator.case_run)
 
 
 def last_log_line(path: Path, secrets: tuple[str, ...] = ()) -> str | None:
@@ -99,6 +100,9 @@ class ProgressView:
         self.eta: Eta | None = None
         self.current: str | None = None
         self.phase = ""
+        # The current case's last phase before its stop began: what an interrupt cut short
+        # (the stop itself follows any interrupt).
+        self.working_phase = ""
         self.info: dict[str, Any] = {}
         self.server_log: Path | None = None
         self._t_run = clock()
@@ -140,6 +144,10 @@ class ProgressView:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+    def note(self, line: str) -> None:
+        """A line of its own in the progress (the run's id and directory, when it starts)."""
+        self._event(line)
 
     def begin(self, case_id: str) -> None:
         with self._lock:
@@ -203,6 +211,8 @@ class ProgressView:
     # ------------------------------------------------------------------ rendering
 
     def _set_phase(self, phase: str) -> None:
+        if phase != STOPPING:
+            self.working_phase = phase
         self.phase = phase
         self.info = {}
         self._t_phase = self.clock()

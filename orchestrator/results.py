@@ -87,18 +87,24 @@ def _none_is_default(value: Any, default: Any) -> Any:
 # --------------------------------------------------------------------------- workloads
 
 
-class Distribution(_Record):
-    """A latency distribution in ms: percentiles and mean (None where no request measured)."""
-
-    p50: float | None = None
-    p90: float | None = None
-    p99: float | None = None
-    mean: float | None = None
+class _Figures(_Record):
+    """Figures of which an undefined one (of no values) may have been written as NaN."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _nan_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, float) and math.isnan(v) else v
+
+
+class Distribution(_Figures):
+    """A latency distribution in ms: percentiles and mean (None where no request measured),
+    and ``n``, the samples behind it (None in rows recorded before it was kept)."""
+
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+    n: int | None = None
 
 
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms")
@@ -133,12 +139,25 @@ class Repeat(Figures):
     prompt_tokens: int | None = None
 
 
+class Chunking(_Figures):
+    """How a workload's tokens were streamed to the client (orchestrator.workload.chunking)."""
+
+    chunks: int | None = None
+    tokens_per_chunk_mean: float | None = None
+    tokens_per_chunk_max: int | None = None
+    gaps: int | None = None
+    gaps_under_1ms: int | None = None
+
+
 class Latency(_Record):
-    """The latency distributions pooled over every successful request of a workload."""
+    """The latency distributions pooled over every successful request of a workload, and
+    how its tokens were streamed (rows recorded before E2EL and chunking lack them)."""
 
     ttft_ms: Distribution | None = None
     tpot_ms: Distribution | None = None
     itl_ms: Distribution | None = None
+    e2el_ms: Distribution | None = None
+    chunking: Chunking | None = None
 
 
 class WorkloadSummary(_Record):

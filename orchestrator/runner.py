@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import probes, safe_io
+from orchestrator import interrupted, preflight, probes, safe_io
 from orchestrator.fusedq_files import provenance
+from orchestrator.interrupted import RunInterrupted
+from orchestrator.layout import SERVER_LOG
 from orchestrator.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
-from orchestrator.matrix import Case, Matrix, expand, load_matrix
+from orchestrator.matrix import Case, Matrix, expand
 from orchestrator.matrix_policy import matrix_warnings
 from orchestrator.redact import redact, redact_argv, redact_text, secret_args, secret_values
 from orchestrator.results import CaseResult
@@ -213,6 +215,29 @@ def handle_leftovers(
     return found
 
 
+def checked_inputs(
+    matrix_path: str | Path, options: RunOptions
+) -> tuple[Matrix, list[Case], list[Case], list[str]]:
+    """(matrix, its cases, the selected ones, its warnings) once every input check has
+    passed, in orchestrator.preflight's order; nothing is started or written before they
+    have. The matrix's warnings are printed as soon as it loads, so a run refused later
+    still shows them."""
+    from orchestrator.launch import ray_address_for
+
+    preflight.check_flags(
+        resume=options.resume, run_id=options.run_id, retry_failed=options.retry_failed
+    )
+    matrix = preflight.load_for_run(matrix_path, options.sets)
+    warnings = _warn(matrix)
+    cases = expand(matrix)
+    selected = preflight.select(cases, options.only, matrix_path)
+    cluster = bool(ray_address_for(matrix, options.ray_address))
+    preflight.check_machine(matrix, matrix_path, cluster=cluster)
+    if options.resume is None:
+        preflight.check_new_run(options.logs_dir, options.run_id)
+    return matrix, cases, selected, warnings
+
+
 def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     """Run (or resume) a matrix and write its reports.
 
@@ -220,13 +245,11 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     LaunchError or ValueError before any server starts and before a new run directory exists.
     """
     t_run = time.monotonic()
-    matrix = load_matrix(matrix_path, sets=options.sets)
-    warnings = _warn(matrix)
-    cases = expand(matrix)
-    selected = [c for c in cases if not options.only or any(s in c.case_id for s in options.only)]
-    if not selected:
-        raise ValueError(f"{matrix_path}: --only {list(options.only)} matches no case")
+    matrix, cases, selected, warnings = checked_inputs(matrix_path, options)
     store = _open_for_resume(options, cases, matrix_path) if options.resume else None
+    torn = store.set_aside_torn_tail() if store is not None else None
+    if torn:
+        print(f"orchestrator: warning: {torn}", file=sys.stderr, flush=True)
     if store is not None:
         todo, earlier = _left_to_run(store, selected, options.retry_failed)
         if not todo:
@@ -242,6 +265,8 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     attempt = _Attempt(matrix_path, matrix, cases, selected, options, store, t_run)
     for warning in warnings:
         attempt.log(f"warning: {warning}")
+    if torn:
+        attempt.log(f"warning: {torn}")
     return attempt.run()
 
 
@@ -279,6 +304,9 @@ class _Attempt:
         self.secrets = matrix_secrets(matrix)
         self.summary: RunSummary | None = None
         self.measured = 0.0  # start-up, warm-up and workload seconds: the servers' own time
+        self.t_last_case: float | None = None  # when the last finished case's row was written
+        self.interrupted: str | None = None  # "SIGTERM", "Ctrl-C": what stopped this attempt
+        self.cut_short: dict[str, Any] | None = None  # the case it stopped in the middle of
         self._pending: list[str] = []  # log lines from before the run directory exists
         self._log: _Log | None = None
 
@@ -299,6 +327,38 @@ class _Attempt:
         )
 
     def run(self) -> RunSummary:
+        """Run the attempt; RunInterrupted (a KeyboardInterrupt) once an interrupted run has
+        unwound, its reports written."""
+        try:
+            return self._run()
+        except KeyboardInterrupt as exc:
+            raise self._interrupted(exc) from None
+
+    def _interrupted(self, exc: KeyboardInterrupt) -> RunInterrupted:
+        store = self.store
+        done = len(store.finished_case_ids()) if store is not None else 0
+        return RunInterrupted(
+            self.interrupted or interrupted.how(exc),
+            self.run_id,
+            store.root if store is not None else None,
+            self._resume_command(),
+            done,
+            len(self.cases),
+        )
+
+    def _resume_command(self) -> str:
+        o = self.options
+        return interrupted.resume_command(
+            self.matrix_path,
+            self.run_id,
+            logs_dir=o.logs_dir,
+            sets=o.sets,
+            only=o.only,
+            ray_address=o.ray_address,
+            quiet=not o.progress,
+        )
+
+    def _run(self) -> RunSummary:
         from orchestrator.launch import Launcher, ray_address_for
         from orchestrator.progress import ProgressView
 
@@ -315,7 +375,11 @@ class _Attempt:
             total=len(self.selected), enabled=self.options.progress, secrets=self.secrets
         )
         try:
-            with _marked_environ(self.run_id), _sigterm_unwinds() as rearm:
+            with (
+                _marked_environ(self.run_id),
+                _explicit_ray_auth(local=not cluster),
+                _sigterm_unwinds() as rearm,
+            ):
                 try:
                     with Launcher(
                         self.matrix, ray_address=self.options.ray_address, log=self.log
@@ -324,12 +388,14 @@ class _Attempt:
                         if cluster:
                             nodes = launcher.nodes
                             self.leftovers(find=nodes.find_leftovers, stop=nodes.stop_leftovers)
-                        launcher.check_capacity()
+                        _check_capacity(launcher, self.matrix_path)
                         self._open(launcher)
                         self._run_cases(launcher, view)
-                except KeyboardInterrupt:
+                except KeyboardInterrupt as exc:
+                    self.interrupted = interrupted.how(exc)
                     self.log(
-                        "interrupted: servers stopped; finished cases kept; continue with --resume"
+                        f"interrupted ({self.interrupted}): servers stopped; finished cases kept; "
+                        f"continue with: {self._resume_command()}"
                     )
                     raise
         finally:
@@ -359,7 +425,7 @@ class _Attempt:
 
     def _run_cases(self, launcher: Any, view: Any) -> None:
         from orchestrator.estimate import estimate_run
-        from orchestrator.switch import measure_unit, measured_units
+        from orchestrator.switch import measure, measured_units, unit_runner
 
         assert self.store is not None
         store = self.store
@@ -374,9 +440,24 @@ class _Attempt:
         estimates = estimate_run(self.matrix, todo).per_case()
         view.expect([c.case_id for c in todo], estimates, done=len(summary.skipped))
         view.start()
+        # Where the run is, on screen from its start (an interrupted run repeats it).
+        view.note(f"run {store.run_id}: {store.root}")
         for unit in measured_units(self.matrix, todo, self.cases):
             view.begin(unit[0].case_id)
-            rows = measure_unit(unit, self.matrix, launcher, store, self.log, view, self.secrets)
+            for case in unit:
+                interrupted.set_aside_mark(store.case_dir(case.slug))
+            t_case = time.monotonic()
+            runner = unit_runner(unit, self.matrix, launcher, store, self.log, view, self.secrets)
+            try:
+                rows = measure(runner)
+            except KeyboardInterrupt:
+                # The server was stopped on the way out; the line its stop began at lets a
+                # later `orchestrator audit` discount what that stop made vLLM log.
+                stop = runner.stop_line or None
+                self._mark_cut_short(
+                    runner.case, view.working_phase, time.monotonic() - t_case, stop
+                )
+                raise
             for result in rows:
                 # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
                 result = CaseResult.model_validate(redact(result.to_record(), self.secrets))
@@ -390,26 +471,66 @@ class _Attempt:
                     + sum(v for k, v in t.items() if k.startswith("workload_"))
                 )
                 view.finish(result.case_id, result)
+            self.t_last_case = time.monotonic()
 
-    def _finish(self) -> None:
-        """Overhead figures and reports of whatever ran, then the run directory is let go."""
-        from orchestrator.reports import write_reports
+    def _mark_cut_short(
+        self, case: Case, phase: str, seconds: float, stop_line: int | None
+    ) -> None:
+        """The case an interrupt stopped in the middle: recorded for the reports (overhead
+        figures) and in its folder, which holds its logs so far but will have no row."""
+        assert self.store is not None
+        self.cut_short = {
+            "case_id": case.case_id,
+            "phase": phase or "placing",
+            "s": round(seconds, 3),
+        }
+        mark = {**self.cut_short, "stopped_at": {SERVER_LOG: stop_line} if stop_line else {}}
+        interrupted.mark_cut_short(self.store.case_dir(case.slug), mark)
 
-        store, summary = self.store, self.summary
-        if store is not None and summary is not None:
-            total = time.monotonic() - self.t_run
-            measured = self.measured
-            summary.overhead = {
+    def _overhead(self, cases_run: int) -> dict[str, Any]:
+        """This attempt's wall time and what of it the servers used (start-up, warm-up,
+        workloads). An interrupted attempt is measured up to its last finished case: the
+        case it cut short and the unwinding are no case's time, and counted as overhead
+        they read as the orchestrator's (34.8 % once, for a case stopped mid-start-up)."""
+        end = time.monotonic()
+        if self.interrupted:
+            end = self.t_last_case if self.t_last_case is not None else self.t_run
+        total, measured = end - self.t_run, self.measured
+        out: dict[str, Any] = {}
+        if cases_run:
+            out = {
                 "wall_s": round(total, 3),
                 "startup_and_measured_s": round(measured, 3),
                 "overhead_s": round(total - measured, 3),
                 "overhead_pct": round(100.0 * (total - measured) / total, 2) if total else 0.0,
-                "cases_run": len(summary.results),
             }
-            self.log(f"run {store.run_id}: wall {total:.1f} s, overhead {summary.overhead}")
+        out["cases_run"] = cases_run
+        if self.interrupted:
+            out |= interrupted.figures(self.interrupted, self._resume_command(), self.cut_short)
+        return out
+
+    def _finish(self) -> None:
+        """Overhead figures and reports of whatever ran, then the run directory is let go."""
+        from orchestrator.reports import write_reports
+        from orchestrator.reports.markdown import overhead_sentence
+
+        store, summary = self.store, self.summary
+        if store is not None and summary is not None:
+            summary.overhead = self._overhead(len(summary.results))
+            self.log(f"run {store.run_id}: {overhead_sentence(summary.overhead)}")
             write_reports(store, overhead=summary.overhead, resume=bool(self.options.resume))
         if store is not None:
             store.unlock()
+
+
+def _check_capacity(launcher: Any, matrix_path: str | Path) -> None:
+    """The cluster's nodes against the matrix's topologies, the error naming the matrix."""
+    from orchestrator.launch import LaunchError
+
+    try:
+        launcher.check_capacity()
+    except LaunchError as exc:
+        raise LaunchError(f"{matrix_path}: {exc}") from None
 
 
 @contextlib.contextmanager
@@ -429,6 +550,26 @@ def _marked_environ(run_id: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+# Ray's switch for token authentication. A new local Ray turns it on when the switch is unset,
+# and says so on stderr at every start ("Token authentication is enabled for this Ray
+# cluster..."): set, the same mode is taken without the warning.
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+
+
+@contextlib.contextmanager
+def _explicit_ray_auth(*, local: bool) -> Iterator[None]:
+    """A local Ray with token authentication on, as Ray chooses by default, said explicitly
+    so its start-up warning does not print on every run. A cluster's mode is the cluster's."""
+    if not local or RAY_AUTH_MODE in os.environ:
+        yield
+        return
+    os.environ[RAY_AUTH_MODE] = "token"
+    try:
+        yield
+    finally:
+        os.environ.pop(RAY_AUTH_MODE, None)
+
+
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[Callable[[], None]]:
     """SIGTERM (a job scheduler's stop) unwinds like Ctrl-C while the block runs: every server
@@ -438,7 +579,7 @@ def _sigterm_unwinds() -> Iterator[Callable[[], None]]:
     seen on the H200). Outside the main thread there is no signal to trap."""
 
     def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def rearm() -> None:
         if trap:

@@ -10,7 +10,9 @@ Layout of ``logs/<run-id>/``::
     report.md, report.json
 
 Nothing is lost: a result line is written with one ``write`` on an O_APPEND descriptor and
-fsync'd before the next case starts; a torn last line (power loss) is ignored on read.
+fsync'd before the next case starts. A torn last line (power loss, a full disk) is skipped on
+read and reported (``torn_tail``); a resume first moves it to results.jsonl.partial, so the
+next row is not glued to it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import safe_io
+from orchestrator.layout import MANIFEST, RESULTS
+from orchestrator.layout import case_slug as case_slug  # its readers import it from here
 from orchestrator.redact import redact
 from orchestrator.results import SCHEMA_VERSION, CaseResult
 
-RESULTS = "results.jsonl"
-MANIFEST = "manifest.json"
+# Where an incomplete last line of results.jsonl is kept when a resume must append after it.
+PARTIAL = "results.jsonl.partial"
 LOCK = ".lock"
 
 
@@ -48,12 +52,6 @@ def _refusals() -> Iterator[None]:
         yield
     except safe_io.UnsafeFileError as exc:
         raise StoreError(str(exc)) from None
-
-
-def case_slug(case_id: str) -> str:
-    """A case's folder under ``cases/``: ``tiny-mla/tp1-dcp1-mtp0/default`` ->
-    ``tiny-mla__tp1-dcp1-mtp0__default``."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", case_id.replace("/", "__"))
 
 
 def new_run_id(matrix_name: str, now: dt.datetime | None = None) -> str:
@@ -107,6 +105,24 @@ def read_jsonl_numbered(path: Path) -> list[tuple[int, Any]]:
         raise StoreError(f"{path}: cannot read it ({exc.strerror})") from None
 
 
+def new_run_root(logs_dir: Path, run_id: str) -> Path:
+    """The directory a new run `run_id` gets, absolute; StoreError when the id is not a
+    valid name or a run (or anything) is there already. Checked before a run starts
+    anything (orchestrator.preflight), and again when the directory is made."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id) or run_id in (".", ".."):
+        raise StoreError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
+    # Absolute: every path handed to a server is built from this root, and a server runs
+    # in its case directory, where a relative path would name a folder inside itself.
+    root = (logs_dir / run_id).absolute()
+    if root.exists():
+        raise StoreError(_taken(root, run_id))
+    return root
+
+
+def _taken(root: Path, run_id: str) -> str:
+    return f"{root} exists already; pass --resume {run_id} to continue it"
+
+
 class RunStore:
     """One run directory. Create it for a new run, or open it to resume or report."""
 
@@ -117,17 +133,11 @@ class RunStore:
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
     def create(cls, logs_dir: Path, run_id: str) -> RunStore:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
-            raise StoreError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-'")
-        # Absolute: every path handed to a server is built from this root, and a server runs
-        # in its case directory, where a relative path would name a folder inside itself.
-        root = (logs_dir / run_id).absolute()
+        root = new_run_root(logs_dir, run_id)
         try:
             root.mkdir(parents=True, exist_ok=False)
         except FileExistsError:
-            raise StoreError(
-                f"{root} exists already; pass --resume {run_id} to continue it"
-            ) from None
+            raise StoreError(_taken(root, run_id)) from None
         (root / "cases").mkdir()
         return cls(root)
 
@@ -180,7 +190,13 @@ class RunStore:
         self._lock_fd = fd
 
     def unlock(self) -> None:
+        """Let the run directory go; the lock file goes with it (a finished run leaves no
+        `.lock` naming a pid that is gone). Removed while still held: an orchestrator that
+        opened the old file meanwhile was refused (LOCK_NB), one that comes later makes a
+        new file."""
         if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / LOCK)
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -228,6 +244,47 @@ class RunStore:
             latest.pop(result.case_id, None)
             latest[result.case_id] = result
         return list(latest.values())
+
+    def torn_tail(self) -> int:
+        """Bytes after the last newline of results.jsonl: an incomplete last row (a power
+        loss mid-write, a disk that filled), which readers skip; 0 when there is none."""
+        try:
+            with _refusals(), safe_io.open_regular(self.results_path) as f:
+                size = f.seek(0, os.SEEK_END)
+                block = 1 << 16
+                pos = size
+                while pos > 0:
+                    start = max(pos - block, 0)
+                    f.seek(start)
+                    chunk = f.read(pos - start)
+                    newline = chunk.rfind(b"\n")
+                    if newline >= 0:
+                        return size - (start + newline + 1)
+                    pos = start
+                return size
+        except FileNotFoundError:
+            return 0
+
+    def set_aside_torn_tail(self) -> str | None:
+        """Move an incomplete last line of results.jsonl to results.jsonl.partial (appended
+        there), so the next row starts a line of its own instead of being glued to it and
+        lost; a sentence saying so, or None when the file ends cleanly. Call with the lock
+        held."""
+        torn = self.torn_tail()
+        if not torn:
+            return None
+        with self.results_path.open("r+b") as f:
+            f.seek(-torn, os.SEEK_END)
+            tail = f.read()
+            with _refusals():  # never through a link someone left in the run folder
+                safe_io.append_bytes(self.root / PARTIAL, tail + b"\n", sync=True)
+            f.truncate(f.seek(-torn, os.SEEK_END))
+            f.flush()
+            os.fsync(f.fileno())
+        return (
+            f"{self.results_path}: its last line was incomplete ({torn} bytes, no newline): "
+            f"kept in {PARTIAL}; that case has no result and runs again"
+        )
 
     def finished_case_ids(self, *, include_failed: bool = True) -> set[str]:
         return {r.case_id for r in self.results() if include_failed or r.passed}

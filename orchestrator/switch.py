@@ -153,12 +153,19 @@ def measured_units(matrix: Matrix, todo: Sequence[Case], cases: Sequence[Case]) 
     return list(units.values())
 
 
-def measure_unit(unit: Sequence[Case], matrix: Matrix, *args: Any) -> list[CaseResult]:
-    """The result rows of one server: a case's own (orchestrator.case_run), or a switch
-    server's one per variant. `args`: CaseRun's launcher, store, log, progress, secrets."""
+def unit_runner(unit: Sequence[Case], matrix: Matrix, *args: Any) -> CaseRun:
+    """The one server of a unit: a case's own (orchestrator.case_run), or a switch server
+    measuring every variant. `args`: CaseRun's launcher, store, log, progress, secrets."""
     if matrix.ab is not None and matrix.ab.mode == "switch":
-        return SwitchRun(unit, matrix, *args).run_all()
-    return [CaseRun(unit[0], matrix, *args).run()]
+        return SwitchRun(unit, matrix, *args)
+    return CaseRun(unit[0], matrix, *args)
+
+
+def measure(runner: CaseRun) -> list[CaseResult]:
+    """The result rows of a unit's server: one, or a switch server's one per variant."""
+    if isinstance(runner, SwitchRun):
+        return runner.run_all()
+    return [runner.run()]
 
 
 class _AsCase:

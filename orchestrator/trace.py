@@ -504,3 +504,73 @@ def find_rank_traces(directory: Path) -> list[Path]:
 
 def looks_like_trace(path: Path) -> bool:
     return Path(path).name.endswith(TRACE_SUFFIXES)
+
+
+# A table cell's width for a kernel name: CUTLASS and FlashAttention kernels are C++ template
+# instances whose demangled names run past 1,000 characters.
+NAME_CELL_CHARS = 100
+
+
+def short_name(name: str, limit: int = NAME_CELL_CHARS) -> str:
+    """A kernel name that fits a table cell: the parameter list dropped, then the deepest
+    template arguments folded to ``…`` until it fits, then the middle cut. Names within
+    `limit` are returned as they are; the full name stays in the JSON figures."""
+    if len(name) <= limit:
+        return name
+    out = _drop_parameters(name)
+    while len(out) > limit:
+        folded = _fold_deepest_template(out)
+        if folded == out:
+            break
+        out = folded
+    if len(out) > limit:
+        head = (limit - 1) * 2 // 3
+        out = out[:head] + "…" + out[len(out) - (limit - 1 - head) :]
+    return out
+
+
+def _drop_parameters(name: str) -> str:
+    """``void k<T>(T const*, int)`` -> ``void k<T>``: the parameter list at depth 0."""
+    depth = 0
+    for i, ch in enumerate(name):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(depth - 1, 0)
+        elif ch == "(" and depth == 0 and i > 0:
+            return name[:i].rstrip()
+    return name
+
+
+_FOLDED = "<…>"
+
+
+def _fold_deepest_template(name: str) -> str:
+    """Every template argument list at the deepest nesting level not folded yet replaced by
+    ``…`` (a folded ``<…>`` counts as a plain word, so each call folds one level more)."""
+    marker = "\x00"
+    name = name.replace(_FOLDED, marker)
+    depth = deepest = 0
+    for ch in name:
+        depth += ch == "<"
+        depth -= ch == ">"
+        deepest = max(deepest, depth)
+    if deepest == 0:
+        return name.replace(marker, _FOLDED)
+    out: list[str] = []
+    depth = 0
+    for ch in name:
+        if ch == "<":
+            depth += 1
+            if depth == deepest:
+                out.append("<…")
+                continue
+        elif ch == ">":
+            if depth == deepest:
+                depth -= 1
+                out.append(">")
+                continue
+            depth -= 1
+        if depth < deepest:
+            out.append(ch)
+    return "".join(out).replace(marker, _FOLDED)

@@ -16,6 +16,12 @@ Definitions (per repeat; failed requests are excluded from every latency figure)
 - TTFT: first token - start. TPOT: (end - first token) / (output_tokens - 1).
 - ITL: the gap between consecutive streamed chunks, one value per gap, as `vllm bench
   serve` counts it (with MTP a chunk may carry several tokens).
+- E2EL: end-to-end request latency, start to the last chunk (`vllm bench serve`'s E2EL).
+- every distribution carries ``n``, the samples behind it (requests, or chunk gaps for ITL);
+- chunking: how the tokens reached the client (chunks, tokens per chunk, how many gaps were
+  under BURST_GAP_S). An API server short of CPU flushes several chunks at once, so most
+  gaps are near zero and one is long: ITL percentiles then describe that flushing, not the
+  decode step, and the chunking says so.
 
 Modes: `requests` sends that many in total at the given concurrency; `duration_s` runs
 `concurrency` users that each issue requests back to back until the duration is over.
@@ -51,6 +57,9 @@ _DEATH_GRACE_S = 3.0  # after failed requests: how long to watch for the server'
 _PROGRESS_EVERY_S = 1.0
 _ERROR_BACKOFF_S = 0.5  # a duration-mode user that failed waits, so errors cannot spin
 _PERCENTILES = (50, 90, 99)
+# A gap between chunks shorter than this is delivery, not a decode step: no model step on
+# any machine here is this fast, so such gaps are chunks the API server flushed together.
+BURST_GAP_S = 0.001
 
 
 class WorkloadAborted(RuntimeError):
@@ -167,7 +176,7 @@ class WorkloadResult:
                 "repeats": self.repeats,
                 "mean": mean_of_repeats(self.repeats),
                 # Pooled over every repeat's requests: the figures the summary and reports show.
-                "latency": latency_metrics(self.records),
+                "latency": {**latency_metrics(self.records), "chunking": chunking(self.records)},
                 "requests": len(self.records),
                 "errors": len(errors),
                 "error_samples": errors[:5],
@@ -222,7 +231,24 @@ def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
     ms = [v * 1000 for v in values_s]
     out = {f"p{q}": percentile(ms, q) for q in _PERCENTILES}
     out["mean"] = sum(ms) / len(ms) if ms else math.nan
+    out["n"] = len(ms)
     return out
+
+
+def chunking(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How the successful requests' tokens were streamed: chunks, tokens per chunk (mean and
+    largest), chunk gaps, and how many of those were under BURST_GAP_S (see the module
+    docstring)."""
+    ok = [r for r in records if r["error"] is None]
+    sizes = [n for r in ok for n in (r.get("chunk_tokens") or [])]
+    gaps = [b - a for r in ok for a, b in itertools.pairwise(r["chunk_s"])]
+    return {
+        "chunks": len(sizes),
+        "tokens_per_chunk_mean": sum(sizes) / len(sizes) if sizes else math.nan,
+        "tokens_per_chunk_max": max(sizes, default=0),
+        "gaps": len(gaps),
+        "gaps_under_1ms": sum(1 for g in gaps if g < BURST_GAP_S),
+    }
 
 
 def _decoding(ok: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -241,6 +267,7 @@ def latency_metrics(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, fl
         "ttft_ms": _stats_ms([r["first_token_s"] - r["start_s"] for r in ok]),
         "tpot_ms": _stats_ms(tpot),
         "itl_ms": _stats_ms([b - a for r in ok for a, b in itertools.pairwise(r["chunk_s"])]),
+        "e2el_ms": _stats_ms([r["end_s"] - r["start_s"] for r in ok]),
     }
 
 

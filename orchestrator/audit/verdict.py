@@ -32,6 +32,9 @@ class AuditResult:
     # Findings logged after the orchestrator began stopping the server that are known
     # consequences of the stop itself (see SHUTDOWN_NOISE); kept and shown, never counted.
     discounted: list[Finding] = field(default_factory=list)
+    # Log path -> the first line written after its server's stop began: recorded with the
+    # audit, so a later `orchestrator audit` of the run discounts exactly what the run did.
+    stopped_at: dict[str, int] = field(default_factory=dict)
 
     @property
     def root_cause(self) -> Finding | None:
@@ -50,6 +53,7 @@ class AuditResult:
             "summary": self.summary_sentence(),
             "findings": [f.to_dict() for f in self.findings],
             "discounted": [f.to_dict() for f in self.discounted],
+            "stopped_at": dict(self.stopped_at),
             "searched": {**asdict(self.searched), "lines": self.searched.lines},
         }
 
@@ -61,7 +65,7 @@ def judge(
     `discount_after_stop`), the root cause marked, the verdict drawn."""
     kept, discounted = discount_after_stop(findings, stopped_at or {})
     mark_root_cause(kept)
-    return AuditResult(kept, searched, verdict(kept, searched), discounted)
+    return AuditResult(kept, searched, verdict(kept, searched), discounted, dict(stopped_at or {}))
 
 
 def discount_after_stop(

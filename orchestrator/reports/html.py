@@ -30,17 +30,20 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from markupsafe import Markup
 
+from orchestrator.reports.measures import STATS_NOTE, bursty, workload_defs
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     Run,
     audit_sentence,
     exposure_warning,
     findings,
+    interpreted_note,
+    interrupted_sentence,
     paired_deltas,
     token_checks,
 )
 from orchestrator.reports.run import fmt_tok as _fmt
-from orchestrator.reports.summary import latency_table
+from orchestrator.reports.summary import latency_table, totals_table
 from orchestrator.results import CaseResult
 from orchestrator.store import write_text_atomic
 
@@ -303,7 +306,7 @@ def _topology_table(run: Run, metric: str) -> dict[str, Any]:
     """The seeds' table (Model | TP | DCP | MTP | [Variant] | columns | Errors | Status)."""
     multi = len(run.variants) > 1
     header = ["Model", "TP", "DCP", "MTP"] + (["Variant"] if multi else [])
-    header += [c for _, c in run.columns] + ["Errors"]
+    header += [name for name, _ in run.columns] + ["Errors"]
     rows = []
     for r in run.ordered:
         cells: list[Any] = [r.model, r.tp, r.dcp, r.mtp] + ([r.variant] if multi else [])
@@ -317,7 +320,7 @@ def _throughput_charts(run: Run) -> list[Chart]:
     for r in run.ordered:
         topologies.setdefault(r.topology_id, {})[r.variant] = r
     out = []
-    for name, column in run.columns:
+    for name, _ in run.columns:
         groups = [
             (
                 topo,
@@ -325,21 +328,32 @@ def _throughput_charts(run: Run) -> list[Chart]:
             )
             for topo, by_v in topologies.items()
         ]
-        out.append(
-            bar_chart(f"{column}: aggregate output tok/s per topology", groups, run.variants)
-        )
+        out.append(bar_chart(f"{name}: aggregate output tok/s per topology", groups, run.variants))
     return out
 
 
 def _delta_charts(run: Run) -> list[Chart]:
     by_pair: dict[tuple[str, str], list[tuple[str, float | None]]] = {}
     for d in paired_deltas(run):
-        item = (f"{d.topology_id} {d.column}", d.delta_pct)
+        item = (f"{d.topology_id} {d.workload or d.column}", d.delta_pct)
         by_pair.setdefault((d.baseline, d.candidate), []).append(item)
     return [
         delta_chart(f"{cand} vs {base}: aggregate tok/s delta", items)
         for (base, cand), items in by_pair.items()
     ]
+
+
+def _paired_table(run: Run) -> dict[str, Any]:
+    """The paired deltas as a table, each with the samples its two figures stand on."""
+    header = ["Topology", "Workload", "Baseline", "Candidate", "Baseline tok/s",
+              "Candidate tok/s", "Delta", "Samples each"]  # fmt: skip
+    body = [
+        [d.topology_id, d.workload or d.column, d.baseline, d.candidate, _fmt(d.baseline_tok_s),
+         _fmt(d.candidate_tok_s), "-" if d.delta_pct is None else f"{d.delta_pct:+.2f}%",
+         d.samples or "-"]
+        for d in paired_deltas(run)
+    ]  # fmt: skip
+    return {"header": header, "body": body}
 
 
 def _run_label(run: Run) -> str:
@@ -361,7 +375,7 @@ def _trend(run: Run, history: Sequence[Run]) -> tuple[int, list[Chart]]:
     charts = []
     # Relative to each case's first run in the window: absolute tok/s of 60-125 on one axis
     # flatten a 5% regression into a pixel; as % change every case's drift reads the same.
-    for name, column in run.columns:
+    for name, _ in run.columns:
         series, tips = [], []
         for cid in run.manifest.case_ids:
             absolute = [rows[cid].mean_of(name) if cid in rows else None for rows in by_run]
@@ -381,7 +395,7 @@ def _trend(run: Run, history: Sequence[Run]) -> tuple[int, list[Chart]]:
         if series:
             charts.append(
                 line_chart(
-                    f"{column}: aggregate output tok/s per case, change since its first run",
+                    f"{name}: aggregate output tok/s per case, change since its first run",
                     xlabels,
                     series,
                     tips,
@@ -429,6 +443,7 @@ def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> di
     return {
         "run_id": run.run_id,
         "status": "bad" if failed else "warn" if len(ordered) < len(m.cases) else "ok",
+        "interrupted": interrupted_sentence(run),
         "matrix_path": m.matrix_path or "",
         "matrix_name": m.matrix.get("name", ""),
         "created_at": m.created_at or "-",
@@ -441,9 +456,19 @@ def _page(run: Run, history: Sequence[Run], comparison: Comparison | None) -> di
         "comparison": comparison,
         "tables": [_topology_table(run, "aggregate_tok_s"), _topology_table(run, "per_user_tok_s")],
         "throughput_charts": _throughput_charts(run) if ordered else [],
-        "latency": {"note": LATENCY_NOTE, "header": latency_header, "body": latency_body},
+        "latency": {
+            "note": LATENCY_NOTE,
+            "stats_note": STATS_NOTE,
+            "header": latency_header,
+            "body": latency_body,
+            "bursty": bursty(run),
+        },
+        "workloads": [{"title": w.title, "text": w.describe()} for w in workload_defs(run)],
+        "totals": dict(zip(("header", "body"), totals_table(run), strict=True)),
         "ab": ab,
-        # An A/B's section supersedes the one-server deltas of the paired chart.
+        # An A/B's section supersedes the one-server deltas of the paired table and chart.
+        "paired": _paired_table(run) if ab is None else {"header": [], "body": []},
+        "paired_note": interpreted_note(run),
         "delta_charts": [] if ab is not None else _delta_charts(run),
         "token_checks": token_checks(run),
         "profile": _profile(run),

@@ -6,9 +6,9 @@ from dataclasses import asdict
 from typing import Any
 
 from orchestrator.reports.ab_section import ab_json
+from orchestrator.reports.measures import LATENCIES, chunking, stat, totals, workload_defs
 from orchestrator.reports.profile import profile_pairs
 from orchestrator.reports.run import Run, audit_sentence, paired_deltas
-from orchestrator.reports.summary import LATENCIES, QUANTILES
 from orchestrator.results import WorkloadSummary
 
 
@@ -17,9 +17,12 @@ def _workload(w: WorkloadSummary) -> dict[str, Any]:
         "aggregate_tok_s": w.mean.aggregate_tok_s,
         "aggregate_tok_s_sd": w.throughput()[1],
         "per_user_tok_s": w.mean.per_user_tok_s,
-        "latency_ms": {
-            key: {q: getattr(w.latency_ms(key), q) for q in QUANTILES} for _, key in LATENCIES
-        },
+        # `vllm bench serve`'s block, summed over the repeats.
+        "totals": None if (t := totals(w)) is None else t.to_dict(),
+        # n (samples), mean, p50, p90, p99 in ms; a percentile is None where n is too small
+        # for it (orchestrator.reports.measures.min_samples).
+        "latency_ms": {key: stat(w, key).to_dict() for _, key, _ in LATENCIES},
+        "chunking": chunking(w),
         "repeats": [
             {"aggregate_tok_s": x.aggregate_tok_s, "per_user_tok_s": x.per_user_tok_s}
             for x in w.repeats
@@ -37,9 +40,14 @@ def render_json(run: Run) -> dict[str, Any]:
         "git": m.git,
         "provenance": m.provenance,
         "corrections": [c.model_dump(exclude_none=True) for c in run.corrections],
+        # What every figure below measured: each workload by its one name.
+        "workloads": [w.to_dict() for w in workload_defs(run)],
         "cases_total": len(m.cases),
         "cases_finished": len(rows),
         "cases_failed": sum(not r.passed for r in rows),
+        # The latest attempt's figures when it was interrupted (what, the case cut short,
+        # the command that continues it); None for a run that was not.
+        "interrupted": run.interrupted,
         "overhead": run.overhead.run,
         "overhead_resumes": run.overhead.resumes,
         "cases": [

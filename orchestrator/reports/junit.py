@@ -19,6 +19,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.reports.measures import (
+    LATENCIES,
+    WorkloadDef,
+    fmt_ms,
+    fmt_n,
+    stat,
+    totals,
+    workload_defs,
+)
 from orchestrator.reports.run import Run
 from orchestrator.results import CaseResult, Finding
 from orchestrator.store import write_text_atomic
@@ -55,13 +64,36 @@ def _case_failures(row: CaseResult, comparison: Comparison | None) -> list[tuple
     return out
 
 
-def _system_out(row: CaseResult) -> str:
-    # Throughput in the test's output: dashboards show it next to the case, no other file needed.
-    return "\n".join(
-        f"{name}: aggregate {w.mean.aggregate_tok_s} tok/s, "
-        f"active per-user {w.mean.per_user_tok_s} tok/s, errors {w.errors}"
-        for name, w in row.workloads.items()
-    )
+def _system_out(row: CaseResult, defs: dict[str, WorkloadDef]) -> str:
+    # The figures in the test's output: dashboards show them next to the case, no other file
+    # needed; each workload said with what it was and the samples its figures stand on.
+    lines = []
+    for name, w in row.workloads.items():
+        d = defs.get(name)
+        t = totals(w)
+        means = ", ".join(
+            f"{label} mean {fmt_ms(s.mean)} ms (n={fmt_n(s.n)})"
+            for label, key, _ in LATENCIES
+            if (s := stat(w, key)).mean is not None
+        )
+        done = "" if t is None else f"{t.successful} successful requests in {t.duration_s:.2f} s, "
+        lines.append(
+            f"{name}{f' ({d.describe()})' if d else ''}: {done}"
+            f"aggregate {w.mean.aggregate_tok_s} tok/s, "
+            f"active per-user {w.mean.per_user_tok_s} tok/s, errors {w.errors}"
+            + (f"; {means}" if means else "")
+        )
+    return "\n".join(lines)
+
+
+def _not_run(run: Run, case_id: str) -> str:
+    """Why a case of the matrix has no result, as precisely as the run directory says."""
+    figures = run.interrupted
+    if figures is None:
+        return "not run (run interrupted or case not selected)"
+    cut = figures.get("cut_short") or {}
+    during = " during this case" if cut.get("case_id") == case_id else ""
+    return f"not run: the run was interrupted ({figures['interrupted']}){during}"
 
 
 def _ab_properties(run: Run) -> list[tuple[str, str]]:
@@ -83,6 +115,7 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
     """The run (and, given one, its comparison's regressions) as a JUnit XML document."""
     m = run.manifest
     rows = {r.case_id: r for r in run.results}
+    defs = {d.name: d for d in workload_defs(run)}
     suite = ET.Element("testsuite", name=xml_text(run.run_id))
     if m.created_at:
         suite.set("timestamp", xml_text(m.created_at))
@@ -94,6 +127,7 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
         *((f"version.{k}", v) for k, v in (m.versions or {}).items()),
         ("compared_with", comparison.base_run if comparison else None),
         *_ab_properties(run),
+        ("interrupted", (run.interrupted or {}).get("interrupted")),
     ):
         if value is not None:
             ET.SubElement(props, "property", name=xml_text(key), value=xml_text(value))
@@ -111,7 +145,7 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
         row = rows.get(case_id)
         if row is None:
             skipped += 1
-            ET.SubElement(tc, "skipped", message="not run (run interrupted or case not selected)")
+            ET.SubElement(tc, "skipped", message=_not_run(run, case_id))
             continue
         seconds = row.timings.get("total_s", 0.0)
         total_time += seconds
@@ -128,7 +162,7 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
                 message=xml_text(first[:MAX_MESSAGE_CHARS]),
             )
             failure.text = xml_text("\n".join(message for _, message in causes))
-        out = _system_out(row)
+        out = _system_out(row, defs)
         if out:
             ET.SubElement(tc, "system-out").text = xml_text(out)
     root = ET.Element("testsuites", name="orchestrator")

@@ -10,6 +10,7 @@ import re
 
 from orchestrator.mdtable import md_code, md_table, md_text, plain_text
 from orchestrator.reports import corrections as superseded
+from orchestrator.reports.measures import STATS_NOTE, bursty, workload_defs
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     MISSING,
@@ -18,12 +19,14 @@ from orchestrator.reports.run import (
     exposure_warning,
     findings,
     fmt_tok,
+    interpreted_note,
+    interrupted_sentence,
     paired_deltas,
     plural,
     repeats,
     token_checks,
 )
-from orchestrator.reports.summary import latency_table
+from orchestrator.reports.summary import latency_table, totals_table
 
 # Findings listed in report.md; the rest are in each case's audit.json.
 MAX_FINDINGS = 50
@@ -33,7 +36,8 @@ def topology_table(run: Run, metric: str) -> str:
     """The seeds' table: Model | TP | DCP | MTP | [Variant] | columns | Errors | Status."""
     multi = len(run.variants) > 1
     header = ["Model", "TP", "DCP", "MTP"] + (["Variant"] if multi else [])
-    header += [c for _, c in run.columns] + ["Errors", "Status"]
+    # Each workload by its one name (a column it fills is said in the Workloads section).
+    header += [name for name, _ in run.columns] + ["Errors", "Status"]
     body = []
     for r in run.ordered:
         line = [r.model, str(r.tp), str(r.dcp), str(r.mtp)]
@@ -45,11 +49,49 @@ def topology_table(run: Run, metric: str) -> str:
     return md_table(header, body)
 
 
+def _workloads_section(run: Run) -> list[str]:
+    """What each workload is: the lengths, concurrency and size every figure stands on."""
+    defs = workload_defs(run)
+    if not defs:
+        return []
+    header = ["Workload", "Prompt tokens", "Output tokens", "Concurrency",
+              "Requests per repeat", "Duration (s)", "Repeats", "Stands in for"]  # fmt: skip
+    body = [
+        [
+            w.name, f"{w.prompt_tokens:,}", f"{w.output_tokens:,}", str(w.concurrency),
+            MISSING if w.requests is None else f"{w.requests:,}",
+            MISSING if w.duration_s is None else f"{w.duration_s:g}", str(w.repeats),
+            w.column if w.column != w.name else MISSING,
+        ]
+        for w in defs
+    ]  # fmt: skip
+    return ["## Workloads", "", md_table(header, body), ""]
+
+
+def _totals_section(run: Run) -> list[str]:
+    header, body = totals_table(run)
+    if not body:
+        return []
+    return [
+        "## Totals per workload",
+        "",
+        "As `vllm bench serve` reports them, summed over the workload's repeats; then how "
+        "the tokens were streamed (tokens per chunk, and the share of gaps between chunks "
+        "under 1 ms).",
+        "",
+        md_table(header, body),
+        "",
+    ]
+
+
 def _latency_section(run: Run) -> list[str]:
     header, body = latency_table(run)
     if not body:
         return []
-    return ["## Latency per request (ms)", "", LATENCY_NOTE, "", md_table(header, body), ""]
+    out = ["## Latency per request (ms)", "", LATENCY_NOTE, "", STATS_NOTE, ""]
+    out += [md_table(header, body), ""]
+    out += [f"- {s}" for s in bursty(run)]
+    return out + ([""] if out[-1] else [])
 
 
 def _paired_section(run: Run) -> list[str]:
@@ -64,16 +106,20 @@ def _paired_section(run: Run) -> list[str]:
         body = [
             [
                 d.topology_id,
-                d.column,
+                d.workload or d.column,
                 fmt_tok(d.baseline_tok_s),
                 fmt_tok(d.candidate_tok_s),
                 MISSING if d.delta_pct is None else f"{d.delta_pct:+.2f}%",
+                d.samples or MISSING,
             ]
             for d in deltas
         ]
-        header = ["Topology", "Workload", base.title(), cand.title(), "Delta"]
+        header = ["Topology", "Workload", base.title(), cand.title(), "Delta", "Samples each"]
         lines += [f"## Paired variants: {md_text(base)} vs {md_text(cand)}", ""]
         lines += [md_table(header, body), ""]
+    note = interpreted_note(run)
+    if lines and note:
+        lines += [note, ""]
     return lines
 
 
@@ -140,8 +186,17 @@ def _failed_case(case_id: str, reason: str) -> list[str]:
 
 
 def overhead_sentence(o: dict) -> str:
+    """One attempt's overhead figures; an interrupted attempt's are over its finished cases
+    only (orchestrator.runner), and one that finished none has none."""
+    if "wall_s" not in o:
+        return f"Interrupted ({o.get('interrupted', '?')}) before any case finished: no figures."
+    head = "Wall"
+    if o.get("interrupted"):
+        cut = o.get("cut_short")
+        left = f"; the {cut['s']:.1f} s of the case it cut short are left out" if cut else ""
+        head = f"Interrupted ({o['interrupted']}){left}. Up to its last finished case: wall"
     return (
-        f"Wall {o['wall_s']:.1f} s, of which server start-up and measured workloads "
+        f"{head} {o['wall_s']:.1f} s, of which server start-up and measured workloads "
         f"{o['startup_and_measured_s']:.1f} s; overhead {o['overhead_s']:.1f} s "
         f"({o['overhead_pct']:.1f}%)."
     )
@@ -162,12 +217,21 @@ def _overhead_section(run: Run) -> list[str]:
     return out
 
 
+def _interrupted(run: Run) -> str:
+    sentence = interrupted_sentence(run)
+    if sentence is None:
+        return ""
+    head, _, rest = sentence.partition(". Continue with: ")
+    return f"**{head}.** " + (f"Continue with `{rest}`. " if rest else "")
+
+
 def render_markdown(run: Run) -> str:
     m = run.manifest
     out = [f"# Run {md_text(m.run_id)}", ""]
     out.append(
         f"Matrix `{md_code(m.matrix_path)}` ({md_text(m.matrix_name)}), "
         f"{len(run.results)}/{len(m.cases)} cases finished, {len(run.failed)} failed. "
+        + _interrupted(run)
         + md_text(
             f"vLLM {m.version('vllm')}, fusedq {m.version('fusedq')} "
             f"(tree {m.fusedq_fingerprint}), torch {m.version('torch')}, "
@@ -179,6 +243,7 @@ def render_markdown(run: Run) -> str:
     if warning:
         out += ["", f"**Warning:** {md_text(warning)}."]
     out += ["", *superseded.markdown_section(run.corrections)]
+    out += _workloads_section(run)
     out += ["## Aggregate output tok/s", ""]
     out.append(
         "Mean over repeats of aggregate output tok/s; every long-context case includes the "
@@ -187,6 +252,7 @@ def render_markdown(run: Run) -> str:
     out += ["", topology_table(run, "aggregate_tok_s"), ""]
     out += ["## Active per-user output tok/s (time to first token excluded)", ""]
     out += [topology_table(run, "per_user_tok_s"), ""]
+    out += _totals_section(run)
     out += _latency_section(run)
     out += _ab_section(run) or _paired_section(run)
     out += _profile_section(run)

@@ -144,6 +144,14 @@ class Run:
     def variants(self) -> list[str]:
         return self.manifest.variants()
 
+    @property
+    def interrupted(self) -> dict[str, Any] | None:
+        """The latest attempt's figures when it was interrupted (Ctrl-C, SIGTERM): what
+        stopped it, the case it cut short, the command that continues it."""
+        from orchestrator.interrupted import latest
+
+        return latest([self.overhead.run, *self.overhead.resumes])
+
 
 # --------------------------------------------------------------------------- shared tables
 
@@ -159,6 +167,10 @@ class PairedDelta:
     baseline_tok_s: float | None
     candidate_tok_s: float | None
     delta_pct: float | None
+    # The workload's one name (`column` is the report column it fills), and the samples each
+    # side's figure stands on: "2 requests x 1 repeat" (orchestrator.reports.measures).
+    workload: str = ""
+    samples: str = ""
 
 
 def paired_deltas(run: Run) -> list[PairedDelta]:
@@ -178,8 +190,60 @@ def paired_deltas(run: Run) -> list[PairedDelta]:
             for name, col in run.columns:
                 b, c = vs[base].mean_of(name), vs[cand].mean_of(name)
                 delta = None if b in (None, 0.0) or c is None else 100.0 * (c - b) / b
-                out.append(PairedDelta(topo, col, base, cand, b, c, delta))
+                samples = _samples(vs[base], vs[cand], name)
+                out.append(PairedDelta(topo, col, base, cand, b, c, delta, name, samples))
     return out
+
+
+def interrupted_sentence(run: Run) -> str | None:
+    """``Interrupted (SIGTERM) during tiny/tp1-dcp1-mtp0/fused (starting); it has no
+    result. Continue with: orchestrator run ... --resume ID``; None for a run that was not."""
+    figures = run.interrupted
+    if figures is None:
+        return None
+    out = f"Interrupted ({figures['interrupted']})"
+    cut = figures.get("cut_short")
+    if cut:
+        out += f" during {cut['case_id']} ({cut['phase']}); it has no result"
+    out += "."
+    if figures.get("resume"):
+        out += f" Continue with: {figures['resume']}"
+    return out
+
+
+def interpreted_note(run: Run) -> str | None:
+    """What a paired delta means where the fused query ran in Triton's interpreter (a CPU
+    run): the interpreter's speed, not the kernel's."""
+    if run.manifest.matrix.get("resources", {}).get("accelerator") != "cpu":
+        return None
+    variants = {
+        c.get("variant")
+        for c in run.manifest.cases
+        if c.get("env", {}).get("TRITON_INTERPRET") == "1"
+    }
+    if not variants:
+        return None
+    return (
+        f"On CPU the {', '.join(sorted(v for v in variants if v))} variant ran fusedq's "
+        "kernel in Triton's interpreter (Python, a tenth of a second or more per layer and "
+        "step): its deltas measure the interpreter, not the kernel. What the CPU run shows is that the "
+        "fused path serves, gives the staged path's tokens, and is audited; the kernel's "
+        "speed is measured on a GPU."
+    )
+
+
+def _samples(base: CaseResult, cand: CaseResult, workload: str) -> str:
+    """What a paired delta stands on: each side's successful requests and repeats."""
+
+    def side(r: CaseResult) -> str:
+        w = r.workloads.get(workload)
+        if w is None:
+            return MISSING
+        ok = sum(int(x.requests or 0) - int(x.errors or 0) for x in w.repeats)
+        return f"{plural(ok, 'request')} x {plural(len(w.repeats), 'repeat')}"
+
+    b, c = side(base), side(cand)
+    return b if b == c else f"{b} / {c}"
 
 
 def token_checks(run: Run) -> list[tuple[str, str, str, str]]:
@@ -247,7 +311,7 @@ def repeats(run: Run) -> list[tuple[str, str, list[Any]]]:
 
 
 LATENCY_NOTE = (
-    "Time to first token, time per output token after the first, and the gap between "
-    "streamed chunks (one value per gap; with MTP a chunk may carry several tokens), over "
-    "every successful request of the workload's repeats."
+    "Time to first token, time per output token after the first, the gap between streamed "
+    "chunks (one value per gap; with MTP a chunk may carry several tokens) and end-to-end "
+    "request latency, over every successful request of the workload's repeats."
 )

@@ -1,30 +1,43 @@
-"""Per case and workload: output tok/s over repeats and the latency percentiles of its requests.
+"""Per case and workload: what was measured and how well, as the reports' shared tables.
 
 One table model, built from a run's results, that several outputs render: the closing block
-`orchestrator run` prints (in the manner of `vllm bench serve`'s), and the latency sections of
-report.md, report.json and report.html.
+`orchestrator run` prints (in the manner of `vllm bench serve`'s), and the workload, totals
+and latency sections of report.md, report.json and report.html. What each figure means and
+the samples behind it are orchestrator.reports.measures' (docs/workloads-and-statistics.md).
 
-Rows are named by case (variant included) and workload name: a workload's report column may
-stand for another size (the smoke matrix's ctx1k fills the ctx64k column), its name does not.
+Rows are named by case (variant included) and the workload's one name; a workload that fills
+another report column (the smoke matrix's ctx1k, for ctx64k) says so in the workload legend.
 
 - Output tok/s: the mean over repeats of aggregate output tok/s, ± the sample standard
   deviation of the repeats (no spread with one repeat).
-- TTFT / TPOT / ITL p50 and p99 (ms): over every successful request of every repeat of the
-  workload (orchestrator.workload.latency_metrics computes them when the workload ends). Rows
-  recorded before that pooled figure existed fall back to the mean over repeats of each
-  repeat's percentile (``WorkloadSummary.latency_ms``).
+- Totals: `vllm bench serve`'s result block, summed over the repeats.
+- TTFT / TPOT / ITL / E2EL (ms): n, mean, p50, p90, p99 over every successful request of
+  every repeat (ITL: every gap between streamed chunks); a percentile only where n allows
+  it. Rows recorded before pooled figures fall back to the mean over repeats of each
+  repeat's figure (``WorkloadSummary.latency_ms``).
 """
 
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.mdtable import plain_text
+from orchestrator.reports.measures import (
+    LATENCIES,
+    PERCENTILES,
+    Stat,
+    Totals,
+    burst_share,
+    fmt_ms,
+    fmt_n,
+    legend,
+    stat,
+    totals,
+)
 from orchestrator.reports.run import MISSING, Run
 
-LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
-QUANTILES = ("p50", "p99")
+__all__ = ["LATENCIES", "SummaryRow", "fmt_ms", "latency_table", "render_summary"]
 
 
 @dataclass(frozen=True)
@@ -33,14 +46,16 @@ class SummaryRow:
     topology_id: str
     variant: str
     workload: str
-    column: str
     tok_s: float | None
     tok_s_sd: float | None
     repeats: int
-    latency_ms: dict[str, dict[str, float | None]]  # "ttft_ms" -> {"p50": .., "p99": ..}
     errors: int
     status: str
     reason: str | None = None
+    totals: Totals | None = None
+    stats: dict[str, Stat] = field(default_factory=dict)  # "ttft_ms" -> Stat
+    tokens_per_chunk: float | None = None
+    burst_share: float | None = None
 
 
 def summary_rows(run: Run) -> list[SummaryRow]:
@@ -55,47 +70,29 @@ def summary_rows(run: Run) -> list[SummaryRow]:
             "status": "passed" if r.passed else "FAILED",
             "reason": r.reason,
         }
-        measured = [(n, c) for n, c in run.columns if n in r.workloads]
-        for name, column in measured:
+        measured = [n for n, _ in run.columns if n in r.workloads]
+        for name in measured:
             w = r.workloads[name]
             tok, sd, n = w.throughput()
-            latency = {
-                key: {q: getattr(w.latency_ms(key), q) for q in QUANTILES} for _, key in LATENCIES
-            }
+            chunks = w.latency.chunking if w.latency is not None else None
             out.append(
                 SummaryRow(
                     workload=name,
-                    column=column,
                     tok_s=tok,
                     tok_s_sd=sd,
                     repeats=n,
-                    latency_ms=latency,
                     errors=w.errors,
+                    totals=totals(w),
+                    stats={key: stat(w, key) for _, key, _ in LATENCIES},
+                    tokens_per_chunk=chunks.tokens_per_chunk_mean if chunks else None,
+                    burst_share=burst_share(w),
                     **common,
                 )
             )
         if not measured:
-            none = {k: dict.fromkeys(QUANTILES) for _, k in LATENCIES}
-            out.append(
-                SummaryRow(
-                    workload=MISSING,
-                    column=MISSING,
-                    tok_s=None,
-                    tok_s_sd=None,
-                    repeats=0,
-                    latency_ms=none,
-                    errors=r.errors,
-                    **common,
-                )
-            )
+            nothing = {"tok_s": None, "tok_s_sd": None, "repeats": 0, "errors": r.errors}
+            out.append(SummaryRow(workload=MISSING, **nothing, **common))
     return out
-
-
-def fmt_ms(v: float | None) -> str:
-    """Milliseconds with the digits that matter: 0.43, 12.7, 1834."""
-    if v is None:
-        return MISSING
-    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
 
 
 def fmt_tok_s(row: SummaryRow) -> str:
@@ -104,37 +101,79 @@ def fmt_tok_s(row: SummaryRow) -> str:
     return f"{row.tok_s:.2f}" + (f" ± {row.tok_s_sd:.2f}" if row.tok_s_sd is not None else "")
 
 
-def latency_cells(row: SummaryRow) -> list[str]:
-    """TTFT p50, TTFT p99, TPOT p50, ... formatted, in LATENCIES x QUANTILES order."""
-    return [fmt_ms(row.latency_ms[k][q]) for _, k in LATENCIES for q in QUANTILES]
+def _num(v: float | None, digits: int = 2) -> str:
+    return MISSING if v is None else f"{v:,.{digits}f}"
 
 
-def latency_header() -> list[str]:
-    return [f"{name} {q}" for name, _ in LATENCIES for q in QUANTILES]
+# --------------------------------------------------------------------------- report tables
 
 
-def latency_table(run: Run) -> tuple[list[str], list[list[str]]]:
-    """(header, body) of the reports' latency table: per case and measured workload, the
-    TTFT / TPOT / ITL p50 and p99 in ms; plain strings, each report escapes its own way."""
-    header = ["Case", "Workload", *(f"{h} (ms)" for h in latency_header())]
-    body = [
-        [r.case_id, r.workload, *latency_cells(r)]
-        for r in summary_rows(run)
-        if r.workload != MISSING
-    ]
+def totals_table(run: Run) -> tuple[list[str], list[list[str]]]:
+    """(header, body): `vllm bench serve`'s result block per case and workload, and how the
+    tokens were streamed; plain strings, each report escapes its own way."""
+    header = [
+        "Case", "Workload", "Successful requests", "Failed", "Duration (s)", "Input tokens",
+        "Output tokens", "Request/s", "Output tok/s", "Total tok/s", "Tokens per chunk",
+        "Chunk gaps < 1 ms",
+    ]  # fmt: skip
+    body = []
+    for r in summary_rows(run):
+        t = r.totals
+        if t is None:
+            continue
+        body.append(
+            [
+                r.case_id, r.workload, f"{t.successful:,}", f"{t.failed:,}", _num(t.duration_s),
+                f"{t.input_tokens:,}", f"{t.output_tokens:,}", _num(t.request_throughput),
+                _num(t.output_throughput), _num(t.total_throughput),
+                _num(r.tokens_per_chunk), _pct(r.burst_share),
+            ]
+        )  # fmt: skip
     return header, body
 
 
+def _pct(v: float | None) -> str:
+    return MISSING if v is None else f"{100 * v:.0f}%"
+
+
+def latency_table(run: Run) -> tuple[list[str], list[list[str]]]:
+    """(header, body) of the reports' latency table: per case, measured workload and
+    statistic, its samples, mean and the percentiles they allow (ms)."""
+    header = ["Case", "Workload", "Metric", "n", "Mean", *PERCENTILES]
+    body = []
+    for r in summary_rows(run):
+        for label, key, _ in LATENCIES:
+            s = r.stats.get(key)
+            if s is None or s.mean is None:
+                continue
+            cells = [fmt_ms(s.shown(q)) for q in ("mean", *PERCENTILES)]
+            body.append([r.case_id, r.workload, label, fmt_n(s.n), *cells])
+    return header, body
+
+
+# --------------------------------------------------------------------------- the terminal
+
+
 def render_summary(run: Run) -> str:
-    """The closing block of `orchestrator run`: a fixed-width table, no control codes, so it
-    reads the same in a terminal, a CI log and a pasted bug report."""
+    """The closing block of `orchestrator run`: the workloads, then a fixed-width table, no
+    control codes, so it reads the same in a terminal, a CI log and a pasted bug report."""
     lines = summary_rows(run)
-    header = ["Case", "Workload", "Output tok/s", *latency_header(), "Err", "Status"]
-    body = [
-        [_line(r.case_id), _line(r.workload), fmt_tok_s(r), *latency_cells(r), str(r.errors),
-         r.status]
-        for r in lines
+    header = [
+        "Case", "Workload", "OK", "Duration s", "Output tok/s", "Total tok/s",
+        *(f"{label} mean" for label, _, _ in LATENCIES), "Tok/chunk", "Err", "Status",
     ]  # fmt: skip
+    body = []
+    for r in lines:
+        t = r.totals
+        means = [fmt_ms(r.stats[k].mean) if k in r.stats else MISSING for _, k, _ in LATENCIES]
+        body.append(
+            [
+                _line(r.case_id), _line(r.workload), MISSING if t is None else f"{t.successful}",
+                MISSING if t is None else _num(t.duration_s, 1), fmt_tok_s(r),
+                MISSING if t is None else _num(t.total_throughput),
+                *means, _num(r.tokens_per_chunk, 1), str(r.errors), r.status,
+            ]
+        )  # fmt: skip
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
 
     def fmt(cells: list[str]) -> str:
@@ -151,11 +190,18 @@ def render_summary(run: Run) -> str:
     failed = len(run.failed)
     finished = len(run.results)
     total = len(run.manifest.cases)
-    out = [title.center(width, "="), *table, "-" * width]
+    out = [title.center(width, "=")]
+    for line in legend(run):
+        out += textwrap.wrap(f"Workload {line}", width, subsequent_indent="  ")
+    out += ["-" * width, *table, "-" * width]
+    stopped = run.interrupted
+    how = f" (interrupted by {stopped['interrupted']})" if stopped else ""
     note = (
-        f"{finished}/{total} cases finished, {finished - failed} passed, {failed} failed. "
-        "Output tok/s: mean over repeats ± their sample standard deviation. TTFT, TPOT, ITL: "
-        "ms, over every successful request of the workload. Err: failed requests."
+        f"{finished}/{total} cases finished{how}, {finished - failed} passed, {failed} failed. "
+        "OK: successful requests, the samples behind TTFT, TPOT and E2EL (ITL: the gaps "
+        "between streamed chunks). Duration: the workload's wall time over its repeats. "
+        "Output tok/s: mean over repeats ± their sample standard deviation. Latency: mean in "
+        "ms; n, p50, p90 and p99 (where n allows) are in report.md. Err: failed requests."
     )
     out += textwrap.wrap(note, width)
     out.append("=" * width)

@@ -432,14 +432,31 @@ def test_eager_row_takes_the_best_run_and_the_ratios():
     assert "eager bf16 H=16 M=1 µs/call: public=11.0" in bench_eager.one_line(row)
 
 
-def test_eager_refuses_without_cuda():
+def test_eager_refuses_without_cuda(capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")
-    with pytest.raises(SystemExit) as info:
-        bench.main(["--eager", "--heads", "8", "--m", "1"])
-    assert "needs a CUDA GPU" in str(info.value) and "interpreter" in str(info.value)
+    assert bench.main(["--eager", "--heads", "8", "--m", "1"]) == bench.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "interpreter" in err
+
+
+def test_the_command_without_a_gpu_exits_2_with_one_line():
+    """`fusedq-bench` as a user types it, on a machine without CUDA: the usage exit code
+    (nothing was measured) and one line saying why, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")
+    script = Path(sys.executable).with_name("fusedq-bench")
+    out = subprocess.run([str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == ["fusedq-bench needs a CUDA GPU"], out.stderr
 
 
 @pytest.mark.gpu

@@ -21,6 +21,14 @@ warmup_requests: 2
 """
 
 
+@pytest.fixture(autouse=True)
+def _no_interpreter_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimate reads whether the fused query will run interpreted from the environment a
+    local Ray's servers inherit; tests/fusedq's conftest sets TRITON_INTERPRET for its session."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("FUSEDQ_MLA_QUERY", raising=False)
+
+
 def _matrix(accel: str):
     return parse_matrix(MATRIX.replace("ACCEL", accel), "est.yaml")
 
@@ -95,3 +103,27 @@ def test_eta_learns_from_passed_cases_only() -> None:
 )
 def test_human_s(seconds: float, text: str) -> None:
     assert human_s(seconds) == text
+
+
+def test_a_fused_query_in_the_interpreter_costs_decode_steps() -> None:
+    """On CPU the fused variant's kernel runs in Triton's interpreter: each decode step pays
+    it per layer (at MTP on CPU, the draft layer's only: the verify takes the prefill path),
+    in proportion to a rank's heads; the staged variant pays nothing."""
+    from orchestrator.estimate import interpreted_query_s
+
+    text = MATRIX.replace("ACCEL", "cpu").replace("path: /m", 'path: "builtin:tiny-mla"')
+    text += "variants: [{name: staged, env: {FUSEDQ_MLA_QUERY: '0'}}, {name: fused, env: {TRITON_INTERPRET: '1'}}]\n"
+    m = parse_matrix(text, "est.yaml")
+    by_id = {c.case_id: c for c in expand(m)}
+    fused0, fused1 = by_id["M/tp1-dcp1-mtp0/fused"], by_id["M/tp1-dcp1-mtp1/fused"]
+    per = CPU.interpreted_query_s_per_head
+    assert interpreted_query_s(by_id["M/tp1-dcp1-mtp0/staged"], "cpu", CPU) == 0.0
+    assert interpreted_query_s(fused0, "cpu", CPU) == pytest.approx(2 * 8 * per)  # 2 layers
+    assert interpreted_query_s(fused1, "cpu", CPU) == pytest.approx(1 * 8 * per)  # the draft
+    est = estimate_run(m, list(by_id.values()))
+    cases = est.per_case()
+    assert cases["M/tp1-dcp1-mtp0/fused"] > cases["M/tp1-dcp1-mtp0/staged"]
+    assert "Triton's interpreter" in est.basis()
+    assert (
+        "Triton's interpreter" not in estimate_run(_matrix("cpu"), expand(_matrix("cpu"))).basis()
+    )

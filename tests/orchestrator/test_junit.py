@@ -41,7 +41,13 @@ def test_clean_run_one_testcase_per_case(tmp_path):
         ("Luke BF16/tp8-dcp1-mtp0", "Luke BF16/tp8-dcp1-mtp0/staged"),
         ("Luke BF16/tp8-dcp1-mtp0", "Luke BF16/tp8-dcp1-mtp0/fused"),
     ]
-    assert "ctx0: aggregate 86.32 tok/s" in cases[0].find("system-out").text
+    out = cases[0].find("system-out").text
+    # Each workload with what it is and the figures' samples (the seed rows kept no n).
+    assert out.startswith(
+        "ctx0 (prompt 1 token, output 512 tokens, concurrency 1, 120 s x 2 repeats): "
+        "aggregate 86.32 tok/s"
+    )
+    assert "TTFT mean 41.5 ms (n=?)" in out
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
     assert props["matrix"] == "seed-tp8" and props["version.vllm"] == "0.32.0"
 

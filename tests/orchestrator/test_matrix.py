@@ -401,7 +401,7 @@ def test_plan_json(tmp_path):
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["servers"] == 4
-    assert {c["case_id"] for c in data["cases"]} >= {"tiny-mla/tp2-dcp1-mtp1/default"}
+    assert {c["case_id"] for c in data["cases"]} >= {"tiny-mla/tp2-dcp1-mtp0/fused"}
     assert any("DCP" in n for n in data["notes"])
 
 

@@ -80,7 +80,7 @@ def test_resume_with_nothing_left_starts_nothing_and_exits_on_the_runs_verdict(
     if failed:
         # The earlier attempt's reason, every line of it, marked as such.
         assert (
-            "FAILED tiny-mla/tp1-dcp1-mtp0/default (in an earlier attempt): ValueError: boom"
+            "FAILED tiny-mla/tp1-dcp1-mtp1/staged (in an earlier attempt): ValueError: boom"
             in res.output
         )
         assert "\n    server process exited with code 1" in res.output

@@ -1,7 +1,10 @@
 """`orchestrator run` end to end: the smoke matrix against real `vllm serve` (CPU build) placed
 through a real local Ray, then resume, then an injected fault. Nothing here is mocked.
 
-The workloads are shrunk with --set (CI time); the topology axes are the smoke matrix's own.
+The workloads are shrunk with --set (CI time); the topology axes and the staged and fused
+variants are the smoke matrix's own: the fused servers run fusedq's kernel in Triton's
+interpreter, the same-token check holds their greedy tokens against the staged ones, and
+`orchestrator audit` of the finished run reaches the run's own verdict.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def smoke_run(tmp_path_factory):
     sets = [f"--set={s}" for s in SMALL]
     first = _orchestrator(
         "run", "matrices/smoke.yaml", "--logs-dir", rel, "--run-id", "e2e",
-        "--only", "tp1-dcp1-mtp0", "--quiet", *sets,
+        "--only", "tp1-dcp1-mtp1", "--quiet", *sets,
     )  # fmt: skip
     rest = _orchestrator(
         "run", "matrices/smoke.yaml", "--logs-dir", rel, "--resume", "e2e", "--quiet", *sets
@@ -68,6 +71,7 @@ def smoke_run(tmp_path_factory):
     again = _orchestrator(
         "run", "matrices/smoke.yaml", "--logs-dir", rel, "--resume", "e2e", "--quiet", *sets
     )
+    audit = run_cli("audit", str(logs / "e2e"), "--json", timeout=300)
     after = _server_processes()
     return {
         "dir": logs / "e2e",
@@ -75,6 +79,7 @@ def smoke_run(tmp_path_factory):
         "rest": rest,
         "again": again,
         "figures_before_again": figures,
+        "audit": audit,
         "leaked": after - before,
     }
 
@@ -102,10 +107,10 @@ def test_every_case_passes_with_throughput(smoke_run):
         )
     rows = [json.loads(x) for x in (smoke_run["dir"] / "results.jsonl").read_text().splitlines()]
     assert [r["case_id"] for r in rows] == [
-        "tiny-mla/tp1-dcp1-mtp0/default",
-        "tiny-mla/tp1-dcp1-mtp1/default",
-        "tiny-mla/tp2-dcp1-mtp0/default",
-        "tiny-mla/tp2-dcp1-mtp1/default",
+        "tiny-mla/tp1-dcp1-mtp1/staged",
+        "tiny-mla/tp1-dcp1-mtp1/fused",
+        "tiny-mla/tp2-dcp1-mtp0/staged",
+        "tiny-mla/tp2-dcp1-mtp0/fused",
     ]
     for r in rows:
         assert r["status"] == "passed", r.get("reason")
@@ -131,10 +136,10 @@ def test_profile_phase_brings_every_rank_trace(smoke_run):
     run = Run.load(smoke_run["dir"])
     for r in run.ordered:
         log = (run.root / "cases" / case_slug(r.case_id) / "server.log").read_text()
-        # 8 heads: TP1's 8 per rank are qualified, TP2's 4 are not. Whether the fused query
-        # runs at all on CPU depends on TRITON_INTERPRET in the environment (tests/fusedq's
-        # conftest sets it for a whole pytest session).
-        enabled = {1: "fusedq: fused MLA query enabled" in log, 2: False}
+        # The fused variant runs the kernel (16 heads: 16 per rank at TP1, 8 at TP2, both
+        # qualified; TRITON_INTERPRET=1 in its env); the staged one has the plugin off.
+        fused = r.variant == "fused"
+        assert ("fusedq: fused MLA query enabled" in log) == fused, r.case_id
         p = r.profile
         assert p is not None and p.error is None, r.case_id
         assert p.decode_steps == PROFILE_STEPS and p.layers == 2 + r.mtp, r.case_id
@@ -147,17 +152,17 @@ def test_profile_phase_brings_every_rank_trace(smoke_run):
                 assert t.steps_seen == PROFILE_STEPS
                 assert t.query.occurrences == n, t.query
                 # The path the plugin's decision line in this server's log announced.
-                if enabled[r.tp]:
+                if fused:
                     assert t.query.names == {"fusedq::mla_query_projection": n}, t.query
                 else:
                     assert t.query.names == {"aten::bmm": n, "aten::cat": n}, t.query
         assert r.timings["profile_s"] > 0
     md = (smoke_run["dir"] / "report.md").read_text()
-    assert "## Decode profile" in md and "| tiny-mla/tp2-dcp1-mtp0/default | 2 | staged |" in md
+    assert "## Decode profile, paired" in md and "### tiny-mla/tp2-dcp1-mtp0: staged vs fused" in md
 
 
 def test_resume_skips_finished_cases_without_duplicates(smoke_run):
-    assert "skipped 1 finished case" in smoke_run["rest"].stdout
+    assert "skipped 2 finished case" in smoke_run["rest"].stdout
     assert smoke_run["again"].returncode == 0, smoke_run["again"].stderr[-2000:]
     assert "skipped 4 finished case" in smoke_run["again"].stdout
     assert "nothing left to run" in smoke_run["again"].stdout
@@ -170,13 +175,13 @@ def test_each_attempt_keeps_its_own_figures(smoke_run):
     # The resume with nothing left changed nothing (it started no Ray, so it has no figures).
     assert (d / "overhead.json").read_bytes() == smoke_run["figures_before_again"]
     data = json.loads((d / "report.json").read_text())
-    assert data["overhead"]["cases_run"] == 1
+    assert data["overhead"]["cases_run"] == 2
     [resume] = data["overhead_resumes"]
-    assert resume["cases_run"] == 3
+    assert resume["cases_run"] == 2
     for figures in (data["overhead"], resume):
         # Start-up and measurement are most of any attempt that ran cases.
         assert 0 < figures["overhead_s"] < figures["startup_and_measured_s"], figures
-    assert "Resume 1, 3 cases run: Wall" in (d / "report.md").read_text()
+    assert "Resume 1, 2 cases run: Wall" in (d / "report.md").read_text()
 
 
 def test_case_folders_hold_no_copy_of_the_run_path(smoke_run):
@@ -211,17 +216,54 @@ def test_run_directory_holds_everything(smoke_run):
         # ...and vLLM found the plugin through the dist-info shipped beside it, not the venv.
         assert "py_modules_files" in r["server"]["fusedq_metadata_from"]
         assert "fusedq=fusedq.vllm_plugin:register" in r["server"]["vllm_plugins"]
-        (expectation,) = r["audit"]["searched"]["expectations"]
-        assert expectation["occurrences"] >= 1 and not expectation["missing"], expectation
+        # The fused servers' every worker logged the enabled line and a fused decode step.
+        expectations = r["audit"]["searched"]["expectations"]
+        assert len(expectations) == (2 if r["variant"] == "fused" else 0), expectations
+        for e in expectations:
+            assert e["occurrences"] >= r["tp"] and not e["missing"], e
 
 
 def test_report_has_the_seed_table(smoke_run):
     report = (smoke_run["dir"] / "report.md").read_text()
-    assert "| Model | TP | DCP | MTP | ctx0 | ctx64k | Errors | Status |" in report
-    assert "| tiny-mla | 2 | 1 | 1 |" in report
+    assert "| Model | TP | DCP | MTP | Variant | ctx0 | ctx1k | Errors | Status |" in report
+    assert "| tiny-mla | 2 | 1 | 0 | fused |" in report
+    assert "| ctx1k | 256 | 16 | 1 | 2 | - | 1 | ctx64k |" in report  # what it measured
     assert "Orchestrator overhead" in report
     data = json.loads((smoke_run["dir"] / "report.json").read_text())
     assert data["cases_finished"] == 4 and data["cases_failed"] == 0
+
+
+def test_the_fused_query_is_paired_with_the_staged_one(smoke_run):
+    """The product on show: per topology, staged vs fused, their greedy tokens checked
+    request by request, and the paired delta with the samples behind it."""
+    rows = {
+        json.loads(x)["case_id"]: json.loads(x)
+        for x in (smoke_run["dir"] / "results.jsonl").read_text().splitlines()
+    }
+    for topo in ("tiny-mla/tp1-dcp1-mtp1", "tiny-mla/tp2-dcp1-mtp0"):
+        check = rows[f"{topo}/fused"]["same_tokens"]["ctx0"]
+        assert check["verdict"] in ("identical", "near-tie"), check
+        assert check["requests"] == 2
+        assert not rows[f"{topo}/staged"].get("same_tokens")
+    report = (smoke_run["dir"] / "report.md").read_text()
+    assert "## Paired variants: staged vs fused" in report
+    assert "| Topology | Workload | Staged | Fused | Delta | Samples each |" in report
+    assert re.search(r"\| tiny-mla/tp2-dcp1-mtp0 \| ctx0 \| [\d.]+ \| [\d.]+ \| [+-][\d.]+% "
+                     r"\| 2 requests x 1 repeat \|", report), report  # fmt: skip
+    assert "## Same tokens (greedy, request by request)" in report
+    # Each latency line says its samples; two requests allow a p50, not a p90 or a p99.
+    assert re.search(r"\| tiny-mla/tp2-dcp1-mtp0/fused \| ctx0 \| TTFT \| 2 \| [\d.]+ \| "
+                     r"[\d.]+ \| - \| - \|", report), report  # fmt: skip
+
+
+def test_a_standalone_audit_of_the_run_agrees_with_it(smoke_run):
+    out = smoke_run["audit"]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["cases"]) == 4 and data["verdict"] == "clean"
+    for case in data["cases"]:
+        assert case["agrees_with_run"] is True, case["case_id"]
+        assert case["stop_basis"] == "recorded by the run", case["case_id"]
 
 
 def test_output_ends_with_the_summary_table(smoke_run):
@@ -229,14 +271,26 @@ def test_output_ends_with_the_summary_table(smoke_run):
     out = smoke_run["rest"].stdout.rstrip("\n").splitlines()
     assert out and set(out[-1]) == {"="}, smoke_run["rest"].stdout[-3000:]
     table = out[max(i for i, line in enumerate(out) if " Run e2e " in line) :]
-    assert re.split(r"\s{2,}", table[1])[:3] == ["Case", "Workload", "Output tok/s"]
+    assert (
+        table[1]
+        == "Workload ctx0: prompt 1 token, output 16 tokens, concurrency 1, 2 requests x 1 repeat"
+    )
+    assert table[2].startswith("Workload ctx1k (for ctx64k): prompt 256 tokens, output 16 tokens")
+    assert re.split(r"\s{2,}", table[4])[:5] == [
+        "Case",
+        "Workload",
+        "OK",
+        "Duration s",
+        "Output tok/s",
+    ]
     rows = [json.loads(x) for x in (smoke_run["dir"] / "results.jsonl").read_text().splitlines()]
     for r in rows:
         for name in ("ctx0", "ctx1k"):
             (line,) = [x for x in table if x.startswith(r["case_id"]) and f" {name} " in x]
             cells = re.split(r"\s{2,}", line)
-            assert cells[2] == f"{r['workloads'][name]['mean']['aggregate_tok_s']:.2f}", line
-            assert float(cells[3]) > 0 and cells[-2:] == ["0", "passed"], line  # TTFT p50
+            assert cells[2] == "2", line  # successful requests
+            assert cells[4] == f"{r['workloads'][name]['mean']['aggregate_tok_s']:.2f}", line
+            assert float(cells[6]) > 0 and cells[-2:] == ["0", "passed"], line  # TTFT mean
     assert "4/4 cases finished, 4 passed, 0 failed." in " ".join(table)
 
 
@@ -257,7 +311,7 @@ def test_injected_fault_line_fails_its_case(tmp_path):
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     out = _orchestrator(
         "run", "matrices/smoke.yaml", "--logs-dir", str(tmp_path), "--run-id", "fault",
-        "--only", "tp1-dcp1-mtp0", "--quiet", f"--set=engine.vllm_bin={wrapper}",
+        "--only", "tp2-dcp1-mtp0/staged", "--quiet", f"--set=engine.vllm_bin={wrapper}",
         *[f"--set={s}" for s in SMALL],
     )  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]

@@ -70,7 +70,10 @@ def test_sigterm_stops_the_server_and_writes_the_reports(tmp_path: Path) -> None
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
     assert "interrupted" in out and "*** SIGTERM received" not in out, out[-3000:]
-    assert "interrupted: servers stopped" in log.read_text()
+    assert "interrupted (SIGTERM): servers stopped" in log.read_text()
+    # Where the run is and how to continue it, on the terminal.
+    assert "orchestrator: interrupted (SIGTERM): run t keeps 0 of 1 cases in" in out
+    assert "orchestrator: continue with: orchestrator run " in out and "--resume t" in out
     assert (tmp_path / "logs" / "t" / "report.md").is_file()
     for _ in range(40):  # the stand-in is stopped by the orchestrator, not left to anyone
         if not _alive_with_mark():

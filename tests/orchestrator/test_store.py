@@ -68,8 +68,10 @@ def test_lock_is_exclusive(tmp_path):
     with pytest.raises(StoreError, match="in use by pid"):
         other.lock()
     store.unlock()
+    assert not (store.root / ".lock").exists(), "a finished run leaves no lock file behind"
     other.lock()
     other.unlock()
+    assert not (store.root / ".lock").exists()
 
 
 def test_secrets_never_reach_the_manifest(tmp_path):

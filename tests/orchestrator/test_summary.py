@@ -37,24 +37,32 @@ def test_summary_table_of_a_recorded_run(tmp_path: Path) -> None:
     text = render_summary(Run.load(_copy(tmp_path)))
     lines = text.splitlines()
     assert lines[0].startswith("=") and " Run r " in lines[0] and lines[-1] == "=" * len(lines[0])
-    assert re.split(r"\s{2,}", lines[1]) == [
-        "Case", "Workload", "Output tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-        "ITL p50", "ITL p99", "Err", "Status",
+    # The workloads first, each by its one name, with what it is.
+    assert (
+        lines[1]
+        == "Workload ctx0: prompt 1 token, output 512 tokens, concurrency 1, 120 s x 2 repeats"
+    )
+    assert lines[2].startswith("Workload ctx64k: prompt 65,536 tokens, output 512 tokens")
+    assert re.split(r"\s{2,}", lines[4]) == [
+        "Case", "Workload", "OK", "Duration s", "Output tok/s", "Total tok/s", "TTFT mean",
+        "TPOT mean", "ITL mean", "E2EL mean", "Tok/chunk", "Err", "Status",
     ]  # fmt: skip
-    # Repeats 71.31 and 71.35: mean 71.33, sample standard deviation 0.028.
+    # Repeats 71.31 and 71.35: mean 71.33, sample standard deviation 0.028. The seed rows
+    # recorded no request counts, durations, E2EL or chunking: '-', not a zero.
     assert _cells(text, FUSED, "ctx64k") == [
-        FUSED, "ctx64k", "71.33 ± 0.03", "3900", "4680", "13.9", "14.6", "13.9", "22.2", "0",
+        FUSED, "ctx64k", "-", "-", "71.33 ± 0.03", "-", "3900", "13.9", "13.9", "-", "-", "0",
         "passed",
     ]  # fmt: skip
     # One row per case and workload, in matrix order; TP8/DCP1 has no ctx64k figure.
-    body = lines[2 : lines.index("-" * len(lines[0]))]
+    rule = "-" * len(lines[0])
+    body = lines[lines.index(rule) + 2 : len(lines) - 1 - lines[::-1].index(rule)]
     assert len(body) == 18
     assert [x.split("  ")[0] for x in body[:3]] == [
         "Luke BF16/tp8-dcp1-mtp0/staged",
         "Luke BF16/tp8-dcp1-mtp0/fused",
         "Luke BF16/tp8-dcp2-mtp0/staged",
     ]
-    assert lines[len(body) + 3].startswith("10/10 cases finished, 10 passed, 0 failed.")
+    assert "10/10 cases finished, 10 passed, 0 failed." in text
     assert all(len(x) <= len(lines[0]) for x in lines)
 
 
@@ -68,16 +76,28 @@ def test_summary_of_failures_single_repeats_and_older_rows(tmp_path: Path) -> No
             w = r["workloads"]["ctx0"]
             w["repeats"] = w["repeats"][:1]  # one repeat: no spread to show
             del w["latency"]  # recorded before pooled latencies: the repeats' mean stands in
-            w["mean"]["ttft_ms"]["p99"] = 1234.5
+            w["mean"]["ttft_ms"]["mean"] = 1234.5
             w["errors"] = 2
         return r
 
     runs.edit_rows(run, edit)
     text = render_summary(Run.load(run))
-    assert _cells(text, STAGED, "-") == [STAGED, "-", "-", *["-"] * 6, "0", "FAILED"]
+    assert _cells(text, STAGED, "-") == [STAGED, "-", *["-"] * 9, "0", "FAILED"]
     cells = _cells(text, FUSED, "ctx0")
-    assert cells[2] == "73.39" and cells[4] == "1234" and cells[-2:] == ["2", "passed"]
+    assert cells[4] == "73.39" and cells[6] == "1234" and cells[-2:] == ["2", "passed"]
     assert "10/10 cases finished, 9 passed, 1 failed." in text
+
+
+def _with_counts(run: Path, n: int) -> None:
+    """FUSED's ctx64k latencies as a run records them today: with their sample counts."""
+
+    def edit(r):
+        if r["case_id"] == FUSED:
+            for d in r["workloads"]["ctx64k"]["latency"].values():
+                d["n"] = n
+        return r
+
+    runs.edit_rows(run, edit)
 
 
 def test_fmt_ms_keeps_the_digits_that_matter() -> None:
@@ -86,25 +106,31 @@ def test_fmt_ms_keeps_the_digits_that_matter() -> None:
     ]  # fmt: skip
 
 
-def test_reports_carry_latency_percentiles(tmp_path: Path) -> None:
-    run = Run.load(_copy(tmp_path))
+def test_reports_carry_latency_statistics_with_their_samples(tmp_path: Path) -> None:
+    """Two requests: a mean and a p50, no p90 or p99 (they would be the maximum)."""
+    path = _copy(tmp_path)
+    _with_counts(path, 2)
+    run = Run.load(path)
     md = render_markdown(run)
-    assert "## Latency per request (ms)" in md
-    header = "| Case | Workload | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) "
-    assert header + "| ITL p50 (ms) | ITL p99 (ms) |" in md
-    assert f"| {FUSED} | ctx64k | 3900 | 4680 | 13.9 | 14.6 | 13.9 | 22.2 |" in md
+    assert "## Latency per request (ms)" in md and "p50 from 2, p90 from 10, p99 from 100" in md
+    assert "| Case | Workload | Metric | n | Mean | p50 | p90 | p99 |" in md
+    assert f"| {FUSED} | ctx64k | TTFT | 2 | 3900 | 3900 | - | - |" in md
+    # A row recorded before counts were kept: n unknown, the figures as recorded.
+    assert f"| {FUSED} | ctx0 | ITL | ? | 13.5 | 13.5 | 20.0 | 21.6 |" in md
     data = render_json(run)
     json.dumps(data, allow_nan=False)
     (case,) = [c for c in data["cases"] if c["case_id"] == FUSED]
     w = case["workloads"]["ctx64k"]
-    assert w["latency_ms"]["ttft_ms"] == {"p50": 3900.0, "p99": 4680.0}
-    assert w["latency_ms"]["itl_ms"]["p99"] == 22.21
+    assert w["latency_ms"]["ttft_ms"] == {
+        "n": 2, "mean": 3900.0, "p50": 3900.0, "p90": None, "p99": None,
+    }  # fmt: skip
     assert round(w["aggregate_tok_s_sd"], 4) == 0.0283
+    assert [x["name"] for x in data["workloads"]] == ["ctx0", "ctx64k"]
     page = render_html(run)
     assert "<h2>Latency per request (ms)</h2>" in page
     assert (
-        f"<td class=l>{FUSED}</td><td class=l>ctx64k</td><td>3900</td><td>4680</td>"
-        "<td>13.9</td><td>14.6</td><td>13.9</td><td>22.2</td>"
+        f"<td class=l>{FUSED}</td><td class=l>ctx64k</td><td class=l>TTFT</td><td>2</td>"
+        "<td>3900</td><td>3900</td><td>-</td><td>-</td>"
     ) in page
     assert len(summary_rows(run)) == 18
 
@@ -121,4 +147,21 @@ def test_html_latency_table_escapes_names(tmp_path: Path) -> None:
     page = render_html(Run.load(run))
     assert "<b>BF16" not in page
     assert "<td class=l>Luke &lt;b&gt;BF16&lt;/b&gt; &amp; co/tp8-dcp2-mtp0/fused</td>" in page
-    assert "<td class=l>ctx64k</td><td>3900</td>" in page
+    assert "<td class=l>ctx64k</td><td class=l>TTFT</td><td>?</td><td>3900</td>" in page
+
+
+def test_paired_deltas_say_their_samples_and_what_a_cpu_fused_variant_ran(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+    md = render_markdown(Run.load(run))
+    assert "| Topology | Workload | Staged | Fused | Delta | Samples each |" in md
+    assert "On CPU" not in md  # a GPU run: nothing interpreted
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["matrix"]["resources"] = {"accelerator": "cpu"}
+    for c in manifest["cases"]:
+        if c["variant"] == "fused":
+            c["env"] = {"TRITON_INTERPRET": "1"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    loaded = Run.load(run)
+    md = render_markdown(loaded)
+    assert "On CPU the fused variant ran fusedq's kernel in Triton's interpreter" in md
+    assert "On CPU the fused variant ran fusedq" in render_html(loaded)

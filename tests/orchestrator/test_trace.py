@@ -395,3 +395,41 @@ def test_trace_summary_errors(tmp_path, bad):
     out = run_cli("trace-summary", str(path), timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith(f"orchestrator: {path}: ") and out.stdout == ""
+
+
+# A CUTLASS FlashAttention instance as the H200 traces name it (1,362 characters there).
+LONG_NAME = (
+    "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+    "flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
+    + ", ".join(f"cute::tuple<cute::C<{n}>, cute::C<64> >" for n in range(40))
+    + ", cutlass::bfloat16_t, float, cutlass::arch::Sm90, false>, flash::X<3> > > >"
+    "(flash::Params<cutlass::bfloat16_t>::Arguments)"
+)
+
+
+def test_short_name_folds_templates_to_fit_a_cell():
+    from orchestrator.trace import NAME_CELL_CHARS, short_name
+
+    assert len(LONG_NAME) > 1000
+    short = short_name(LONG_NAME)
+    assert len(short) <= NAME_CELL_CHARS
+    assert short.startswith("void cutlass::device_kernel<flash::enable_sm90_or_later<")
+    assert "<…>" in short and "(" not in short  # arguments folded, parameters dropped
+    assert short_name(UK_NAME) == UK_NAME  # a name that fits is left alone
+    assert len(short_name("k_" + "x" * 500)) == NAME_CELL_CHARS  # no template: the middle cut
+
+
+def test_trace_summary_cells_are_short_and_json_keeps_the_name(tmp_path):
+    events = [
+        {"ph": "X", "cat": "kernel", "name": LONG_NAME, "ts": 10.0 * i, "dur": 5.0, "pid": 0,
+         "tid": 7, "args": {"correlation": i, "device": 0, "stream": 7}}
+        for i in range(3)
+    ]  # fmt: skip
+    path = tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
+    out = run_cli("trace-summary", str(path), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert LONG_NAME not in out.stdout
+    assert max(len(line) for line in out.stdout.splitlines()) < 200
+    js = json.loads(run_cli("trace-summary", str(path), "--json", timeout=60).stdout)
+    assert js["traces"][0]["top"][0]["name"] == LONG_NAME

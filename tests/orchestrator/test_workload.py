@@ -109,7 +109,18 @@ def test_workload_latency_pools_every_repeat() -> None:
     assert ttft["p99"] == pytest.approx(100 + 800 * 0.98)
     assert d["mean"]["ttft_ms"]["p50"] == pytest.approx(500.0)  # (100 + 900) / 2: not this
     assert d["latency"]["tpot_ms"]["p50"] == pytest.approx(100.0)
-    assert d["latency"] == wl.latency_metrics([*fast, *slow])
+    assert d["latency"] == {
+        **wl.latency_metrics([*fast, *slow]),
+        "chunking": wl.chunking([*fast, *slow]),
+    }
+    # The samples behind each figure: three successful requests, each of 10 chunk gaps.
+    assert [d["latency"][k]["n"] for k in ("ttft_ms", "tpot_ms", "e2el_ms", "itl_ms")] == [
+        3,
+        3,
+        3,
+        30,
+    ]
+    assert d["latency"]["e2el_ms"]["p50"] == pytest.approx(1100.0)  # start to last chunk
     assert d["latency"]["itl_ms"] == wl.repeat_metrics([*fast, *slow])["itl_ms"]
 
 
@@ -421,3 +432,25 @@ def test_per_user_rate_survives_a_burst_after_the_first_chunk() -> None:
     burst = _rec(3.0, 3.1, 3.101, 2) | {"chunk_tokens": [63, 1], "output_tokens": 64}
     m = wl.repeat_metrics([steady, burst])
     assert m["per_user_tok_s"] == pytest.approx(21 / 2.001)
+
+
+def test_chunking_tells_bursts_from_decode_steps() -> None:
+    """What the API server did with the tokens: one request streamed a chunk per token every
+    100 ms; another got its 10 tokens in a burst of chunks 0.02 ms apart after a stall (a
+    starved API server flushing), whose ITL p50 is 0.02 ms although no decode step was."""
+    steady = _rec(0.0, 0.1, 1.0, 10)
+    burst = _rec(0.0, 0.1, 1.0, 10)
+    burst["chunk_s"] = [0.1] + [0.9998 + 0.00002 * i for i in range(9)]
+    c = wl.chunking([steady, burst])
+    assert c == {
+        "chunks": 20,
+        "tokens_per_chunk_mean": 1.0,
+        "tokens_per_chunk_max": 1,
+        "gaps": 18,
+        "gaps_under_1ms": 8,
+    }
+    mtp = _rec(0.0, 0.1, 1.0, 5)
+    mtp["chunk_tokens"] = [1, 2, 2, 2, 2]  # a speculative step's chunk carries its tokens
+    mtp["output_tokens"] = 9
+    assert wl.chunking([mtp])["tokens_per_chunk_mean"] == pytest.approx(1.8)
+    assert wl.chunking([mtp])["tokens_per_chunk_max"] == 2

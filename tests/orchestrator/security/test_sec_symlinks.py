@@ -103,7 +103,8 @@ def test_resuming_a_prepared_folder_is_refused_before_anything_starts(tmp_path, 
 def test_the_refusal_reaches_the_cli_as_one_line(tmp_path, victim):
     root = make_run(tmp_path)
     link = _link(root / ".lock", victim)
-    matrix = write_matrix(tmp_path)
+    # A CPU matrix: the machine check comes before the run folder is opened.
+    matrix = write_matrix(tmp_path, "resources: {accelerator: cpu}\n")
     out = run_cli("run", str(matrix), "--resume", "run", "--logs-dir", str(tmp_path))
     assert_refused(out, link)
     assert victim.read_text() == PRECIOUS
@@ -121,8 +122,9 @@ def test_an_ordinary_run_still_writes(tmp_path):
     root = make_run(tmp_path)
     store = RunStore.open(tmp_path, "run")
     store.lock()
-    store.unlock()
     assert (root / ".lock").read_text().startswith("pid ")
+    store.unlock()
+    assert not (root / ".lock").exists()  # a finished run leaves no lock naming a dead pid
     proc = start_server(["true"], {"PATH": os.environ["PATH"]}, root / "server.log")
     assert proc.wait(timeout=30) == 0
     assert isinstance(proc, subprocess.Popen)
