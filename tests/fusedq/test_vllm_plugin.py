@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -208,38 +209,6 @@ def test_mxfp8_w_uk_t_rejects_kernel_layouts(mutate, match):
 
 
 # --- the guard and the patched forward_impl (needs vLLM, not a server) ---------------------
-
-
-@pytest.fixture
-def mla():
-    """vLLM's mla_attention module, restored to its unpatched state after the test."""
-    module = pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
-    from fusedq import vllm_plugin as vp
-
-    cls = module.MLAAttention
-    saved = {
-        k: cls.__dict__[k] for k in ("__init__", "forward_impl", "process_weights_after_loading")
-    }
-    yield module
-    for k, v in saved.items():
-        setattr(cls, k, v)
-    if vp.PATCH_MARK in cls.__dict__:
-        delattr(cls, vp.PATCH_MARK)
-    module.__dict__.pop(vp.HOOK_NAME, None)
-    vp._installed.clear()
-    vp._first_use.clear()
-    vp._report.first = vp._report.refused = vp._report.kernels = None
-    vp._report.seen.clear()
-    vp._switch.path = "fused"
-    vp._switch.layers.clear()
-    vp._type_test.cache_clear()
-
-
-@pytest.fixture
-def vp():
-    from fusedq import vllm_plugin
-
-    return vllm_plugin
 
 
 def test_guard_accepts_the_installed_vllm(mla, vp):
@@ -889,6 +858,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The CPU build's MLA backend that takes the generic query path (DESIGN.md), run eagerly.
+CPU_ENGINE_ARGS = ("--attention-backend", "CPU_MLA", "--enforce-eager")
+
+
 @contextlib.contextmanager
 def vllm_server(
     workdir: Path,
@@ -897,14 +870,17 @@ def vllm_server(
     tp: int = 1,
     expect_ready: bool = True,
     profile_dir: Path | None = None,
+    model: Path | None = None,
+    engine_args: Sequence[str] = CPU_ENGINE_ARGS,
 ):
     """Start ``vllm serve`` on the tiny model (loopback only), yield (port, log path), stop it
     (SIGTERM to its process group, SIGKILL after 20 s). `profile_dir`: with vLLM's torch
-    profiler writing there (the orchestrator's profile phase's flag)."""
+    profiler writing there (the orchestrator's profile phase's flag). `model` (default the
+    CPU tiny model) and `engine_args` (default the CPU build's) serve something else."""
     from orchestrator.engines.vllm import PROFILER_FLAG, profiler_config
     from orchestrator.tinymodel import build_tiny_model
 
-    model = build_tiny_model()
+    model = model if model is not None else build_tiny_model()
     workdir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     full_env = {
@@ -931,8 +907,8 @@ def vllm_server(
     vllm_bin = Path(sys.executable).with_name("vllm")
     argv = [
         str(vllm_bin), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096",
-        "--tensor-parallel-size", str(tp), "--max-num-seqs", "4",
+        *engine_args, "--max-model-len", "4096", "--tensor-parallel-size", str(tp),
+        "--max-num-seqs", "4",
     ]  # fmt: skip
     if profile_dir is not None:
         argv += [PROFILER_FLAG, profiler_config(str(profile_dir.absolute()))]
@@ -1066,6 +1042,15 @@ def test_e2e_fused_matches_staged(runs):
     assert len(kernels) == 1, kernels  # which kernel each decode M ran, once per worker
     assert len(log_lines(log, FIRST_USE)) == 1, "the fused op never ran in the decode step"
     assert not log_lines(log, DISABLED)
+    assert_greedy_agree((fused_ids, fused_lp), (staged_ids, staged_lp))
+
+
+def assert_greedy_agree(
+    fused: tuple[list[int], list[float]], staged: tuple[list[int], list[float]]
+) -> None:
+    """The fused run's greedy tokens equal the staged run's, or part at a near-tie (see
+    LOGPROB_TOL) after equal tokens; equal tokens carry logprobs within LOGPROB_TOL."""
+    (fused_ids, fused_lp), (staged_ids, staged_lp) = fused, staged
     same = fused_ids == staged_ids
     print(f"greedy ids {'identical' if same else 'differ'}: fused {fused_ids} staged {staged_ids}")
     print(f"logprobs fused {fused_lp}\nlogprobs staged {staged_lp}")
