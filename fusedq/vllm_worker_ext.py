@@ -86,11 +86,18 @@ def recapture(worker) -> None:
     torch.cuda.synchronize()
     for wrapper in _graph_wrappers():
         wrapper.clear_all_graphs()
+    # Wrappers outside those registries (the dual-batch-overlap UBatchWrapper keeps its own
+    # graphs) sit on the runner's model or its drafter's.
+    runner = worker.model_runner
+    for model in (runner.model, getattr(getattr(runner, "drafter", None), "model", None)):
+        clear = getattr(type(model), "clear_graphs", None)
+        if callable(clear):
+            clear(model)
     # Dropping the CUDAGraph objects releases their pool blocks; return them to the driver
     # so the new capture starts from the memory the first one had.
     gc.collect()
     torch.cuda.empty_cache()
-    worker.model_runner.capture_model()
+    runner.capture_model()
 
 
 class FusedqWorkerExtension:

@@ -320,10 +320,16 @@ def gpu_model(kind: str, workdir: Path) -> tuple[Path, tuple[str, ...], str]:
     return dsa, ("--load-format", "dummy"), "pair"
 
 
+# One server start (~70 s on the H200 with graphs), three captures, four short requests, three
+# profiles; under scripts/gpu/switch_check.sh's per-step limit, so a hung run still stops the
+# server on its way out.
+GPU_TIMEOUT_S = 290
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.timeout(E2E_TIMEOUT_S)
+@pytest.mark.timeout(GPU_TIMEOUT_S)
 @pytest.mark.parametrize("kind", ["dense", "dsa"])
 def test_e2e_switch_recaptures_cuda_graphs(tmp_path, kind):
     """A CUDA vLLM with its default CUDA graphs: every flip re-captures them, and the profile
