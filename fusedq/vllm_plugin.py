@@ -972,11 +972,11 @@ def set_path(path: str) -> bool:
     layers = planned_layers()
     if not layers:
         raise FusedqInactiveError(f"the fused MLA query is not active: {inactive_reason()}")
-    if path == "fused":
-        for layer in layers:
-            _prewarm(layer, layer.__dict__[PLAN_ATTR])
     with _switch.lock:
         changed = path != _switch.path
+        if changed and path == "fused":
+            for layer in layers:
+                _prewarm(layer, layer.__dict__[PLAN_ATTR])
         _switch.path = path
     if changed:
         _first_use.clear()  # the first decode query on the new path is logged again
