@@ -12,7 +12,8 @@ vLLM) with the exact tensors vLLM's ``MLAAttention.forward_impl`` holds at that 
 ``decode_query`` returns the finished ``[B, N, 576]`` query (what vLLM's ``bmm`` + concat,
 or ``bmm`` + ``_decode_concat_quant_fp8_op`` for FP8 attention, would have produced), or
 ``None`` when the fused kernel does not serve this step; the caller then runs vLLM's own
-staged code unchanged.
+staged code unchanged. ``split_query`` turns that query into the ``(ql_nope, q_pe)`` views a
+backend that takes only a pair reads.
 """
 
 from __future__ import annotations
@@ -97,6 +98,19 @@ def decode_query(
         q_scale=q_scale,
         backend="triton",
     )
+
+
+def split_query(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The finished ``[B, N, 576]`` query as the ``(ql_nope, q_pe)`` pair a backend that takes
+    only a pair reads: two views of the one buffer, ``query[..., :512]`` and
+    ``query[..., 512:]``, no copy.
+
+    Each view keeps a unit last stride and the buffer's row and head strides
+    (``N * 576``, ``576``), which is what FlashAttention 3 checks of ``q_v`` and ``q`` (the
+    ``q_nope`` / ``q_rope`` it is handed by FLASH_ATTN_MLA_SPARSE), and what FLASH_ATTN_MLA
+    makes itself when it splits a tensor query.
+    """
+    return query[..., :KV_LORA], query[..., KV_LORA:]
 
 
 def prewarm_values(

@@ -20,6 +20,13 @@ sizes and log one line per worker process; ``__init__`` is wrapped to snapshot a
 The version guard refuses to patch unless the vLLM version falls in one row of ``RELEASES``
 (0.26.x; 0.32.x-0.33.x) and the block's text hashes to a value that row knows; it then logs ``fusedq: fused MLA query disabled:
 <reason>`` and leaves vLLM untouched.
+
+Per layer, the plan reads the class of the attention ``impl`` the layer got against
+``BACKENDS``: a backend that takes one ``[B, N, 576]`` tensor gets the fused output, one that
+takes only a ``(q_nope, q_rope)`` pair (FLASH_ATTN_MLA_SPARSE, GLM-5's DSA decode on sm_90)
+gets two views of it, and a backend without a row is refused with the reason
+(docs/vllm-plugin-sparse-and-switch.md). ``set_path`` switches the process between the fused
+and the staged path; ``fusedq.vllm_worker_ext`` calls it on every worker of a running server.
 """
 
 from __future__ import annotations
@@ -131,6 +138,130 @@ def release_for(version: tuple[int, ...]) -> Release | None:
     return next((r for r in RELEASES if r.versions[0] <= version[:2] < r.versions[1]), None)
 
 
+# --- what each attention backend takes as its decode query ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryForm:
+    """A way an MLA backend's ``forward_mqa`` takes the decode query."""
+
+    name: str  # in the enabled line: query=<name>
+    text: str  # in a refusal: "<backend> takes <text>"
+    # forward_mqa's line (stripped) that branches on the query's type, as read: a backend
+    # whose source no longer has its form's line is not known any more.
+    reads: tuple[str, ...]
+    # Hand the fused [B, N, 576] output on as the (ql_nope, q_pe) views (vllm_hook.split_query)
+    # instead of as one tensor.
+    split: bool
+
+
+QUERY_FORMS: dict[str, QueryForm] = {
+    # Joins a pair itself (torch.cat, concat_mla_q) or splits a tensor into views: a finished
+    # tensor saves the join, or costs nothing.
+    "tensor": QueryForm(
+        "tensor",
+        "one [M, H, 576] query or a (q_nope, q_rope) pair",
+        ("if type(q) is tuple:", "if isinstance(q, tuple):"),
+        split=False,
+    ),
+    # Raises on a tensor (FlashAttention 3 reads q_rope as `q` and q_nope as `q_v`).
+    "pair": QueryForm(
+        "pair", "only a (q_nope, q_rope) pair", ("if not isinstance(q, tuple):",), split=True
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One MLA attention backend whose ``forward_mqa`` this plugin was read against.
+
+    Supporting another backend is a new row of this table, not a new branch of code: the plan
+    decides per layer from the class of the ``impl`` the layer actually got, and refuses any
+    class without a row (docs/vllm-plugin-sparse-and-switch.md).
+    """
+
+    name: str  # vLLM's AttentionBackend.get_name()
+    impl: str  # the impl class's __name__, matched exactly (a subclass may override forward_mqa)
+    form: str  # a QUERY_FORMS key
+    releases: tuple[str, ...]  # the RELEASES rows whose source of this forward_mqa was read
+
+
+BACKENDS: tuple[Backend, ...] = (
+    # Dense. FLASH_ATTN_MLA and FLASHMLA (FP8 KV) ran the hook on the H200 (0.26.0).
+    Backend("FLASH_ATTN_MLA", "FlashAttnMLAImpl", "tensor", ("0.26", "0.32")),
+    Backend("FLASHMLA", "FlashMLAImpl", "tensor", ("0.26", "0.32")),
+    Backend("TRITON_MLA", "TritonMLAImpl", "tensor", ("0.26", "0.32")),
+    Backend("FLASHINFER_MLA", "FlashInferMLAImpl", "tensor", ("0.26", "0.32")),
+    Backend("CUTLASS_MLA", "CutlassMLAImpl", "tensor", ("0.26", "0.32")),
+    Backend("TOKENSPEED_MLA", "TokenspeedMLAImpl", "tensor", ("0.26", "0.32")),
+    Backend("CPU_MLA", "CPUMLAImpl", "tensor", ("0.32",)),
+    # Sparse (DSA: a model config with index_topk). FLASH_ATTN_MLA_SPARSE is sm_90's default.
+    Backend("FLASH_ATTN_MLA_SPARSE", "FlashAttnMLASparseImpl", "pair", ("0.26", "0.32")),
+    Backend("FLASHMLA_SPARSE", "FlashMLASparseImpl", "tensor", ("0.26", "0.32")),
+    Backend("FLASHINFER_MLA_SPARSE", "FlashInferMLASparseImpl", "tensor", ("0.26", "0.32")),
+    Backend(
+        "FLASHINFER_MLA_SPARSE_SM120", "FlashInferMLASparseSM120Impl", "tensor", ("0.26", "0.32")
+    ),
+)
+
+
+def backend_row(impl: str, release: str) -> Backend | None:
+    """The BACKENDS row of this impl class read for this RELEASES row, or None."""
+    return next((b for b in BACKENDS if b.impl == impl and release in b.releases), None)
+
+
+@functools.cache
+def _type_test(cls: type) -> str | None:
+    """The first line of ``cls.forward_mqa`` that some query form reads (stripped), or None;
+    ``ValueError`` when its source cannot be read."""
+    known = {line for form in QUERY_FORMS.values() for line in form.reads}
+    try:
+        lines = inspect.getsource(cls.forward_mqa).splitlines()
+    except (AttributeError, OSError, TypeError) as exc:
+        raise ValueError(f"{cls.__name__}.forward_mqa has no readable source ({exc})") from exc
+    return next((ln.strip() for ln in lines if ln.strip() in known), None)
+
+
+def query_form(layer, release: Release, *, fp8_query: bool) -> tuple[QueryForm | None, str]:
+    """How this layer's backend takes the decode query: ``(form, "")``, or ``(None, reason)``
+    when this plugin does not know it."""
+    cls = type(layer.impl)
+    row = backend_row(cls.__name__, release.name)
+    backend = _backend_name(layer, row)
+    if row is None:
+        return None, (
+            f"{backend} takes the decode query as {cls.__name__}.forward_mqa reads it, which this "
+            f"plugin does not know (no BACKENDS row for {cls.__name__} under vLLM {release.name})"
+        )
+    form = QUERY_FORMS[row.form]
+    try:
+        line = _type_test(cls)
+    except ValueError as exc:
+        return None, f"{backend} takes a query this plugin cannot check: {exc}"
+    if line not in form.reads:
+        return None, (
+            f"{backend} takes the decode query as {cls.__name__}.forward_mqa reads it now "
+            f"({line!r}), which this plugin does not know (its row was read from "
+            f"{' / '.join(map(repr, form.reads))})"
+        )
+    if form.split and fp8_query:
+        # vLLM itself would hand such a backend one FP8 tensor: no combination to copy.
+        why = f"{backend} takes {form.text} with an FP8 query, which this plugin does not know"
+        return None, why
+    return form, ""
+
+
+def _backend_name(layer, row: Backend | None) -> str:
+    backend = getattr(layer, "attn_backend", None)
+    name = getattr(backend, "get_name", None)
+    if callable(name):
+        try:
+            return str(name())
+        except Exception:  # a name only labels the message
+            pass
+    return row.name if row is not None else type(layer.impl).__name__
+
+
 # MLAAttention attributes the plan and the hook read (instance attributes: checked per layer).
 LAYER_ATTRS = (
     "is_aiter_triton_fp4_bmm_enabled",
@@ -183,6 +314,8 @@ class _Report:
         self.lock = threading.Lock()
         self.first: str | None = None  # the line logged, once
         self.seen: set[tuple] = set()  # outcomes already told (later layers repeat them)
+        self.refused: str | None = None  # why register() left vLLM untouched
+        self.kernels: str | None = None  # the kernels line's text (fusedq.kernel_summary)
 
     def once(self, line: str, *, warn: bool = False) -> bool:
         with self.lock:
@@ -203,11 +336,12 @@ class _Report:
 _report = _Report()
 
 
-def enabled_line(num_heads: int, fmt: str, prewarmed: str, pdl: bool) -> str:
+def enabled_line(num_heads: int, fmt: str, prewarmed: str, pdl: bool, query: str) -> str:
     # pdl is the process default the decode hook's calls resolve to (FUSEDQ_PDL, read at
-    # import): a run's server log then says which launch mode a measurement ran under.
+    # import): a run's server log then says which launch mode a measurement ran under. query
+    # is the QUERY_FORMS name the backend is handed (a tensor, or the pair of views).
     return (
-        f"fusedq: fused MLA query enabled (heads={num_heads}, format={fmt}, "
+        f"fusedq: fused MLA query enabled (heads={num_heads}, format={fmt}, query={query}, "
         f"prewarmed M={prewarmed}, pdl={'on' if pdl else 'off'})"
     )
 
@@ -449,6 +583,7 @@ class LayerPlan:
     weight_format: str
     mx_weight: object | None
     required: bool = False  # FUSEDQ_MLA_QUERY=1: a failing fused call raises
+    form: QueryForm = QUERY_FORMS["tensor"]  # how the layer's backend takes the query
 
 
 def _fp8_query(layer) -> bool:
@@ -571,6 +706,8 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     installed = _installed.get("forward_impl")
     if getattr(type(layer), "forward_impl", installed) is not installed:
         return None, f"{type(layer).__name__} overrides forward_impl (the hook is not in it)"
+    if not isinstance(release, Release):
+        return None, "fusedq did not patch MLAAttention in this process"
     dims = (layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank)
     if dims != GEOMETRY:
         return None, f"(qk_nope, qk_rope, kv_lora)={dims}, fused op needs {GEOMETRY}"
@@ -580,6 +717,9 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     if w_uk_t.dtype != torch.bfloat16:
         return None, f"W_UK_T dtype {w_uk_t.dtype} (fused op takes bf16 or MXFP8)"
     out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
+    form, why = query_form(layer, release, fp8_query=out_dtype == torch.float8_e4m3fn)
+    if form is None:
+        return None, why
     if out_dtype == torch.float8_e4m3fn:
         from vllm.platforms import current_platform
 
@@ -599,10 +739,10 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
         )
     if why is not None:
         return None, why
-    return LayerPlan(layer.num_heads, fmt, mx_weight), note or ""
+    return LayerPlan(layer.num_heads, fmt, mx_weight, form=form), note or ""
 
 
-def _capture_sizes(layer) -> tuple[list[int] | None, str]:
+def capture_sizes(layer) -> tuple[list[int] | None, str]:
     """The M values CUDA graphs will capture, or ``(None, why there are none)``."""
     config = getattr(layer, "_vllm_config", None)
     comp = getattr(config, "compilation_config", None)
@@ -622,7 +762,7 @@ def _prewarm(layer, plan: LayerPlan) -> tuple[str, list[int]]:
     import fusedq
     from fusedq.vllm_hook import prewarm_values
 
-    sizes, why = _capture_sizes(layer)
+    sizes, why = capture_sizes(layer)
     if sizes is None:
         return f"none [{why}]", []
     weight = plan.mx_weight if plan.mx_weight is not None else layer.W_UK_T
@@ -653,6 +793,7 @@ def _log_kernels(layer, plan: LayerPlan, prewarmed_ms: list[int], pdl: bool) -> 
         )  # fmt: skip
     except Exception as exc:
         text = f"unknown ({type(exc).__name__}: {exc})"
+    _report.kernels = text
     logger.info(
         "fusedq: kernels (heads=%d, format=%s): %s", plan.num_heads, plan.weight_format, text
     )
@@ -673,6 +814,7 @@ def setup_layer(layer) -> None:
     if plan is not None and required:
         plan = dataclasses.replace(plan, required=True)
     layer.__dict__[PLAN_ATTR] = plan
+    _switch.layers[name] = layer
     if plan is None:
         reason = f"layer {name}: {note}"
         first = _report.once(disabled_line(reason), warn=True)
@@ -686,13 +828,15 @@ def setup_layer(layer) -> None:
         logger.info("fusedq: layer %s: %s", name, note)
     from fusedq.kernels.triton_launch import DEFAULT_PDL
 
-    first = _report.once(enabled_line(plan.num_heads, plan.weight_format, prewarmed, DEFAULT_PDL))
+    first = _report.once(
+        enabled_line(plan.num_heads, plan.weight_format, prewarmed, DEFAULT_PDL, plan.form.name)
+    )
     if first:
         _log_kernels(layer, plan, prewarmed_ms, DEFAULT_PDL)
-    if _report.new(("enabled", plan.num_heads, plan.weight_format)) and not first:
+    if _report.new(("enabled", plan.num_heads, plan.weight_format, plan.form.name)) and not first:
         logger.info(
-            "fusedq: fused MLA query also enabled for layer %s (heads=%d, format=%s)",
-            name, plan.num_heads, plan.weight_format,
+            "fusedq: fused MLA query also enabled for layer %s (heads=%d, format=%s, query=%s)",
+            name, plan.num_heads, plan.weight_format, plan.form.name,
         )  # fmt: skip
 
 
@@ -700,12 +844,23 @@ def setup_layer(layer) -> None:
 
 
 def decode_query_hook(layer, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention):
-    """Called by the patched forward_impl in place of its query block: the finished query,
-    or ``None`` to run vLLM's block unchanged."""
+    """Called by the patched forward_impl in place of its query block: the finished query (one
+    tensor, or the pair of views into it for a backend that takes only a pair), or ``None``
+    to run vLLM's block unchanged."""
     plan = layer.__dict__.get(PLAN_ATTR)
     if plan is None or qrep_decode:
         return None
-    from fusedq.vllm_hook import decode_query
+    if _switch.path != "fused":
+        if not _first_use.is_set():
+            _first_use.set()
+            # After a switch to staged: proof in the log that the hook now declines.
+            logger.info(
+                "fusedq: first staged MLA decode query since the switch (layer %s, M=%d): "
+                "vLLM's block runs",
+                layer.layer_name, mqa_q_nope.shape[1],
+            )  # fmt: skip
+        return None
+    from fusedq.vllm_hook import decode_query, split_query
 
     if fp8_attention and layer.impl.supports_quant_query_input:
         out_dtype, q_scale = torch.float8_e4m3fn, layer._q_scale
@@ -733,7 +888,100 @@ def decode_query_hook(layer, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention):
             "fusedq: first fused MLA decode query (layer %s, M=%d, out=%s)",
             layer.layer_name, query.shape[0], str(out_dtype).removeprefix("torch."),
         )  # fmt: skip
+    if query is not None and plan.form.split:
+        return split_query(query)
     return query
+
+
+# --- the decode path switch (fusedq.vllm_worker_ext drives it over vLLM's collective RPC) ----
+
+PATHS = ("staged", "fused")
+
+
+class FusedqInactiveError(RuntimeError):
+    """No MLA layer of this process uses the fused query, so there is no path to switch."""
+
+
+class _Switch:
+    """The process's decode path, read by the hook on every call, and the layers set up.
+
+    A server comes up ``fused``: the plugin sets every qualified layer up as it always did.
+    ``staged`` makes the hook return ``None``, so vLLM's block runs as shipped.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.path = "fused"
+        # layer name -> layer, every layer setup_layer saw (weak: a model freed is gone).
+        self.layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+_switch = _Switch()
+
+
+def current_path() -> str:
+    """The decode path this process runs: ``staged`` or ``fused``."""
+    return _switch.path
+
+
+def planned_layers() -> list:
+    """The layers the fused op serves (a plan at set-up, not dropped since), by name."""
+    return [
+        layer
+        for _, layer in sorted(_switch.layers.items())
+        if layer.__dict__.get(PLAN_ATTR) is not None
+    ]
+
+
+def report_line() -> str | None:
+    """The one enabled/disabled line this process logged at set-up, if any yet."""
+    return _report.first
+
+
+def kernels_line() -> str | None:
+    """The kernels line's text (which kernel each decode M runs), if an enabled line was."""
+    return _report.kernels
+
+
+def inactive_reason() -> str:
+    """Why no layer of this process uses the fused query."""
+    current = os.environ.get(ENV, "auto")
+    if not _installed:
+        if _report.refused is not None:
+            return f"vLLM was not patched: {_report.refused}"
+        return f"the plugin did not patch vLLM in this process ({ENV}={current!r})"
+    if _report.first is None:
+        return "no MLA layer of this process was set up"
+    if _report.first.startswith(disabled_line("")):
+        return _report.first
+    # Enabled at set-up, then every layer's fused call failed and went back to vLLM's block.
+    return "every layer's fused MLA query failed at run time (see the warnings)"
+
+
+def set_path(path: str) -> bool:
+    """Switch this process's decode path; returns whether it changed.
+
+    ``ValueError`` for a path not in ``PATHS``; ``FusedqInactiveError`` (with the reason) where
+    no layer uses the fused query. Switching to ``fused`` prewarms every planned layer's
+    CUDA-graph sizes first, as set-up does, so a re-capture that follows never compiles. What
+    was captured in CUDA graphs keeps running the old path until it is captured again
+    (``fusedq.vllm_worker_ext`` does that).
+    """
+    if path not in PATHS:
+        raise ValueError(f"decode path {path!r} is not one of {', '.join(PATHS)}")
+    layers = planned_layers()
+    if not layers:
+        raise FusedqInactiveError(f"the fused MLA query is not active: {inactive_reason()}")
+    with _switch.lock:
+        changed = path != _switch.path
+        if changed and path == "fused":
+            for layer in layers:
+                _prewarm(layer, layer.__dict__[PLAN_ATTR])
+        _switch.path = path
+    if changed:
+        _first_use.clear()  # the first decode query on the new path is logged again
+        logger.info("fusedq: decode path switched to %s (%d layers)", path, len(layers))
+    return changed
 
 
 # --- the entry point -----------------------------------------------------------------------
@@ -754,6 +1002,7 @@ def register() -> None:
         patch = check_vllm()
     except Exception as exc:
         reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        _report.refused = reason
         if current == "1":
             raise FusedqRequiredError(f"{ENV}=1 but vLLM cannot be patched: {reason}") from exc
         logger.warning(disabled_line(reason))

@@ -28,3 +28,39 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+# The vLLM plugin's fixtures (test_vllm_plugin.py, test_vllm_worker_ext.py).
+
+
+@pytest.fixture
+def mla():
+    """vLLM's mla_attention module, restored to its unpatched state after the test."""
+    module = pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
+    from fusedq import vllm_plugin as vp
+
+    cls = module.MLAAttention
+    saved = {
+        k: cls.__dict__[k] for k in ("__init__", "forward_impl", "process_weights_after_loading")
+    }
+    yield module
+    for k, v in saved.items():
+        setattr(cls, k, v)
+    if vp.PATCH_MARK in cls.__dict__:
+        delattr(cls, vp.PATCH_MARK)
+    module.__dict__.pop(vp.HOOK_NAME, None)
+    vp._installed.clear()
+    vp._first_use.clear()
+    vp._report.first = vp._report.refused = vp._report.kernels = None
+    vp._report.seen.clear()
+    vp._switch.path = "fused"
+    vp._switch.layers.clear()
+    vp._type_test.cache_clear()
+
+
+@pytest.fixture
+def vp():
+    """fusedq.vllm_plugin, imported when a test asks (collecting the tests imports no vLLM)."""
+    from fusedq import vllm_plugin
+
+    return vllm_plugin

@@ -11,6 +11,7 @@ that ``test_api.py`` already does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import re
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,27 @@ def test_decode_query_declines_what_fusedq_cannot_run(h, m, device):
     assert not fusedq.can_implement(h, m)
 
 
+@pytest.mark.parametrize("h,m", [(16, 3), (8, 1)])
+def test_split_query_hands_a_pair_of_views_of_the_fused_output(h, m, device):
+    """What a backend that takes only a (q_nope, q_rope) pair gets: two views of the fused
+    [M, H, 576] buffer (no copy), with unit last strides (FlashAttention 3's check of q and
+    q_v), equal to the staged path's pair."""
+    gen = torch.Generator().manual_seed(h + m)
+    w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen).to(device), h)
+    q_nope, q_pe = vllm_q(m, h, gen, device)
+    out = decode_query(q_nope, w_uk_t, q_pe)
+    ql_nope, q_rope = vllm_hook.split_query(out)
+    assert ql_nope.shape == (m, h, L) and q_rope.shape == (m, h, R)
+    assert ql_nope.data_ptr() == out.data_ptr()
+    assert q_rope.data_ptr() == out.data_ptr() + L * out.element_size()
+    assert ql_nope.stride() == q_rope.stride() == (h * (L + R), L + R, 1)
+    staged_nope, staged_pe = staged_decode_query(q_nope, w_uk_t, q_pe)
+    assert_matches(
+        torch.cat((ql_nope, q_rope), -1), torch.cat((staged_nope, staged_pe), -1), "bf16"
+    )
+    assert torch.equal(q_rope, q_pe)
+
+
 def test_prewarm_values_keep_only_fused_capture_sizes(device):
     sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 512]
     assert vllm_hook.prewarm_values(sizes, 8, "bf16", torch.bfloat16, device) == [
@@ -191,35 +214,6 @@ def test_mxfp8_w_uk_t_rejects_kernel_layouts(mutate, match):
 # --- the guard and the patched forward_impl (needs vLLM, not a server) ---------------------
 
 
-@pytest.fixture
-def mla():
-    """vLLM's mla_attention module, restored to its unpatched state after the test."""
-    module = pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
-    from fusedq import vllm_plugin as vp
-
-    cls = module.MLAAttention
-    saved = {
-        k: cls.__dict__[k] for k in ("__init__", "forward_impl", "process_weights_after_loading")
-    }
-    yield module
-    for k, v in saved.items():
-        setattr(cls, k, v)
-    if vp.PATCH_MARK in cls.__dict__:
-        delattr(cls, vp.PATCH_MARK)
-    module.__dict__.pop(vp.HOOK_NAME, None)
-    vp._installed.clear()
-    vp._first_use.clear()
-    vp._report.first = None
-    vp._report.seen.clear()
-
-
-@pytest.fixture
-def vp():
-    from fusedq import vllm_plugin
-
-    return vllm_plugin
-
-
 def test_guard_accepts_the_installed_vllm(mla, vp):
     patch = vp.check_vllm()
     assert patch.cls is mla.MLAAttention
@@ -236,8 +230,6 @@ def test_guard_rejects_other_versions(mla, vp, monkeypatch):
 
 
 def test_guard_rejects_a_changed_query_block(mla, vp, monkeypatch):
-    import dataclasses
-
     span = re.escape(installed_release(vp).span())
     rows = tuple(dataclasses.replace(r, blocks={"x": "0" * 64}) for r in vp.RELEASES)
     monkeypatch.setattr(vp, "RELEASES", rows)
@@ -382,8 +374,20 @@ class StandInLayer(types.SimpleNamespace):
     """The MLAAttention attributes forward_impl's decode path and the plugin read."""
 
 
+def stand_in_impl(cls: type, **attrs) -> object:
+    """An instance of a real attention impl class, not initialised (its __init__ wants a GPU
+    and a vLLM config): the plan reads its class, forward_impl its attributes."""
+    impl = object.__new__(cls)
+    impl.__dict__.update(attrs)
+    return impl
+
+
 def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator) -> StandInLayer:
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    # TRITON_MLA (a BACKENDS row for 0.26 and 0.32, importable on CPU): its class, with the
+    # decode kernel replaced on the instance by a recorder of the query it is handed.
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
     seen: list[torch.Tensor] = []
 
@@ -391,8 +395,8 @@ def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator) -> StandInLa
         seen.append(torch.cat(q, dim=-1) if isinstance(q, tuple) else q)
         return torch.zeros(seen[-1].shape[0], h, L, dtype=torch.bfloat16), None
 
-    impl = types.SimpleNamespace(
-        is_sparse=False, dcp_world_size=1, supports_quant_query_input=True,
+    impl = stand_in_impl(
+        TritonMLAImpl, is_sparse=False, dcp_world_size=1, supports_quant_query_input=True,
         forward_mqa=forward_mqa,
     )  # fmt: skip
     layer = StandInLayer(
@@ -491,7 +495,7 @@ def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
         assert layer.__dict__[vp.PLAN_ATTR] is not None
     lines = [r.getMessage() for r in caplog.records if "fused MLA query enabled" in r.getMessage()]
     assert lines == [
-        "fusedq: fused MLA query enabled (heads=8, format=bf16, prewarmed M=none "
+        "fusedq: fused MLA query enabled (heads=8, format=bf16, query=tensor, prewarmed M=none "
         "[no CUDA graphs on cpu], pdl=off)"
     ]
     # Beside it, once, the kernel each decode M runs (here the interpreter's choices).
@@ -572,6 +576,277 @@ def test_hook_failure_falls_back_in_auto_mode_and_raises_when_required(mla, vp, 
         assert layer.__dict__[vp.PLAN_ATTR] is None, "the layer stays on vLLM's path"
 
 
+# --- the backends' query forms (BACKENDS) and the pair hand-off ------------------------------
+
+# vLLM 0.26.0's forward_mqa of every 0.26 BACKENDS row (tests/fusedq/fixtures/README.md).
+FORWARD_MQA_026 = Path(__file__).parent / "fixtures/vllm-0.26.0-mla-backends-forward_mqa.py.txt"
+
+
+def forward_mqa_026() -> dict[str, str]:
+    """impl class name -> 0.26.0's forward_mqa source, indented as in its class."""
+    parts = re.split(r"^# === (\w+)\.forward_mqa: .*\n", FORWARD_MQA_026.read_text(), flags=re.M)
+    assert parts[0] == ""
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def installed_forward_mqa(impl: str) -> str | None:
+    """The installed vLLM's forward_mqa of class ``impl``, read as text: most backend modules
+    do not import without their GPU kernels."""
+    import ast
+
+    import vllm
+
+    for path in sorted((Path(vllm.__file__).parent / "v1/attention/backends/mla").glob("*.py")):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ClassDef) and node.name == impl:
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef) and f.name == "forward_mqa":
+                        return ast.get_source_segment(text, f)
+    return None
+
+
+def type_test(vp, source: str) -> str | None:
+    """The plan's reading of a forward_mqa: its first line that some query form reads."""
+    known = {line for form in vp.QUERY_FORMS.values() for line in form.reads}
+    return next((ln.strip() for ln in source.splitlines() if ln.strip() in known), None)
+
+
+def test_backend_rows_match_0_26_sources(vp):
+    sources = forward_mqa_026()
+    assert sources.keys() == {b.impl for b in vp.BACKENDS if "0.26" in b.releases}
+    for row in vp.BACKENDS:
+        if "0.26" in row.releases:
+            assert type_test(vp, sources[row.impl]) in vp.QUERY_FORMS[row.form].reads, row
+    # The one pair-only backend raises on a tensor: the start-up failure seen on the H200.
+    pair_only = {b.impl for b in vp.BACKENDS if vp.QUERY_FORMS[b.form].split}
+    assert pair_only == {"FlashAttnMLASparseImpl"}
+    assert "expects split (q_nope, q_rope) input" in sources["FlashAttnMLASparseImpl"]
+
+
+def test_backend_rows_match_the_installed_vllm(vp):
+    pytest.importorskip("vllm")
+    release = installed_release(vp)
+    rows = [b for b in vp.BACKENDS if release.name in b.releases]
+    assert rows
+    for row in rows:
+        source = installed_forward_mqa(row.impl)
+        assert source is not None, f"{row.impl} has no forward_mqa in vLLM {release.name}"
+        assert type_test(vp, source) in vp.QUERY_FORMS[row.form].reads, row
+
+
+def impl_class(name: str, forward_mqa: str, namespace: dict) -> type:
+    """A class ``name`` whose forward_mqa is compiled from ``forward_mqa`` (a method's text)
+    in ``namespace`` (the names it calls), its source registered with linecache so the plan
+    reads it as it reads vLLM's."""
+    import linecache
+
+    source = f"class {name}:\n{forward_mqa}"
+    filename = f"<test {name} {len(linecache.cache)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+class FlashAttention3:
+    """Stands in for vllm_flash_attn's flash_attn_varlen_func (a CUDA kernel): records what
+    the backend hands it and makes FA3's own input checks (hopper/flash_api.cpp: q and q_v
+    each with a unit last stride, one shape of q_v per q row and head)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, *, q, k, v, q_v, **kwargs):
+        assert q.stride(-1) == 1 and q_v.stride(-1) == 1
+        assert q_v.shape[:-1] == q.shape[:-1] and q_v.shape[-1] == L
+        self.calls.append({"q": q, "q_v": q_v})
+        out = torch.zeros(*q.shape[:-1], L, dtype=q.dtype)
+        return (out, None) if kwargs.get("return_softmax_lse") else out
+
+
+def fa_backend_026(mla, vp, name: str, h: int, m: int) -> tuple[StandInLayer, FlashAttention3]:
+    """A planned stand-in layer whose impl is ``name`` (FlashAttnMLAImpl or
+    FlashAttnMLASparseImpl) with 0.26.0's forward_mqa, FlashAttention stood in."""
+    fa = FlashAttention3()
+    namespace = {
+        "torch": torch,
+        "flash_attn_varlen_func": fa,
+        "is_quantized_kv_cache": mla.is_quantized_kv_cache,
+        # Sparse: top-k logical -> physical slots (a Triton kernel); any indices will do here.
+        "triton_convert_req_index_to_global_index": lambda req, table, topk, **kw: (
+            topk, torch.full((topk.shape[0],), topk.shape[1], dtype=torch.int32)
+        ),
+    }  # fmt: skip
+    cls = impl_class(name, forward_mqa_026()[name], namespace)
+    sparse = name == "FlashAttnMLASparseImpl"
+    layer = stand_in_layer(mla, h, fp8=False, gen=torch.Generator().manual_seed(0))
+    layer.impl = stand_in_impl(
+        cls, is_sparse=sparse, dcp_world_size=1, dcp_rank=0,
+        supports_quant_query_input=not sparse, kv_lora_rank=L, qk_rope_head_dim=R,
+        head_size=L + R, scale=0.1, kv_cache_dtype="auto", need_to_return_lse_for_decode=False,
+        topk_indices_buffer=torch.zeros(64, 8, dtype=torch.int32),
+    )  # fmt: skip
+    vp._installed["release"] = vp.release_for((0, 26))
+    mla.__dict__[vp.HOOK_NAME] = vp.decode_query_hook  # what apply() installs
+    plan, note = vp.plan_layer(layer)
+    assert plan is not None, note
+    layer.__dict__[vp.PLAN_ATTR] = plan
+    return layer, fa
+
+
+def run_fa_forward_impl(forward_impl, layer, m: int, fa: FlashAttention3) -> dict:
+    """0.26.0's forward_impl on one decode step; what FlashAttention was handed."""
+    h = layer.num_heads
+    q = torch.randn(m, h, P + R, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    decode = types.SimpleNamespace(
+        max_query_len=1, query_start_loc=torch.arange(m + 1, dtype=torch.int32), max_seq_len=16,
+        seq_lens=torch.full((m,), 16, dtype=torch.int32), block_table=None,
+        scheduler_metadata=None, max_num_splits=0, dcp_tot_seq_lens=None,
+    )  # fmt: skip
+    meta = types.SimpleNamespace(
+        num_actual_tokens=m, num_decodes=m, num_prefills=0, num_decode_tokens=m, decode=decode,
+        prefill=None, req_id_per_token=torch.arange(m, dtype=torch.int32), block_table=None,
+        block_size=16,
+    )  # fmt: skip
+    out = torch.empty(m, h * V, dtype=torch.bfloat16)
+    kv_cache = torch.zeros(1, 16, L + R, dtype=torch.bfloat16)
+    forward_impl(layer, q, torch.empty(m, L), torch.empty(m, 1, R), kv_cache, meta, output=out)
+    return fa.calls[-1]
+
+
+@pytest.mark.parametrize(
+    "name,h,m,form",
+    [("FlashAttnMLASparseImpl", 16, 3, "pair"), ("FlashAttnMLAImpl", 8, 2, "tensor")],
+    ids=["FLASH_ATTN_MLA_SPARSE", "FLASH_ATTN_MLA"],
+)
+def test_fa_backends_get_views_of_the_fused_query(mla, vp, name, h, m, form):
+    """0.26.0's forward_impl and forward_mqa (their source text): the sparse backend is handed
+    the pair of views, the dense one the tensor, which it splits into the same views; either
+    way FlashAttention reads q_rope and q_nope out of the one fused [M, H, 576] buffer, no
+    copy between, with the staged path's values."""
+    layer, fa = fa_backend_026(mla, vp, name, h, m)
+    assert layer.__dict__[vp.PLAN_ATTR].form.name == form
+    staged = run_fa_forward_impl(forward_impl_026(mla, vp, hooked=False), layer, m, fa)
+    fused = run_fa_forward_impl(forward_impl_026(mla, vp, hooked=True), layer, m, fa)
+    q_v, q = fused["q_v"], fused["q"]
+    assert q.data_ptr() == q_v.data_ptr() + L * q_v.element_size(), "views of one buffer"
+    assert q_v.stride() == q.stride() == (h * (L + R), L + R, 1)
+    assert_matches(torch.cat((q_v, q), -1), torch.cat((staged["q_v"], staged["q"]), -1), "bf16")
+    assert vp._first_use.is_set()
+
+
+def test_sparse_backend_handed_a_tensor_fails_as_seen_on_the_h200(mla, vp):
+    """Without the pair form (the plugin before BACKENDS), 0.26's FLASH_ATTN_MLA_SPARSE
+    refuses the fused tensor at the first decode step: the H200 start-up failure."""
+    layer, fa = fa_backend_026(mla, vp, "FlashAttnMLASparseImpl", 8, 1)
+    plan = layer.__dict__[vp.PLAN_ATTR]
+    layer.__dict__[vp.PLAN_ATTR] = dataclasses.replace(plan, form=vp.QUERY_FORMS["tensor"])
+    with pytest.raises(NotImplementedError, match=r"expects split \(q_nope, q_rope\) input"):
+        run_fa_forward_impl(forward_impl_026(mla, vp, hooked=True), layer, 1, fa)
+
+
+def test_plan_refuses_a_backend_it_does_not_know(mla, vp, monkeypatch, caplog):
+    monkeypatch.delenv(vp.ENV, raising=False)
+    vp.apply(vp.check_vllm())
+    layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
+    mystery = impl_class(
+        "MysteryMLAImpl",
+        "    def forward_mqa(self, q, kv_cache, attn_metadata, layer):\n        return q\n",
+        {},
+    )
+    layer.impl = stand_in_impl(mystery, is_sparse=False, dcp_world_size=1)
+    vp.setup_layer(layer)
+    assert layer.__dict__[vp.PLAN_ATTR] is None
+    release = installed_release(vp).name
+    assert (
+        f"fusedq: fused MLA query disabled: layer {layer.layer_name}: MysteryMLAImpl takes the "
+        "decode query as MysteryMLAImpl.forward_mqa reads it, which this plugin does not know "
+        f"(no BACKENDS row for MysteryMLAImpl under vLLM {release})"
+    ) in caplog.text
+    assert "fused MLA query enabled" not in caplog.text
+
+
+@pytest.mark.parametrize("change", ["type test", "fp8 pair"])
+def test_plan_refuses_a_known_backend_whose_query_form_it_does_not_know(mla, vp, change):
+    """A row's class whose forward_mqa no longer reads the query as the row says, and a
+    pair-only backend with an FP8 query (vLLM would hand it one tensor), are refused."""
+    vp.apply(vp.check_vllm())
+    layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
+    if change == "fp8 pair":
+        layer.kv_cache_dtype = "fp8"  # with supports_quant_query_input: an FP8 query
+    sparse = forward_mqa_026()["FlashAttnMLASparseImpl"]
+    name = "TritonMLAImpl" if change == "type test" else "FlashAttnMLASparseImpl"
+    layer.impl = stand_in_impl(
+        impl_class(name, sparse, {}), is_sparse=True, dcp_world_size=1,
+        supports_quant_query_input=True,
+    )  # fmt: skip
+    vp._installed["release"] = vp.release_for((0, 26))
+    plan, reason = vp.plan_layer(layer)
+    assert plan is None
+    if change == "type test":
+        assert reason == (
+            "TRITON_MLA takes the decode query as TritonMLAImpl.forward_mqa reads it now "
+            "('if not isinstance(q, tuple):'), which this plugin does not know (its row was "
+            "read from 'if type(q) is tuple:' / 'if isinstance(q, tuple):')"
+        )
+    else:
+        assert reason == (
+            "FLASH_ATTN_MLA_SPARSE takes only a (q_nope, q_rope) pair with an FP8 query, which "
+            "this plugin does not know"
+        )
+
+
+# --- the decode path switch ------------------------------------------------------------------
+
+
+def test_set_path_switches_what_the_hook_returns(mla, vp, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv(vp.ENV, raising=False)
+    vp.apply(vp.check_vllm())
+    caplog.set_level(logging.INFO, logger="vllm.fusedq")
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for i in range(2):
+        layer = stand_in_layer(mla, 8, fp8=False, gen=gen)
+        layer.layer_name = f"model.layers.{i}.self_attn.attn"
+        vp.setup_layer(layer)
+        layers.append(layer)
+    assert vp.planned_layers() == layers and vp.current_path() == "fused"
+    q_nope, q_pe = vllm_q(2, 8, gen)
+
+    def step() -> list:
+        return [vp.decode_query_hook(layer, q_nope, q_pe, False, False) for layer in layers]
+
+    def lines(needle: str) -> int:
+        return sum(needle in r.getMessage() for r in caplog.records)
+
+    assert all(isinstance(q, torch.Tensor) for q in step())
+    assert vp.set_path("staged") is True
+    assert step() == [None, None] and step() == [None, None]
+    assert lines("fusedq: first staged MLA decode query since the switch (layer ") == 1
+    assert lines("fusedq: decode path switched to staged (2 layers)") == 1
+    assert vp.set_path("staged") is False
+    assert vp.set_path("fused") is True
+    assert all(isinstance(q, torch.Tensor) for q in step())
+    assert lines("fusedq: first fused MLA decode query") == 2  # once per switch to it
+    with pytest.raises(ValueError, match="decode path 'eager' is not one of staged, fused"):
+        vp.set_path("eager")
+
+
+def test_set_path_refuses_where_the_plugin_is_not_active(mla, vp, monkeypatch):
+    monkeypatch.delenv(vp.ENV, raising=False)
+    with pytest.raises(vp.FusedqInactiveError, match="did not patch vLLM"):
+        vp.set_path("staged")
+    vp.apply(vp.check_vllm())
+    layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
+    layer.num_heads = 4
+    vp.setup_layer(layer)
+    with pytest.raises(vp.FusedqInactiveError, match=r"disabled: layer .*num_heads=4"):
+        vp.set_path("staged")
+    assert vp.current_path() == "fused"
+
+
 # --- end to end: real vllm serve on the tiny model (CPU) ----------------------------------
 
 PROMPT = [5, 17, 99, 123, 7, 300, 42, 8, 1000, 64, 11, 512]
@@ -595,6 +870,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The CPU build's MLA backend that takes the generic query path (DESIGN.md), run eagerly.
+CPU_ENGINE_ARGS = ("--attention-backend", "CPU_MLA", "--enforce-eager")
+
+
 @contextlib.contextmanager
 def vllm_server(
     workdir: Path,
@@ -603,14 +882,17 @@ def vllm_server(
     tp: int = 1,
     expect_ready: bool = True,
     profile_dir: Path | None = None,
+    model: Path | None = None,
+    engine_args: Sequence[str] = CPU_ENGINE_ARGS,
 ):
     """Start ``vllm serve`` on the tiny model (loopback only), yield (port, log path), stop it
     (SIGTERM to its process group, SIGKILL after 20 s). `profile_dir`: with vLLM's torch
-    profiler writing there (the orchestrator's profile phase's flag)."""
+    profiler writing there (the orchestrator's profile phase's flag). `model` (default the
+    CPU tiny model) and `engine_args` (default the CPU build's) serve something else."""
     from orchestrator.engines.vllm import PROFILER_FLAG, profiler_config
     from orchestrator.tinymodel import build_tiny_model
 
-    model = build_tiny_model()
+    model = model if model is not None else build_tiny_model()
     workdir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     full_env = {
@@ -637,8 +919,8 @@ def vllm_server(
     vllm_bin = Path(sys.executable).with_name("vllm")
     argv = [
         str(vllm_bin), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096",
-        "--tensor-parallel-size", str(tp), "--max-num-seqs", "4",
+        *engine_args, "--max-model-len", "4096", "--tensor-parallel-size", str(tp),
+        "--max-num-seqs", "4",
     ]  # fmt: skip
     if profile_dir is not None:
         argv += [PROFILER_FLAG, profiler_config(str(profile_dir.absolute()))]
@@ -765,11 +1047,22 @@ def test_e2e_fused_matches_staged(runs):
     (fused_ids, fused_lp), log = runs["fused"]
     enabled = log_lines(log, ENABLED)
     assert len(enabled) == 1, enabled
-    assert "heads=8, format=bf16, prewarmed M=none [no CUDA graphs on cpu]" in enabled[0]
+    assert (
+        "heads=8, format=bf16, query=tensor, prewarmed M=none [no CUDA graphs on cpu]" in enabled[0]
+    )
     kernels = log_lines(log, "fusedq: kernels (heads=8, format=bf16): M=1")
     assert len(kernels) == 1, kernels  # which kernel each decode M ran, once per worker
     assert len(log_lines(log, FIRST_USE)) == 1, "the fused op never ran in the decode step"
     assert not log_lines(log, DISABLED)
+    assert_greedy_agree((fused_ids, fused_lp), (staged_ids, staged_lp))
+
+
+def assert_greedy_agree(
+    fused: tuple[list[int], list[float]], staged: tuple[list[int], list[float]]
+) -> None:
+    """The fused run's greedy tokens equal the staged run's, or part at a near-tie (see
+    LOGPROB_TOL) after equal tokens; equal tokens carry logprobs within LOGPROB_TOL."""
+    (fused_ids, fused_lp), (staged_ids, staged_lp) = fused, staged
     same = fused_ids == staged_ids
     print(f"greedy ids {'identical' if same else 'differ'}: fused {fused_ids} staged {staged_ids}")
     print(f"logprobs fused {fused_lp}\nlogprobs staged {staged_lp}")
@@ -880,6 +1173,7 @@ def test_mxfp8_kv_b_proj_survives_kernel_post_processing(mla, vp, watched):
     h = 8
     gen = torch.Generator().manual_seed(4)
     values, scales = mxfp8_kv_b_proj(h, gen)
+    vp.apply(vp.check_vllm())
     layer = stand_in_layer(mla, h, fp8=False, gen=gen)
     layer.kv_b_proj = FakeLinear(values.clone(), scales.clone())
     if watched:
