@@ -48,6 +48,8 @@ __all__ = [
     "ProfileResult",
     "RunManifest",
     "Severity",
+    "SpecDecode",
+    "Startup",
     "TraceFigures",
     "WorkloadSummary",
 ]
@@ -138,6 +140,20 @@ class Latency(_Record):
     itl_ms: Distribution | None = None
 
 
+class SpecDecode(_Record):
+    """The speculative decoding a workload saw, from the server's /metrics counters read
+    before and after it (orchestrator.server_metrics)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None  # accepted / draft tokens
+    acceptance_length: float | None = None  # 1 + accepted / drafts
+    per_position: list[float] = Field(default_factory=list)
+    configured_rates: list[float] | None = None  # vLLM's synthetic rates, where set
+    expected_rate: float | None = None
+
+
 class WorkloadSummary(_Record):
     """One workload measured on one case's server: each repeat, their mean, the pooled
     latency distributions, request and error counts."""
@@ -150,6 +166,7 @@ class WorkloadSummary(_Record):
     requests: int | None = None
     errors: int = 0
     error_samples: list[str] = Field(default_factory=list)
+    spec_decode: SpecDecode | None = None
 
     @field_validator("mean", mode="before")
     @classmethod
@@ -404,6 +421,18 @@ class Warmup(_Record):
     errors: int = 0
 
 
+class Startup(_Record):
+    """A server's start-up (orchestrator.startup): consecutive phases in seconds (name ->
+    s, in order), the durations vLLM reported, its compile cache's state and folder, and the
+    longest silences of its log before it was ready."""
+
+    phases: dict[str, float] = Field(default_factory=dict)
+    vllm: dict[str, float] = Field(default_factory=dict)
+    compile_cache: str | None = None  # hit, miss, partial; None: nothing compiled
+    compile_cache_dir: str | None = None  # the shared folder, where one was used
+    silences: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class CaseResult(_Record):
     """One finished case: one line of results.jsonl."""
 
@@ -432,6 +461,7 @@ class CaseResult(_Record):
     errors: int = 0
     audit: AuditSummary = Field(default_factory=AuditSummary)
     profile: ProfileResult | None = None
+    startup: Startup | None = None
     timings: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("audit", "server", "same_tokens", "workloads", "timings", mode="before")

@@ -21,6 +21,7 @@ from orchestrator.reports.run import (
     repeats,
     token_checks,
 )
+from orchestrator.reports.serving import acceptance_section, startup_section
 from orchestrator.reports.summary import latency_table
 
 # Findings listed in report.md; the rest are in each case's audit.json.
@@ -157,6 +158,7 @@ def render_markdown(run: Run) -> str:
     out += ["## Active per-user output tok/s (time to first token excluded)", ""]
     out += [topology_table(run, "per_user_tok_s"), ""]
     out += _latency_section(run)
+    out += acceptance_section(run)
     out += _paired_section(run)
     out += _profile_section(run)
     checks = [f"- {t} {w}: **{v}** -- {s}" for t, w, v, s in token_checks(run)]
@@ -176,6 +178,7 @@ def render_markdown(run: Run) -> str:
         for r in failed:
             out += _failed_case(r.case_id, str(r.reason))
         out.append("")
+    out += startup_section(run)
     out += ["## Log audit", "", audit_sentence(run.results), ""]
     for case_id, f in findings(run)[:MAX_FINDINGS]:
         text = f.text[:160].replace("`", "'")
