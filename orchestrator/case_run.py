@@ -227,18 +227,10 @@ class CaseRun:
             # serve_env gave this deep case directory a short TMPDIR stand-in (vLLM's IPC
             # socket paths are capped at 107 bytes); it is ours to remove after the case.
             self.short_tmp = Path(env["TMPDIR"])
-        if self.matrix.engine.compile_cache == "shared":
-            fingerprint = getattr(self.launcher, "driver_fingerprints", {}).get("fusedq")
-            shared = compile_cache.shared_env(self.case, model_path, fingerprint)
-            env.update(shared)
-            if shared:
-                self.compile_cache_dir = str(
-                    compile_cache.shared_dir(self.case, model_path, fingerprint)
-                )
         # The mark a later run finds a leftover of this one by (orchestrator.leftovers).
         env.update(run_env(self.store.run_id, self.case_id))
         key = api_key(self.case.args, env)
-        self._start(model_path, env, key)
+        self._start(model_path, env, key, self._shared_cache_env(model_path))
         vocab = _vocab_size(model_path)
         if self.matrix.warmup_requests:
             self._warm_up(vocab, key)
@@ -248,9 +240,28 @@ class CaseRun:
             # After the workloads: the profiler's overhead never touches a measured figure.
             self._profile(model_path, vocab, key)
 
-    def _start(self, model_path: str, env: dict[str, str], key: str | None) -> None:
+    def _shared_cache_env(self, model_path: str) -> dict[str, str]:
+        """The compile-cache variables of this configuration's shared folder (none where the
+        matrix keeps caches per case, or sets them itself): orchestrator.compile_cache."""
+        if self.matrix.engine.compile_cache != "shared":
+            return {}
+        fingerprint = getattr(self.launcher, "driver_fingerprints", {}).get("fusedq")
+        shared = compile_cache.shared_env(self.case, model_path, fingerprint)
+        if shared:
+            self.compile_cache_dir = str(
+                compile_cache.shared_dir(self.case, model_path, fingerprint)
+            )
+        return shared
+
+    def _start(
+        self, model_path: str, env: dict[str, str], key: str | None, shared: dict[str, str]
+    ) -> None:
         """Place the case and start its server until it is ready; a port lost to another
-        process before vLLM bound it costs a retry on a new port (PORT_ATTEMPTS in all)."""
+        process before vLLM bound it costs a retry on a new port (PORT_ATTEMPTS in all).
+
+        `shared`: the shared compile-cache variables, for a server on the driver's node (the
+        folder is the driver's; a server on another node keeps its caches in its own case
+        directory there, as the launcher arranges)."""
         case, launcher = self.case, self.launcher
 
         def argv_for(port: int, host: str) -> list[str]:
@@ -286,8 +297,11 @@ class CaseRun:
                 # Start-up time whether the server came up or not: a failed start-up (or a
                 # port lost to another process) is the server's time, not the orchestrator's.
                 with self._timed("startup_s"):
+                    node_env = {**env, **shared}
+                    if launcher.is_remote(handle):
+                        node_env, self.compile_cache_dir = env, None
                     self.spawned_at = time.time()
-                    launcher.start(handle, argv_for, env, self.server_log)
+                    launcher.start(handle, argv_for, node_env, self.server_log)
                     self.server["argv"] = redact_argv(handle.info["argv"])
                     self.server["port"] = handle.info["port"]
                     self.log(
