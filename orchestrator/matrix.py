@@ -740,6 +740,14 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
                 f"{where}.mtp_acceptance={topo.mtp_acceptance}",
                 "is for MTP cases, and every mtp here is 0",
             )
+        if topo.mtp_acceptance is not None and m.resources.accelerator == "cpu":
+            # vllm/utils/cpu_triton_utils.py (0.32): `assert not SYNTHETIC_MODE`.
+            raise MatrixError(
+                source,
+                f"{where}.mtp_acceptance={topo.mtp_acceptance}",
+                "is not possible on CPU: vLLM's CPU sampler refuses synthetic acceptance "
+                "('Synthetic acceptance not supported with CPU sampling'); leave it out on CPU",
+            )
         if (
             m.resources.gpus_per_node
             and m.resources.accelerator == "gpu"

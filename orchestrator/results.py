@@ -428,7 +428,10 @@ class Startup(_Record):
 
     phases: dict[str, float] = Field(default_factory=dict)
     vllm: dict[str, float] = Field(default_factory=dict)
-    compile_cache: str | None = None  # hit, miss, partial; None: nothing compiled
+    # hit, miss, partial, load-failed (vLLM found artifacts and could not load them: the
+    # failure says why); None: nothing compiled.
+    compile_cache: str | None = None
+    compile_cache_failure: str | None = None
     compile_cache_dir: str | None = None  # the shared folder, where one was used
     silences: list[dict[str, Any]] = Field(default_factory=list)
 

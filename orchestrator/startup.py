@@ -56,10 +56,12 @@ PHASES = (
         r"Starting to load model",
         "engine and worker processes: imports, device and distributed init, model build",
     ),
-    Phase("weights", r"Model loading took", "weights (dummy: drawn by vLLM)"),
+    # The CPU runner (0.32) logs no "Model loading took": its loader's line ends the phase.
+    Phase("weights", r"Model loading took|Loading weights took", "weights (dummy: drawn by vLLM)"),
     Phase(
         "compile",
-        r"torch\.compile (?:and initial profiling/warmup run together )?took",
+        r"torch\.compile (?:and initial profiling/warmup run together )?took"
+        r"|Initial profiling/warmup run took",
         "torch.compile: Dynamo and Inductor, or their cache",
     ),
     Phase(
@@ -92,6 +94,15 @@ REPORTED = {
     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took (?P<s>[\d.]+) s",
 }
 _REPORTED = {k: re.compile(v) for k, v in REPORTED.items()}
+# The compile cache, as vLLM tells it: loaded (vLLM's piecewise graphs, or its AOT artifact),
+# compiled, or found and not loadable (it then compiles again).
+_CACHE_LOADED = re.compile(
+    r"Directly load the compiled graph\(s\)|Directly load AOT compilation from"
+)
+_CACHE_COMPILED = re.compile(r"Compiling a graph for compile range|saved AOT compiled function")
+_CACHE_FAILED = re.compile(
+    r"Compiling model again due to a load failure from .*, reason: (?P<why>.*)"
+)
 # Silences this long or longer are listed (the few longest).
 SILENCE_MIN_S = 5.0
 SILENCES = 3
@@ -130,7 +141,9 @@ def startup_record(
     stamped = list(_stamped(lines, year, spawned_at, ready_at))
     edges: dict[str, float] = {}
     reported: dict[str, dict[str, float]] = {}
+    cache = _CacheEvents()
     for line in stamped:
+        cache.see(line.message)
         for name, pattern in _MARKERS:
             if pattern.search(line.message):
                 # A phase that begins another process ends at its first line; the others at
@@ -156,7 +169,8 @@ def startup_record(
     return {
         "phases": _phases(bounds),
         "vllm": vllm,
-        "compile_cache": _cache_state(vllm),
+        "compile_cache": cache.state(),
+        **({"compile_cache_failure": cache.failure} if cache.failure else {}),
         "silences": _silences(stamped, ready_at),
     }
 
@@ -205,15 +219,30 @@ def _phases(bounds: list[tuple[str, float | None]]) -> dict[str, float]:
     return out
 
 
-def _cache_state(vllm: dict[str, float]) -> str | None:
-    loaded, compiled = "cache_load_s" in vllm, "inductor_s" in vllm
-    if loaded and compiled:
-        return "partial"
-    if loaded:
-        return "hit"
-    if compiled:
-        return "miss"
-    return None
+class _CacheEvents:
+    """What the log says of the compile cache: loaded, compiled, or a load that failed."""
+
+    def __init__(self) -> None:
+        self.loaded = self.compiled = False
+        self.failure: str | None = None
+
+    def see(self, message: str) -> None:
+        failed = _CACHE_FAILED.search(message)
+        if failed is not None:
+            self.failure = self.failure or failed["why"][:_MESSAGE_CHARS]
+        self.loaded |= bool(_CACHE_LOADED.search(message))
+        self.compiled |= bool(_CACHE_COMPILED.search(message))
+
+    def state(self) -> str | None:
+        """hit, miss, partial (some graphs loaded, some compiled), load-failed (artifacts were
+        there and vLLM compiled again: `failure` says why), or None (nothing compiled)."""
+        if self.failure is not None and not self.loaded:
+            return "load-failed"
+        if self.loaded and self.compiled:
+            return "partial"
+        if self.loaded:
+            return "hit"
+        return "miss" if self.compiled else None
 
 
 def _silences(stamped: list[_Line], ready_at: float | None) -> list[dict[str, Any]]:

