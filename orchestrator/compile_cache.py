@@ -1,11 +1,12 @@
 """Compile caches shared by the servers of one configuration, in one run and across runs.
 
-vLLM compiles the model with torch.compile (Dynamo, then Inductor) at every start, and
-captures CUDA graphs; the compiled artifacts are cached under ``VLLM_CACHE_ROOT`` and
-``TORCHINDUCTOR_CACHE_DIR``. A server whose cache holds its configuration's artifacts loads
-them ("Directly load the compiled graph(s) ... from the cache") instead of compiling. Each
-case directory of its own makes every start a cold one; this module points the servers of
-one configuration at one folder under ``<cache root>/compile/<key>`` instead.
+vLLM compiles the model with torch.compile (Dynamo, then Inductor) at every start; the
+artifacts are cached under ``VLLM_CACHE_ROOT`` and ``TORCHINDUCTOR_CACHE_DIR``, beside what
+else vLLM derives once (its model-class inspection, a Python subprocess per architecture;
+DeepGEMM's JIT kernels). A server whose cache holds its configuration's artifacts loads them
+("Directly load AOT compilation from path ...") instead of compiling. Each case directory of
+its own makes every start a cold one; this module points the servers of one configuration at
+one folder under ``<cache root>/compile/<key>`` instead.
 
 The key is a hash of what the server is: the model path, the topology (TP, DCP, MTP and its
 acceptance), the passthrough args and the matrix's env (the variant's included), and the
