@@ -258,10 +258,8 @@ class CaseRun:
     ) -> None:
         """Place the case and start its server until it is ready; a port lost to another
         process before vLLM bound it costs a retry on a new port (PORT_ATTEMPTS in all).
-
-        `shared`: the shared compile-cache variables, for a server on the driver's node (the
-        folder is the driver's; a server on another node keeps its caches in its own case
-        directory there, as the launcher arranges)."""
+        `shared` (compile caches) applies on the driver's node only: the folder is the
+        driver's, and elsewhere the launcher keeps caches in that node's case directory."""
         case, launcher = self.case, self.launcher
 
         def argv_for(port: int, host: str) -> list[str]:

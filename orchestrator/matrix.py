@@ -734,20 +734,7 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
         for k in topo.mtp:
             if k < 0 or k > m.max_mtp:
                 raise MatrixError(source, f"{where}.mtp={k}", f"must be within 0..{m.max_mtp}")
-        if topo.mtp_acceptance is not None and not any(k > 0 for k in topo.mtp):
-            raise MatrixError(
-                source,
-                f"{where}.mtp_acceptance={topo.mtp_acceptance}",
-                "is for MTP cases, and every mtp here is 0",
-            )
-        if topo.mtp_acceptance is not None and m.resources.accelerator == "cpu":
-            # vllm/utils/cpu_triton_utils.py (0.32): `assert not SYNTHETIC_MODE`.
-            raise MatrixError(
-                source,
-                f"{where}.mtp_acceptance={topo.mtp_acceptance}",
-                "is not possible on CPU: vLLM's CPU sampler refuses synthetic acceptance "
-                "('Synthetic acceptance not supported with CPU sampling'); leave it out on CPU",
-            )
+        _check_acceptance(m, topo, f"{where}.mtp_acceptance", source)
         if (
             m.resources.gpus_per_node
             and m.resources.accelerator == "gpu"
@@ -784,6 +771,24 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
     dup = _dups(c.case_id for c in cases)
     if dup:
         raise MatrixError(source, "topologies", f"case {dup[0]!r} appears twice")
+
+
+def _check_acceptance(m: Matrix, topo: TopologySpec, where: str, source: str) -> None:
+    """Synthetic acceptance needs an MTP case, and a GPU."""
+    if topo.mtp_acceptance is None:
+        return
+    if not any(k > 0 for k in topo.mtp):
+        raise MatrixError(
+            source, f"{where}={topo.mtp_acceptance}", "is for MTP cases, and every mtp here is 0"
+        )
+    if m.resources.accelerator == "cpu":
+        # vllm/utils/cpu_triton_utils.py (0.32): `assert not SYNTHETIC_MODE`.
+        raise MatrixError(
+            source,
+            f"{where}={topo.mtp_acceptance}",
+            "is not possible on CPU: vLLM's CPU sampler refuses synthetic acceptance "
+            "('Synthetic acceptance not supported with CPU sampling'); leave it out on CPU",
+        )
 
 
 def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
