@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from orch_cli import run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# Two runs, three servers compiling on a shared 2-core machine: past the default 900 s there.
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 MATRIX = """
 name: cpu-serving
