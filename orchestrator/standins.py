@@ -135,6 +135,7 @@ WEIGHT_BUDGET_GIB = 96.0
 EXPERT_STEP = 8
 BF16_BYTES = 2
 TOKENIZER_SPECIALS = ("<bos>", "<eos>", "<pad>", "<unk>")  # ids 0..3
+TRANSFORMERS_VERSION = "5.2.0"
 
 
 def is_standin(name: str) -> bool:
@@ -266,6 +267,9 @@ def config(
         "pad_token_id": 2,
         "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
+        # The first transformers that knows glm_moe_dsa. Without a version, transformers 5
+        # takes a local config for an old Mistral one and warns of a wrong tokenizer regex.
+        "transformers_version": TRANSFORMERS_VERSION,
     }
     if kind["dsa"]:
         cfg["indexer_rope_interleave"] = True
