@@ -78,7 +78,8 @@ def test_startup_phases_cover_the_start(runs) -> None:
         assert name in phases, phases
     # Consecutive phases from spawn to ready: they add up to the start-up the case timed.
     assert sum(phases.values()) == pytest.approx(row["timings"]["startup_s"], abs=3.0)
-    assert row["startup"]["vllm"]["torch_compile_s"] > 0
+    # What vLLM states itself (the CPU runner logs no "torch.compile took" line).
+    assert row["startup"]["vllm"]["engine_init_s"] > 0
 
 
 def test_second_server_of_a_configuration_meets_the_first_ones_caches(runs) -> None:
