@@ -20,17 +20,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator import tokens
+from orchestrator import compile_cache, server_metrics, tokens
 from orchestrator.audit import Expectation, audit_logs
 from orchestrator.engines.vllm import (
     ServerStartError,
     api_key,
+    auth_headers,
     describe_exit,
     is_port_clash,
     log_tail,
     profile_request,
     serve_argv,
     serve_env,
+    synthetic_acceptance_rates,
     wait_ready,
 )
 from orchestrator.leftovers import run_env
@@ -50,6 +52,7 @@ from orchestrator.results import (
     ProfileResult,
     WorkloadSummary,
 )
+from orchestrator.startup import read_startup
 from orchestrator.store import RunStore, write_json_atomic
 from orchestrator.workload import (
     ServerDiedError,
@@ -142,6 +145,11 @@ class CaseRun:
         self.exited_early: int | None = None  # the server's exit code if it went before the stop
         self.stop_line = 0  # the first log line written after the stop began
         self.short_tmp: Path | None = None  # a TMPDIR stand-in of ours to remove afterwards
+        # Start-up: when the process was started and /v1/models answered (epoch seconds),
+        # and the shared compile-cache folder it was given (orchestrator.compile_cache).
+        self.spawned_at: float | None = None
+        self.ready_at: float | None = None
+        self.compile_cache_dir: str | None = None
         self.started = dt.datetime.now(dt.timezone.utc)
         self.t0 = time.monotonic()
 
@@ -176,6 +184,7 @@ class CaseRun:
             self._fail(f"{type(exc).__name__}: {exc}")
         finally:
             self._stop()
+        startup = self._startup()
         if self.profile is not None and self.status == "passed":
             self._read_traces()
         if self.status == "passed" and self.exited_early is not None:
@@ -193,7 +202,7 @@ class CaseRun:
             self._fail(f"same tokens: {differs[0]}")
         if self.status == "failed":
             self.log(f"{self.case_id}: FAILED: {self.reason}")
-        return self._result(audit, same_tokens)
+        return self._result(audit, same_tokens, startup)
 
     # -- the steps ---------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
@@ -235,15 +244,32 @@ class CaseRun:
         # The mark a later run finds a leftover of this one by (orchestrator.leftovers).
         env.update(run_env(self.store.run_id, self.case_id))
         key = api_key(self.case.args, env)
-        self._start(model_path, env, key)
+        self._start(model_path, env, key, self._shared_cache_env(model_path))
         vocab = _vocab_size(model_path)
         if self.matrix.warmup_requests:
             self._warm_up(vocab, key)
         return model_path, vocab, key
 
-    def _start(self, model_path: str, env: dict[str, str], key: str | None) -> None:
+    def _shared_cache_env(self, model_path: str) -> dict[str, str]:
+        """The compile-cache variables of this configuration's shared folder (none where the
+        matrix keeps caches per case, or sets them itself): orchestrator.compile_cache."""
+        if self.matrix.engine.compile_cache != "shared":
+            return {}
+        fingerprint = getattr(self.launcher, "driver_fingerprints", {}).get("fusedq")
+        shared = compile_cache.shared_env(self.case, model_path, fingerprint)
+        if shared:
+            self.compile_cache_dir = str(
+                compile_cache.shared_dir(self.case, model_path, fingerprint)
+            )
+        return shared
+
+    def _start(
+        self, model_path: str, env: dict[str, str], key: str | None, shared: dict[str, str]
+    ) -> None:
         """Place the case and start its server until it is ready; a port lost to another
-        process before vLLM bound it costs a retry on a new port (PORT_ATTEMPTS in all)."""
+        process before vLLM bound it costs a retry on a new port (PORT_ATTEMPTS in all).
+        `shared` (compile caches) applies on the driver's node only: the folder is the
+        driver's, and elsewhere the launcher keeps caches in that node's case directory."""
         case, launcher = self.case, self.launcher
 
         def argv_for(port: int, host: str) -> list[str]:
@@ -262,6 +288,7 @@ class CaseRun:
                 profiler_dir=str(Path(self.handle.info["case_dir"]) / PROFILE_DIR)
                 if self.matrix.profile is not None
                 else None,
+                mtp_acceptance=case.mtp_acceptance,
             )
 
         clashes: list[int] = []
@@ -278,7 +305,11 @@ class CaseRun:
                 # Start-up time whether the server came up or not: a failed start-up (or a
                 # port lost to another process) is the server's time, not the orchestrator's.
                 with self._timed("startup_s"):
-                    launcher.start(handle, argv_for, env, self.server_log)
+                    node_env = {**env, **shared}
+                    if launcher.is_remote(handle):
+                        node_env, self.compile_cache_dir = env, None
+                    self.spawned_at = time.time()
+                    launcher.start(handle, argv_for, node_env, self.server_log)
                     self.server["argv"] = redact_argv(handle.info["argv"])
                     self.server["port"] = handle.info["port"]
                     self.log(
@@ -294,6 +325,7 @@ class CaseRun:
                         returncode=lambda h=handle: launcher.exit_code(h),
                         api_key=key,
                     )
+                    self.ready_at = time.time()
             except ServerStartError as exc:
                 if attempt == PORT_ATTEMPTS or not is_port_clash(exc.log_tail):
                     raise
@@ -341,8 +373,12 @@ class CaseRun:
         self.warmup = {"requests": self.matrix.warmup_requests, "errors": warm.to_dict()["errors"]}
 
     def _measure(self, wl: WorkloadSpec, vocab: int, key: str | None) -> None:
+        before = self._spec_decode_counters(key)
         result = self._run_measured(wl, vocab, key, slug=self.case.slug)
-        summary = WorkloadSummary.model_validate(result.to_dict())
+        seen = self._spec_decode_seen(before, key)
+        summary = WorkloadSummary.model_validate(
+            {**result.to_dict(), **({"spec_decode": seen} if seen else {})}
+        )
         self.workloads[wl.name] = summary
         self.store.write_records(self.case.slug, wl.name, result.records)
         self.log(
@@ -389,6 +425,43 @@ class CaseRun:
                 # What finished before the fault is evidence; keep it beside the log.
                 self.store.write_records(slug, wl.name, exc.records)
                 raise
+
+    def _spec_decode_counters(self, key: str | None) -> server_metrics.SpecDecodeCounters | None:
+        """The server's speculative-decoding counters now (MTP cases only)."""
+        if self.case.mtp == 0:
+            return None
+        return server_metrics.read_spec_decode(self.handle.base_url, headers=auth_headers(key))
+
+    def _spec_decode_seen(
+        self, before: server_metrics.SpecDecodeCounters | None, key: str | None
+    ) -> dict[str, Any] | None:
+        """The acceptance a workload saw: the counters' change since `before` (as `vllm bench
+        serve` reports it), with the synthetic rates configured where there are some."""
+        if before is None:
+            return None
+        configured = (
+            synthetic_acceptance_rates(self.case.mtp, self.case.mtp_acceptance)
+            if self.case.mtp_acceptance is not None
+            else None
+        )
+        seen = server_metrics.acceptance(
+            before, self._spec_decode_counters(key), configured=configured
+        )
+        if seen is not None:
+            self.log(
+                f"{self.case_id}: MTP acceptance {seen['acceptance_rate']:.3f} "
+                f"({seen['accepted_tokens']}/{seen['draft_tokens']} draft tokens)"
+            )
+        return seen
+
+    def _startup(self) -> dict[str, Any] | None:
+        """The server's start-up phases from its log (orchestrator.startup), once it stopped."""
+        if self.spawned_at is None:
+            return None
+        record = read_startup(self.server_log, spawned_at=self.spawned_at, ready_at=self.ready_at)
+        if record is not None and self.compile_cache_dir is not None:
+            record["compile_cache_dir"] = self.compile_cache_dir
+        return record
 
     def _profile(
         self, model_path: str, vocab: int, key: str | None, known: Collection[str] = ()
@@ -540,7 +613,12 @@ class CaseRun:
             )
         return audit
 
-    def _result(self, audit: AuditSummary, same_tokens: dict[str, dict[str, Any]]) -> CaseResult:
+    def _result(
+        self,
+        audit: AuditSummary,
+        same_tokens: dict[str, dict[str, Any]],
+        startup: dict[str, Any] | None = None,
+    ) -> CaseResult:
         self.timings["total_s"] = time.monotonic() - self.t0
         row: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -555,6 +633,8 @@ class CaseRun:
             row["same_tokens"] = same_tokens
         if self.profile is not None:
             row["profile"] = self.profile
+        if startup is not None:
+            row["startup"] = startup
         row.update(
             status=self.status,
             reason=self.reason,
@@ -615,13 +695,23 @@ def _workload_params(w: WorkloadSpec) -> WorkloadParams:
 
 def _model_path(case: Case, log: Callable[[str], None]) -> str:
     if case.model.is_builtin:
+        from orchestrator.standins import build_standin
         from orchestrator.tinymodel import build_tiny_model
 
         t0 = time.monotonic()
         m = case.model
-        path = build_tiny_model(
-            mtp=m.has_mtp, name=m.builtin_name, heads=m.num_heads, layers=m.builtin_layers
-        )
+        if m.is_standin:
+            path = build_standin(
+                name=m.builtin_name,
+                standin_tp=m.stands_for_tp,
+                layers=m.builtin_layers,
+                experts=m.experts,
+                mtp=m.has_mtp,
+            )
+        else:
+            path = build_tiny_model(
+                mtp=m.has_mtp, name=m.builtin_name, heads=m.num_heads, layers=m.builtin_layers
+            )
         log(f"built-in model {case.model.path} at {path} ({time.monotonic() - t0:.1f} s)")
         return str(path)
     path = case.model.path

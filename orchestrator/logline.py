@@ -24,8 +24,10 @@ LABEL_RE = re.compile(
     r"|^\[rank(?P<trank>\d+)\]: ?"
 )
 # vLLM's log header "ERROR 10-15 08:32:29 [core.py:708] " (optionally with milliseconds).
+# `stamp` is the logging time, "%m-%d %H:%M:%S" local (orchestrator.startup reads it).
 HEADER_RE = re.compile(
-    r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) +\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? "
+    r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
+    r"(?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?) "
     r"\[[^\]]*\] ?"
 )
 

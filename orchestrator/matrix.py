@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from orchestrator import matrix_policy, safe_io, tinymodel
+from orchestrator import matrix_policy, safe_io, standins, tinymodel
 from orchestrator.fusedq_files import limits
 from orchestrator.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, args_problem, owned_flag
 from orchestrator.store import case_slug
@@ -30,7 +30,7 @@ WARMUP_PROMPT_TOKENS = 16
 WARMUP_OUTPUT_TOKENS = 8
 # A model path with this prefix is built locally by orchestrator.tinymodel (the embedded default).
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = tuple(tinymodel.BUILTINS)
+BUILTIN_MODELS = tuple(tinymodel.BUILTINS) + tuple(standins.STANDINS)
 
 
 class MatrixError(ValueError):
@@ -86,15 +86,33 @@ class _EnvArgs(_Strict):
 class ModelSpec(_EnvArgs):
     label: str = Field(min_length=1, description="Name in reports, e.g. 'Luke BF16'.")
     path: str = Field(
-        min_length=1, description="Checkpoint path, or builtin:tiny-mla / builtin:tiny-glm5."
+        min_length=1,
+        description="Checkpoint path, or builtin:tiny-mla / tiny-glm5 (tiny random models), "
+        "builtin:glm5 / glm5-dsa (GLM-5 stand-ins, config only: docs/standins.md).",
     )
     num_heads: int = Field(
         gt=0, description="Total attention heads of the model (a built-in model is built so)."
     )
     layers: int | None = Field(
-        None, gt=0, description="Built-in models only: decoder layers (default 2)."
+        None, gt=0, description="Built-in models only: decoder layers (default 2; GLM-5's 78)."
     )
-    weight_format: str = Field("bf16", description="Label only: bf16, mxfp8, ...")
+    weight_format: str = Field(
+        "bf16",
+        description="A label, except for a GLM-5 stand-in: mxfp8 serves it quantised by "
+        "vLLM at load (--quantization mxfp8).",
+    )
+    standin_tp: int | None = Field(
+        None,
+        gt=0,
+        description="GLM-5 stand-ins: the TP whose one rank it does (num_heads must be "
+        "ceil(64 / standin_tp)); default: derived from num_heads (16 -> 4, 11 -> 6, 8 -> 8).",
+    )
+    experts: int | None = Field(
+        None,
+        gt=0,
+        description="GLM-5 stand-ins: routed experts kept (top-8 always); default: as many "
+        "as fit one H200.",
+    )
     served_name: str | None = None
     has_mtp: bool = Field(True, description="The checkpoint carries MTP layers.")
 
@@ -107,11 +125,21 @@ class ModelSpec(_EnvArgs):
 
     @model_validator(mode="after")
     def _builtin_size(self) -> ModelSpec:
+        if not self.is_standin:
+            for key in ("standin_tp", "experts"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"{key}={getattr(self, key)} is for GLM-5 stand-ins "
+                        f"(builtin:{' / builtin:'.join(standins.STANDINS)}); {self.path!r} is not one"
+                    )
         if not self.is_builtin:
             if self.layers is not None:
                 raise ValueError(
                     f"layers={self.layers} is for built-in models; {self.path!r} is not one"
                 )
+            return self
+        if self.is_standin:
+            _check_standin(self)
             return self
         tinymodel.arch(self.builtin_name, heads=self.num_heads, layers=self.builtin_layers)
         return self
@@ -126,7 +154,42 @@ class ModelSpec(_EnvArgs):
 
     @property
     def builtin_layers(self) -> int:
-        return self.layers if self.layers is not None else tinymodel.DEFAULT_LAYERS
+        if self.layers is not None:
+            return self.layers
+        if self.is_standin:
+            return int(standins.GLM5["num_hidden_layers"])
+        return tinymodel.DEFAULT_LAYERS
+
+    @property
+    def is_standin(self) -> bool:
+        """A GLM-5 stand-in: config only, served with dummy weights (orchestrator.standins)."""
+        return self.is_builtin and standins.is_standin(self.builtin_name)
+
+    @property
+    def stands_for_tp(self) -> int:
+        """A stand-in's TP (its `standin_tp`, else derived from num_heads)."""
+        if self.standin_tp is not None:
+            return self.standin_tp
+        return standins.standin_tp_for_heads(self.num_heads)
+
+
+def _check_standin(model: ModelSpec) -> None:
+    """num_heads is one rank's share at standin_tp; sizes and weight format are servable."""
+    tp = model.stands_for_tp
+    want = standins.heads_per_rank(tp)
+    if model.num_heads != want:
+        raise ValueError(
+            f"num_heads={model.num_heads} does not match standin_tp={tp}: one rank of GLM-5 "
+            f"at TP{tp} holds {want} of its {standins.GLM5['num_attention_heads']} heads"
+        )
+    if model.weight_format not in standins.WEIGHT_FORMATS:
+        raise ValueError(
+            f"weight_format={model.weight_format!r} cannot be served by a stand-in; "
+            f"known: {list(standins.WEIGHT_FORMATS)}"
+        )
+    standins.config(
+        model.builtin_name, standin_tp=tp, layers=model.builtin_layers, experts=model.experts
+    )
 
 
 class EngineSpec(_EnvArgs):
@@ -137,6 +200,12 @@ class EngineSpec(_EnvArgs):
         "upstream vLLM refuses num_heads % tp != 0.",
     )
     vllm_bin: str | None = Field(None, description="`vllm` executable; default: next to python.")
+    compile_cache: Literal["shared", "case"] = Field(
+        "shared",
+        description="Where vLLM's and Inductor's compile caches live: `shared` by every server "
+        "of one configuration, in this run and later ones (orchestrator.compile_cache), or "
+        "`case`, each server its own in its case directory.",
+    )
 
 
 class ResourceSpec(_Strict):
@@ -151,6 +220,14 @@ class TopologySpec(_EnvArgs):
     tp: int = Field(gt=0)
     dcp: list[int] | Literal["divisors"] = Field(default_factory=lambda: [1])
     mtp: list[int] = Field(default_factory=lambda: [0])
+    mtp_acceptance: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="MTP cases: vLLM's synthetic acceptance instead of the draft's own "
+        "(a random-weight draft accepts almost nothing): each draft position is accepted with "
+        "this probability given the one before it was.",
+    )
 
     @field_validator("dcp", "mtp", mode="before")
     @classmethod
@@ -393,6 +470,8 @@ class Case:
     env: tuple[tuple[str, str], ...] = ()
     # An A/B matrix's server start of this variant (1, 2, ...); None outside an A/B.
     server: int | None = None
+    # vLLM's synthetic acceptance rate (conditional per draft position); MTP cases only.
+    mtp_acceptance: float | None = None
 
     @property
     def topology_id(self) -> str:
@@ -432,6 +511,7 @@ class Case:
             "fusedq_qualified_heads": self.heads_per_rank in limits.QUALIFIED_HEADS,
             "args": list(self.args),
             "env": dict(self.env),
+            **({"mtp_acceptance": self.mtp_acceptance} if self.mtp_acceptance is not None else {}),
         }
 
 
@@ -721,6 +801,7 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
         for k in topo.mtp:
             if k < 0 or k > m.max_mtp:
                 raise MatrixError(source, f"{where}.mtp={k}", f"must be within 0..{m.max_mtp}")
+        _check_acceptance(m, topo, f"{where}.mtp_acceptance", source)
         if (
             m.resources.gpus_per_node
             and m.resources.accelerator == "gpu"
@@ -792,6 +873,24 @@ def _check_case_folders(cases: Sequence[Case], source: str) -> None:
                 f"the folder cases/{slug}: give their models (or variants) labels that differ "
                 "in more than punctuation, spaces or case",
             )  # fmt: skip
+
+
+def _check_acceptance(m: Matrix, topo: TopologySpec, where: str, source: str) -> None:
+    """Synthetic acceptance needs an MTP case, and a GPU."""
+    if topo.mtp_acceptance is None:
+        return
+    if not any(k > 0 for k in topo.mtp):
+        raise MatrixError(
+            source, f"{where}={topo.mtp_acceptance}", "is for MTP cases, and every mtp here is 0"
+        )
+    if m.resources.accelerator == "cpu":
+        # vllm/utils/cpu_triton_utils.py (0.32): `assert not SYNTHETIC_MODE`.
+        raise MatrixError(
+            source,
+            f"{where}={topo.mtp_acceptance}",
+            "is not possible on CPU: vLLM's CPU sampler refuses synthetic acceptance "
+            "('Synthetic acceptance not supported with CPU sampling'); leave it out on CPU",
+        )
 
 
 def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
@@ -870,12 +969,16 @@ def expand(m: Matrix) -> list[Case]:
     """Every case in run order: variants of one topology are adjacent so they are measured paired."""
     cases: list[Case] = []
     for model in m.models:
+        # A stand-in's own serve args and env come first: the matrix's, given later, win.
+        own_args, own_env = (
+            standins.serve_defaults(model.weight_format) if model.is_standin else ([], {})
+        )
         for topo in m.topologies:
             for dcp in topo.dcp_values():
                 for mtp in topo.mtp:
                     for variant in m.variants:
-                        env = {**m.engine.env, **model.env, **topo.env, **variant.env}
-                        args = [*m.engine.args, *model.args, *topo.args, *variant.args]
+                        env = {**own_env, **m.engine.env, **model.env, **topo.env, **variant.env}
+                        args = [*own_args, *m.engine.args, *model.args, *topo.args, *variant.args]
                         cases.append(
                             Case(
                                 model=model,
@@ -885,6 +988,7 @@ def expand(m: Matrix) -> list[Case]:
                                 variant=variant,
                                 args=tuple(args),
                                 env=tuple(sorted(env.items())),
+                                mtp_acceptance=topo.mtp_acceptance if mtp > 0 else None,
                             )
                         )
     return cases if m.ab is None else _ab_rounds(cases, m)

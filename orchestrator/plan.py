@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator import standins
 from orchestrator.estimate import estimate_run, human_s
 from orchestrator.fused_plan import fused_plan
 from orchestrator.matrix import Case, Matrix, expand, load_matrix, units_needed
@@ -36,6 +37,7 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
             )
     if matrix.ab is not None:
         notes.append(_ab_note(matrix))
+    notes += _model_notes(matrix, cases)
     estimate = estimate_run(matrix, cases)
     per_case = estimate.per_case()
     seen: set[str] = set()
@@ -125,3 +127,33 @@ def render_plan(plan: dict[str, Any]) -> str:
     for w in plan["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def _model_notes(matrix: Matrix, cases: Sequence[Case]) -> list[str]:
+    """What each GLM-5 stand-in is (orchestrator.standins), and MTP cases of a random-weight
+    model whose draft would accept almost nothing."""
+    notes = [
+        f"{m.label} ({m.path}): "
+        + standins.describe(
+            m.builtin_name,
+            standin_tp=m.stands_for_tp,
+            layers=m.builtin_layers,
+            experts=m.experts,
+            mtp=m.has_mtp,
+            weight_format=m.weight_format,
+        )
+        for m in matrix.models
+        if m.is_standin
+    ]
+    for c in cases:
+        if c.mtp and c.model.is_builtin and c.mtp_acceptance is None:
+            notes.append(
+                f"{c.topology_id}: MTP on random weights accepts almost no draft; set "
+                "mtp_acceptance on the topology for vLLM's synthetic acceptance"
+            )
+        elif c.mtp_acceptance is not None:
+            notes.append(
+                f"{c.topology_id}: synthetic MTP acceptance {c.mtp_acceptance:g} per draft "
+                "position (the acceptance seen is read from the server's /metrics)"
+            )
+    return notes

@@ -50,6 +50,8 @@ __all__ = [
     "ProfileResult",
     "RunManifest",
     "Severity",
+    "SpecDecode",
+    "Startup",
     "SwitchRecord",
     "TraceFigures",
     "WorkloadSummary",
@@ -160,6 +162,20 @@ class Latency(_Record):
     chunking: Chunking | None = None
 
 
+class SpecDecode(_Record):
+    """The speculative decoding a workload saw, from the server's /metrics counters read
+    before and after it (orchestrator.server_metrics)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None  # accepted / draft tokens
+    acceptance_length: float | None = None  # 1 + accepted / drafts
+    per_position: list[float] = Field(default_factory=list)
+    configured_rates: list[float] | None = None  # vLLM's synthetic rates, where set
+    expected_rate: float | None = None
+
+
 class WorkloadSummary(_Record):
     """One workload measured on one case's server: each repeat, their mean, the pooled
     latency distributions, request and error counts."""
@@ -172,6 +188,7 @@ class WorkloadSummary(_Record):
     requests: int | None = None
     errors: int = 0
     error_samples: list[str] = Field(default_factory=list)
+    spec_decode: SpecDecode | None = None
 
     @field_validator("mean", mode="before")
     @classmethod
@@ -456,6 +473,21 @@ class SwitchRecord(_Record):
     flips: list[PathFlip] = Field(default_factory=list)  # flips into this row's path
 
 
+class Startup(_Record):
+    """A server's start-up (orchestrator.startup): consecutive phases in seconds (name ->
+    s, in order), the durations vLLM reported, its compile cache's state and folder, and the
+    longest silences of its log before it was ready."""
+
+    phases: dict[str, float] = Field(default_factory=dict)
+    vllm: dict[str, float] = Field(default_factory=dict)
+    # hit, miss, partial, load-failed (vLLM found artifacts and could not load them: the
+    # failure says why); None: nothing compiled.
+    compile_cache: str | None = None
+    compile_cache_failure: str | None = None
+    compile_cache_dir: str | None = None  # the shared folder, where one was used
+    silences: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class CaseResult(_Record):
     """One finished case: one line of results.jsonl."""
 
@@ -484,6 +516,7 @@ class CaseResult(_Record):
     errors: int = 0
     audit: AuditSummary = Field(default_factory=AuditSummary)
     profile: ProfileResult | None = None
+    startup: Startup | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     ab_server: int | None = None  # an A/B matrix's server start of this variant (1, 2, ...)
     switch: SwitchRecord | None = None  # measured on a switch-mode server

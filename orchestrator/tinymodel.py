@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +77,18 @@ ARCH: dict[str, Any] = {
 }
 
 
-def default_cache_dir() -> Path:
-    """`$ORCHESTRATOR_CACHE/models`, else `<repo>/.cache/models`."""
+def cache_root() -> Path:
+    """`$ORCHESTRATOR_CACHE`, else `<repo>/.cache`: where built models and shared compile
+    caches (orchestrator.compile_cache) live."""
     env = os.environ.get(CACHE_ENV)
     if env:
-        return Path(env) / "models"
-    return Path(__file__).resolve().parent.parent / ".cache" / "models"
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / ".cache"
+
+
+def default_cache_dir() -> Path:
+    """`$ORCHESTRATOR_CACHE/models`, else `<repo>/.cache/models`."""
+    return cache_root() / "models"
 
 
 # Built-in model name -> what it changes in ARCH (and its directory-name stem).
@@ -171,19 +178,32 @@ def build_tiny_model(
     """
     spec = model_spec(mtp=mtp, seed=seed, name=name, heads=heads, layers=layers)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / model_dir_name(spec)
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         _write_tokenizer(tmp, seed=seed)
         _write_weights_and_config(tmp, spec["arch"], mtp=mtp, seed=seed)
         (tmp / "orchestrator-tinymodel.json").write_text(json.dumps(spec, indent=2) + "\n")
+
+    return build_into(root / model_dir_name(spec), write)
+
+
+def build_into(target: Path, write: Callable[[Path], None]) -> Path:
+    """`target`, made by `write(tmp)` into a temporary directory beside it and renamed into
+    place at the end (unless `target/config.json` is there already, a cache hit).
+
+    An interrupted build never leaves a half model that a later call would take for a cache
+    hit; a concurrent build of the same target that wins the rename is kept (its files are
+    identical).
+    """
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
         try:
             tmp.rename(target)
         except OSError:
-            # A concurrent build won the rename; its result is identical.
             if not (target / "config.json").is_file():
                 raise
     finally:

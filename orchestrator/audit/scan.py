@@ -57,6 +57,11 @@ _CONTEXT_BYTES = 4096
 # Per file and signature: a dying 8-rank job repeats the same NCCL WARN thousands of
 # times; the rest are counted, not stored.
 MAX_FINDINGS_PER_SIGNATURE = 20
+# Python's unraisable hook prints "Exception ignored in: <obj>" and then the traceback of an
+# exception nothing could catch (raised in a __del__ or a weakref callback) and goes on: a
+# warning, not a fault. vLLM 0.32's CPU build prints one from a GEMM handle's __del__ on every
+# torch.compile start.
+UNRAISABLE = "Exception ignored"
 # A traceback whose exception line does not appear within this many lines of the same
 # process is reported with the header line (a truncated log, an interleaving we lost).
 TRACEBACK_MAX_LINES = 2000
@@ -521,6 +526,8 @@ class _Scanner:
                 prior = st.tracebacks.pop(label, None)
                 if prior is not None:  # a new header before the old one ended
                     self._emit_traceback(st, label, prior, prior.header_line, prior.header_text)
+                if ctx.before and UNRAISABLE in ctx.before[-1]:
+                    severity = Severity.WARNING
                 st.tracebacks[label] = _PendingTraceback(
                     header_line=line_no,
                     header_text=_escape(body, MAX_REPORT_CHARS, m.start()),

@@ -115,8 +115,21 @@ def pinned_attention_backend(args: Sequence[str]) -> str | None:
     return backend
 
 
-def speculative_config(mtp: int, extra_args: Sequence[str] = ()) -> dict[str, object]:
-    """`--speculative-config` for `mtp` MTP tokens, the draft held to the target's backend.
+def synthetic_acceptance_rates(mtp: int, acceptance: float) -> list[float]:
+    """vLLM's `synthetic_acceptance_rates` for `mtp` draft positions, each accepted with
+    probability `acceptance` given the one before it was: the unconditional rate of position
+    i (from 1) is acceptance**i, non-increasing as vLLM requires (config/speculative.py)."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"mtp acceptance {acceptance} is outside 0..1")
+    return [round(acceptance**i, 6) for i in range(1, mtp + 1)]
+
+
+def speculative_config(
+    mtp: int, extra_args: Sequence[str] = (), acceptance: float | None = None
+) -> dict[str, object]:
+    """`--speculative-config` for `mtp` MTP tokens, the draft held to the target's backend;
+    with `acceptance`, vLLM's synthetic rejection sampling accepts drafts at that rate
+    (`rejection_sample_method: synthetic`, vLLM >= 0.26) whatever the draft proposes.
 
     vLLM picks the draft's attention backend on its own unless the speculative config names
     one (`SpecDecodeBaseProposer._create_draft_vllm_config` replaces the target's backend
@@ -129,6 +142,9 @@ def speculative_config(mtp: int, extra_args: Sequence[str] = ()) -> dict[str, ob
     backend = pinned_attention_backend(extra_args)
     if backend is not None:
         spec["attention_backend"] = backend
+    if acceptance is not None:
+        spec["rejection_sample_method"] = "synthetic"
+        spec["synthetic_acceptance_rates"] = synthetic_acceptance_rates(mtp, acceptance)
     return spec
 
 
@@ -144,8 +160,11 @@ def serve_argv(
     extra_args: Sequence[str] = (),
     vllm_bin: str | None = None,
     profiler_dir: str | None = None,
+    mtp_acceptance: float | None = None,
 ) -> list[str]:
     """The argv of `vllm serve` for one topology (a list, never a shell string).
+
+    `mtp_acceptance` (MTP only) turns on vLLM's synthetic acceptance at that rate.
 
     `profiler_dir`, an absolute directory on the server's node, turns vLLM's torch profiler
     on (``profiler_config``). Raises ValueError for impossible topologies and for
@@ -164,7 +183,7 @@ def serve_argv(
     if dcp > 1:
         argv += ["--decode-context-parallel-size", str(dcp)]
     if mtp > 0:
-        spec = speculative_config(mtp, extra_args)
+        spec = speculative_config(mtp, extra_args, mtp_acceptance)
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if served_name is not None:
         argv += [_SERVED_NAME_FLAG, served_name]
@@ -286,6 +305,13 @@ def run_dir_env(run_dir: Path) -> dict[str, str]:
             stand_in if len(str(stand_in)) <= _MAX_TMPDIR_LEN else Path("/tmp") / name
         )
     return env
+
+
+def compile_cache_env(base: Path) -> dict[str, str]:
+    """vLLM's and Inductor's cache variables pointed under `base` instead of the case's own
+    directory (TMPDIR stays the case's: vLLM binds its IPC sockets there)."""
+    base = Path(base).absolute()
+    return {key: str(base / sub) for key, sub in _RUN_DIR_ENV.items() if key != "TMPDIR"}
 
 
 def _is_ip(host: str) -> bool:

@@ -27,6 +27,7 @@ def _workload(w: WorkloadSummary) -> dict[str, Any]:
             {"aggregate_tok_s": x.aggregate_tok_s, "per_user_tok_s": x.per_user_tok_s}
             for x in w.repeats
         ],
+        "spec_decode": None if w.spec_decode is None else w.spec_decode.model_dump(mode="json"),
     }
 
 
@@ -68,6 +69,7 @@ def render_json(run: Run) -> dict[str, Any]:
                 },
                 "workloads": {name: _workload(w) for name, w in r.workloads.items()},
                 "profile": None if r.profile is None else r.profile.model_dump(mode="json"),
+                "startup": None if r.startup is None else r.startup.model_dump(mode="json"),
             }
             for r in rows
         ],

@@ -26,6 +26,7 @@ from orchestrator.reports.run import (
     repeats,
     token_checks,
 )
+from orchestrator.reports.serving import acceptance_section, startup_section
 from orchestrator.reports.summary import latency_table, totals_table
 
 # Findings listed in report.md; the rest are in each case's audit.json.
@@ -254,6 +255,7 @@ def render_markdown(run: Run) -> str:
     out += [topology_table(run, "per_user_tok_s"), ""]
     out += _totals_section(run)
     out += _latency_section(run)
+    out += acceptance_section(run)
     out += _ab_section(run) or _paired_section(run)
     out += _profile_section(run)
     checks = [
@@ -279,6 +281,7 @@ def render_markdown(run: Run) -> str:
         for r in failed:
             out += _failed_case(r.case_id, str(r.reason))
         out.append("")
+    out += startup_section(run)
     out += ["## Log audit", "", md_text(audit_sentence(run.results)), ""]
     for case_id, f in findings(run)[:MAX_FINDINGS]:
         where = md_text(f"{f.location(basename=True)}")

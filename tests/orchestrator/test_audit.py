@@ -301,6 +301,23 @@ def test_unterminated_traceback_is_reported_at_its_header(tmp_path):
     assert f.line == 1 and "log ended inside the traceback" in f.text
 
 
+def test_traceback_python_ignored_is_a_warning(tmp_path):
+    """Python's unraisable hook: an exception in a __del__ printed and dropped (vLLM 0.32's CPU
+    build, under torch.compile, on every start); the process went on."""
+    text = (
+        "Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7fbe081d8900>\n"
+        "Traceback (most recent call last):\n"
+        '  File "/v/_custom_ops.py", line 3728, in __del__\n'
+        "AssertionError: Please convert all Tensors to FakeTensors first\n"
+        "Traceback (most recent call last):\n"
+        '  File "/v/core.py", line 9, in run\n'
+        "RuntimeError: the engine really failed\n"
+    )
+    ignored, failed = _audit(_write(tmp_path, text)).findings
+    assert (ignored.severity, ignored.line) == ("warning", 4)
+    assert (failed.severity, failed.text) == ("fatal", "RuntimeError: the engine really failed")
+
+
 def test_traceback_interleaved_with_other_processes(tmp_path):
     text = (
         "(Worker_TP1 pid=2) Traceback (most recent call last):\n"

@@ -161,6 +161,34 @@ def test_unpinned_target_leaves_the_draft_to_vllm() -> None:
     assert "attention_backend" not in spec
 
 
+def test_synthetic_acceptance_in_the_speculative_config() -> None:
+    argv = eng.serve_argv("/m", tp=1, dcp=1, mtp=3, host="h", port=1, mtp_acceptance=0.7)
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {
+        "method": "mtp",
+        "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic",
+        # Unconditional per position: each accepted with 0.7 given the one before was.
+        "synthetic_acceptance_rates": [0.7, 0.49, 0.343],
+    }
+    no_mtp = eng.serve_argv("/m", tp=1, dcp=1, mtp=0, host="h", port=1, mtp_acceptance=0.7)
+    assert "--speculative-config" not in no_mtp
+    with pytest.raises(ValueError, match=r"1\.5 is outside 0\.\.1"):
+        eng.synthetic_acceptance_rates(2, 1.5)
+
+
+def test_vllm_takes_the_synthetic_acceptance_keys() -> None:
+    """The installed vLLM's SpeculativeConfig has the keys and accepts the rates (0.26, the
+    GPU release, has the same fields: vllm/config/speculative.py)."""
+    pytest.importorskip("vllm")
+    from vllm.config.speculative import SpeculativeConfig
+
+    fields = SpeculativeConfig.__dataclass_fields__
+    assert {"rejection_sample_method", "synthetic_acceptance_rates"} <= set(fields)
+    rates = eng.synthetic_acceptance_rates(4, 0.8)
+    assert SpeculativeConfig._resolve_synthetic_acceptance_rates(4, rates, None) == rates
+
+
 def _smoke_mtp_argvs() -> list[list[str]]:
     from orchestrator.matrix import expand, load_matrix
 

@@ -190,7 +190,12 @@ def test_case_folders_hold_no_copy_of_the_run_path(smoke_run):
     d = smoke_run["dir"]
     assert [p for p in d.rglob("cases") if p != d / "cases"] == []
     for case in (d / "cases").iterdir():
-        assert (case / "vllm-cache").is_dir()
+        # Compile caches are shared by configuration (orchestrator.compile_cache), not kept
+        # in the case folder; the folder each server was given is absolute and was used.
+        assert not (case / "vllm-cache").exists()
+    for row in map(json.loads, (d / "results.jsonl").read_text().splitlines()):
+        folder = Path(row["startup"]["compile_cache_dir"])
+        assert folder.is_absolute() and (folder / "vllm-cache").is_dir()
 
 
 def test_run_directory_holds_everything(smoke_run):

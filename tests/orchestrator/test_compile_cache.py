@@ -1,0 +1,63 @@
+"""Which compile-cache folder a server gets: one per configuration, shared across variants
+with equal settings and across runs, never one the matrix chose itself."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from orchestrator import compile_cache
+from orchestrator.matrix import expand, parse_matrix
+
+MATRIX = """
+name: t
+models:
+  - {label: m, path: builtin:tiny-mla, num_heads: 8}
+topologies:
+  - {tp: 1, mtp: [0, 1]}
+workloads:
+  - {name: a, prompt_tokens: 1, output_tokens: 4}
+variants:
+  - {name: a}
+  - {name: b}
+  - {name: c, env: {FUSEDQ_MLA_QUERY: "1"}}
+"""
+
+
+def cases(text: str = MATRIX) -> dict[str, object]:
+    return {c.case_id: c for c in expand(parse_matrix(text))}
+
+
+def test_equal_settings_share_a_folder_whatever_the_variant_is_called() -> None:
+    c = cases()
+    key = compile_cache.configuration_key
+    a, b = c["m/tp1-dcp1-mtp0/a"], c["m/tp1-dcp1-mtp0/b"]
+    assert key(a, "/m", "f1") == key(b, "/m", "f1")
+    # Anything that may change what is compiled makes another folder.
+    assert key(a, "/m", "f1") != key(c["m/tp1-dcp1-mtp0/c"], "/m", "f1")  # env
+    assert key(a, "/m", "f1") != key(c["m/tp1-dcp1-mtp1/a"], "/m", "f1")  # MTP
+    assert key(a, "/m", "f1") != key(a, "/other", "f1")  # model
+    assert key(a, "/m", "f1") != key(a, "/m", "f2")  # fusedq's code
+    assert key(a, "/m", "f1") != key(replace(a, args=("--x",)), "/m", "f1")
+
+
+def test_shared_env_points_both_caches_under_the_configurations_folder(tmp_path: Path) -> None:
+    case = cases()["m/tp1-dcp1-mtp0/a"]
+    env = compile_cache.shared_env(case, "/m", "f1", root=tmp_path)
+    folder = compile_cache.shared_dir(case, "/m", "f1", root=tmp_path)
+    assert folder.parent == tmp_path
+    assert set(env) == {"VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"}
+    assert all(Path(v).parent == folder for v in env.values())
+    assert not tmp_path.exists() or not any(tmp_path.iterdir()), "naming creates nothing"
+
+
+def test_a_cache_the_matrix_sets_itself_is_kept() -> None:
+    text = MATRIX.replace("- {name: a}", "- {name: a, env: {VLLM_CACHE_ROOT: /mine}}")
+    case = cases(text)["m/tp1-dcp1-mtp0/a"]
+    assert set(compile_cache.shared_env(case, "/m", None)) == {"TORCHINDUCTOR_CACHE_DIR"}
+
+
+def test_default_root_is_the_orchestrators_cache(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path))
+    case = cases()["m/tp1-dcp1-mtp0/a"]
+    assert compile_cache.shared_dir(case, "/m", None).parent == tmp_path / "compile"
