@@ -91,9 +91,10 @@ def code_digest(source: str, filename: str = "<source>") -> str:
     return hashlib.sha256(repr(_canonical(tree)).encode()).hexdigest()
 
 
-def package_fingerprint(package_dir: Path) -> str:
+def package_fingerprint(package_dir: Path, exclude: tuple[str, ...] = ()) -> str:
     """16 hex digits over a package's modules (path and code digest) and data files (path and
-    bytes): equal for two trees whose code is equal."""
+    bytes): equal for two trees whose code is equal. ``exclude``: paths relative to the
+    package (``"vllm_plugin.py"``) left out."""
     h = hashlib.sha256()
     files = sorted(
         p
@@ -101,6 +102,7 @@ def package_fingerprint(package_dir: Path) -> str:
         if p.is_file()
         and "__pycache__" not in p.parts
         and (p.suffix == ".py" or p.suffix in DATA_SUFFIXES)
+        and p.relative_to(package_dir).as_posix() not in exclude
     )
     for path in files:
         rel = path.relative_to(package_dir.parent).as_posix()

@@ -62,13 +62,30 @@ class RecordError(RuntimeError):
 # --------------------------------------------------------------------------- what counts
 
 
+# fusedq's modules that are not the kernel tree: the vLLM integration (proved on GPUs by the
+# GPU vLLM runs, docs/validation/) and the measuring and provenance tools. Their code is left
+# out of the record's key so that a fix there does not call for a new GPU test run; every
+# module that decides or computes the query (kernels/, selection, dispatch, api, capability,
+# reference, mxfp8, ops, limits) is in it.
+NOT_KERNEL_TREE = (
+    "vllm_plugin.py",
+    "vllm_hook.py",
+    "vllm_worker_ext.py",
+    "bench.py",
+    "bench_eager.py",
+    "bench_common.py",
+    "sass.py",
+    "provenance.py",
+)
+
+
 def fingerprint(root: Path = REPO) -> str:
-    """The fusedq tree's code fingerprint (fusedq.provenance), the record's key."""
+    """The fusedq kernel tree's code fingerprint (fusedq.provenance), the record's key."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from fusedq.provenance import package_fingerprint
 
-    return package_fingerprint(root / "fusedq")
+    return package_fingerprint(root / "fusedq", exclude=NOT_KERNEL_TREE)
 
 
 def record_path(fp: str, records: Path = RECORDS) -> Path:

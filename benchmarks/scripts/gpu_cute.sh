@@ -24,8 +24,8 @@ STEP_LIMIT="${STEP_LIMIT:-280}"
 
 cd "$REPO"
 mkdir -p "$OUT"
-# shellcheck source=benchmarks/scripts/gpu_steps.sh
-source "$REPO/benchmarks/scripts/gpu_steps.sh"
+# shellcheck source=scripts/gpu/steps.sh
+source "$REPO/scripts/gpu/steps.sh"
 
 install_cute() {
     if [[ -d "$CUTE_DIR/site/nvidia_cutlass_dsl" ]]; then

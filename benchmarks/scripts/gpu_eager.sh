@@ -26,8 +26,8 @@ STEP_LIMIT="${STEP_LIMIT:-300}"
 cd "$REPO"
 mkdir -p "$OUT"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-# shellcheck source=benchmarks/scripts/gpu_steps.sh
-source "$REPO/benchmarks/scripts/gpu_steps.sh"
+# shellcheck source=scripts/gpu/steps.sh
+source "$REPO/scripts/gpu/steps.sh"
 
 step environment "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"

@@ -106,7 +106,7 @@ _compiled_lock = threading.Lock()
 # CPU tests run under both) but has not run on a GPU, so by default the Triton kernels run
 # there; FUSEDQ_CUTE_UNVALIDATED=1 takes it anyway
 # (docs/decisions/0007-cute-dsl-validated-releases.md).
-VALIDATED_DSL = ("4.3.",)
+VALIDATED_DSL = ("4.3.", "4.6.")
 UNVALIDATED_ENV = "FUSEDQ_CUTE_UNVALIDATED"
 
 

@@ -30,8 +30,8 @@ cd "$REPO"
 mkdir -p "$OUT"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export FUSEDQ_SWITCH_OUT="$OUT" VLLM_USE_FLASHINFER_SAMPLER=0
-# shellcheck source=scripts/device_steps.sh
-source "$REPO/scripts/device_steps.sh"
+# shellcheck source=scripts/gpu/steps.sh
+source "$REPO/scripts/gpu/steps.sh"
 
 step environment "$PY" -c "
 import importlib.metadata as md, torch, vllm, fusedq.vllm_worker_ext

@@ -155,20 +155,21 @@ def test_graph_replay_reads_new_inputs(out_dtype, device):
 
 
 def test_only_validated_dsl_releases_run_unless_asked():
-    # 4.3.5 ran on the H200; 4.6.0 (vLLM 0.26's pin) compiles offline but has not run on a GPU
+    # 4.3.5 and 4.6.0 (vLLM 0.26's pin) ran on the H200; a later release has not
     assert cute.version_reason("4.3.5", override=False) is None
-    why = cute.version_reason("4.6.0", override=False)
-    assert "nvidia-cutlass-dsl 4.6.0 has not run" in why and "FUSEDQ_CUTE_UNVALIDATED=1" in why
-    assert cute.version_reason("4.6.0", override=True) is None
+    assert cute.version_reason("4.6.0", override=False) is None
+    why = cute.version_reason("4.7.0", override=False)
+    assert "nvidia-cutlass-dsl 4.7.0 has not run" in why and "FUSEDQ_CUTE_UNVALIDATED=1" in why
+    assert cute.version_reason("4.7.0", override=True) is None
     assert "of unknown version" in cute.version_reason(None, override=False)
 
 
 def test_an_unvalidated_dsl_is_named_as_the_reason(monkeypatch):
     # The gate sits in unavailable_reason, which explain/kernel_choice/kernel_summary report
-    # (a server log's kernels line ends "[CuTe: nvidia-cutlass-dsl 4.6.0 has not run ...]").
+    # (a server log's kernels line ends "[CuTe: nvidia-cutlass-dsl 4.7.0 has not run ...]").
     monkeypatch.setattr(cute, "_import_reason", lambda: None)
-    monkeypatch.setattr(cute, "dsl_version", lambda: "4.6.0")
-    for override, expect in (("", "4.6.0 has not run"), ("1", None)):
+    monkeypatch.setattr(cute, "dsl_version", lambda: "4.7.0")
+    for override, expect in (("", "4.7.0 has not run"), ("1", None)):
         monkeypatch.setenv(cute.UNVALIDATED_ENV, override)
         cute._version_reason.cache_clear()
         try:
@@ -176,7 +177,7 @@ def test_an_unvalidated_dsl_is_named_as_the_reason(monkeypatch):
         finally:
             cute._version_reason.cache_clear()
         if expect is None:
-            assert reason is None or "4.6.0" not in reason  # (here: no CUDA device)
+            assert reason is None or "4.7.0" not in reason  # (here: no CUDA device)
         else:
             assert expect in reason
 

@@ -75,6 +75,22 @@ def test_a_code_change_needs_a_record_and_a_comment_does_not(tree: Path, tmp_pat
     assert "there is none" in failure
 
 
+def test_the_key_is_the_kernel_tree_not_the_vllm_integration(tree: Path):
+    fp = gr.fingerprint(tree)
+    # The vLLM plugin and the bench are proved by other evidence: their code is not in the key.
+    for name in ("vllm_plugin.py", "bench.py"):
+        module = tree / "fusedq" / name
+        module.write_text(module.read_text() + "\nEXTRA = 1\n")
+        assert gr.fingerprint(tree) == fp, name
+    # Every module that decides or computes the query is.
+    for name in ("selection.py", "dispatch.py", "kernels/common.py"):
+        module = tree / "fusedq" / name
+        original = module.read_text()
+        module.write_text(original + "\nEXTRA = 1\n")
+        assert gr.fingerprint(tree) != fp, name
+        module.write_text(original)
+
+
 @pytest.mark.parametrize(
     ("edit", "why"),
     [

@@ -2,7 +2,7 @@
 decode path (an out-of-bounds write: illegal memory access), or loses a TP2 worker to SIGKILL
 mid-decode, from the test-only plugin tests/fault_drill; product code has no fault switch.
 
-On a GPU host (``gpu``-marked; scripts/device_fault_drill.sh runs them) the orchestrator runs
+On a GPU host (``gpu``-marked; scripts/gpu/fault_drill.sh runs them) the orchestrator runs
 matrices/h200-fault-drill.yaml (and matrices/h200x2-fault-drill.yaml on two GPUs) and the
 tests check what a user relies on: the audit names the fault from the real server log (and
 the kernel log where it is readable), the case fails with that root cause first in its

@@ -174,8 +174,16 @@ def test_plan_does_not_import_vllm(tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_parser():
-    """vLLM's `vllm serve` parser, where vLLM is importable (the CPU build in CI)."""
+    """vLLM's `vllm serve` parser, where vLLM is importable (the CPU build in CI). Built with
+    no general plugin allowed: building it loads them, and fusedq's would patch vLLM's
+    MLAAttention in this test process for every test after this one."""
     pytest.importorskip("vllm")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_PLUGINS", "none-for-the-parser-test")
+        return _serve_parser()
+
+
+def _serve_parser():
     try:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser

@@ -2,10 +2,10 @@
 # nvidia-cutlass-dsl 4.6.0 -- vLLM 0.26's own pin, with quack-kernels -- on one H200, in four
 # parts of a few minutes each (docs/gpu-validation.md):
 #
-#   OUT=/some/dir scripts/device_cute46.sh install   # the 4.6.0 wheels on top of vLLM 0.26's
-#   OUT=/some/dir scripts/device_cute46.sh tests     # the CuTe kernel's GPU tests under 4.6.0
-#   OUT=/some/dir scripts/device_cute46.sh bench     # fusedq-bench --floors where CuTe is chosen
-#   OUT=/some/dir scripts/device_cute46.sh vllm      # staged vs fused in vLLM 0.26, CuTe inside
+#   OUT=/some/dir scripts/gpu/cute46.sh install   # the 4.6.0 wheels on top of vLLM 0.26's
+#   OUT=/some/dir scripts/gpu/cute46.sh tests     # the CuTe kernel's GPU tests under 4.6.0
+#   OUT=/some/dir scripts/gpu/cute46.sh bench     # fusedq-bench --floors where CuTe is chosen
+#   OUT=/some/dir scripts/gpu/cute46.sh vllm      # staged vs fused in vLLM 0.26, CuTe inside
 #
 # Before `install`: the vLLM 0.26 wheelhouse installed into $SITE (default /tmp/site) with
 # `python scripts/wheelhouse.py install <its chunks> --target $SITE`, and the chunks of
@@ -14,7 +14,7 @@
 # which every part sets. `vllm` passes only if the fused server's kernel line names cute.
 set -uo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${OUT:?set OUT to the folder that receives the results}"
 PY="${PYTHON:-python3}"
 SITE="${SITE:-/tmp/site}"
@@ -27,8 +27,8 @@ mkdir -p "$OUT"
 # pip --target skips the DSL's .pth, which puts dsl_packages on sys.path.
 export PYTHONPATH="$REPO:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH" FUSEDQ_CUTE_UNVALIDATED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-# shellcheck source=scripts/device_steps.sh
-source "$REPO/scripts/device_steps.sh"
+# shellcheck source=scripts/gpu/steps.sh
+source "$REPO/scripts/gpu/steps.sh"
 
 environment() {
     step environment "$PY" -c "import importlib.metadata as md, torch, fusedq

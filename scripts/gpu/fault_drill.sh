@@ -3,7 +3,7 @@
 # real device fault in its decode path, from the test-only plugin tests/fault_drill, and the
 # gpu-marked checks of tests/orchestrator/test_fault_drill.py run on the result.
 #
-#   OUT=/some/dir scripts/device_fault_drill.sh [oob|tp2]
+#   OUT=/some/dir scripts/gpu/fault_drill.sh [oob|tp2]
 #
 # oob (default, one H200): matrices/h200-fault-drill.yaml, an out-of-bounds write after 200
 # fused decode query calls (an illegal memory access), then a clean case.
@@ -16,7 +16,7 @@
 # log. A few minutes: two server start-ups with CUDA graphs.
 set -uo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${OUT:?set OUT to the folder that receives the results}"
 PY="${PYTHON:-python3}"
 STEP_LIMIT="${STEP_LIMIT:-540}"
@@ -29,8 +29,8 @@ esac
 cd "$REPO"
 mkdir -p "$OUT"
 export OUT PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-# shellcheck source=scripts/device_steps.sh
-source "$REPO/scripts/device_steps.sh"
+# shellcheck source=scripts/gpu/steps.sh
+source "$REPO/scripts/gpu/steps.sh"
 
 step environment "$PY" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', \
 vllm.__version__, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"

@@ -1,4 +1,4 @@
-# Sourced by the benchmarks/scripts/gpu_*.sh runners: `step NAME COMMAND...` runs COMMAND with a time
+# Sourced by the GPU-host runners (scripts/gpu/*.sh, benchmarks/scripts/gpu_*.sh): `step NAME COMMAND...` runs COMMAND with a time
 # limit ($STEP_LIMIT s), the whole log to $OUT/NAME.log and its tail to stdout, and records a
 # failure in the `failed` array; `finish` reports them and sets the exit status.
 failed=()
