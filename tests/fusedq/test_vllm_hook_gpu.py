@@ -187,7 +187,7 @@ def test_capture_without_prewarm_fails_loudly_and_prewarm_fixes_it(monkeypatch):
     variant is new whatever ran before. After fusedq.prewarm the same capture works and its
     replay reads new inputs."""
     from fusedq import dispatch
-    from fusedq.kernels import triton_mla_query as kernel
+    from fusedq.kernels import triton_launch as kernel
 
     h, m = 11, 5
     gen = torch.Generator().manual_seed(99)
