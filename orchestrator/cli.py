@@ -285,7 +285,7 @@ def trace_summary(
 def _print_summary(run_dir: Path) -> None:
     """The closing table of a run (every case of it, resumed ones too), after the paths:
     what a person reads first when the run ends. Failed cases' reasons follow on stderr."""
-    from orchestrator.reports.run import Run
+    from orchestrator.recorded_run import Run
     from orchestrator.reports.summary import render_summary
 
     typer.echo("")

@@ -22,7 +22,7 @@ Cases present in only one run are listed; a matrix that gained or lost a topolog
 regression.
 
 Only the run directories are read (manifest.json, results.jsonl, cases/*/requests-*.jsonl),
-through the result models every report reads (orchestrator.reports.run.Run). Runs recorded
+through the result models every report reads (orchestrator.recorded_run.Run). Runs recorded
 before request records were read still compare: their repeats are the samples.
 """
 
@@ -37,12 +37,12 @@ from typing import Any, NamedTuple
 from orchestrator.ab import METRICS as AB_METRICS
 from orchestrator.ab import group_id, server_groups, unit_values
 from orchestrator.mdtable import md_table
-from orchestrator.reports.measures import legend
-from orchestrator.reports.run import Run, plural
+from orchestrator.recorded_run import Run, legend
 from orchestrator.reports.run import fmt_tok as _fmt
 from orchestrator.results import CaseResult, Finding, Severity
 from orchestrator.stats import MIN_REPEATS, Interval, RepeatSample, change_interval
 from orchestrator.store import RunStore, StoreError, case_slug
+from orchestrator.wording import plural
 
 DEFAULT_THRESHOLD_PCT = 3.0
 METRICS = ("aggregate_tok_s", "per_user_tok_s")

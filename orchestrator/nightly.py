@@ -24,9 +24,9 @@ from orchestrator.compare import (
     compare,
     open_run,
 )
+from orchestrator.recorded_run import Run
 from orchestrator.reports.html import write_html
 from orchestrator.reports.junit import write_junit
-from orchestrator.reports.run import Run
 from orchestrator.runner import RunOptions, RunSummary
 from orchestrator.store import write_json_atomic, write_text_atomic
 

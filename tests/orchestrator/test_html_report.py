@@ -20,9 +20,9 @@ import pytest
 
 from orchestrator.compare import compare_runs
 from orchestrator.matrix import expand, parse_matrix
+from orchestrator.recorded_run import Run
 from orchestrator.reports import write_reports
 from orchestrator.reports.html import render_html, write_html
-from orchestrator.reports.run import Run
 from orchestrator.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 import orchestrator.nightly as nightly_mod
 from orchestrator.cli import app
 from orchestrator.nightly import history_runs, is_good_run, run_nightly
+from orchestrator.recorded_run import Run
 from orchestrator.reports import write_reports
-from orchestrator.reports.run import Run
 from orchestrator.runner import RunSummary
 from orchestrator.store import RunStore
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from orchestrator.matrix import expand, parse_matrix
+from orchestrator.recorded_run import Overhead, Run
 from orchestrator.reports import write_reports
 from orchestrator.reports.markdown import render_markdown
-from orchestrator.reports.run import Overhead, Run, paired_deltas
+from orchestrator.reports.run import paired_deltas
 from orchestrator.results import CaseResult
 from orchestrator.store import RunStore
 

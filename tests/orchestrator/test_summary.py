@@ -8,10 +8,10 @@ import json
 import re
 from pathlib import Path
 
+from orchestrator.recorded_run import Run
 from orchestrator.reports.html import render_html
 from orchestrator.reports.json_report import render_json
 from orchestrator.reports.markdown import render_markdown
-from orchestrator.reports.run import Run
 from orchestrator.reports.summary import fmt_ms, render_summary, summary_rows
 
 _spec = importlib.util.spec_from_file_location(
