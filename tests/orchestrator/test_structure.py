@@ -211,6 +211,18 @@ def test_the_package_checks_find_their_cycles(tmp_path: Path) -> None:
     assert find_cycle(package_graph(import_graph(pkg), pkg)) is None
 
 
+def test_test_modules_have_one_name_each() -> None:
+    """Test folders hold no __init__.py, so pytest imports each test module (and the helpers
+    tests import: orch_cli, audit_cases) by its file name alone: two files of one name, however
+    far apart in tests/, cannot both load. conftest.py is the exception pytest makes."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name != "conftest.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not list((ROOT / "tests").rglob("__init__.py"))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
 def _long_functions(root: Path = PACKAGE) -> list[str]:
     found = []
     for path in sorted(root.rglob("*.py")):
