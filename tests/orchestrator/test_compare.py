@@ -340,7 +340,7 @@ def test_request_blocks_follow_concurrency_and_skip_failed_requests():
     assert request_blocks(records, 2) == {1: ((128.0, 4.0), (32.0, 1.0)), 2: ((64.0, 1.0),)}
 
 
-def test_to_dict_is_json(pair):
+def test_comparison_json_is_json(pair):
     base, cand = pair
     runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.9) if r["case_id"] == CASE else r)
     data = json.loads(json.dumps(comparison_json(compare_runs(base, cand))))
