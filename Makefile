@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 smoke: install
 	$(VENV)/bin/orchestrator run matrices/smoke.yaml
 
-# Everything but the GPU-marked tests (those run on the H200 through the device tool).
+# Everything but the GPU-marked tests (those need a CUDA GPU: docs/gpu-validation.md).
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

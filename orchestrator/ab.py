@@ -14,7 +14,7 @@ paired profile, the evidence chain: the profile's per-layer saving x layers besi
 measured TPOT change. `compare` (and so `nightly`) gates on the same units through
 `server_groups` and `unit_values`.
 
-Only the run directory is read (orchestrator.reports.run.Run). docs/statistics.md is the
+Only the run directory is read (orchestrator.recorded_run.Run). docs/statistics.md is the
 user's page.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.reports.run import Run
+from orchestrator.recorded_run import Run
 from orchestrator.results import CaseResult, Repeat, WorkloadSummary
 from orchestrator.stats import CONFIDENCE, Interval, MeanEstimate, ratio_interval
 

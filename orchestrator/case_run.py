@@ -602,7 +602,7 @@ class CaseRun:
         record = redact(result.to_dict(), self.secrets)
         write_json_atomic(self.dir / "audit.json", record)
         audit = AuditSummary.model_validate(record)
-        root_cause = next((f for f in audit.findings if f.root_cause), None)
+        root_cause = audit.root_cause
         if self.status == "failed":
             self.reason = failure_reason(str(self.reason), root_cause, self.tail or "")
         elif audit.case_breaking:

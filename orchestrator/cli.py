@@ -285,7 +285,7 @@ def trace_summary(
 def _print_summary(run_dir: Path) -> None:
     """The closing table of a run (every case of it, resumed ones too), after the paths:
     what a person reads first when the run ends. Failed cases' reasons follow on stderr."""
-    from orchestrator.reports.run import Run
+    from orchestrator.recorded_run import Run
     from orchestrator.reports.summary import render_summary
 
     typer.echo("")
@@ -334,6 +334,7 @@ def compare(
     import json
 
     from orchestrator.compare import CompareError, compare_runs
+    from orchestrator.reports.compare import comparison_json, comparison_markdown
     from orchestrator.store import RunStore
 
     try:
@@ -342,7 +343,9 @@ def compare(
         raise _fail(str(exc)) from None
     for run_dir in (base, cand):
         _warn_torn(RunStore(run_dir))
-    typer.echo(json.dumps(result.to_dict(), indent=2) if json_out else result.to_markdown())
+    typer.echo(
+        json.dumps(comparison_json(result), indent=2) if json_out else comparison_markdown(result)
+    )
     if not result.ok:
         raise typer.Exit(EXIT_FINDINGS)
 

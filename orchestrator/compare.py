@@ -22,7 +22,7 @@ Cases present in only one run are listed; a matrix that gained or lost a topolog
 regression.
 
 Only the run directories are read (manifest.json, results.jsonl, cases/*/requests-*.jsonl),
-through the result models every report reads (orchestrator.reports.run.Run). Runs recorded
+through the result models every report reads (orchestrator.recorded_run.Run). Runs recorded
 before request records were read still compare: their repeats are the samples.
 """
 
@@ -30,19 +30,17 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from orchestrator.ab import METRICS as AB_METRICS
 from orchestrator.ab import group_id, server_groups, unit_values
-from orchestrator.mdtable import md_table
-from orchestrator.reports.measures import legend
-from orchestrator.reports.run import Run, plural
-from orchestrator.reports.run import fmt_tok as _fmt
+from orchestrator.recorded_run import Run, legend
 from orchestrator.results import CaseResult, Finding, Severity
 from orchestrator.stats import MIN_REPEATS, Interval, RepeatSample, change_interval
 from orchestrator.store import RunStore, StoreError, case_slug
+from orchestrator.wording import plural
 
 DEFAULT_THRESHOLD_PCT = 3.0
 METRICS = ("aggregate_tok_s", "per_user_tok_s")
@@ -99,9 +97,6 @@ class MetricDelta:
             return None
         return 100.0 * (self.cand - self.base) / self.base
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "delta_pct": self.delta_pct}
-
 
 @dataclass
 class CaseRow:
@@ -115,9 +110,6 @@ class CaseRow:
     cand_status: str | None
     deltas: list[MetricDelta] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "deltas": [d.to_dict() for d in self.deltas]}
-
 
 @dataclass
 class Regression:
@@ -129,9 +121,6 @@ class Regression:
     workload: str | None = None
     delta_pct: float | None = None
     interval: Interval | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -150,9 +139,6 @@ class FindingChange:
     def fatal(self) -> bool:
         """Fatal or worse (a new one fails the comparison)."""
         return self.severity is not None and self.severity.breaks_case
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "fatal": self.fatal}
 
 
 @dataclass
@@ -235,144 +221,6 @@ class Comparison:
             + " and ".join(parts)
             + f"{self._undecided_clause()}."
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "base_run": self.base_run,
-            "cand_run": self.cand_run,
-            "base_dir": self.base_dir,
-            "cand_dir": self.cand_dir,
-            "threshold_pct": self.threshold_pct,
-            "ok": self.ok,
-            "verdict": self.verdict(),
-            "regressions": [r.to_dict() for r in self.regressions],
-            "gated": len(self.gated),
-            "too_few_samples": len(self.undecided),
-            "unconfirmed_drops": [d.to_dict() for d in self.unconfirmed_drops],
-            "new_findings": [f.to_dict() for f in self.new_findings],
-            "cleared_findings": [f.to_dict() for f in self.cleared_findings],
-            "only_in_base": self.only_in_base,
-            "only_in_cand": self.only_in_cand,
-            "workloads": self.workloads,
-            "rows": [r.to_dict() for r in self.rows],
-        }
-
-    def to_markdown(self) -> str:
-        out = [f"# Compare {self.cand_run} against {self.base_run}", "", self.verdict(), ""]
-        if self.regressions:
-            out += ["## Regressions", ""]
-            out += [f"- **{r.case_id}**: {r.message}" for r in self.regressions]
-            out.append("")
-        if self.unconfirmed_drops:
-            out += [f"## Drops past the threshold, {TOO_FEW}", ""]
-            out += [
-                f"- **{d.case_id}**: {d.workload} aggregate tok/s {_fmt(d.base)} → {_fmt(d.cand)} "
-                f"({_pct(d.delta_pct)}): {d.judgement.why}"
-                for d in self.unconfirmed_drops
-                if d.judgement
-            ]
-            out.append("")
-        if self.new_findings:
-            out += ["## New findings", ""]
-            out += [_finding_line(f) for f in self.new_findings]
-            out.append("")
-        if self.cleared_findings:
-            out += ["## Cleared findings", ""]
-            out += [_finding_line(f) for f in self.cleared_findings]
-            out.append("")
-        out += _workloads_section(self.workloads)
-        out += ["## Throughput, base → candidate", ""]
-        header = [
-            "Case",
-            "Workload",
-            "Aggregate base",
-            "Aggregate cand",
-            "Δ aggregate",
-            "95% interval",
-            "Per-user base",
-            "Per-user cand",
-            "Δ per-user",
-            "Status",
-        ]
-        body = []
-        for row in self.rows:
-            by_wl: dict[str, dict[str, MetricDelta]] = {}
-            for d in row.deltas:
-                by_wl.setdefault(d.workload, {})[d.metric] = d
-            status = (
-                row.cand_status or "-"
-                if row.base_status == row.cand_status
-                else f"{row.base_status} → {row.cand_status}"
-            )
-            for metrics in by_wl.values():
-                agg, usr = metrics["aggregate_tok_s"], metrics["per_user_tok_s"]
-                body.append(
-                    [
-                        row.case_id,
-                        agg.workload,
-                        *_delta_cells(agg),
-                        _interval_cell(agg.judgement),
-                        *_delta_cells(usr),
-                        status,
-                    ]
-                )
-        out.append(md_table(header, body) if body else "No case is in both runs.")
-        out.append("")
-        if body:
-            out += [_METHOD_NOTE, ""]
-        if self.only_in_base or self.only_in_cand:
-            out += ["## Cases in one run only", ""]
-            out += [f"- only in {self.base_run}: {c}" for c in self.only_in_base]
-            out += [f"- only in {self.cand_run}: {c}" for c in self.only_in_cand]
-            out.append("")
-        return "\n".join(out).rstrip() + "\n"
-
-
-def _workloads_section(workloads: dict[str, list[str]]) -> list[str]:
-    """What the compared figures measured: one list when both runs ran the same workloads,
-    each run's otherwise (a figure of another workload is no regression of this one)."""
-    if not workloads:
-        return []
-    lists = list(workloads.values())
-    out = ["## Workloads", ""]
-    if all(x == lists[0] for x in lists):
-        out += [f"- {line}" for line in lists[0]]
-    else:
-        for run_id, lines in workloads.items():
-            out += [f"- {run_id}:", *(f"  - {line}" for line in lines)]
-    return [*out, ""]
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.2f}%"
-
-
-def _delta_cells(d: MetricDelta) -> list[str]:
-    return [_fmt(d.base), _fmt(d.cand), _pct(d.delta_pct)]
-
-
-def _interval_cell(j: Judgement | None) -> str:
-    if j is None:
-        return "-"
-    if j.interval is None:
-        return "too few samples"
-    cell = j.interval.bounds()
-    return cell if j.decided else f"{cell} (can't tell)"
-
-
-_METHOD_NOTE = (
-    "95% interval: of the change in aggregate tok/s, Fieller's over each run's repeats, "
-    "with each repeat's requests as a floor under its noise (docs/statistics.md); over server "
-    "starts for an A/B matrix's cases. A regression "
-    "is a drop whose whole interval lies past the threshold; a run with fewer than "
-    f"{MIN_REPEATS} repeats of a workload gives it no interval."
-)
-
-
-def _finding_line(f: FindingChange) -> str:
-    text = f.text[:160].replace("`", "'")
-    times = f" ×{f.count}" if f.count > 1 else ""
-    return f"- {f.case_id}: `{f.signature}` ({f.severity}){times} {f.location}: `{text}`"
 
 
 class RunSamples(NamedTuple):

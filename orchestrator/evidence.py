@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.ab import METRICS, ABResult, server_groups
-from orchestrator.reports.run import Run
+from orchestrator.recorded_run import Run
 from orchestrator.results import CaseResult
 
 # The TPOT the chain is held against: the mean, as the profile's saving is a mean over layer

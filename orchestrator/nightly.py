@@ -24,9 +24,10 @@ from orchestrator.compare import (
     compare,
     open_run,
 )
+from orchestrator.recorded_run import Run
+from orchestrator.reports.compare import comparison_json, comparison_markdown
 from orchestrator.reports.html import write_html
 from orchestrator.reports.junit import write_junit
-from orchestrator.reports.run import Run
 from orchestrator.runner import RunOptions, RunSummary
 from orchestrator.store import write_json_atomic, write_text_atomic
 
@@ -144,8 +145,8 @@ def run_nightly(
         base = good[-1]
         result.baseline_dir = base.root
         result.comparison = compare(base, run, threshold_pct=threshold_pct)
-        write_text_atomic(run.root / "compare.md", result.comparison.to_markdown())
-        write_json_atomic(run.root / "compare.json", result.comparison.to_dict())
+        write_text_atomic(run.root / "compare.md", comparison_markdown(result.comparison))
+        write_json_atomic(run.root / "compare.json", comparison_json(result.comparison))
     else:
         result.skipped_reason = (
             f"no good earlier run of matrix {name!r} in {history} "

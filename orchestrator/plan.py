@@ -11,7 +11,7 @@ from orchestrator.estimate import estimate_run, human_s
 from orchestrator.fused_plan import fused_plan
 from orchestrator.matrix import Case, Matrix, expand, load_matrix, units_needed
 from orchestrator.matrix_policy import env_notes, matrix_warnings
-from orchestrator.reports.measures import WorkloadDef
+from orchestrator.recorded_run import WorkloadDef
 
 
 def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]:

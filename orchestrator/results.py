@@ -3,9 +3,10 @@
 One ``CaseResult`` per line of ``results.jsonl``: the case (its topology, variant, argv and
 env), where and how its server ran, each workload's figures (``WorkloadSummary``: every
 repeat, their mean, and the latency distributions pooled over the workload's requests), the
-same-token checks, the audit (``AuditSummary`` with its ``Finding`` list) and the timings.
-The runner writes it; resume, the reports (Markdown, JSON, HTML, JUnit, the closing table),
-compare and nightly read it, and none of them digs in raw dicts for a field.
+same-token checks, the audit (``AuditSummary`` with its ``Finding`` list: the stored form of
+the records orchestrator.audit declares) and the timings. The runner writes it; resume, the
+reports (Markdown, JSON, HTML, JUnit, the closing table), compare and nightly read it, and none
+of them digs in raw dicts for a field.
 
 Reading is lenient on purpose. Rows were written by every earlier version of this tool (the
 committed validation runs, the test fixtures) and by hand (tests): a field missing from an
@@ -19,9 +20,12 @@ earlier, compatible shape.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
-from typing import Any
+import types
+import typing
+from typing import Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -30,11 +34,14 @@ from pydantic import (
     ModelWrapValidatorHandler,
     PrivateAttr,
     SerializerFunctionWrapHandler,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
 )
 
+from orchestrator.audit import findings as audit_records
+from orchestrator.audit.verdict import AuditResult
 from orchestrator.fusedq_files import provenance as _provenance
 from orchestrator.severity import Severity
 
@@ -45,15 +52,20 @@ __all__ = [
     "AuditSummary",
     "CaseResult",
     "Distribution",
+    "ExpectationResult",
+    "FileSearched",
     "Finding",
     "PathFlip",
     "ProfileResult",
     "RunManifest",
+    "Searched",
     "Severity",
+    "SourceStatus",
     "SpecDecode",
     "Startup",
     "SwitchRecord",
     "TraceFigures",
+    "Verdict",
     "WorkloadSummary",
 ]
 
@@ -225,99 +237,81 @@ class WorkloadSummary(_Record):
 
 
 # --------------------------------------------------------------------------- audit
+#
+# The audit's records are declared once, in orchestrator.audit (stdlib dataclasses: `orchestrator
+# audit` loads no pydantic). Their stored form is derived from those declarations here.
+
+_EMPTY = {str: "", int: 0, float: 0.0, bool: False}
+_STORED: dict[type, type[_Record]] = {}
 
 
-class Finding(_Record):
-    """One fault the audit saw in one place (orchestrator.audit writes them)."""
-
-    file: str = ""
-    line: int | None = None
-    rank: str | None = None
-    signature: str | None = None
-    severity: Severity | None = None
-    category: str = ""
-    text: str = ""
-    meaning: str = ""
-    action: str = ""
-    context_before: list[str] = Field(default_factory=list)
-    context_after: list[str] = Field(default_factory=list)
-    fields: dict[str, Any] = Field(default_factory=dict)
-    root_cause: bool = False
-
-    @property
-    def breaks_case(self) -> bool:
-        """Fatal or worse (orchestrator.severity): such a finding fails its case."""
-        return self.severity is not None and self.severity.breaks_case
-
-    def location(self, *, basename: bool = False) -> str:
-        """``file:line [rank]`` as the audit recorded it (`basename`: the file's name only)."""
-        where = self.file.split("/")[-1] if basename else self.file
-        if self.line is not None:
-            where += f":{self.line}"
-        return f"{where} [{self.rank}]" if self.rank else where
+def _stored_type(tp: Any) -> Any:
+    """`tp` with every audit record in it (``list[FileSearched]``) read as its stored form."""
+    if isinstance(tp, type) and tp in _STORED:
+        return _STORED[tp]
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if not args or origin is Literal:
+        return tp
+    inner = tuple(_stored_type(a) for a in args)
+    return Union[inner] if origin in (Union, types.UnionType) else origin[inner]  # noqa: UP007
 
 
-class Verdict(_Record):
-    status: str | None = None  # "clean" or "findings"
-    worst_severity: Severity | None = None
-    counts: dict[str, int] = Field(default_factory=dict)
-    caveats: list[str] = Field(default_factory=list)
-    text: str | None = None
+def _stored_field(f: dataclasses.Field, tp: Any) -> tuple[Any, Any]:
+    """(type, default) of one field as a stored row reads it: the declared default; for a field
+    declared without one, its type's empty value ("", 0, [], {}) or None."""
+    if f.default is not dataclasses.MISSING:
+        return tp, f.default
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        if dataclasses.is_dataclass(value):  # a nested record: its stored form
+            stored, data = _STORED[type(value)], dataclasses.asdict(value)
+            return tp, Field(default_factory=lambda: stored.model_validate(data))
+        return tp, Field(default_factory=f.default_factory)
+    origin = typing.get_origin(tp) or tp
+    if origin in (list, dict):
+        return tp, Field(default_factory=origin)
+    if tp in _EMPTY:
+        return tp, _EMPTY[tp]
+    return tp | None, None
 
 
-class FileSearched(_Record):
-    path: str = ""
-    lines: int = 0
-    bytes: int | None = None
-    compressed: bool = False
-    suppressed: dict[str, int] = Field(default_factory=dict)
-    error: str | None = None
+def _stored(record: type) -> type[_Record]:
+    """The stored form of an audit record: its fields, types and defaults as declared (a field
+    a row lacks reads as in `_stored_field`), its behaviour (the record's ``…View`` base), read
+    as leniently as every other row here."""
+    hints = typing.get_type_hints(record)
+    fields = {
+        f.name: _stored_field(f, _stored_type(hints[f.name])) for f in dataclasses.fields(record)
+    }
+    views = tuple(b for b in record.__bases__ if b is not object)
+    model = create_model(
+        record.__name__,
+        __base__=(*views, _Record),
+        __module__=__name__,
+        __doc__=record.__doc__,
+        **fields,
+    )
+    _STORED[record] = model
+    return model
 
 
-class SourceSearched(_Record):
-    """An out-of-file source (the kernel log, GPU state): audited or why not."""
-
-    audited: bool = False
-    source: str | None = None
-    reason: str | None = None
-    lines: int = 0
-
-
-class ExpectationMet(_Record):
-    description: str = ""
-    pattern: str | None = None
-    expected: list[str] = Field(default_factory=list)
-    seen: list[str] = Field(default_factory=list)
-    missing: list[str] = Field(default_factory=list)
-    occurrences: int = 0
-
-    @property
-    def met(self) -> bool:
-        return not self.missing and self.occurrences > 0
+Finding = _stored(audit_records.Finding)
+FileSearched = _stored(audit_records.FileSearched)
+SourceStatus = _stored(audit_records.SourceStatus)
+ExpectationResult = _stored(audit_records.ExpectationResult)
+Searched = _stored(audit_records.Searched)
+Verdict = _stored(audit_records.Verdict)
 
 
-class Searched(_Record):
-    """What a case's audit looked at: the basis of every audit sentence."""
+class AuditSummary(_stored(AuditResult)):  # type: ignore[misc]
+    """A case's audit as audit.json and results.jsonl hold it (AuditResult.to_dict): besides
+    the record's fields, the derived ``summary`` sentence, ``verdict.text`` and
+    ``searched.lines`` are kept as written."""
 
-    files: list[FileSearched] = Field(default_factory=list)
-    categories: list[str] = Field(default_factory=list)
-    catalogue_version: int | None = None
-    prefilter: str | None = None
-    kernel_log: SourceSearched = Field(default_factory=SourceSearched)
-    gpu_state: SourceSearched = Field(default_factory=SourceSearched)
-    expectations: list[ExpectationMet] = Field(default_factory=list)
-    lines: int = 0
-
-
-class AuditSummary(_Record):
-    """A case's audit (orchestrator.audit's AuditResult.to_dict, as audit.json holds it)."""
-
-    verdict: Verdict = Field(default_factory=Verdict)
-    summary: str | None = None
-    findings: list[Finding] = Field(default_factory=list)
-    discounted: list[Finding] = Field(default_factory=list)
-    # None: the case was not audited (no audit record, or an empty one).
-    searched: Searched | None = None
+    # A row without an audit reads as one whose verdict says nothing (and whose ``searched``
+    # is None: not audited).
+    verdict: Verdict = Field(default_factory=Verdict)  # type: ignore[valid-type]
 
     @model_validator(mode="before")
     @classmethod
@@ -329,15 +323,6 @@ class AuditSummary(_Record):
             if data.get("verdict") is None:
                 data.pop("verdict", None)
         return data
-
-    @property
-    def clean(self) -> bool:
-        return self.verdict.status == "clean"
-
-    @property
-    def case_breaking(self) -> list[Finding]:
-        """Findings of fatal or worse severity: each one fails the case."""
-        return [f for f in self.findings if f.breaks_case]
 
 
 # --------------------------------------------------------------------------- profiles

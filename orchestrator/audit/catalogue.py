@@ -20,7 +20,7 @@ import yaml
 
 from orchestrator.severity import Severity
 
-CATALOGUE_PATH = Path(__file__).resolve().parent.parent / "signatures.yaml"
+CATALOGUE_PATH = Path(__file__).resolve().parent / "signatures.yaml"
 
 
 class CatalogueError(ValueError):

@@ -1,7 +1,9 @@
 """What an audit finds and what it covered: findings, expectations, what was searched.
 
-Plain dataclasses (no pydantic: ``orchestrator audit`` must answer in a fraction of a
-second); ``orchestrator.results`` reads their ``to_dict`` form back as the typed result.
+The one declaration of the audit's records. Plain dataclasses (no pydantic: ``orchestrator
+audit`` must answer in a fraction of a second); ``orchestrator.results`` derives the stored
+form every reader of a run reads (audit.json, results.jsonl) from these fields, and each
+record's behaviour (its ``…View`` base, used by both) comes along.
 """
 
 from __future__ import annotations
@@ -35,8 +37,27 @@ class Expectation:
         return self.description or self.pattern
 
 
+class FindingView:
+    """What a finding says of itself, for the audit's record and the stored one alike.
+
+    The views below hold behaviour only: a field declared here would become a field of the
+    stored form too (pydantic reads the annotations of every base)."""
+
+    @property
+    def breaks_case(self) -> bool:
+        """Fatal or worse (orchestrator.severity): such a finding fails its case."""
+        return self.severity is not None and self.severity.breaks_case
+
+    def location(self, *, basename: bool = False) -> str:
+        """``file:line [rank]`` (`basename`: the file's name only)."""
+        where = self.file.split("/")[-1] if basename else self.file
+        if self.line is not None:
+            where += f":{self.line}"
+        return f"{where} [{self.rank}]" if self.rank else where
+
+
 @dataclass
-class Finding:
+class Finding(FindingView):
     """One fault seen in one place."""
 
     file: str
@@ -55,10 +76,6 @@ class Finding:
 
     def __post_init__(self) -> None:
         self.severity = Severity(self.severity)  # a caller may name it by its value
-
-    def location(self) -> str:
-        where = self.file if self.line is None else f"{self.file}:{self.line}"
-        return f"{where} [{self.rank}]" if self.rank else where
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,8 +103,14 @@ class SourceStatus:
     lines: int = 0
 
 
+class ExpectationView:
+    @property
+    def met(self) -> bool:
+        return not self.missing and self.occurrences > 0
+
+
 @dataclass
-class ExpectationResult:
+class ExpectationResult(ExpectationView):
     """Which ranks logged an expected line."""
 
     description: str
@@ -97,13 +120,19 @@ class ExpectationResult:
     missing: list[str]
     occurrences: int
 
+
+class SearchedView:
     @property
-    def met(self) -> bool:
-        return not self.missing and self.occurrences > 0
+    def lines(self) -> int:
+        return sum(f.lines for f in self.files)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes or 0 for f in self.files)
 
 
 @dataclass
-class Searched:
+class Searched(SearchedView):
     """Everything the audit looked at: the basis of the summary sentence."""
 
     files: list[FileSearched] = field(default_factory=list)
@@ -118,24 +147,8 @@ class Searched:
     )
     expectations: list[ExpectationResult] = field(default_factory=list)
 
-    @property
-    def lines(self) -> int:
-        return sum(f.lines for f in self.files)
 
-    @property
-    def bytes(self) -> int:
-        return sum(f.bytes for f in self.files)
-
-
-@dataclass
-class Verdict:
-    """The verdict for one scope (a case): clean or not, and what could not be searched."""
-
-    status: Literal["clean", "findings"]
-    worst_severity: Severity | None
-    counts: dict[str, int] = field(default_factory=dict)  # per severity
-    caveats: list[str] = field(default_factory=list)  # "kernel log not audited: …"
-
+class VerdictView:
     @property
     def clean(self) -> bool:
         return self.status == "clean"
@@ -143,3 +156,13 @@ class Verdict:
     def __str__(self) -> str:
         head = "clean" if self.clean else f"findings (worst: {self.worst_severity})"
         return head + "".join(f"; {c}" for c in self.caveats)
+
+
+@dataclass
+class Verdict(VerdictView):
+    """The verdict for one scope (a case): clean or not, and what could not be searched."""
+
+    status: Literal["clean", "findings"]
+    worst_severity: Severity | None
+    counts: dict[str, int] = field(default_factory=dict)  # per severity
+    caveats: list[str] = field(default_factory=list)  # "kernel log not audited: …"

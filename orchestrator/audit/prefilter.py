@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from orchestrator.audit import sources
+import orchestrator.audit.sources as sources  # read at call time: tests patch its bounds
 from orchestrator.audit.catalogue import Catalogue
 from orchestrator.audit.findings import AuditInputError
 

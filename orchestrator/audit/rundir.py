@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.audit.findings import Expectation, Finding, SourceStatus
+from orchestrator.audit.scope import audit_logs
 from orchestrator.audit.verdict import AuditResult, verdict
 from orchestrator.layout import (
     AUDIT_RECORD,
@@ -243,8 +244,6 @@ def audit_case(
     include_gpu_state: bool = True,
 ) -> AuditResult:
     """One case's log, judged as the run judged it (see the module docstring)."""
-    from orchestrator.audit import audit_logs
-
     result = audit_logs(
         [case.log],
         since=since,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from orchestrator.audit import sources
+import orchestrator.audit.sources as sources  # read at call time: tests patch its bounds
 from orchestrator.audit.catalogue import Catalogue
 from orchestrator.audit.findings import (
     AuditInputError,

@@ -11,10 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orchestrator.audit.findings import Finding, Searched, Verdict
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+from orchestrator.wording import plural as _plural
 
 
 def _or_list(items: Sequence[str]) -> str:

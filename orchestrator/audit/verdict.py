@@ -22,8 +22,28 @@ from orchestrator.severity import Severity
 SHUTDOWN_NOISE = frozenset({"python-traceback", "vllm-engine-dead"})
 
 
+class AuditView:
+    """What an audit's result says of itself, for the audit's record and the stored one
+    (orchestrator.results.AuditSummary) alike."""
+
+    @property
+    def root_cause(self) -> Finding | None:
+        """The first non-DEBUG traceback of the scope (its exception line), if any
+        (`mark_root_cause` marks it)."""
+        return next((f for f in self.findings if f.root_cause), None)
+
+    @property
+    def clean(self) -> bool:
+        return self.verdict.clean
+
+    @property
+    def case_breaking(self) -> list[Finding]:
+        """Findings of fatal or worse severity: each one fails the case."""
+        return [f for f in self.findings if f.breaks_case]
+
+
 @dataclass
-class AuditResult:
+class AuditResult(AuditView):
     """Findings, verdict and coverage of one audit scope."""
 
     findings: list[Finding]
@@ -35,14 +55,6 @@ class AuditResult:
     # Log path -> the first line written after its server's stop began: recorded with the
     # audit, so a later `orchestrator audit` of the run discounts exactly what the run did.
     stopped_at: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def root_cause(self) -> Finding | None:
-        """The first non-DEBUG traceback of the scope (its exception line), if any."""
-        for f in self.findings:
-            if f.root_cause:
-                return f
-        return None
 
     def summary_sentence(self) -> str:
         return summary_sentence(self.findings, self.searched, self.verdict)

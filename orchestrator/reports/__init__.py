@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.reports.run import OVERHEAD, Overhead, Run
+from orchestrator.recorded_run import OVERHEAD, Overhead, Run
 from orchestrator.store import RunStore, write_json_atomic, write_text_atomic
 
 

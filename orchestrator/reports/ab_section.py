@@ -14,7 +14,7 @@ from typing import Any
 
 from orchestrator.ab import ABResult, ab_results, design
 from orchestrator.evidence import Evidence, evidence_chain
-from orchestrator.reports.run import Run
+from orchestrator.recorded_run import Run
 
 TITLE = "A/B: {cand} vs {base}, 95% interval over {unit}"
 

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from markupsafe import Markup
 
-from orchestrator.reports.measures import STATS_NOTE, bursty, workload_defs
+from orchestrator.recorded_run import Run, workload_defs
+from orchestrator.reports.measures import STATS_NOTE, bursty
 from orchestrator.reports.run import (
     LATENCY_NOTE,
-    Run,
     audit_sentence,
     exposure_warning,
     findings,

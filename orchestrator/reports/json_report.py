@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from orchestrator.recorded_run import Run, workload_defs
 from orchestrator.reports.ab_section import ab_json
-from orchestrator.reports.measures import LATENCIES, chunking, stat, totals, workload_defs
+from orchestrator.reports.measures import LATENCIES, chunking, stat, totals
 from orchestrator.reports.profile import profile_pairs
-from orchestrator.reports.run import Run, audit_sentence, paired_deltas
+from orchestrator.reports.run import audit_sentence, paired_deltas
 from orchestrator.results import WorkloadSummary
 
 

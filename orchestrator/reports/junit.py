@@ -19,16 +19,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.reports.measures import (
-    LATENCIES,
-    WorkloadDef,
-    fmt_ms,
-    fmt_n,
-    stat,
-    totals,
-    workload_defs,
-)
-from orchestrator.reports.run import Run
+from orchestrator.recorded_run import Run, WorkloadDef, workload_defs
+from orchestrator.reports.measures import LATENCIES, fmt_ms, fmt_n, stat, totals
 from orchestrator.results import CaseResult, Finding
 from orchestrator.store import write_text_atomic
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import re
 
+from orchestrator.corrections import CORRECTIONS, Correction
 from orchestrator.mdtable import md_code, md_table, md_text, plain_text
-from orchestrator.reports import corrections as superseded
-from orchestrator.reports.measures import STATS_NOTE, bursty, workload_defs
+from orchestrator.recorded_run import Run, workload_defs
+from orchestrator.reports.measures import STATS_NOTE, bursty
 from orchestrator.reports.run import (
     LATENCY_NOTE,
     MISSING,
-    Run,
     audit_sentence,
     exposure_warning,
     findings,
@@ -22,12 +22,12 @@ from orchestrator.reports.run import (
     interpreted_note,
     interrupted_sentence,
     paired_deltas,
-    plural,
     repeats,
     token_checks,
 )
 from orchestrator.reports.serving import acceptance_section, startup_section
 from orchestrator.reports.summary import latency_table, totals_table
+from orchestrator.wording import plural
 
 # Findings listed in report.md; the rest are in each case's audit.json.
 MAX_FINDINGS = 50
@@ -243,7 +243,7 @@ def render_markdown(run: Run) -> str:
     warning = exposure_warning(run)
     if warning:
         out += ["", f"**Warning:** {md_text(warning)}."]
-    out += ["", *superseded.markdown_section(run.corrections)]
+    out += ["", *_superseded_section(run.corrections)]
     out += _workloads_section(run)
     out += ["## Aggregate output tok/s", ""]
     out.append(
@@ -291,3 +291,17 @@ def render_markdown(run: Run) -> str:
         )
     out += _overhead_section(run)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _superseded_section(corrections: list[Correction]) -> list[str]:
+    """The report.md section (nothing when there are none)."""
+    if not corrections:
+        return []
+    out = [
+        "## Superseded figures",
+        "",
+        f"Found wrong after this run was written ({CORRECTIONS}); the corrected values "
+        "supersede the ones below in this report:",
+        "",
+    ]
+    return out + [f"- {c.sentence('**')}" for c in corrections] + [""]

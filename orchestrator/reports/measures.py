@@ -1,10 +1,8 @@
-"""What each figure of a run measured: the workloads, their totals, and the samples behind
-every latency statistic. One home for all of it: the closing table, report.md, report.json,
-report.html, junit.xml and compare state it from here.
+"""What each figure of a run measured: the workloads' totals and the samples behind every
+latency statistic. One home for all of it: the closing table, report.md, report.json,
+report.html and junit.xml state it from here (the workloads themselves, ``WorkloadDef``, are
+orchestrator.recorded_run's).
 
-- ``WorkloadDef``: a workload as the matrix defined it, by its one name (a report column it
-  stands in for, ``ctx1k`` for ``ctx64k``, is said beside the name, never instead of it);
-  its prompt and output lengths, concurrency, requests per repeat or duration, repeats.
 - ``Totals``: what `vllm bench serve` prints in its result block, summed over the repeats:
   successful requests, duration, input and output tokens, request and token throughput.
 - ``Stat``: one latency statistic (TTFT, TPOT, ITL, E2EL) with ``n``, its samples. A
@@ -21,7 +19,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from orchestrator.reports.run import MISSING, Run
+from orchestrator.recorded_run import Run
+from orchestrator.reports.run import MISSING
 from orchestrator.results import Distribution, WorkloadSummary
 
 LATENCIES = (
@@ -42,69 +41,6 @@ def min_samples(q: str) -> int:
 
 
 # --------------------------------------------------------------------------- workloads
-
-
-@dataclass(frozen=True)
-class WorkloadDef:
-    name: str
-    column: str
-    prompt_tokens: int
-    output_tokens: int
-    concurrency: int
-    requests: int | None  # per repeat; None in duration mode
-    duration_s: float | None
-    repeats: int
-
-    @classmethod
-    def of(cls, spec: dict[str, Any]) -> WorkloadDef:
-        """From a workload of the matrix as manifest.json holds it."""
-        duration = spec.get("duration_s")
-        requests = spec.get("requests")
-        concurrency = int(spec.get("concurrency") or 1)
-        return cls(
-            name=spec["name"],
-            column=spec.get("column") or spec["name"],
-            prompt_tokens=int(spec.get("prompt_tokens") or 0),
-            output_tokens=int(spec.get("output_tokens") or 0),
-            concurrency=concurrency,
-            requests=None if duration is not None else int(requests or concurrency),
-            duration_s=None if duration is None else float(duration),
-            repeats=int(spec.get("repeats") or 1),
-        )
-
-    @property
-    def title(self) -> str:
-        """``ctx1k``, or ``ctx1k (for ctx64k)`` where it fills another report column."""
-        return self.name if self.column == self.name else f"{self.name} (for {self.column})"
-
-    def describe(self) -> str:
-        """``prompt 1,024 tokens, output 16 tokens, concurrency 1, 2 requests x 1 repeat``."""
-        size = (
-            f"{self.duration_s:g} s"
-            if self.duration_s is not None
-            else _n(self.requests or 0, "request")
-        )
-        return (
-            f"prompt {_n(self.prompt_tokens, 'token')}, output {_n(self.output_tokens, 'token')}, "
-            f"concurrency {self.concurrency}, {size} x {_n(self.repeats, 'repeat')}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _n(n: float, word: str) -> str:
-    return f"{n:,g} {word}{'' if n == 1 else 's'}"
-
-
-def workload_defs(run: Run) -> list[WorkloadDef]:
-    return [WorkloadDef.of(w) for w in run.manifest.matrix.get("workloads", [])]
-
-
-def legend(run: Run) -> list[str]:
-    """``ctx0: prompt 1 token, output 32 tokens, concurrency 1, 2 requests x 1 repeat``, one
-    line per workload of the matrix."""
-    return [f"{w.title}: {w.describe()}" for w in workload_defs(run)]
 
 
 # --------------------------------------------------------------------------- totals

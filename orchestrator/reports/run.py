@@ -1,156 +1,28 @@
-"""One run directory as every report reads it, and the tables the reports share.
+"""The tables and sentences every report shares, drawn from one ``Run``
+(orchestrator.recorded_run).
 
-``Run.load`` reads the manifest, the results (``CaseResult`` rows) and the saved overhead
-figures once; each renderer (Markdown, JSON, HTML, JUnit, the closing table) formats what it
-is handed here. A figure is derived in one place (a paired delta, the run's audit sentence,
-a latency row) and every report shows the same one.
+Each renderer (Markdown, JSON, HTML, JUnit, the closing table) formats what it is handed
+here. A figure is derived in one place (a paired delta, the run's audit sentence, a latency
+row) and every report shows the same one.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
-from orchestrator import safe_io
 from orchestrator.matrix_policy import bind_all_warning
-from orchestrator.reports import corrections as superseded
-from orchestrator.results import CaseResult, RunManifest
-from orchestrator.store import MANIFEST, RunStore, StoreError
+from orchestrator.recorded_run import Run
+from orchestrator.results import CaseResult
+from orchestrator.wording import plural
 
 MISSING = "-"
-OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (see reports.write_reports)
-# What every attempt's figures hold (runner._Attempt._finish writes them).
-OVERHEAD_FIGURES = ("wall_s", "startup_and_measured_s", "overhead_s", "overhead_pct")
 
 
 def fmt_tok(v: float | None) -> str:
     """A throughput figure as the tables show it: two decimals, or '-'."""
     return MISSING if v is None else f"{v:.2f}"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-@dataclass
-class Overhead:
-    """Overhead figures per attempt: the original run's (None when it was killed before its
-    end) and each resume's, kept apart so a resume never stands in for the run."""
-
-    run: dict[str, Any] | None = None
-    resumes: list[dict[str, Any]] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, saved: Any) -> Overhead:
-        """From overhead.json; a bare figures dict (what runs before resumes were kept apart
-        wrote) is the run's. ValueError says what a malformed one lacks."""
-        if not saved:
-            return cls()
-        if not isinstance(saved, dict):
-            raise ValueError(f"not a JSON object but {type(saved).__name__}")
-        if "wall_s" in saved:
-            return cls(_figures(saved, "the run"))
-        run, resumes = saved.get("run"), saved.get("resumes", [])
-        if not isinstance(resumes, list):
-            raise ValueError("resumes is not a list")
-        return cls(
-            None if run is None else _figures(run, "run"),
-            [_figures(r, f"resumes[{i}]") for i, r in enumerate(resumes)],
-        )
-
-    @classmethod
-    def load(cls, path: Path) -> Overhead:
-        """overhead.json, or no figures where there is none; StoreError naming it when it is
-        no such file (a link to a device, a FIFO, past its bound, not JSON, malformed)."""
-        if not path.exists() and not path.is_symlink():
-            return cls()
-        try:
-            return cls.of(safe_io.read_json(path))
-        except safe_io.UnsafeFileError as exc:
-            raise StoreError(str(exc)) from None
-        except (OSError, ValueError) as exc:
-            raise StoreError(f"{path}: malformed overhead figures ({exc})") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"run": self.run, "resumes": self.resumes}
-
-
-def _figures(value: Any, what: str) -> dict[str, Any]:
-    """One attempt's figures, every one a finite number (the reports format them)."""
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} is not a JSON object")
-    for key in OVERHEAD_FIGURES:
-        figure = value.get(key)
-        if isinstance(figure, bool) or not isinstance(figure, (int, float)):
-            raise ValueError(f"{what}.{key} is {figure!r}, not a number")
-        if not math.isfinite(figure):
-            raise ValueError(f"{what}.{key} is {figure!r}")
-    return dict(value)
-
-
-@dataclass
-class Run:
-    """A run directory, read: manifest, latest result per case, overhead figures."""
-
-    store: RunStore
-    manifest: RunManifest
-    # The latest row of each case, in the order rows were last written.
-    results: list[CaseResult]
-    overhead: Overhead = field(default_factory=Overhead)
-    # Figures found wrong after the run was written (orchestrator.reports.corrections).
-    corrections: list[superseded.Correction] = field(default_factory=list)
-
-    @classmethod
-    def load(cls, where: RunStore | str | Path) -> Run:
-        """Read a run directory; StoreError names the file (and field) that is malformed."""
-        store = where if isinstance(where, RunStore) else RunStore(Path(where))
-        overhead = Overhead.load(store.root / OVERHEAD)
-        try:
-            manifest = RunManifest.model_validate(store.manifest())
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"]) or "manifest"
-            raise StoreError(f"{store.root / MANIFEST}: {field}: {err['msg']}") from None
-        return cls(store, manifest, store.results(), overhead, superseded.load(store.root))
-
-    @property
-    def root(self) -> Path:
-        return self.store.root
-
-    @property
-    def run_id(self) -> str:
-        return self.manifest.run_id or self.store.run_id
-
-    @property
-    def ordered(self) -> list[CaseResult]:
-        """Results of the manifest's cases, in matrix order (rows of other cases left out)."""
-        by_id = {r.case_id: r for r in self.results}
-        return [by_id[c] for c in self.manifest.case_ids if c in by_id]
-
-    @property
-    def failed(self) -> list[CaseResult]:
-        return [r for r in self.results if not r.passed]
-
-    @property
-    def columns(self) -> list[tuple[str, str]]:
-        return self.manifest.columns()
-
-    @property
-    def variants(self) -> list[str]:
-        return self.manifest.variants()
-
-    @property
-    def interrupted(self) -> dict[str, Any] | None:
-        """The latest attempt's figures when it was interrupted (Ctrl-C, SIGTERM): what
-        stopped it, the case it cut short, the command that continues it."""
-        from orchestrator.interrupted import latest
-
-        return latest([self.overhead.run, *self.overhead.resumes])
 
 
 # --------------------------------------------------------------------------- shared tables

@@ -8,7 +8,8 @@ rows without them (older runs, no MTP) leave the sections out.
 from __future__ import annotations
 
 from orchestrator.mdtable import md_table
-from orchestrator.reports.run import MISSING, Run
+from orchestrator.recorded_run import Run
+from orchestrator.reports.run import MISSING
 from orchestrator.startup import PHASES
 
 

@@ -23,6 +23,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from orchestrator.mdtable import plain_text
+from orchestrator.recorded_run import Run, legend
 from orchestrator.reports.measures import (
     LATENCIES,
     PERCENTILES,
@@ -31,11 +32,10 @@ from orchestrator.reports.measures import (
     burst_share,
     fmt_ms,
     fmt_n,
-    legend,
     stat,
     totals,
 )
-from orchestrator.reports.run import MISSING, Run
+from orchestrator.reports.run import MISSING
 
 __all__ = ["LATENCIES", "SummaryRow", "fmt_ms", "latency_table", "render_summary"]
 

@@ -13,8 +13,8 @@ import pytest
 
 from orchestrator.ab import BLOCKS, FASTER, SERVERS, SLOWER, TOO_FEW, ab_results, verdict
 from orchestrator.evidence import BMM_ALONE, BMM_CAT, evidence_chain
+from orchestrator.recorded_run import Run
 from orchestrator.reports import write_reports
-from orchestrator.reports.run import Run
 from orchestrator.reports.summary import render_summary
 from orchestrator.stats import Interval, MeanEstimate, ratio_interval
 

@@ -22,6 +22,7 @@ from orchestrator.compare import (
     compare_runs,
     request_blocks,
 )
+from orchestrator.reports.compare import comparison_json, comparison_markdown
 from orchestrator.stats import MeanEstimate, ratio_interval
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +72,7 @@ def test_unchanged_run_passes(pair):
     assert ctx0.judgement.samples_base == "2 repeats of 18 requests"
     assert -0.5 < ctx0.judgement.interval.low < 0.0 < ctx0.judgement.interval.high < 0.5
     assert _judged(cmp, workload="ctx64k").judgement.samples_cand == "2 repeats of 1 request"
-    assert "no regression beyond the measured noise" in cmp.to_markdown()
+    assert "no regression beyond the measured noise" in comparison_markdown(cmp)
     assert "too few" not in cmp.verdict()
 
 
@@ -93,7 +94,7 @@ def test_planted_5pct_regression_is_flagged(pair):
     row = next(r for r in cmp.rows if r.case_id == CASE)
     per_user = next(d for d in row.deltas if d.workload == "ctx0" and d.metric == "per_user_tok_s")
     assert per_user.delta_pct == pytest.approx(-5.0, abs=0.01) and per_user.judgement is None
-    md = cmp.to_markdown()
+    md = comparison_markdown(cmp)
     assert "## Regressions" in md and f"**{CASE}**" in md and "-5.00%" in md
     assert compare_runs(base, cand, threshold_pct=6.0).ok  # a looser threshold lets it pass
 
@@ -122,7 +123,7 @@ def test_drop_past_the_threshold_with_one_repeat_is_told_not_flagged(pair):
     [drop] = cmp.unconfirmed_drops
     assert (drop.case_id, drop.workload) == (CASE, "ctx64k")
     assert drop.delta_pct == pytest.approx(-5.0, abs=0.01)
-    md = cmp.to_markdown()
+    md = comparison_markdown(cmp)
     assert "## Drops past the threshold, too few samples to tell" in md
     assert (
         f"- **{CASE}**: ctx64k aggregate tok/s 71.31 → 67.74 (-5.00%): base 1 repeat of 1 "
@@ -141,7 +142,7 @@ def test_drop_at_the_threshold_cannot_be_told(pair):
     j = _judged(cmp).judgement
     assert j.verdict == TOO_FEW and j.interval.low < -3.0 < j.interval.high
     assert "reaches both sides of -3%" in j.why
-    assert "(can't tell)" in cmp.to_markdown()
+    assert "(can't tell)" in comparison_markdown(cmp)
 
 
 def test_drop_under_threshold_and_gains_pass(pair):
@@ -195,7 +196,7 @@ def test_new_warning_is_listed_cleared_finding_too_neither_fails(pair):
     assert [(f.case_id, f.signature) for f in cmp.cleared_findings] == [
         ("Luke BF16/tp8-dcp8-mtp0/fused", "nccl-warn")
     ]
-    md = cmp.to_markdown()
+    md = comparison_markdown(cmp)
     assert "## New findings" in md and "## Cleared findings" in md
 
 
@@ -207,7 +208,7 @@ def test_cases_in_one_run_only_are_listed_not_failed(pair):
     assert cmp.ok
     assert cmp.only_in_base == [CASE]
     assert cmp.only_in_cand == ["Luke BF16/tp8-dcp4-mtp3/staged"]
-    assert f"only in base: {CASE}" in cmp.to_markdown()
+    assert f"only in base: {CASE}" in comparison_markdown(cmp)
 
 
 # ---------------------------------------------------------------------------- real CPU runs
@@ -226,7 +227,7 @@ def _real(tmp_path, run_id):
 )
 def test_real_same_commit_cpu_runs_are_not_flagged(tmp_path, base_id, cand_id):
     cmp = compare_runs(_real(tmp_path, base_id), _real(tmp_path, cand_id))
-    assert cmp.ok and not cmp.regressions, cmp.to_markdown()
+    assert cmp.ok and not cmp.regressions, comparison_markdown(cmp)
     assert len(cmp.gated) == 2
 
 
@@ -280,13 +281,13 @@ def test_real_runs_with_two_requests_are_too_few_to_tell(tmp_path):
 def test_same_inputs_give_the_same_comparison_in_any_row_order(pair):
     base, cand = pair
     runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.96))
-    first = compare_runs(base, cand).to_dict()
-    assert compare_runs(base, cand).to_dict() == first
+    first = comparison_json(compare_runs(base, cand))
+    assert comparison_json(compare_runs(base, cand)) == first
     # Rows in another order (a resumed run appends in another order): each figure's
     # interval depends on its own samples only.
     rows = (cand / "results.jsonl").read_text().splitlines()
     (cand / "results.jsonl").write_text("\n".join(reversed(rows)) + "\n")
-    again = compare_runs(base, cand).to_dict()
+    again = comparison_json(compare_runs(base, cand))
     intervals = {
         (r["case_id"], d["workload"]): d["judgement"]
         for data in (first, again)
@@ -339,10 +340,10 @@ def test_request_blocks_follow_concurrency_and_skip_failed_requests():
     assert request_blocks(records, 2) == {1: ((128.0, 4.0), (32.0, 1.0)), 2: ((64.0, 1.0),)}
 
 
-def test_to_dict_is_json(pair):
+def test_comparison_json_is_json(pair):
     base, cand = pair
     runs.edit_rows(cand, lambda r: runs.scale(r, "ctx0", 0.9) if r["case_id"] == CASE else r)
-    data = json.loads(json.dumps(compare_runs(base, cand).to_dict()))
+    data = json.loads(json.dumps(comparison_json(compare_runs(base, cand))))
     assert data["ok"] is False and data["regressions"][0]["workload"] == "ctx0"
     assert data["regressions"][0]["interval"]["high"] < -3.0
     assert data["rows"][0]["deltas"][0]["delta_pct"] == 0.0
@@ -412,7 +413,7 @@ def test_run_stopped_before_its_first_case_compares_as_empty(pair):
     (cand / "results.jsonl").unlink()
     cmp = compare_runs(base, cand)
     assert cmp.ok and not cmp.rows and len(cmp.only_in_base) == 10
-    assert "No case is in both runs." in cmp.to_markdown()
+    assert "No case is in both runs." in comparison_markdown(cmp)
 
 
 # --------------------------------------------------------------------------- A/B runs

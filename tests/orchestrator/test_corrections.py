@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.corrections import CorrectionsError, load
 from orchestrator.reports import write_reports
-from orchestrator.reports.corrections import CorrectionsError, load
 from orchestrator.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]

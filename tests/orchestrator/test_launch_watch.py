@@ -66,5 +66,5 @@ def test_an_answer_resets_the_silence_clock():
 
 
 def test_watch_limits_are_sane():
-    # A death must still be noticed within 5 s (issue 6): the poll limit bounds that.
+    # A death must still be noticed within 5 s: the poll limit bounds that.
     assert launch.POLL_TIMEOUT_S <= 5 < launch.UNREACHABLE_S

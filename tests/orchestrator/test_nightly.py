@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 import orchestrator.nightly as nightly_mod
 from orchestrator.cli import app
 from orchestrator.nightly import history_runs, is_good_run, run_nightly
+from orchestrator.recorded_run import Run
 from orchestrator.reports import write_reports
-from orchestrator.reports.run import Run
+from orchestrator.reports.compare import comparison_markdown
 from orchestrator.runner import RunSummary
 from orchestrator.store import RunStore
 
@@ -115,7 +116,7 @@ def test_real_cpu_nights_gate_on_the_noise_they_measure(tmp_path, tonight, exit_
                   source=runs.HERE / "cpu-noise-a3")  # fmt: skip
     result = run_nightly("m.yaml", h, runner=FakeRunner(source=runs.HERE / tonight))
     assert result.baseline_dir == h / "cpu-noise-a3" and not result.failed_cases
-    assert result.exit_code == exit_code, result.comparison.to_markdown()
+    assert result.exit_code == exit_code, comparison_markdown(result.comparison)
     assert all(d.delta_pct < -19.0 for d in result.comparison.gated)
 
 

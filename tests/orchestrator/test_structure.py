@@ -1,5 +1,6 @@
 """The orchestrator's shape, checked from its source: no import cycle (in it, in fusedq, or
-between the two), no overlong function.
+between the two; module by module, through a package's __init__, or between its
+subpackages), no overlong function.
 
 Both are read with `ast` (nothing is imported), so the check costs milliseconds and keeps
 true what a review once had to draw by hand.
@@ -29,16 +30,20 @@ def _modules(root: Path = PACKAGE) -> dict[str, Path]:
     return {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
 
 
-def import_graph(*roots: Path) -> dict[str, set[str]]:
+def import_graph(*roots: Path, through_packages: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of the packages at ``roots`` (the orchestrator by default) it
     imports, anywhere in it (a function-local or TYPE_CHECKING import hides a cycle from the
     interpreter, not from the design).
 
     `from pkg import sub` names the submodule; the implicit import of a module's own parent
-    package is no edge (every package's __init__ would otherwise close a loop)."""
+    package is no edge (every package's __init__ would otherwise close a loop). With
+    ``through_packages``, `from pkg import anything` is an edge to ``pkg`` too: its __init__
+    runs first and is what is read, so a module that reaches a sibling through its own
+    package's __init__ (which imports that module) closes a loop."""
     roots = roots or (PACKAGE,)
     modules = {name: path for root in roots for name, path in _modules(root).items()}
     tops = {root.name for root in roots}
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -54,13 +59,31 @@ def import_graph(*roots: Path) -> dict[str, set[str]]:
                     target = node.module or ""
                 subs = {f"{target}.{a.name}" for a in node.names} & modules.keys()
                 # Names that are not submodules come from the module itself.
-                if len(subs) < len(node.names):
+                if len(subs) < len(node.names) or (through_packages and target in packages):
                     deps.add(target)
                 deps |= subs
         graph[name] = {
             d for d in deps if d.split(".")[0] in tops and d in modules and d not in {name, *tops}
         }
     return graph
+
+
+def package_graph(graph: dict[str, set[str]], *roots: Path) -> dict[str, set[str]]:
+    """`graph` with every subpackage drawn as one node (its __init__ and all its modules); a
+    module at the top of a root package stays a node of its own."""
+    roots = roots or (PACKAGE,)
+    subpackages = {
+        _module_name(p.parent, root) for root in roots for p in root.glob("*/__init__.py")
+    }
+
+    def node(module: str) -> str:
+        head = ".".join(module.split(".")[:2])
+        return head if head in subpackages else module
+
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        out.setdefault(node(module), set()).update(node(d) for d in deps)
+    return {n: deps - {n} for n, deps in out.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -92,11 +115,31 @@ def test_the_orchestrator_has_no_import_cycle() -> None:
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
+def test_no_module_reaches_a_sibling_through_its_packages_init() -> None:
+    """A package's __init__ names its public parts; its own modules import each other
+    directly, so the __init__ never runs half-done beneath one of them."""
+    graph = import_graph(through_packages=True)
+    assert "orchestrator.audit" in graph["orchestrator.case_run"]  # the edge is drawn
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_orchestrators_subpackages_form_no_cycle() -> None:
+    """audit, engines and reports each sit on one side of the modules they share: the
+    figures that judge a run (ab, compare, evidence) never import the reports that show
+    them."""
+    packages = package_graph(import_graph())
+    assert {"orchestrator.audit", "orchestrator.reports"} <= packages.keys()
+    assert "orchestrator.compare" in packages["orchestrator.reports"]
+    assert find_cycle(packages) is None, " -> ".join(find_cycle(packages) or [])
+
+
 def test_fusedq_has_no_import_cycle() -> None:
     """Its kernel modules import fusedq.kernels.common and fusedq.limits, never each other."""
     graph = import_graph(FUSEDQ)
     assert "fusedq.kernels.gluon_mla_query" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+    for packaged in (import_graph(FUSEDQ, through_packages=True), package_graph(graph, FUSEDQ)):
+        assert find_cycle(packaged) is None, " -> ".join(find_cycle(packaged) or [])
     kernels = {"triton_mla_query", "gluon_mla_query", "cute_mla_query"}
     for kernel in kernels:
         deps = {d.rpartition(".")[2] for d in graph[f"fusedq.kernels.{kernel}"]}
@@ -135,6 +178,49 @@ def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
     ]
     (pkg / "reports" / "run.py").write_text("import json\n")
     assert find_cycle(import_graph(pkg)) is None
+
+
+def test_the_package_checks_find_their_cycles(tmp_path: Path) -> None:
+    # A loop only through a package's __init__, and one only between a subpackage and a
+    # top-level module: neither is a cycle module by module.
+    pkg = tmp_path / "orchestrator"
+    (pkg / "audit").mkdir(parents=True)
+    (pkg / "reports").mkdir()
+    for init in (pkg, pkg / "audit", pkg / "reports"):
+        (init / "__init__.py").write_text("")
+    (pkg / "audit" / "__init__.py").write_text("from orchestrator.audit.scan import scan\n")
+    (pkg / "audit" / "scan.py").write_text("from orchestrator.audit import sources\n")
+    (pkg / "audit" / "sources.py").write_text("")
+    (pkg / "compare.py").write_text("from orchestrator.reports.run import Run\n")
+    (pkg / "reports" / "run.py").write_text("")
+    (pkg / "reports" / "markdown.py").write_text("from orchestrator.compare import compare\n")
+    assert find_cycle(import_graph(pkg)) is None
+    assert find_cycle(import_graph(pkg, through_packages=True)) == [
+        "orchestrator.audit",
+        "orchestrator.audit.scan",
+        "orchestrator.audit",
+    ]
+    assert find_cycle(package_graph(import_graph(pkg), pkg)) == [
+        "orchestrator.compare",
+        "orchestrator.reports",
+        "orchestrator.compare",
+    ]
+    (pkg / "audit" / "scan.py").write_text("from orchestrator.audit.sources import x\n")
+    (pkg / "reports" / "markdown.py").write_text("import json\n")
+    assert find_cycle(import_graph(pkg, through_packages=True)) is None
+    assert find_cycle(package_graph(import_graph(pkg), pkg)) is None
+
+
+def test_test_modules_have_one_name_each() -> None:
+    """Test folders hold no __init__.py, so pytest imports each test module (and the helpers
+    tests import: orch_cli, audit_cases) by its file name alone: two files of one name, however
+    far apart in tests/, cannot both load. conftest.py is the exception pytest makes."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name != "conftest.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not list((ROOT / "tests").rglob("__init__.py"))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
 
 
 def _long_functions(root: Path = PACKAGE) -> list[str]:

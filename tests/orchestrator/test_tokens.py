@@ -160,9 +160,9 @@ def test_a_check_survives_the_results_redaction():
 def test_reports_list_every_check():
     """report.md and report.html carry each check's verdict and sentence (the committed H200
     run: a near-tie at MTP0, identical at MTP1)."""
+    from orchestrator.recorded_run import Run
     from orchestrator.reports.html import render_html
     from orchestrator.reports.markdown import render_markdown
-    from orchestrator.reports.run import Run
 
     store = Run.load(Path(__file__).parents[2] / "docs/validation/h200-2026-11-30/h200-1")
     md, page = render_markdown(store), render_html(store)

@@ -18,9 +18,9 @@ import pytest
 from orch_cli import run_cli
 
 from orchestrator.matrix import MatrixError, expand, parse_matrix
+from orchestrator.recorded_run import Run
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.profile import ProfilePair, Spread, profile_pairs
-from orchestrator.reports.run import Run
 from orchestrator.results import CaseResult, ProfileResult
 from orchestrator.store import RunStore
 from orchestrator.trace import DEFAULT_RULE, TraceError, find_rank_traces, read_trace

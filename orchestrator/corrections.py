@@ -71,17 +71,3 @@ def load(run_dir: Path) -> list[Correction]:
         if isinstance(exc, safe_io.UnsafeFileError):
             raise CorrectionsError(str(exc)) from None
         raise CorrectionsError(f"{path}: not JSON ({exc})") from None
-
-
-def markdown_section(corrections: list[Correction]) -> list[str]:
-    """The report.md section (nothing when there are none)."""
-    if not corrections:
-        return []
-    out = [
-        "## Superseded figures",
-        "",
-        f"Found wrong after this run was written ({CORRECTIONS}); the corrected values "
-        "supersede the ones below in this report:",
-        "",
-    ]
-    return out + [f"- {c.sentence('**')}" for c in corrections] + [""]

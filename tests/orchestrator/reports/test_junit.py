@@ -7,11 +7,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from orchestrator.compare import compare_runs
+from orchestrator.recorded_run import Run
 from orchestrator.reports.junit import render_junit, write_junit, xml_text
-from orchestrator.reports.run import Run
 
 _spec = importlib.util.spec_from_file_location(
-    "recorded_runs", Path(__file__).parent / "fixtures" / "runs" / "make_fixtures.py"
+    "recorded_runs", Path(__file__).parents[1] / "fixtures" / "runs" / "make_fixtures.py"
 )
 runs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(runs)

@@ -20,15 +20,15 @@ import pytest
 
 from orchestrator.compare import compare_runs
 from orchestrator.matrix import expand, parse_matrix
+from orchestrator.recorded_run import Run
 from orchestrator.reports import write_reports
 from orchestrator.reports.html import render_html, write_html
-from orchestrator.reports.run import Run
 from orchestrator.store import RunStore
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ARTIFACT = REPO / "logs" / "test-artifacts" / "report-screenshot.png"
 _spec = importlib.util.spec_from_file_location(
-    "recorded_runs", Path(__file__).parent / "fixtures" / "runs" / "make_fixtures.py"
+    "recorded_runs", Path(__file__).parents[1] / "fixtures" / "runs" / "make_fixtures.py"
 )
 runs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(runs)

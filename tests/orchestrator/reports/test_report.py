@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from orchestrator.audit import audit_logs
 from orchestrator.matrix import expand, parse_matrix
+from orchestrator.recorded_run import Overhead, Run
 from orchestrator.reports import write_reports
 from orchestrator.reports.markdown import render_markdown
-from orchestrator.reports.run import Overhead, Run, paired_deltas
-from orchestrator.results import CaseResult
+from orchestrator.reports.run import audit_sentence, paired_deltas
+from orchestrator.results import AuditSummary, CaseResult
 from orchestrator.store import RunStore
+
+AUDIT_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "audit"
 
 MATRIX = """
 name: r
@@ -145,6 +150,27 @@ def test_clean_run_sentence_lists_what_was_searched(tmp_path):
     md = render_markdown(Run.load(store))
     assert "found no traceback, Xid, or CUBLAS_STATUS failure" in md
     assert "across 4 cases" in md
+
+
+def test_run_sentence_over_cases():
+    """The run-level sentence the reports print, over these audits as a run stores them."""
+
+    def case(case_id, result):
+        return CaseResult(case_id=case_id, audit=AuditSummary.model_validate(result.to_dict()))
+
+    def audited(name):
+        log = AUDIT_FIXTURES / name
+        return audit_logs([log], include_kernel_log=False, include_gpu_state=False)
+
+    clean, bad = audited("vllm_tp4_clean.log"), audited("vllm_tp4_crash.log")
+    s = audit_sentence([case("tp4-ctx0", clean), case("tp4-64k", bad)])
+    assert s.startswith(
+        "The final log audit of 2 logs (41 lines) across 2 cases found problems in 1 case: tp4-64k."
+    )
+    assert "The kernel log was not audited for any case (not requested)." in s
+    assert audit_sentence([case("a", clean)]).endswith(
+        "or host-OOM-kill failure. The kernel log was not audited for any case (not requested)."
+    )
 
 
 def test_json_summary_and_rewrite(tmp_path):
