@@ -25,7 +25,7 @@ Per layer, the plan reads the class of the attention ``impl`` the layer got agai
 ``BACKENDS``: a backend that takes one ``[B, N, 576]`` tensor gets the fused output, one that
 takes only a ``(q_nope, q_rope)`` pair (FLASH_ATTN_MLA_SPARSE, GLM-5's DSA decode on sm_90)
 gets two views of it, and a backend without a row is refused with the reason
-(docs/vllm-plugin-sparse-and-switch.md). ``set_path`` switches the process between the fused
+(docs/vllm-plugin.md). ``set_path`` switches the process between the fused
 and the staged path; ``fusedq.vllm_worker_ext`` calls it on every worker of a running server.
 """
 
@@ -177,7 +177,7 @@ class Backend:
 
     Supporting another backend is a new row of this table, not a new branch of code: the plan
     decides per layer from the class of the ``impl`` the layer actually got, and refuses any
-    class without a row (docs/vllm-plugin-sparse-and-switch.md).
+    class without a row (docs/vllm-plugin.md).
     """
 
     name: str  # vLLM's AttentionBackend.get_name()

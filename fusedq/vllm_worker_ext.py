@@ -15,7 +15,7 @@ default: FULL decode graphs for FLASH_ATTN_MLA and FLASH_ATTN_MLA_SPARSE, piecew
 around attention), the graphs hold whatever query path ran at capture, so the switch frees
 every captured graph and captures them again, as vLLM's own start-up does after its
 graph-memory profiling (clear, then ``capture_model``), with the fused op's sizes prewarmed
-first. docs/vllm-plugin-sparse-and-switch.md gives the contract and what was validated where.
+first. docs/vllm-plugin.md gives the contract and what was validated where.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One table model, built from a run's results, that several outputs render: the closing block
 `orchestrator run` prints (in the manner of `vllm bench serve`'s), and the workload, totals
 and latency sections of report.md, report.json and report.html. What each figure means and
-the samples behind it are orchestrator.reports.measures' (docs/workloads-and-statistics.md).
+the samples behind it are orchestrator.reports.measures' (docs/workloads.md).
 
 Rows are named by case (variant included) and the workload's one name; a workload that fills
 another report column (the smoke matrix's ctx1k, for ctx64k) says so in the workload legend.
