@@ -199,7 +199,11 @@ class EngineSpec(_EnvArgs):
         description="The engine build pads heads to a multiple of TP ('virtual TP'); "
         "upstream vLLM refuses num_heads % tp != 0.",
     )
-    vllm_bin: str | None = Field(None, description="`vllm` executable; default: next to python.")
+    vllm_bin: str | None = Field(
+        None,
+        description="`vllm` executable; default: next to python, else on PATH, else "
+        "`python -m vllm.entrypoints.cli.main`.",
+    )
     compile_cache: Literal["shared", "case"] = Field(
         "shared",
         description="Where vLLM's and Inductor's compile caches live: `shared` by every server "

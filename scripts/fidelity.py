@@ -94,7 +94,7 @@ def ours(url: str, served: str, a: argparse.Namespace, vocab: int, seed: int) ->
 def bench(url: str, served: str, model: str, a: argparse.Namespace, seed: int, out: Path) -> float:
     name = f"bench-{seed}.json"
     argv = [
-        a.vllm_bin or eng.default_vllm_bin(),
+        *([a.vllm_bin] if a.vllm_bin else eng.default_vllm_command()),
         "bench",
         "serve",
         "--backend",

@@ -11,6 +11,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,10 +70,18 @@ class ServerStartError(RuntimeError):
         super().__init__(msg)
 
 
-def default_vllm_bin() -> str:
-    """The `vllm` script of the running interpreter's environment, else `vllm` on PATH."""
+def default_vllm_command() -> list[str]:
+    """How `vllm` is started when the matrix names no `vllm_bin`: the script of the running
+    interpreter's environment, else `vllm` on PATH, else the interpreter running vLLM's CLI
+    module -- a vLLM installed with `pip --target` (the air-gapped GPU install,
+    scripts/wheelhouse.py) has no console script at all."""
     candidate = Path(sys.executable).parent / "vllm"
-    return str(candidate) if candidate.exists() else "vllm"
+    if candidate.exists():
+        return [str(candidate)]
+    on_path = shutil.which("vllm")
+    if on_path:
+        return [on_path]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def _flag_name(arg: str) -> str:
@@ -178,7 +187,7 @@ def serve_argv(
         raise ValueError(f"port={port} is not a TCP port")
     _check_owned(extra_args, served_name is not None, profiler_dir is not None)
 
-    argv = [vllm_bin or default_vllm_bin(), "serve", model_path]
+    argv = [*([vllm_bin] if vllm_bin else default_vllm_command()), "serve", model_path]
     argv += ["--host", host, "--port", str(port), "--tensor-parallel-size", str(tp)]
     if dcp > 1:
         argv += ["--decode-context-parallel-size", str(dcp)]

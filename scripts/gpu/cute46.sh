@@ -10,14 +10,18 @@
 # Before `install`: the vLLM 0.26 wheelhouse installed into $SITE (default /tmp/site) with
 # `python scripts/wheelhouse.py install <its chunks> --target $SITE`, and the chunks of
 # requirements/gpu-cute46.txt's wheelhouse (`.whl46.tar.part.NN`) copied to $CUTE46_CHUNKS
-# (default /tmp/chunks46). fusedq runs this DSL release only with FUSEDQ_CUTE_UNVALIDATED=1,
-# which every part sets. `vllm` passes only if the fused server's kernel line names cute.
+# (default /tmp/chunks46); they are installed into $CUTE46_SITE (default /tmp/cute46). 4.6.0 is
+# a validated release since 2026-12-02 (the GPU record of caba774 ran under it). `vllm` passes
+# only if the fused server's kernel line names cute.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${OUT:?set OUT to the folder that receives the results}"
 PY="${PYTHON:-python3}"
 SITE="${SITE:-/tmp/site}"
+# A folder of its own: a second `pip install --target --upgrade` into $SITE replaces the
+# folders the two share (bin/ among them: vLLM's console script was lost that way).
+CUTE46_SITE="${CUTE46_SITE:-/tmp/cute46}"
 CUTE46_CHUNKS="${CUTE46_CHUNKS:-/tmp/chunks46}"
 STEP_LIMIT="${STEP_LIMIT:-540}"
 part="${1:-}"
@@ -25,8 +29,8 @@ part="${1:-}"
 cd "$REPO"
 mkdir -p "$OUT"
 # pip --target skips the DSL's .pth, which puts dsl_packages on sys.path.
-export PYTHONPATH="$REPO:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$SITE/bin:$PATH" FUSEDQ_CUTE_UNVALIDATED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH="$REPO:$CUTE46_SITE:$CUTE46_SITE/nvidia_cutlass_dsl/dsl_packages:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$SITE/bin:$PATH" VLLM_USE_FLASHINFER_SAMPLER=0
 # shellcheck source=scripts/gpu/steps.sh
 source "$REPO/scripts/gpu/steps.sh"
 
@@ -48,7 +52,7 @@ case "$part" in
             exit 1
         fi
         step install "$PY" scripts/wheelhouse.py install "$CUTE46_CHUNKS"/.whl46.tar.part.* \
-            --target "$SITE"
+            --target "$CUTE46_SITE"
         environment
         # vLLM 0.26's kernel warm-up imports quack whenever cutlass imports (docs/validation/
         # h200-2026-12-01): both must import in one process.

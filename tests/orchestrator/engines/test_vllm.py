@@ -515,3 +515,17 @@ def test_bad_model_path_fails_fast_with_reason(tiny_model: str, tmp_path: Path) 
     # vLLM spends its import time (10-30 s on 2 busy cores) before it looks at the path.
     assert time.monotonic() - t0 < 120
     assert "no-such-model" in info.value.log_tail
+
+
+def test_default_vllm_command_falls_back_to_the_cli_module(tmp_path, monkeypatch):
+    # A vLLM installed with pip --target (the air-gapped GPU install) has no console script:
+    # neither next to the interpreter nor on PATH. The CLI module is started instead.
+    python = tmp_path / "env" / "bin" / "python3"
+    python.parent.mkdir(parents=True)
+    monkeypatch.setattr(eng.sys, "executable", str(python))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert eng.default_vllm_command() == [str(python), "-m", "vllm.entrypoints.cli.main"]
+    script = python.parent / "vllm"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    assert eng.default_vllm_command() == [str(script)]
