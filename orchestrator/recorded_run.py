@@ -70,11 +70,14 @@ class Overhead:
 
 
 def _figures(value: Any, what: str) -> dict[str, Any]:
-    """One attempt's figures, every one a finite number (the reports format them)."""
+    """One attempt's figures, every one a finite number (the reports format them); an attempt
+    interrupted before its first case finished has none (its cases_run is 0)."""
     if not isinstance(value, dict):
         raise ValueError(f"{what} is not a JSON object")
     for key in OVERHEAD_FIGURES:
         figure = value.get(key)
+        if figure is None and value.get("cases_run") == 0:
+            continue
         if isinstance(figure, bool) or not isinstance(figure, (int, float)):
             raise ValueError(f"{what}.{key} is {figure!r}, not a number")
         if not math.isfinite(figure):

@@ -1,19 +1,10 @@
-"""Shared set-up for the fusedq tests.
-
-Without CUDA the kernels run in Triton's interpreter on CPU tensors. Triton picks the
-interpreter when ``@triton.jit`` decorates a function (it reads ``TRITON_INTERPRET`` from the
-environment at that moment, through ``triton.knobs``), so it must be set before ``fusedq`` is
-imported — conftest runs before the test modules are.
-"""
-
-import os
+"""Shared set-up for the fusedq tests. Without CUDA the kernels run in Triton's interpreter on
+CPU tensors; tests/conftest.py (the root one, loaded before any test module) sets it."""
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

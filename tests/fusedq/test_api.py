@@ -420,6 +420,7 @@ def _scaled_accumulation(kernel, factor: float):
 )
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 def test_e4m3_comparison_catches_one_percent(fields, m, fmt, monkeypatch):
+    from fusedq.kernels import triton_launch
     from fusedq.kernels import triton_mla_query as kernel
     from fusedq.reference import quantize_e4m3
 
@@ -430,11 +431,11 @@ def test_e4m3_comparison_catches_one_percent(fields, m, fmt, monkeypatch):
     q_nope, q_pe = make_q(m, h, "cpu", gen)
     q_scale = torch.tensor([Q_SCALE])
     ref = fusedq.staged_mla_query(q_nope, weight, q_pe)
-    config = kernel.LaunchConfig(**fields)
+    config = triton_launch.LaunchConfig(**fields)
 
     def run() -> torch.Tensor:
         out = poison(torch.empty(m, h, 576, dtype=E4M3))
-        kernel.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
+        triton_launch.launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
         return out
 
     assert_matches(run(), ref, fmt, q_scale)  # the kernel as shipped passes

@@ -13,6 +13,13 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
 
+def user_environ() -> dict[str, str]:
+    """The environment a user's shell would hand the orchestrator: this test process's, less
+    TRITON_INTERPRET, which tests/conftest.py sets for fusedq's kernels on CPU and which
+    every local server would otherwise inherit (a matrix sets it where a case wants it)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 def run_cli(
     *args: str, timeout: float, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -23,7 +30,7 @@ def run_cli(
         text=True,
         cwd=REPO,
         timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**user_environ(), "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 

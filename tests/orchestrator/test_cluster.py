@@ -335,7 +335,8 @@ def test_a_topology_no_node_can_hold_is_refused_before_anything_starts(scenario)
     assert out.returncode == 2, _explain(out)
     # Four GPUs in the cluster, but two per node: a TP4 bundle has nowhere to go.
     assert out.stderr.strip().splitlines()[-1] == (
-        "orchestrator: topologies[0].tp=4 needs 4 GPUS on one node; the largest node of this "
+        f"orchestrator: {scenario['matrix']}: topologies[0].tp=4 needs 4 GPUS on one node; "
+        "the largest node of this "
         f"Ray cluster ({scenario['address']}) has 2"
     )
     assert not (scenario["logs"] / "big").exists()

@@ -24,7 +24,7 @@ warmup_requests: 2
 @pytest.fixture(autouse=True)
 def _no_interpreter_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimate reads whether the fused query will run interpreted from the environment a
-    local Ray's servers inherit; tests/fusedq's conftest sets TRITON_INTERPRET for its session."""
+    local Ray's servers inherit; tests/conftest.py sets TRITON_INTERPRET for the whole test run."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("FUSEDQ_MLA_QUERY", raising=False)
 

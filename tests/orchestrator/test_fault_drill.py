@@ -43,10 +43,14 @@ WORKER_DIED = "died unexpectedly"
 
 
 def install_drill(target: Path) -> Path:
-    """The drill plugin installed the way a drill host gets it: pip --target, off the index."""
+    """The drill plugin installed the way a drill host gets it: pip --target, off the index.
+    Built from a copy: setuptools builds in the source folder (build/, *.egg-info), which
+    would leave a second fusedq_fault_drill.py under tests/."""
+    src = target.parent / f"{target.name}-src"
+    shutil.copytree(DRILL_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--target", str(target), str(DRILL_SRC)],
+         "--disable-pip-version-check", "--target", str(target), str(src)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     return target

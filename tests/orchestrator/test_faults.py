@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, wait_for
+from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, user_environ, wait_for
 
 from orchestrator.leftovers import RUN_ENV
 
@@ -149,7 +149,7 @@ warmup_requests: 0
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "FAULTS_TEST_MARK": MARK}
+    return {**user_environ(), "PYTHONUNBUFFERED": "1", "FAULTS_TEST_MARK": MARK}
 
 
 def _orchestrator(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:

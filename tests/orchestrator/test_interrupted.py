@@ -11,7 +11,6 @@ finished).
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from orch_cli import REPO, VENV_BIN
+from orch_cli import REPO, VENV_BIN, user_environ
 
 from orchestrator.interrupted import RunInterrupted, how, resume_command
 from orchestrator.reports.markdown import overhead_sentence
@@ -112,7 +111,7 @@ def _start(matrix: Path, logs: Path, run_id: str) -> subprocess.Popen:
     return subprocess.Popen(
         [str(VENV_BIN / "orchestrator"), "run", str(matrix), "--logs-dir", str(logs),
          "--run-id", run_id, "--quiet"],
-        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+        cwd=REPO, env={**user_environ(), "PYTHONUNBUFFERED": "1"}, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint,
     )  # fmt: skip
 

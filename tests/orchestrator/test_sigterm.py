@@ -8,7 +8,6 @@ SIGTERM killed the driver outright -- no report, servers left to the machine's c
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from orch_cli import REPO, VENV_BIN, marked_processes
+from orch_cli import REPO, VENV_BIN, marked_processes, user_environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -50,7 +49,7 @@ def test_sigterm_stops_the_server_and_writes_the_reports(tmp_path: Path) -> None
     stand_in.chmod(0o755)
     matrix = tmp_path / "m.yaml"
     matrix.write_text(MATRIX.format(bin=stand_in))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SIGTERM_TEST_MARK": MARK}
+    env = {**user_environ(), "PYTHONUNBUFFERED": "1", "SIGTERM_TEST_MARK": MARK}
     proc = subprocess.Popen(
         [str(VENV_BIN / "orchestrator"), "run", str(matrix), "--logs-dir", str(tmp_path / "logs"),
          "--run-id", "t", "--quiet"],
