@@ -193,7 +193,7 @@ def scenario(tmp_path_factory):
     # Short, as a node's /tmp is: a server's case directory (and its TMPDIR) fit under it.
     node_tmp = {ip: Path(tempfile.mkdtemp(prefix="orch-test-node-", dir="/tmp")) for ip in NODES}
     cluster, nodes = _start_cluster(node_tmp)
-    out: dict = {"node_tmp": node_tmp, "dir": logs / "cluster", "logs": logs}
+    out: dict = {"node_tmp": node_tmp, "dir": logs / "cluster", "logs": logs, "matrix": matrix}
     out["address"] = cluster.address
     env = {MARK_ENV: MARK}
 
