@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, wait_for
+from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, user_environ, wait_for
 
 from orchestrator.gpucheck_worker import MARKER
 
@@ -217,7 +217,7 @@ def scenario(tmp_path_factory):
             run = subprocess.Popen(
                 [str(VENV_BIN / "orchestrator"), "run", str(matrix), "--ray-address",
                  cluster.address, "--logs-dir", str(logs), "--run-id", "cluster", "--quiet"],
-                stdout=o, stderr=e, cwd=REPO, env={**os.environ, **env},
+                stdout=o, stderr=e, cwd=REPO, env={**user_environ(), **env},
             )  # fmt: skip
             try:
                 log = run_dir / "orchestrator.log"

@@ -48,12 +48,13 @@ def test_every_committed_gpu_run_names_the_commit_that_ran():
     for manifest in sorted(VALIDATION.glob("*/*/manifest.json")):
         if not (manifest.parent / "results.jsonl").is_file():
             continue  # not re-renderable; its README names the tree
-        recorded = json.loads(manifest.read_text()).get("provenance") or {}
-        if recorded.get("commit") and recorded.get("source") in ("git", "stamp"):
+        recorded = json.loads(manifest.read_text())
+        provenance = recorded.get("provenance") or {}
+        if provenance.get("commit") and provenance.get("source") in ("git", "stamp"):
             continue  # written since runs record their code's provenance: nothing to correct
         commit = [c for c in load(manifest.parent) if c.figure == "commit of the code that ran"]
         assert commit, f"{manifest.parent}: no commit correction"
-        assert str(json.loads(manifest.read_text())["fusedq_fingerprint"]) in commit[0].corrected
+        assert str(recorded["fusedq_fingerprint"]) in commit[0].corrected
 
 
 @pytest.mark.parametrize(

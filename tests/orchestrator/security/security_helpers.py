@@ -4,12 +4,13 @@ one-line refusal every hostile input must get, and small matrices and run direct
 from __future__ import annotations
 
 import json
-import os
 import resource
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from orch_cli import user_environ
 
 from orchestrator.matrix import expand, parse_matrix
 from orchestrator.results import CaseResult
@@ -55,7 +56,7 @@ def run_cli(
         cwd=REPO,
         timeout=timeout,
         preexec_fn=cap,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**user_environ(), "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from orch_cli import user_environ
 
 REPO = Path(__file__).resolve().parents[3]
 ORCHESTRATOR = Path(sys.executable).with_name("orchestrator")
@@ -56,7 +57,7 @@ def refused(*args: str, logs: Path) -> str:
     before = set(os.listdir(logs)) if logs.exists() else set()
     proc = subprocess.Popen(
         [str(ORCHESTRATOR), "run", *args, "--logs-dir", str(logs), "--quiet"],
-        cwd=REPO, env={**os.environ, MARK_ENV: mark}, text=True,
+        cwd=REPO, env={**user_environ(), MARK_ENV: mark}, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     seen: list[str] = []
