@@ -118,12 +118,13 @@ def run(
 ) -> None:
     """Run a matrix: place, start, measure, stop and audit every case; write the reports.
 
-    Exit 0 when every case passed, 1 when a case failed, 2 on bad input or when processes
+    Exit 0 when every case passed, 1 when a case failed (or, measured, could not be
+    recorded: the run stops and says how to continue), 2 on bad input or when processes
     of a crashed attempt of the resumed run still run (nothing launched).
     """
     from orchestrator.launch import LaunchError
     from orchestrator.matrix import MatrixError
-    from orchestrator.runner import RunOptions, run_matrix
+    from orchestrator.runner import RunAborted, RunOptions, run_matrix
     from orchestrator.store import StoreError
 
     options = RunOptions(
@@ -139,6 +140,8 @@ def run(
     )
     try:
         summary = run_matrix(matrix, options)
+    except RunAborted as exc:
+        raise _fail(str(exc), EXIT_FINDINGS) from None
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None
     except KeyboardInterrupt as exc:
@@ -382,6 +385,7 @@ def nightly(
     from orchestrator.launch import LaunchError
     from orchestrator.matrix import MatrixError
     from orchestrator.nightly import run_nightly
+    from orchestrator.runner import RunAborted
     from orchestrator.store import StoreError
 
     try:
@@ -393,6 +397,8 @@ def nightly(
             ray_address=ray_address,
             kill_leftovers=kill_leftovers,
         )
+    except RunAborted as exc:
+        raise _fail(str(exc), EXIT_FINDINGS) from None
     except (MatrixError, StoreError, LaunchError, ValueError) as exc:
         raise _fail(str(exc)) from None
     except KeyboardInterrupt as exc:

@@ -99,9 +99,9 @@ def mark_cut_short(case_dir: Path, record: dict[str, Any]) -> Path:
     path = case_dir / MARK
     text = json.dumps(
         {
-            **record,
             "result": "none: the run was interrupted during this case; `--resume` runs it "
             "again (its server log so far is kept as server-attempt<N>.log then)",
+            **record,  # a run stopped another way says so in its own "result"
         },
         indent=2,
     )

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from orchestrator import interrupted, preflight, probes, safe_io
 from orchestrator.fusedq_files import provenance
 from orchestrator.interrupted import RunInterrupted
@@ -157,6 +159,12 @@ def _manifest(
 
 class LeftoverError(ValueError):
     """Processes a crashed attempt of this run left behind still run; nothing was started."""
+
+
+class RunAborted(RuntimeError):
+    """A case was measured but its result row could not be made (an orchestrator error, not
+    the server's): the run stops with its servers stopped and finished cases kept, and the
+    message names the case, the error, where its request records are and how to continue."""
 
 
 def _pids(leftovers: Sequence[Leftover]) -> str:
@@ -307,6 +315,7 @@ class _Attempt:
         self.t_last_case: float | None = None  # when the last finished case's row was written
         self.interrupted: str | None = None  # "SIGTERM", "Ctrl-C": what stopped this attempt
         self.cut_short: dict[str, Any] | None = None  # the case it stopped in the middle of
+        self.aborted: dict[str, str] | None = None  # the case whose row could not be made
         self._pending: list[str] = []  # log lines from before the run directory exists
         self._log: _Log | None = None
 
@@ -450,6 +459,12 @@ class _Attempt:
             runner = unit_runner(unit, self.matrix, launcher, store, self.log, view, self.secrets)
             try:
                 rows = measure(runner)
+                # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
+                results = [
+                    CaseResult.model_validate(redact(r.to_record(), self.secrets)) for r in rows
+                ]
+            except ValidationError as exc:
+                raise self._aborted(unit, exc) from exc
             except KeyboardInterrupt:
                 # The server was stopped on the way out; the line its stop began at lets a
                 # later `orchestrator audit` discount what that stop made vLLM log.
@@ -458,9 +473,7 @@ class _Attempt:
                     runner.case, view.working_phase, time.monotonic() - t_case, stop
                 )
                 raise
-            for result in rows:
-                # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
-                result = CaseResult.model_validate(redact(result.to_record(), self.secrets))
+            for result in results:
                 store.append_result(result, self.secrets)
                 summary.results.append(result)
                 t = result.timings
@@ -472,6 +485,35 @@ class _Attempt:
                 )
                 view.finish(result.case_id, result)
             self.t_last_case = time.monotonic()
+
+    def _aborted(self, unit: Sequence[Case], exc: ValidationError) -> RunAborted:
+        """The run's stop when `unit` was measured but its row is invalid: said in the log,
+        the overhead figures and the case folders (whose request records stay)."""
+        assert self.store is not None
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "?"
+        what = f"{where}: {first.get('msg', exc)} (got {first.get('input')!r})"
+        folders = ", ".join(str(self.store.case_dir(c.slug)) for c in unit)
+        self.aborted = {"case_id": unit[0].case_id, "error": what}
+        message = (
+            f"{unit[0].case_id}: measured, but its result row is invalid, an orchestrator "
+            f"error: {what}. Its server is stopped and its request records are kept in "
+            f"{folders}; no row was written. After a fix, continue with: "
+            f"{self._resume_command()}"
+        )
+        for case in unit:
+            interrupted.mark_cut_short(
+                self.store.case_dir(case.slug),
+                {
+                    "case_id": case.case_id,
+                    "phase": "recording",
+                    "error": what,
+                    "result": "none: measured, but its row could not be made (an orchestrator "
+                    "error); `--resume` runs it again",
+                },
+            )
+        self.log(f"run {self.store.run_id}: stopped: {message}")
+        return RunAborted(message)
 
     def _mark_cut_short(
         self, case: Case, phase: str, seconds: float, stop_line: int | None
@@ -493,7 +535,7 @@ class _Attempt:
         case it cut short and the unwinding are no case's time, and counted as overhead
         they read as the orchestrator's (34.8 % once, for a case stopped mid-start-up)."""
         end = time.monotonic()
-        if self.interrupted:
+        if self.interrupted or self.aborted:
             end = self.t_last_case if self.t_last_case is not None else self.t_run
         total, measured = end - self.t_run, self.measured
         out: dict[str, Any] = {}
@@ -507,6 +549,8 @@ class _Attempt:
         out["cases_run"] = cases_run
         if self.interrupted:
             out |= interrupted.figures(self.interrupted, self._resume_command(), self.cut_short)
+        if self.aborted:
+            out |= {"aborted": self.aborted, "resume": self._resume_command()}
         return out
 
     def _finish(self) -> None:

@@ -295,15 +295,22 @@ def repeat_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def mean_of_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Field-wise mean of the repeats' metrics (nested percentile dicts too)."""
+    """Field-wise mean of the repeats' metrics (nested percentile dicts too). A
+    distribution's sample count ``n`` is summed instead: the samples behind the averaged
+    figures, an integer (with MTP, or in duration mode, repeats stream different counts,
+    and their mean is fractional)."""
     if not repeats:
         return {}
 
     def avg(values: list[Any]) -> Any:
         if isinstance(values[0], dict):
-            return {k: avg([v[k] for v in values]) for k in values[0]}
+            return {k: (total if k == "n" else avg)([v[k] for v in values]) for k in values[0]}
         nums = [float(v) for v in values if not (isinstance(v, float) and math.isnan(v))]
         return sum(nums) / len(nums) if nums else math.nan
+
+    def total(values: list[Any]) -> int | None:
+        counts = [int(v) for v in values if v is not None]
+        return sum(counts) if counts else None
 
     keys = [k for k in repeats[0] if k != "repeat"]
     return {k: avg([r[k] for r in repeats]) for k in keys}

@@ -187,15 +187,21 @@ def _failed_case(case_id: str, reason: str) -> list[str]:
 
 
 def overhead_sentence(o: dict) -> str:
-    """One attempt's overhead figures; an interrupted attempt's are over its finished cases
-    only (orchestrator.runner), and one that finished none has none."""
-    if "wall_s" not in o:
-        return f"Interrupted ({o.get('interrupted', '?')}) before any case finished: no figures."
-    head = "Wall"
+    """One attempt's overhead figures; an interrupted attempt's, or one an orchestrator error
+    stopped, are over its finished cases only (orchestrator.runner), and one that finished
+    none has none."""
+    cut, aborted = o.get("cut_short"), o.get("aborted")
+    left = ""
     if o.get("interrupted"):
-        cut = o.get("cut_short")
+        stop = f"Interrupted ({o['interrupted']})"
         left = f"; the {cut['s']:.1f} s of the case it cut short are left out" if cut else ""
-        head = f"Interrupted ({o['interrupted']}){left}. Up to its last finished case: wall"
+    elif aborted:
+        stop = f"Stopped by an orchestrator error recording {aborted['case_id']}"
+    else:
+        stop = None
+    if "wall_s" not in o:
+        return f"{stop} before any case finished: no figures." if stop else "No case finished."
+    head = f"{stop}{left}. Up to its last finished case: wall" if stop else "Wall"
     return (
         f"{head} {o['wall_s']:.1f} s, of which server start-up and measured workloads "
         f"{o['startup_and_measured_s']:.1f} s; overhead {o['overhead_s']:.1f} s "

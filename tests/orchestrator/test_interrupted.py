@@ -75,6 +75,48 @@ def test_the_overhead_of_an_interrupted_attempt_says_what_it_covers() -> None:
     )
 
 
+def test_a_case_measured_but_not_recordable_stops_the_run_and_says_how_to_continue(
+    tmp_path: Path,
+) -> None:
+    # Once (an H200, MTP 1, switch mode) the mean of the repeats' chunk counts was 152.5,
+    # which a row's integer n refused after the case had run: the CLI printed pydantic's
+    # text as bad input (exit 2), and the report said "Interrupted (?)".
+    from pydantic import ValidationError
+
+    from orchestrator.matrix import expand, load_matrix
+    from orchestrator.results import Distribution
+    from orchestrator.runner import RunOptions, _Attempt
+    from orchestrator.store import RunStore
+
+    matrix = load_matrix(REPO / "matrices" / "smoke.yaml")
+    cases = expand(matrix)
+    store = RunStore.create(tmp_path, "r1")
+    options = RunOptions(logs_dir=tmp_path, run_id="r1")
+    attempt = _Attempt(
+        "matrices/smoke.yaml", matrix, cases, cases, options, store, time.monotonic()
+    )
+    with pytest.raises(ValidationError) as bad:
+        Distribution.model_validate({"n": 152.5})
+    unit = cases[:2]
+    message = str(attempt._aborted(unit, bad.value))
+    assert message.startswith(f"{unit[0].case_id}: measured, but its result row is invalid")
+    assert "n: Input should be a valid integer" in message and "152.5" in message
+    assert str(store.case_dir(unit[1].slug)) in message
+    assert message.endswith(
+        f"continue with: orchestrator run matrices/smoke.yaml --resume r1 --logs-dir {tmp_path}"
+    )
+    for case in unit:  # each folder says why it has no row
+        mark = json.loads((store.case_dir(case.slug) / "interrupted.json").read_text())
+        assert mark["phase"] == "recording" and "152.5" in mark["error"]
+    figures = attempt._overhead(0)
+    assert figures["aborted"]["case_id"] == unit[0].case_id
+    assert overhead_sentence(figures) == (
+        f"Stopped by an orchestrator error recording {unit[0].case_id} before any case "
+        "finished: no figures."
+    )
+    assert overhead_sentence({"cases_run": 0}) == "No case finished."
+
+
 # --------------------------------------------------------------------------- end to end
 
 

@@ -149,6 +149,32 @@ def test_mean_of_repeats() -> None:
     assert wl.mean_of_repeats([]) == {}
 
 
+def test_mean_of_repeats_sums_sample_counts() -> None:
+    # With MTP (or in duration mode) repeats stream different numbers of chunks: the mean
+    # of the counts was 152.5 once, which a result row (an integer n) refused after the
+    # case had been measured. The samples behind the averaged figures are their sum.
+    r1 = {"repeat": 0, "itl_ms": {"p50": 10.0, "mean": 11.0, "n": 152}}
+    r2 = {"repeat": 1, "itl_ms": {"p50": 12.0, "mean": 13.0, "n": 153}}
+    assert wl.mean_of_repeats([r1, r2]) == {"itl_ms": {"p50": 11.0, "mean": 12.0, "n": 305}}
+
+
+def test_repeats_of_unequal_counts_make_a_valid_row() -> None:
+    from orchestrator.results import WorkloadSummary
+
+    def repeat(k: int, chunks: int) -> list[dict]:
+        # One request of `chunks` streamed chunks, as a drafted decode streams them.
+        r = _rec(0, 0.01, 1.0, 64)
+        r |= {"repeat": k, "chunk_s": [0.01 + i * (0.99 / (chunks - 1)) for i in range(chunks)]}
+        r["chunk_tokens"] = [1] * (chunks - 1) + [64 - chunks + 1]
+        return [r]
+
+    records = repeat(0, 40) + repeat(1, 43)
+    params = wl.WorkloadParams(name="ctx0", prompt_tokens=1, output_tokens=64, requests=1)
+    repeats = [wl.repeat_metrics([r]) | {"repeat": r["repeat"]} for r in records]
+    summary = WorkloadSummary.model_validate(wl.WorkloadResult(params, repeats, records).to_dict())
+    assert summary.mean.itl_ms.n == 39 + 42
+
+
 # ---------------------------------------------------------------------------- fake server
 
 
