@@ -357,8 +357,8 @@ def vllm_now(rows: list[Row], doc: Path) -> str:
     return "\n".join(
         [
             "Decode query step per layer from the paired decode profile "
-            "(`orchestrator run` with a `profile:` phase; TP1, the built-in GLM-5-geometry "
-            f"model at {first['H']} heads, FULL decode CUDA graphs), {first['machine']}; "
+            "(`orchestrator run` with a `profile:` phase; TP1, GLM-5's attention geometry "
+            f"at {first['H']} heads, FULL decode CUDA graphs), {first['machine']}; "
             f"runs of {day}, data: {_link('benchmarks/results/h200.jsonl', doc)} "
             f"(sources: {', '.join(_link(run[0]['source'], doc, run[0]['part']) for run in today)}).",
             "",

@@ -148,3 +148,11 @@ def test_a_new_floors_run_becomes_the_current_table(tmp_path: Path):
     again = [dict(r, source="later.json") for r in rows if r["source"] == ingest._rel(older)]
     table = tables.kernel_now(rows + again, REPO / "README.md")
     assert "commit 9905a0b" in table and "Targets met: **36 of 72**" in table
+
+
+def test_a_profiled_fused_step_is_named_when_bigger_kernels_fill_the_top_table():
+    # The GLM-5 stand-in's MoE and GEMM kernels kept the query kernel out of its trace's
+    # top ten; the query path's own names still say which kernel ran.
+    rows = ingest.convert(REPO / "docs" / "validation" / "h200-2026-12-02" / "glm5-ab-1")
+    named = {r["kernel"]: r.get("kernel_name") for r in rows}
+    assert named == {"staged": None, "fused": "_mla_query_gluon_kernel"}
