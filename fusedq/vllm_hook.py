@@ -29,6 +29,12 @@ from fusedq.mxfp8 import MXFP8Weight
 
 Weight = torch.Tensor | MXFP8Weight
 
+# The backend the decode step's calls pass. The Triton family, not "auto": where "auto" would
+# take the CuTe kernel (M <= 2 in CUDA graphs), the hook's calls run that selection's Triton
+# configuration instead (the CuTe kernel has not been validated inside a vLLM server), and
+# ``kernel_summary`` says so in the server log.
+BACKEND = "triton"
+
 # can_implement() depends only on its arguments and process-wide facts (Triton importable,
 # the device's capability, TRITON_INTERPRET), so its answers are cached: the decode step of
 # every layer asks it once per distinct M.
@@ -96,8 +102,47 @@ def decode_query(
         out=out,
         out_dtype=out_dtype,
         q_scale=q_scale,
-        backend="triton",
+        backend=BACKEND,
     )
+
+
+def kernel_summary(
+    num_heads: int,
+    ms: Iterable[int],
+    *,
+    weight_format: str,
+    out_dtype: torch.dtype,
+    device,
+    pdl: bool,
+) -> str:
+    """Which kernel the hook's calls run at each of ``ms``, as ``fusedq.kernel_summary`` words
+    it (runs of equal M merged), for ``BACKEND``: where ``backend="auto"`` would take the CuTe
+    kernel, the Triton-family kernel of the same selection, with a note saying why."""
+    from fusedq.selection import select, triton_kernel_name
+
+    runs: list[tuple[str, list[int]]] = []
+    cute = False
+    for m in sorted(set(ms)):
+        chosen = select(
+            num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
+        )
+        name = chosen.kernel
+        if chosen.path == "cute" and BACKEND == "triton":
+            cute, name = True, triton_kernel_name(chosen.config)
+        if runs and runs[-1][0] == name:
+            runs[-1][1].append(m)
+        else:
+            runs.append((name, [m]))
+    if not cute:  # what auto runs is what the hook runs: the package's own wording
+        return fusedq.kernel_summary(
+            num_heads, ms, weight_format=weight_format, out_dtype=out_dtype, device=device,
+            pdl=pdl,
+        )  # fmt: skip
+    text = "; ".join(
+        f"M={m_run[0] if len(m_run) == 1 else f'{m_run[0]}-{m_run[-1]}'} {name}"
+        for name, m_run in runs
+    )
+    return text + f" [CuTe: not in vLLM; the hook calls backend={BACKEND!r}]"
 
 
 def split_query(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -780,14 +780,14 @@ DECODE_MS = (1, 2, 4, 8, 16, 32)
 
 def _log_kernels(layer, plan: LayerPlan, prewarmed_ms: list[int], pdl: bool) -> None:
     """Beside the enabled line, once per process: which kernel each M runs
-    (``fusedq.kernel_summary``), so a server log says what a measurement ran. Never fails the
-    start-up: the decision is made, this only describes it."""
-    import fusedq
+    (``vllm_hook.kernel_summary``: the hook's backend), so a server log says what a measurement
+    ran. Never fails the start-up: the decision is made, this only describes it."""
+    from fusedq import vllm_hook
 
     try:
         ms = prewarmed_ms or list(DECODE_MS)
         out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
-        text = fusedq.kernel_summary(
+        text = vllm_hook.kernel_summary(
             plan.num_heads, ms, weight_format=plan.weight_format, out_dtype=out_dtype,
             device=layer.W_UK_T.device, pdl=pdl,
         )  # fmt: skip

@@ -12,7 +12,8 @@
 # requirements/gpu-cute46.txt's wheelhouse (`.whl46.tar.part.NN`) copied to $CUTE46_CHUNKS
 # (default /tmp/chunks46); they are installed into $CUTE46_SITE (default /tmp/cute46). 4.6.0 is
 # a validated release since 2026-12-02 (the GPU record of caba774 ran under it). `vllm` passes
-# only if the fused server's kernel line names cute.
+# only if the fused server's kernel line names cute: the line names what the vLLM hook's calls
+# bind, so it fails while the hook calls backend="triton" (fusedq/vllm_hook.py, BACKEND).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -48,15 +48,17 @@ def _name(config) -> str:
     return "register" if config.fma else "tl.dot"
 
 
-def _dispatched(h: int, m: int, weight, out_dtype, pdl: bool) -> tuple[str, str, bool | None]:
+def _dispatched(
+    h: int, m: int, weight, out_dtype, pdl: bool, backend: str = "auto"
+) -> tuple[str, str, bool | None]:
     """(path, kernel name, the Triton launch's pdl) of the plan the dispatcher binds for one
-    ``backend="auto"`` call."""
+    call with `backend`."""
     gen = torch.Generator().manual_seed(m)
     q_nope, q_pe = make_q(m, h, torch.device("cpu"), gen)
     values, scales = dispatch.split_weight(weight)
     q_scale = torch.tensor([Q_SCALE]) if out_dtype == E4M3 else None
     plan = dispatch._new_plan(
-        q_nope, values, scales, q_pe, None, out_dtype, q_scale, "auto", pdl, real=True
+        q_nope, values, scales, q_pe, None, out_dtype, q_scale, backend, pdl, real=True
     )
     if not plan.fused:
         return "staged", "staged", None
@@ -162,6 +164,38 @@ def test_kernel_choice_off_the_gpu():
     else:
         assert path == "staged" and "TRITON_INTERPRET" in why
     assert fusedq.kernel_choice(4, 1)[0] == "staged"  # an unqualified head count
+
+
+def _per_m(line: str) -> dict[int, str]:
+    """A kernels line ("M=1-2 cute (...); M=4 gluon-convert [note]") as M -> kernel name."""
+    out = {}
+    for part in line.split(" [")[0].split("; "):
+        span, name = part.removeprefix("M=").split(" ", 1)
+        lo, _, hi = span.partition("-")
+        out |= {m: name for m in range(int(lo), int(hi or lo) + 1)}
+    return out
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, E4M3], ids=["bf16-out", "e4m3-out"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_the_vllm_hooks_kernels_line_names_what_its_calls_bind(monkeypatch, fmt, out_dtype):
+    """The server log's kernels line is the hook's (its calls pass ``vllm_hook.BACKEND``), not
+    ``backend="auto"``'s: on an H200 the auto line named CuTe at M=1-2 while the profile of
+    the server's CUDA graphs found the Gluon kernel in every query step."""
+    from fusedq import vllm_hook
+
+    device = _fake_gpu(monkeypatch, dsl=True, gluon=True)
+    weights = _weights(fmt)
+    ms = range(1, MAX_M + 1)
+    for h in QUALIFIED_HEADS:
+        kw = dict(weight_format=fmt, out_dtype=out_dtype, device=device, pdl=False)
+        line = vllm_hook.kernel_summary(h, ms, **kw)
+        named = _per_m(line)
+        for m in ms:
+            _, name, _ = _dispatched(h, m, weights[h], out_dtype, False, vllm_hook.BACKEND)
+            assert named[m] == name, (h, m, line)
+        # Where auto would take CuTe, the line says the hook does not.
+        assert ("cute" in fusedq.kernel_summary(h, ms, **kw)) == ("[CuTe: not in vLLM" in line)
 
 
 def test_kernel_summary_merges_runs_and_says_why_cute_is_not_used(monkeypatch):
