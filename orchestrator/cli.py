@@ -118,9 +118,9 @@ def run(
 ) -> None:
     """Run a matrix: place, start, measure, stop and audit every case; write the reports.
 
-    Exit 0 when every case passed, 1 when a case failed (or, measured, could not be
-    recorded: the run stops and says how to continue), 2 on bad input or when processes
-    of a crashed attempt of the resumed run still run (nothing launched).
+    Exit 0 when every case passed, 1 when a case failed or could not be recorded, 2 on bad
+    input or when processes of a crashed attempt of the resumed run still run (nothing
+    launched).
     """
     from orchestrator.launch import LaunchError
     from orchestrator.matrix import MatrixError

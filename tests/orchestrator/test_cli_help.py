@@ -29,8 +29,9 @@ def test_help_paragraphs_are_wrapped_whole(columns: str) -> None:
     assert "<bool>" not in text and "<list[str]>" not in text and "<str>" not in text
     assert "--resume RUN-ID" in text and "--set KEY=VALUE" in text
     # The docstring's second paragraph, its own line breaks gone: wrapped to the width.
-    para = ("Exit 0 when every case passed, 1 when a case failed, 2 on bad input or when "
-            "processes of a crashed attempt of the resumed run still run (nothing launched).")  # fmt: skip
+    para = ("Exit 0 when every case passed, 1 when a case failed or could not be recorded, 2 "
+            "on bad input or when processes of a crashed attempt of the resumed run still run "
+            "(nothing launched).")  # fmt: skip
     lines = text.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.strip().startswith("Exit 0 when"))
     block = []
