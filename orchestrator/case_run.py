@@ -197,7 +197,7 @@ class CaseRun:
         # in a case that produced numbers must fail it anyway.
         audit = self._audit()
         same_tokens = token_checks(self.case, self.matrix, self.store, self.workloads)
-        differs = [c["sentence"] for c in same_tokens.values() if c["verdict"] == "differs"]
+        differs = [c["sentence"] for c in same_tokens.values() if c["verdict"] == tokens.DIFFERS]
         if differs and self.status == "passed":
             self._fail(f"same tokens: {differs[0]}")
         if self.status == "failed":
@@ -651,19 +651,33 @@ def token_checks(
     case: Case, matrix: Matrix, store: RunStore, workloads: Mapping[str, Any]
 ) -> dict[str, dict[str, Any]]:
     """For each measured ``same_tokens`` workload: this case's tokens against those of the
-    baseline variant of its topology (``{}`` for the baseline itself)."""
+    baseline variant of its topology (``{}`` for the baseline itself), or, for tokens that
+    cannot agree by construction (tokens.not_compared), why they were not compared."""
     first = matrix.baseline_variant if matrix.variants else None
     if first is None or case.variant.name == first.name:
         return {}
     reference = replace(case, variant=first)
+    why_not = tokens.not_compared(
+        mtp=case.mtp,
+        mtp_acceptance=case.mtp_acceptance,
+        switch=matrix.ab is not None and matrix.ab.mode == "switch",
+    )
     checks: dict[str, dict[str, Any]] = {}
     for wl in matrix.workloads:
         if not wl.same_tokens or wl.name not in workloads:
             continue
+        if why_not is not None:
+            checks[wl.name] = {
+                "reference": reference.case_id,
+                "verdict": tokens.NOT_COMPARED,
+                "why": why_not,
+                "sentence": f"{case.variant.name} vs {first.name}: not compared: {why_not}",
+            }
+            continue
         if not store.records_path(reference.slug, wl.name).is_file():
             checks[wl.name] = {
                 "reference": reference.case_id,
-                "verdict": "no-reference",
+                "verdict": tokens.NO_REFERENCE,
                 "sentence": f"{case.variant.name} vs {first.name}: the {first.name} case "
                 "recorded no tokens (not run, or failed before this workload)",
             }

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator import standins
+from orchestrator import standins, tokens
 from orchestrator.estimate import estimate_run, human_s
 from orchestrator.fused_plan import fused_plan
 from orchestrator.matrix import Case, Matrix, expand, load_matrix, units_needed
@@ -130,8 +130,11 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 
 def _model_notes(matrix: Matrix, cases: Sequence[Case]) -> list[str]:
-    """What each GLM-5 stand-in is (orchestrator.standins), and MTP cases of a random-weight
-    model whose draft would accept almost nothing."""
+    """What each GLM-5 stand-in is (orchestrator.standins), MTP cases of a random-weight
+    model whose draft would accept almost nothing, and synthetic acceptance (whose tokens a
+    switch-mode server cannot compare: orchestrator.tokens.not_compared)."""
+    switch = matrix.ab is not None and matrix.ab.mode == "switch"
+    same_tokens = any(w.same_tokens for w in matrix.workloads)
     notes = [
         f"{m.label} ({m.path}): "
         + standins.describe(
@@ -155,5 +158,13 @@ def _model_notes(matrix: Matrix, cases: Sequence[Case]) -> list[str]:
             notes.append(
                 f"{c.topology_id}: synthetic MTP acceptance {c.mtp_acceptance:g} per draft "
                 "position (the acceptance seen is read from the server's /metrics)"
+            )
+        if same_tokens and tokens.not_compared(
+            mtp=c.mtp, mtp_acceptance=c.mtp_acceptance, switch=switch
+        ):
+            notes.append(
+                f"{c.topology_id}: same tokens not compared: synthetic acceptance draws at "
+                "random, and a switch-mode server's blocks draw at different points of the "
+                "GPU's random stream"
             )
     return notes

@@ -397,11 +397,12 @@ class ProfileResult(_Record):
 class TokenCheck(_Record):
     """A same_tokens check of one workload against the first variant's (orchestrator.tokens):
     its verdict and sentence, the reference case, and (when both ran) counts and the first
-    divergences."""
+    divergences; a check not made (verdict ``not-compared``) says why."""
 
-    verdict: str = ""
+    verdict: str = ""  # identical, near-tie, differs, no-reference or not-compared
     sentence: str = ""
     reference: str | None = None
+    why: str | None = None  # not-compared: why the tokens were not compared
     requests: int | None = None
     identical: int | None = None
     ties: int | None = None

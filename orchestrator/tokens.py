@@ -20,6 +20,13 @@ three tokens equal to 1e-5) the other run's choice may be missing. Its logprob i
 the run's lowest recorded one, which bounds the margin from below. A divergence where one run
 measured a near-tie and the other's bound is within the tolerance is a *bounded* near-tie:
 nothing recorded tells it from rounding, and the report says it was bounded, not measured.
+
+Some cases' tokens cannot agree by construction, and are not compared (``not_compared``):
+vLLM's synthetic MTP acceptance (a topology's ``mtp_acceptance``) accepts draft tokens by a
+random draw from the GPU's generator, not by agreement with the target model, so a request's
+tokens depend on where in the random stream its steps fall. Two servers started alike that
+run the same-tokens workload first draw the same numbers (restarts mode); the blocks of one
+switch-mode server's variants draw at different points of the stream.
 """
 
 from __future__ import annotations
@@ -34,6 +41,17 @@ from typing import Any
 NEAR_TIE_NATS = 0.05
 # Divergences kept in a check's record (the first one decides the sentence).
 KEEP = 5
+
+# A check's verdict: compare()'s three, or one of two for a check that compared nothing.
+IDENTICAL, NEAR_TIE, DIFFERS = "identical", "near-tie", "differs"
+NO_REFERENCE = "no-reference"  # the baseline case recorded no tokens for the workload
+NOT_COMPARED = "not-compared"  # the tokens cannot agree by construction (not_compared)
+
+SYNTHETIC_IN_SWITCH = (
+    "synthetic MTP acceptance accepts draft tokens by a random draw, and a switch-mode "
+    "server's blocks draw at different points of the GPU's random stream (the MTP 0 "
+    "topologies and restarts mode compare tokens)"
+)
 
 Record = Mapping[str, Any]
 
@@ -136,16 +154,25 @@ def compare(
         out["ties" if d["tie"] else "differs"] += 1
         if len(out["divergences"]) < KEEP:
             out["divergences"].append(d)
-    out["verdict"] = "differs" if out["differs"] else ("near-tie" if out["ties"] else "identical")
+    out["verdict"] = DIFFERS if out["differs"] else (NEAR_TIE if out["ties"] else IDENTICAL)
     out["tolerance_nats"] = tol
     return out
+
+
+def not_compared(*, mtp: int, mtp_acceptance: float | None, switch: bool) -> str | None:
+    """Why a case's tokens are not held against its baseline's, or None when they are: a
+    case with synthetic MTP acceptance measured on a switch-mode server (see the module
+    docstring)."""
+    if switch and mtp > 0 and mtp_acceptance is not None:
+        return SYNTHETIC_IN_SWITCH
+    return None
 
 
 def describe(check: Mapping[str, Any], *, reference: str, variant: str) -> str:
     """One sentence for reports: what was compared and, where they part, where."""
     n, same = check["requests"], check["identical"]
     head = f"{variant} vs {reference}: identical token ids in {same}/{n} requests"
-    if check["verdict"] == "identical":
+    if check["verdict"] == IDENTICAL:
         return head
     first = next((d for d in check["divergences"] if not d["tie"]), check["divergences"][0])
     if "why" in first and first.get("reference_choice") is None:
@@ -158,7 +185,7 @@ def describe(check: Mapping[str, Any], *, reference: str, variant: str) -> str:
         )
     kind = (
         f"{check['ties']} near-tie(s) within {check['tolerance_nats']:g} nats"
-        if check["verdict"] == "near-tie"
+        if check["verdict"] == NEAR_TIE
         else f"{check['differs']} real difference(s)"
     )
     return f"{head}; {kind}; {detail}"

@@ -9,23 +9,28 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from orchestrator import tokens
 from orchestrator.matrix import expand, parse_matrix
-from orchestrator.results import CaseResult
+from orchestrator.plan import plan_matrix
+from orchestrator.results import AuditSummary, CaseResult
 from orchestrator.runner import _left_to_run
 from orchestrator.store import RunStore
 from orchestrator.switch import (
     SET_PATH,
     STATE,
     SwitchError,
+    SwitchRun,
     collective_rpc,
     flip,
     measured_units,
     schedule,
     server_case,
 )
+from orchestrator.workload import WorkloadParams, WorkloadResult, repeat_metrics
 
 MATRIX = """\
 name: sw
@@ -134,6 +139,107 @@ def test_resume_of_a_half_written_switch_server_measures_the_pair_again(tmp_path
         ["m/tp2-dcp1-mtp0/staged/s1", "m/tp2-dcp1-mtp0/fused/s1"],
         ["m/tp2-dcp1-mtp1/staged/s1", "m/tp2-dcp1-mtp1/fused/s1"],
     ]
+
+
+# --------------------------------------------------------------------------- same tokens
+
+SAME_TOKENS = """\
+name: sw
+models: [{label: m, path: /models/m, num_heads: 16}]
+topologies: [{tp: 1, mtp: [0, 1], mtp_acceptance: 0.7}]
+workloads: [{name: greedy, prompt_tokens: 8, output_tokens: 3, requests: 2, same_tokens: true}]
+variants: [{name: staged}, {name: fused}]
+"""
+
+
+def _greedy(ids: list[int], block: int) -> WorkloadResult:
+    """One block's greedy workload: two requests that each answered `ids`."""
+    records = [
+        {"repeat": block, "index": i, "token_ids": ids, "top_logprobs": [{t: -0.5} for t in ids],
+         "start_s": 0.0, "first_token_s": 0.1, "end_s": 0.3, "chunk_s": [0.1, 0.2, 0.3],
+         "chunk_tokens": [1, 1, 1], "output_tokens": 3, "prompt_tokens": 8, "error": None}
+        for i in range(2)
+    ]  # fmt: skip
+    params = WorkloadParams("greedy", 8, 3, requests=2, record_tokens=True)
+    return WorkloadResult(params, [repeat_metrics(records) | {"repeat": block}], records)
+
+
+def _switch_rows(tmp_path: Path, mtp: int, fused_ids: list[int]) -> dict[str, CaseResult]:
+    """The rows a switch server of the MTP `mtp` topology writes when its staged blocks
+    answered [1, 2, 3] and its fused blocks `fused_ids` (nothing launched)."""
+    m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
+    cases = expand(m)
+    (unit,) = [u for u in measured_units(m, cases, cases) if u[0].mtp == mtp]
+    run = SwitchRun(unit, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
+    for variant, ids in (("staged", [1, 2, 3]), ("fused", fused_ids)):
+        run.results[variant]["greedy"] = [_greedy(ids, 0), _greedy(ids, 1)]
+    server = run._result(AuditSummary(), {})
+    return {v: run._row(server, i, v) for i, v in enumerate(run.unit)}
+
+
+def test_a_switch_server_with_synthetic_acceptance_does_not_compare_tokens(tmp_path):
+    """Synthetic acceptance accepts drafts by a random draw, and the blocks of a switch
+    server's variants draw at different points of the GPU's stream: their tokens differ by
+    construction, so the check is not made, and says why, instead of failing the row."""
+    rows = _switch_rows(tmp_path, 1, [1, 7, 3])
+    fused = rows["fused"]
+    assert fused.status == "passed" and fused.reason is None
+    check = fused.same_tokens["greedy"]
+    assert check.verdict == tokens.NOT_COMPARED and check.why == tokens.SYNTHETIC_IN_SWITCH
+    assert check.sentence == f"fused vs staged: not compared: {tokens.SYNTHETIC_IN_SWITCH}"
+    assert check.reference == "m/tp1-dcp1-mtp1/staged/s1"
+    assert check.requests is None and check.divergences is None
+    assert rows["staged"].same_tokens == {} and rows["staged"].status == "passed"
+
+
+def test_a_switch_server_of_mtp_0_still_fails_on_other_tokens(tmp_path):
+    fused = _switch_rows(tmp_path, 0, [1, 7, 3])["fused"]
+    check = fused.same_tokens["greedy"]
+    assert check.verdict == tokens.DIFFERS and check.why is None
+    assert fused.status == "failed"
+    assert fused.reason == f"same tokens: {check.sentence}"
+    assert "identical token ids in 0/4 requests" in check.sentence
+    same = _switch_rows(tmp_path / "again", 0, [1, 2, 3])["fused"]
+    assert same.same_tokens["greedy"].verdict == tokens.IDENTICAL and same.status == "passed"
+
+
+def test_reports_say_why_tokens_were_not_compared(tmp_path):
+    """report.md, report.html and report.json carry the check's verdict and reason (the
+    committed switch-mode run, its fused row given the check of a synthetic-acceptance
+    topology)."""
+    from orchestrator.recorded_run import Run
+    from orchestrator.reports.html import render_html
+    from orchestrator.reports.json_report import render_json
+    from orchestrator.reports.markdown import render_markdown
+
+    check = _switch_rows(tmp_path, 1, [1, 7, 3])["fused"].same_tokens["greedy"]
+    run = Run.load(Path(__file__).parents[2] / "docs/validation/h200-2026-12-02/glm5-ab-2")
+    (fused,) = [r for r in run.results if r.variant == "fused"]
+    fused.same_tokens = {"greedy": check}
+    md, page = render_markdown(run), render_html(run)
+    assert f"**not-compared** -- fused vs staged: not compared: {tokens.SYNTHETIC_IN_SWITCH}" in md
+    assert "<b>not-compared</b>" in page and "a switch-mode server&#39;s blocks draw" in page
+    assert "identical token ids" not in md + page
+    assert "**identical**" not in md and "**differs**" not in md
+    assert "<b>identical</b>" not in page and "<b>differs</b>" not in page
+    (row,) = [c for c in render_json(run)["cases"] if c["variant"] == "fused"]
+    assert row["same_tokens"]["greedy"]["verdict"] == "not-compared"
+    assert row["same_tokens"]["greedy"]["why"] == tokens.SYNTHETIC_IN_SWITCH
+
+
+def test_plan_notes_the_tokens_a_switch_server_does_not_compare(tmp_path):
+    path = tmp_path / "sw.yaml"
+    path.write_text(SAME_TOKENS + "ab: {mode: switch}\n")
+    notes = plan_matrix(path)["notes"]
+    said = [n for n in notes if "same tokens not compared" in n]
+    assert said == [
+        "m/tp1-dcp1-mtp1: same tokens not compared: synthetic acceptance draws at random, and "
+        "a switch-mode server's blocks draw at different points of the GPU's random stream"
+    ]
+    path.write_text(SAME_TOKENS + "ab: {mode: restarts}\n")
+    assert not [n for n in plan_matrix(path)["notes"] if "not compared" in n]
+    path.write_text(SAME_TOKENS.replace(", same_tokens: true", "") + "ab: {mode: switch}\n")
+    assert not [n for n in plan_matrix(path)["notes"] if "not compared" in n]
 
 
 # --------------------------------------------------------------------------- the RPC

@@ -133,6 +133,55 @@ def test_runner_holds_each_later_variant_against_the_first(tmp_path: Path):
     assert token_checks(fused, matrix, other, measured)["greedy"]["verdict"] == "no-reference"
 
 
+SYNTHETIC = """
+name: t
+models: [{label: m, path: /ckpt, num_heads: 16}]
+topologies: [{tp: 1, mtp: [0, 1], mtp_acceptance: 0.7}]
+workloads:
+  - {name: greedy, prompt_tokens: 8, output_tokens: 4, requests: 2, same_tokens: true}
+variants: [{name: staged}, {name: fused}]
+"""
+
+
+@pytest.mark.parametrize(
+    ("ab", "mtp", "verdict"),
+    [
+        ("{mode: switch}", 1, tokens.NOT_COMPARED),
+        ("{mode: switch}", 0, tokens.DIFFERS),
+        ("{mode: restarts}", 1, tokens.DIFFERS),
+        ("{mode: restarts}", 0, tokens.DIFFERS),
+    ],
+)
+def test_synthetic_acceptance_on_a_switch_server_is_not_compared(tmp_path: Path, ab, mtp, verdict):
+    """Synthetic acceptance draws at random: a switch server's blocks draw at different points
+    of the GPU's stream, so their tokens are not compared; MTP 0, and two servers started
+    alike (restarts mode), still are."""
+    matrix = parse_matrix(SYNTHETIC + f"ab: {ab}\n", "t.yaml", env={})
+    staged, fused = (c for c in expand(matrix) if c.mtp == mtp and c.server == 1)
+    store = RunStore.create(tmp_path, "r")
+    store.write_records(staged.slug, "greedy", [rec(0, [1, 2]), rec(1, [3, 4])])
+    store.write_records(fused.slug, "greedy", [rec(0, [1, 2]), rec(1, [3, 5])])
+    check = token_checks(fused, matrix, store, {"greedy": {}})["greedy"]
+    assert check["verdict"] == verdict and check["reference"] == staged.case_id
+    if verdict == tokens.NOT_COMPARED:
+        assert check["why"] == tokens.SYNTHETIC_IN_SWITCH
+        assert check["sentence"] == f"fused vs staged: not compared: {tokens.SYNTHETIC_IN_SWITCH}"
+        assert "requests" not in check
+        # Not compared even where the baseline recorded nothing.
+        empty = RunStore.create(tmp_path, "r2")
+        assert token_checks(fused, matrix, empty, {"greedy": {}})["greedy"] == check
+    else:
+        assert "why" not in check
+        assert "request 0/1 parts at output token 1: staged 4, fused 5" in check["sentence"]
+
+
+def test_not_compared_needs_mtp_synthetic_acceptance_and_a_switch_server():
+    assert tokens.not_compared(mtp=1, mtp_acceptance=0.7, switch=True) == tokens.SYNTHETIC_IN_SWITCH
+    assert tokens.not_compared(mtp=1, mtp_acceptance=0.7, switch=False) is None
+    assert tokens.not_compared(mtp=1, mtp_acceptance=None, switch=True) is None
+    assert tokens.not_compared(mtp=0, mtp_acceptance=None, switch=True) is None
+
+
 @pytest.mark.parametrize(
     "workload",
     [
