@@ -8,6 +8,8 @@ markers. Nothing between them is typed by hand: add a run with ``ingest.py``, th
     python benchmarks/scripts/tables.py --check     # exit 1 naming each region that differs
 
 "Now" tables take the latest run of their kind in the file's (append, i.e. time) order.
+``ab-runs`` reads the run folders instead: every ``docs/validation/*/*/report.json`` with
+end-to-end A/B results, the matrix as run from the report or its ``manifest.json``.
 Exit 2 names a file and line with an unknown table or an unclosed region.
 """
 
@@ -381,6 +383,222 @@ def vllm_all(rows: list[Row], doc: Path) -> str:
     )
 
 
+# -- end-to-end A/B runs (docs/validation/<machine-date>/<run-id>/report.json) -----------------
+VALIDATION = REPO / "docs" / "validation"
+NO_MTP_READ = "not read"
+REASON_CHARS = 60
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TableError(f"{_rel(path)}: not JSON ({exc})") from None
+
+
+def _run_matrix(report: Row, folder: Path) -> Row:
+    """The matrix as run: the report's own where it carries one, else its manifest's."""
+    if isinstance(report.get("matrix"), dict):
+        return report["matrix"]
+    manifest = folder / "manifest.json"
+    if manifest.is_file():
+        matrix = _read_json(manifest).get("matrix")
+        if isinstance(matrix, dict):
+            return matrix
+    return {}
+
+
+def _run_stamp(report: Row, folder: Path) -> str:
+    """The run's timestamp: the report's, its manifest's, else the date in its parent's name."""
+    stamp = report.get("created_at")
+    manifest = folder / "manifest.json"
+    if not stamp and manifest.is_file():
+        stamp = _read_json(manifest).get("created_at")
+    if stamp:
+        return str(stamp)
+    day = re.search(r"\d{4}-\d{2}-\d{2}", folder.parent.name)
+    return day[0] if day else ""
+
+
+def _token_workloads(report: Row, matrix: Row) -> set[str]:
+    """The workloads that check greedy token ids (same_tokens: true) rather than speed."""
+    for workloads in (matrix.get("workloads"), report.get("workloads")):
+        if workloads and all("same_tokens" in w for w in workloads):
+            return {w["name"] for w in workloads if w["same_tokens"]}
+    return {w for case in report.get("cases") or [] for w in case.get("same_tokens") or {}}
+
+
+def ab_runs_found(root: Path | None = None) -> list[tuple[Path, Row]]:
+    """Run folders whose report.json has A/B results, by date of run, then run id."""
+    found = []
+    for path in (root or VALIDATION).glob("*/*/report.json"):
+        report = _read_json(path)
+        if (report.get("ab") or {}).get("results"):
+            found.append((path.parent, report))
+    return sorted(
+        found, key=lambda fr: (_run_stamp(fr[1], fr[0])[:10], fr[1].get("run_id") or fr[0].name)
+    )
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _minus(text: str) -> str:
+    return text.replace("-", "−")
+
+
+def _mean(side: Row) -> float | None:
+    return side.get("mean") if side.get("n") else None
+
+
+def _pair(res: Row | None, digits: int) -> str:
+    if res is None:
+        return "–"
+    a, b = _mean(res["baseline"]), _mean(res["candidate"])
+    return " → ".join("–" if v is None else f"{v:.{digits}f}" for v in (a, b))
+
+
+def _ratio(res: Row | None) -> str:
+    if res is None or res.get("ratio") is None:
+        return "–"
+    text = f"{res['ratio']:.4f}"
+    if res.get("interval_pct"):
+        lo, hi = res["interval_pct"]
+        text += _minus(f", {lo:+.2f} % … {hi:+.2f} %")
+    return text
+
+
+def _units(res: Row | None) -> str:
+    if res is None:
+        return "–"
+    ns = [res["baseline"].get("n") or 0, res["candidate"].get("n") or 0]
+    text = str(ns[0]) if ns[0] == ns[1] else f"{ns[0]} / {ns[1]}"
+    return f"{text} servers" if res.get("unit") == "servers" else text
+
+
+def _acceptance(cases: list[Row], workload: str) -> str | None:
+    rates = [
+        sd["acceptance_rate"]
+        for case in cases
+        if (sd := ((case.get("workloads") or {}).get(workload) or {}).get("spec_decode"))
+        and sd.get("acceptance_rate") is not None
+    ]
+    return f"{sum(rates) / len(rates):.2f}" if rates else None
+
+
+def _tokens(cases: list[Row], token_workloads: set[str]) -> str:
+    if not token_workloads:
+        return "–"
+    verdicts = [
+        ((case.get("same_tokens") or {}).get(w) or {}).get("verdict") or "not-compared"
+        for case in cases
+        for w in sorted(token_workloads)
+    ] or ["not-compared"]
+    return ", ".join(dict.fromkeys(v.replace("-", " ") for v in verdicts))
+
+
+def _ab_lines(folder: Path, report: Row, doc: Path) -> list[list[str]]:
+    matrix = _run_matrix(report, folder)
+    heads = {m.get("label"): m.get("num_heads") for m in matrix.get("models") or []}
+    token_workloads = _token_workloads(report, matrix)
+    # Provenance first: on a machine the tree was copied to, git's HEAD is stale and the
+    # build-info stamp names what ran (the report's header says the same).
+    source = report.get("provenance") or report.get("git") or {}
+    commit, dirty = source.get("commit"), source.get("dirty")
+    commit_cell = f"{commit[:7]}{' (dirty)' if dirty else ''}" if commit else "unknown"
+    target = folder / "report.md"
+    run = _link(
+        str(target if target.is_file() else folder / "report.json"),
+        doc,
+        report.get("run_id") or folder.name,
+    )
+    by: dict[tuple[str, str], dict[str, Row]] = {}
+    for res in report["ab"]["results"]:
+        by.setdefault((res["topology_id"], res["workload"]), {})[res["metric"]] = res
+    lines = []
+    for (topology, workload), metrics in by.items():
+        if workload in token_workloads:
+            continue
+        out, tpot = metrics.get("output_tok_s"), metrics.get("tpot_mean_ms")
+        first = out or tpot or next(iter(metrics.values()))
+        base, cand = first["baseline"]["variant"], first["candidate"]["variant"]
+        cases = [c for c in report.get("cases") or [] if c["case_id"].startswith(topology + "/")]
+        of = {v: [c for c in cases if c.get("variant") == v] for v in (base, cand)}
+        mtp = next((c["mtp"] for c in cases if c.get("mtp") is not None), None)
+        if mtp is None:
+            found = re.search(r"mtp(\d+)", topology)
+            mtp = int(found[1]) if found else None
+        failed = [
+            f"{c.get('variant')} case {c.get('status') or 'not run'}"
+            + (f": {_short(c['reason'])}" if c.get("reason") else "")
+            for c in cases
+            if c.get("status") != "passed"
+        ]
+        verdict = "; ".join(
+            failed
+            + ([out["verdict"]] if out and (out.get("ratio") is not None or not failed) else [])
+        )
+        seen = [_acceptance(of[v], workload) for v in (base, cand)]
+        model = topology.split("/")[0]
+        lines.append(
+            [
+                run,
+                commit_cell,
+                f"`{topology}`",
+                str(heads.get(model) or "–"),
+                "–" if mtp is None else str(mtp),
+                workload,
+                _units(out),
+                _pair(out, 2),
+                _ratio(out),
+                _cell(verdict) or "–",
+                _with_verdict(_pair(tpot, 3), tpot),
+                " / ".join(s or "–" for s in seen) if any(seen) else (NO_MTP_READ if mtp else "–"),
+                _tokens(of[cand], token_workloads),
+            ]
+        )
+    return lines
+
+
+def _with_verdict(text: str, res: Row | None) -> str:
+    if res is None or res.get("ratio") is None or not res.get("verdict"):
+        return text
+    return f"{text} ({_cell(res['verdict'])})"
+
+
+def _short(reason: str) -> str:
+    text = " ".join(reason.split())
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS].rstrip() + "…"
+
+
+AB_HEADER = ["run", "commit", "topology", "heads", "MTP", "workload", "blocks per path"]
+AB_HEADER += ["output tok/s, staged → fused", "fused/staged, 95 % interval", "verdict"]
+AB_HEADER += ["TPOT mean ms, staged → fused", "MTP acceptance, staged / fused", "tokens"]
+
+
+def ab_runs(rows: list[Row], doc: Path, root: Path | None = None) -> str:
+    """Every end-to-end A/B in the run folders, one row per run, topology and workload."""
+    root = root or VALIDATION
+    runs = ab_runs_found(root)
+    if not runs:
+        raise TableError(f"no report.json with A/B results under {_rel(root)}")
+    lines = [line for folder, report in runs for line in _ab_lines(folder, report, doc)]
+    index = root / "README.md" if (root / "README.md").is_file() else root
+    return "\n".join(
+        [
+            f"Every end-to-end A/B run in {_link(_rel(index), doc, '`docs/validation/`')}, "
+            "oldest first: one row per run, topology and workload, from each run folder's "
+            "`report.json` (models and workloads as run from its `manifest.json`). fused/staged: "
+            "ratio of mean output tok/s, with its 95 % interval; the same-token workload is the "
+            "token check (tokens column), not a speed row; (dirty): the run's tree had "
+            "uncommitted changes.",
+            "",
+            _table(AB_HEADER, lines),
+        ]
+    )
+
+
 TABLES: dict[str, Callable[[list[Row], Path], str]] = {
     "kernel-now": kernel_now,
     "floors-now": floors_now,
@@ -388,6 +606,7 @@ TABLES: dict[str, Callable[[list[Row], Path], str]] = {
     "eager-now": eager_now,
     "vllm-now": vllm_now,
     "vllm-all": vllm_all,
+    "ab-runs": ab_runs,
 }
 
 
