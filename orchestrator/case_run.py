@@ -439,13 +439,8 @@ class CaseRun:
         serve` reports it), with the synthetic rates configured where there are some."""
         if before is None:
             return None
-        configured = (
-            synthetic_acceptance_rates(self.case.mtp, self.case.mtp_acceptance)
-            if self.case.mtp_acceptance is not None
-            else None
-        )
         seen = server_metrics.acceptance(
-            before, self._spec_decode_counters(key), configured=configured
+            before, self._spec_decode_counters(key), configured=self._configured_acceptance()
         )
         if seen is not None:
             self.log(
@@ -453,6 +448,12 @@ class CaseRun:
                 f"({seen['accepted_tokens']}/{seen['draft_tokens']} draft tokens)"
             )
         return seen
+
+    def _configured_acceptance(self) -> list[float] | None:
+        """vLLM's synthetic per-position acceptance rates this case's server was given."""
+        if self.case.mtp_acceptance is None:
+            return None
+        return synthetic_acceptance_rates(self.case.mtp, self.case.mtp_acceptance)
 
     def _startup(self) -> dict[str, Any] | None:
         """The server's start-up phases from its log (orchestrator.startup), once it stopped."""

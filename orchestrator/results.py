@@ -186,6 +186,8 @@ class SpecDecode(_Record):
     per_position: list[float] = Field(default_factory=list)
     configured_rates: list[float] | None = None  # vLLM's synthetic rates, where set
     expected_rate: float | None = None
+    # Switch mode: each block's own acceptance rate (the variant's figures sum its blocks).
+    block_rates: list[float | None] | None = None
 
 
 class WorkloadSummary(_Record):

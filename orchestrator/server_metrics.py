@@ -19,6 +19,7 @@ Only httpx and the standard library.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,30 +87,63 @@ def read_spec_decode(
     return parse_spec_decode(reply.text)
 
 
+def difference(
+    before: SpecDecodeCounters | None, after: SpecDecodeCounters | None
+) -> SpecDecodeCounters | None:
+    """What the counters moved between two reads; None where either read is missing."""
+    if before is None or after is None:
+        return None
+    positions = sorted(set(before.accepted_per_position) | set(after.accepted_per_position))
+    return SpecDecodeCounters(
+        drafts=after.drafts - before.drafts,
+        draft_tokens=after.draft_tokens - before.draft_tokens,
+        accepted_tokens=after.accepted_tokens - before.accepted_tokens,
+        accepted_per_position={
+            i: after.accepted_per_position.get(i, 0.0) - before.accepted_per_position.get(i, 0.0)
+            for i in positions
+        },
+    )
+
+
+def total(parts: Iterable[SpecDecodeCounters | None]) -> SpecDecodeCounters | None:
+    """The sum of several workloads' differences (a switch-mode variant's blocks); None
+    where any is missing, since a sum over part of the blocks would not be the variant's."""
+    out = SpecDecodeCounters()
+    seen = False
+    for part in parts:
+        if part is None:
+            return None
+        seen = True
+        out.drafts += part.drafts
+        out.draft_tokens += part.draft_tokens
+        out.accepted_tokens += part.accepted_tokens
+        for i, v in part.accepted_per_position.items():
+            out.accepted_per_position[i] = out.accepted_per_position.get(i, 0.0) + v
+    return out if seen else None
+
+
 def acceptance(
     before: SpecDecodeCounters | None,
     after: SpecDecodeCounters | None,
     *,
     configured: list[float] | None = None,
 ) -> dict[str, Any] | None:
-    """What a workload saw: counter differences, acceptance rate and length, per-position
-    rates; and, with `configured` (vLLM's synthetic per-position rates), the rate expected.
-    None where either read is missing or no draft token was proposed in between."""
-    if before is None or after is None:
+    """What a workload saw between two reads (summarize() of their difference())."""
+    return summarize(difference(before, after), configured=configured)
+
+
+def summarize(
+    moved: SpecDecodeCounters | None, *, configured: list[float] | None = None
+) -> dict[str, Any] | None:
+    """Counter differences, acceptance rate and length, per-position rates; and, with
+    `configured` (vLLM's synthetic per-position rates), the rate expected. None where
+    `moved` is missing or no draft token was proposed."""
+    if moved is None or moved.draft_tokens <= 0:
         return None
-    drafts = after.drafts - before.drafts
-    draft_tokens = after.draft_tokens - before.draft_tokens
-    accepted = after.accepted_tokens - before.accepted_tokens
-    if draft_tokens <= 0:
-        return None
-    positions = sorted(set(before.accepted_per_position) | set(after.accepted_per_position))
+    drafts, draft_tokens, accepted = moved.drafts, moved.draft_tokens, moved.accepted_tokens
     per_position = [
-        round(
-            (after.accepted_per_position.get(i, 0.0) - before.accepted_per_position.get(i, 0.0))
-            / drafts,
-            4,
-        )
-        for i in positions
+        round(moved.accepted_per_position[i] / drafts, 4)
+        for i in sorted(moved.accepted_per_position)
         if drafts > 0
     ]
     out: dict[str, Any] = {

@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from orchestrator import server_metrics
 from orchestrator.case_run import CaseFailed, CaseRun, token_checks
 from orchestrator.engines.vllm import auth_headers
 from orchestrator.matrix import SWITCH_SERVER_VARIANT, Case, Matrix
@@ -204,6 +205,10 @@ class SwitchRun(CaseRun):
         self.results: dict[str, dict[str, list[WorkloadResult]]] = {n: {} for n in self.unit}
         self.flips: dict[str, list[PathFlip]] = {n: [] for n in self.unit}
         self.profiles: dict[str, tuple[ProfileResult, dict[str, int]]] = {}
+        # MTP servers: what the spec-decode counters moved in each block, by variant, workload.
+        self.spec_decode: dict[str, dict[str, list[server_metrics.SpecDecodeCounters | None]]] = {
+            n: {} for n in self.unit
+        }
 
     # -- measuring ---------------------------------------------------------------------------
     def _flip(self, variant: str, block: int, key: str | None) -> None:
@@ -230,6 +235,7 @@ class SwitchRun(CaseRun):
                 # one-time costs that are not the path's speed.
                 self._warm_up(vocab, key)
             for wl in self.matrix.workloads:
+                before = self._spec_decode_counters(key)
                 result = self._run_measured(
                     wl,
                     vocab,
@@ -240,6 +246,10 @@ class SwitchRun(CaseRun):
                     timing=f"{variant}:workload_{wl.name}_s",
                 )
                 self.results[variant].setdefault(wl.name, []).append(result)
+                if before is not None:
+                    # Read around the workload alone: the warm-up after a flip is not in it.
+                    moved = server_metrics.difference(before, self._spec_decode_counters(key))
+                    self.spec_decode[variant].setdefault(wl.name, []).append(moved)
             rounds[variant] += 1
         if self.matrix.profile is not None:
             known: set[str] = set()
@@ -284,8 +294,33 @@ class SwitchRun(CaseRun):
             records = [x for b in blocks for x in b.records]
             params = dataclasses.replace(blocks[0].params, repeats=len(blocks))
             out[wl.name] = WorkloadResult(params, repeats, records).to_dict()
+            seen = self._acceptance_seen(variant, wl.name)
+            if seen is not None:
+                out[wl.name]["spec_decode"] = seen
             self.store.write_records(self.unit[variant].slug, wl.name, records)
         return out
+
+    def _acceptance_seen(self, variant: str, workload: str) -> dict[str, Any] | None:
+        """The MTP acceptance a variant's blocks of a workload saw: their counters' moves
+        summed (server_metrics.summarize), and each block's own rate."""
+        moves = self.spec_decode[variant].get(workload)
+        if not moves:
+            return None
+        seen = server_metrics.summarize(
+            server_metrics.total(moves), configured=self._configured_acceptance()
+        )
+        if seen is None:
+            return None
+        seen["block_rates"] = [
+            round(m.accepted_tokens / m.draft_tokens, 4) if m and m.draft_tokens > 0 else None
+            for m in moves
+        ]
+        self.log(
+            f"{self.unit[variant].case_id}: {workload}: MTP acceptance {seen['acceptance_rate']:.3f}"
+            f" ({seen['accepted_tokens']}/{seen['draft_tokens']} draft tokens, "
+            f"{len(moves)} blocks)"
+        )
+        return seen
 
     def _row(self, server: CaseResult, index: int, variant: str) -> CaseResult:
         case = self.unit[variant]

@@ -67,16 +67,20 @@ def acceptance_section(run: Run) -> list[str]:
                     MISSING if sd.acceptance_rate is None else f"{sd.acceptance_rate:.3f}",
                     MISSING if sd.acceptance_length is None else f"{sd.acceptance_length:.2f}",
                     f"{sd.accepted_tokens:,}/{sd.draft_tokens:,}",
+                    ", ".join(MISSING if b is None else f"{b:.3f}" for b in sd.block_rates or [])
+                    or MISSING,
                 ]
             )
     if not body:
         return []
     header = ["Case", "Workload", "Configured", "Seen", "Tokens per step", "Accepted/drafted"]
+    header += ["Per block"]
     return [
         "## MTP acceptance",
         "",
         "Accepted / drafted tokens between the server's /metrics reads before and after each "
-        "workload (as `vllm bench serve` counts them); configured: the synthetic rate set.",
+        "workload (as `vllm bench serve` counts them); configured: the synthetic rate set; "
+        "per block: each switch-mode block's own rate (seen sums them).",
         "",
         md_table(header, body),
         "",

@@ -9,7 +9,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.server_metrics import acceptance, parse_spec_decode, read_spec_decode
+from orchestrator.server_metrics import (
+    SpecDecodeCounters,
+    acceptance,
+    difference,
+    parse_spec_decode,
+    read_spec_decode,
+    summarize,
+    total,
+)
 
 
 def exposition(drafts: float, tokens: float, accepted: float, per_pos: list[float]) -> str:
@@ -63,6 +71,24 @@ def test_no_acceptance_without_two_reads_or_drafts() -> None:
     assert acceptance(None, c) is None
     assert acceptance(c, None) is None
     assert acceptance(c, c) is None  # no draft token in between
+
+
+def test_blocks_sum_to_one_acceptance() -> None:
+    """A switch-mode variant's blocks: their moves add up, the rate is the pooled one (not
+    the mean of the blocks' rates), and a block not read leaves the variant without one."""
+    reads = [parse_spec_decode(exposition(*x)) for x in [
+        (0, 0, 0, [0]), (100, 100, 80, [80]),  # a block: 80/100
+        (150, 150, 80, [80]),  # the other path's block, between them
+        (450, 450, 230, [230]),  # a block: 150/300
+    ]]  # fmt: skip
+    moves = [difference(reads[0], reads[1]), difference(reads[2], reads[3])]
+    assert moves[1] == SpecDecodeCounters(300, 300, 150, {0: 150})
+    seen = summarize(total(moves), configured=[0.7])
+    assert seen is not None
+    assert (seen["drafts"], seen["accepted_tokens"], seen["acceptance_rate"]) == (400, 230, 0.575)
+    assert seen["per_position"] == [0.575] and seen["expected_rate"] == 0.7
+    assert total([moves[0], None]) is None and total([]) is None
+    assert difference(None, reads[0]) is None
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):

@@ -242,6 +242,29 @@ def test_plan_notes_the_tokens_a_switch_server_does_not_compare(tmp_path):
     assert not [n for n in plan_matrix(path)["notes"] if "not compared" in n]
 
 
+def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):
+    """Each variant's row sums what the server's counters moved around its own blocks of a
+    workload, and keeps each block's rate."""
+    from orchestrator.server_metrics import SpecDecodeCounters as Moved
+
+    m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
+    cases = expand(m)
+    (unit,) = [u for u in measured_units(m, cases, cases) if u[0].mtp == 1]
+    run = SwitchRun(unit, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
+    for variant in ("staged", "fused"):
+        run.results[variant]["greedy"] = [_greedy([1, 2, 3], 0), _greedy([1, 2, 3], 1)]
+    run.spec_decode["staged"]["greedy"] = [Moved(10, 10, 7, {0: 7}), Moved(30, 30, 18, {0: 18})]
+    run.spec_decode["fused"]["greedy"] = [Moved(20, 20, 14, {0: 14}), None]  # one not read
+    server = run._result(AuditSummary(), {})
+    staged, fused = (run._row(server, i, v) for i, v in enumerate(run.unit))
+    seen = staged.workloads["greedy"].spec_decode
+    assert seen is not None
+    assert (seen.drafts, seen.accepted_tokens, seen.acceptance_rate) == (40, 25, 0.625)
+    assert seen.block_rates == [0.7, 0.6] and seen.expected_rate == 0.7
+    # A sum over part of the blocks would not be the variant's: none rather than a wrong one.
+    assert fused.workloads["greedy"].spec_decode is None
+
+
 # --------------------------------------------------------------------------- the RPC
 
 
