@@ -661,7 +661,7 @@ def token_checks(
     why_not = tokens.not_compared(
         mtp=case.mtp,
         mtp_acceptance=case.mtp_acceptance,
-        switch=matrix.ab is not None and matrix.ab.mode == "switch",
+        switch=matrix.switch_mode,
     )
     checks: dict[str, dict[str, Any]] = {}
     for wl in matrix.workloads:

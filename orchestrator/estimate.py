@@ -196,7 +196,7 @@ def estimate_run(matrix: Matrix, cases: Sequence[Case]) -> RunEstimate:
                 overhead_s=speeds.case_overhead_s,
             )
         )
-    if matrix.ab is not None and matrix.ab.mode == "switch":
+    if matrix.switch_mode:
         out = _switch_servers(matrix, cases, out)
     return RunEstimate(
         matrix.resources.accelerator, speeds, out, speeds.run_overhead_s, interpreted

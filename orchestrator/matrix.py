@@ -450,6 +450,11 @@ class Matrix(_Strict):
         """The variant marked ``baseline``, else the first."""
         return next((v for v in self.variants if v.baseline), self.variants[0])
 
+    @property
+    def switch_mode(self) -> bool:
+        """An A/B whose variants share one server per topology (``ab.mode: switch``)."""
+        return self.ab is not None and self.ab.mode == "switch"
+
     warmup_requests: int = Field(
         1,
         ge=0,

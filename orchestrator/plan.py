@@ -80,7 +80,7 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
 
 def _servers(matrix: Matrix, cases: Sequence[Case]) -> int:
     """Server launches: one per case, or one per topology and start in switch mode."""
-    if matrix.ab is not None and matrix.ab.mode == "switch":
+    if matrix.switch_mode:
         return len({(c.topology_id, c.server) for c in cases})
     return len(cases)
 
@@ -133,7 +133,7 @@ def _model_notes(matrix: Matrix, cases: Sequence[Case]) -> list[str]:
     """What each GLM-5 stand-in is (orchestrator.standins), MTP cases of a random-weight
     model whose draft would accept almost nothing, and synthetic acceptance (whose tokens a
     switch-mode server cannot compare: orchestrator.tokens.not_compared)."""
-    switch = matrix.ab is not None and matrix.ab.mode == "switch"
+    switch = matrix.switch_mode
     same_tokens = any(w.same_tokens for w in matrix.workloads)
     notes = [
         f"{m.label} ({m.path}): "

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator import server_metrics
+from orchestrator import server_metrics, tokens
 from orchestrator.case_run import CaseFailed, CaseRun, token_checks
 from orchestrator.engines.vllm import auth_headers
 from orchestrator.matrix import SWITCH_SERVER_VARIANT, Case, Matrix
@@ -140,7 +140,7 @@ def measured_units(matrix: Matrix, todo: Sequence[Case], cases: Sequence[Case]) 
     """What each server measures, in run order: one case each; in switch mode every variant
     of a todo case's topology and start (all of them re-run: blocks of two servers do not
     pair), baseline first."""
-    if matrix.ab is None or matrix.ab.mode != "switch":
+    if not matrix.switch_mode:
         return [[c] for c in todo]
     order = [v.name for v in matrix.variants]
     baseline = matrix.baseline_variant.name
@@ -157,7 +157,7 @@ def measured_units(matrix: Matrix, todo: Sequence[Case], cases: Sequence[Case]) 
 def unit_runner(unit: Sequence[Case], matrix: Matrix, *args: Any) -> CaseRun:
     """The one server of a unit: a case's own (orchestrator.case_run), or a switch server
     measuring every variant. `args`: CaseRun's launcher, store, log, progress, secrets."""
-    if matrix.ab is not None and matrix.ab.mode == "switch":
+    if matrix.switch_mode:
         return SwitchRun(unit, matrix, *args)
     return CaseRun(unit[0], matrix, *args)
 
@@ -350,7 +350,7 @@ class SwitchRun(CaseRun):
             row.pop("profile", None)
         checks = token_checks(case, self.matrix, self.store, row["workloads"])
         row["same_tokens"] = checks
-        differs = [c["sentence"] for c in checks.values() if c["verdict"] == "differs"]
+        differs = [c["sentence"] for c in checks.values() if c["verdict"] == tokens.DIFFERS]
         if differs and row["status"] == "passed":
             row.update(status="failed", reason=f"same tokens: {differs[0]}")
         return CaseResult.model_validate(row)
