@@ -252,7 +252,8 @@ class CaseRun:
 
     def _shared_cache_env(self, model_path: str) -> dict[str, str]:
         """The compile-cache variables of this configuration's shared folder (none where the
-        matrix keeps caches per case, or sets them itself): orchestrator.compile_cache."""
+        matrix keeps caches per case, or sets them itself), its model-class inspections
+        linked to those of every configuration: orchestrator.compile_cache."""
         if self.matrix.engine.compile_cache != "shared":
             return {}
         fingerprint = getattr(self.launcher, "driver_fingerprints", {}).get("fusedq")
@@ -261,6 +262,8 @@ class CaseRun:
             self.compile_cache_dir = str(
                 compile_cache.shared_dir(self.case, model_path, fingerprint)
             )
+        if "VLLM_CACHE_ROOT" in shared:
+            compile_cache.share_model_info(Path(shared["VLLM_CACHE_ROOT"]))
         return shared
 
     def _start(

@@ -15,12 +15,22 @@ folder by its config, version and the source of every traced file, and Inductor 
 version and the graph, so a folder reused by a changed server recompiles rather than lies.
 A matrix can keep each server's caches in its case directory instead (`engine.compile_cache:
 case`); one that sets VLLM_CACHE_ROOT or TORCHINDUCTOR_CACHE_DIR itself keeps its choice.
+
+One part of vLLM's cache is no configuration's: the model-class inspections
+(``VLLM_CACHE_ROOT/modelinfos``, one JSON file per class, checked by vLLM against a hash of
+the class's source). Each costs a subprocess that imports torch and vLLM, ~11 s on a 2-core
+CPU and more on a cold GPU host, twice per start with MTP (target and draft). vLLM's own
+default shares them among all its servers; a folder per configuration would make every new
+configuration pay again, so each configuration's ``modelinfos`` is a link to one folder beside
+the configurations' (``share_model_info``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from orchestrator.engines.vllm import compile_cache_env
@@ -28,6 +38,9 @@ from orchestrator.matrix import Case
 from orchestrator.tinymodel import cache_root
 
 SUBDIR = "compile"
+# vLLM's folder of model-class inspections under VLLM_CACHE_ROOT (vllm/model_executor/models/
+# registry.py, _LazyRegisteredModel._get_cache_dir); shared by every configuration.
+MODEL_INFO = "modelinfos"
 
 
 def configuration_key(case: Case, model_path: str, fusedq_fingerprint: str | None) -> str:
@@ -61,3 +74,20 @@ def shared_env(
     that the matrix's env sets itself."""
     env = compile_cache_env(shared_dir(case, model_path, fusedq_fingerprint, root))
     return {k: v for k, v in env.items() if k not in case.env_dict}
+
+
+def share_model_info(vllm_cache_root: Path, root: Path | None = None) -> Path | None:
+    """Make `vllm_cache_root`'s model-class inspections one folder shared by every
+    configuration (`<cache root>/compile/modelinfos`): a link, created before the server
+    starts. A real folder already there (a cache from before the link) is left as it is.
+    Returns the link, or None where there is none."""
+    base = Path(root) if root is not None else cache_root() / SUBDIR
+    shared = base / MODEL_INFO
+    shared.mkdir(parents=True, exist_ok=True)
+    link = Path(vllm_cache_root) / MODEL_INFO
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not os.path.lexists(link):
+        # FileExistsError: another run on this cache made it meanwhile.
+        with contextlib.suppress(FileExistsError):
+            link.symlink_to(shared.absolute(), target_is_directory=True)
+    return link if link.is_symlink() else None

@@ -61,3 +61,39 @@ def test_default_root_is_the_orchestrators_cache(monkeypatch, tmp_path: Path) ->
     monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path))
     case = cases()["m/tp1-dcp1-mtp0/a"]
     assert compile_cache.shared_dir(case, "/m", None).parent == tmp_path / "compile"
+
+
+def test_every_configuration_links_one_folder_of_model_inspections(tmp_path: Path) -> None:
+    c = cases()
+    roots = [
+        Path(compile_cache.shared_env(c[k], "/m", "f1", root=tmp_path)["VLLM_CACHE_ROOT"])
+        for k in ("m/tp1-dcp1-mtp0/a", "m/tp1-dcp1-mtp1/a", "m/tp1-dcp1-mtp0/c")
+    ]
+    assert len(set(roots)) == 3, "three configurations, three folders"
+    links = [compile_cache.share_model_info(r, root=tmp_path) for r in roots]
+    shared = tmp_path / "modelinfos"
+    for root, link in zip(roots, links, strict=True):
+        assert link == root / "modelinfos" and link.is_symlink()
+        assert link.resolve() == shared.resolve()
+    # What vLLM writes through one configuration's link, every other one reads.
+    (links[0] / "vllm-model_executor-models-deepseek_v2-DeepseekV3ForCausalLM.json").write_text(
+        "{}"
+    )
+    assert [p.name for p in links[2].iterdir()] == [
+        "vllm-model_executor-models-deepseek_v2-DeepseekV3ForCausalLM.json"
+    ]
+    # Again (the next server of a configuration): the same link, nothing else made.
+    assert compile_cache.share_model_info(roots[1], root=tmp_path) == links[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["modelinfos", *(r.parent.name for r in roots)]
+    )
+
+
+def test_a_folder_of_inspections_of_its_own_is_kept(tmp_path: Path) -> None:
+    """A configuration's cache from before the link: its own inspections stay in use."""
+    root = tmp_path / "abc" / "vllm-cache"
+    (root / "modelinfos").mkdir(parents=True)
+    (root / "modelinfos" / "x.json").write_text("{}")
+    assert compile_cache.share_model_info(root, root=tmp_path) is None
+    assert not (root / "modelinfos").is_symlink()
+    assert (root / "modelinfos" / "x.json").read_text() == "{}"

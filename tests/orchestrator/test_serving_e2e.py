@@ -97,6 +97,18 @@ def test_second_server_of_a_configuration_meets_the_first_ones_caches(runs) -> N
     assert second["phases"]["api_server"] < first["phases"]["api_server"]
 
 
+def test_model_inspections_are_written_to_the_folder_every_configuration_shares(runs) -> None:
+    """vLLM writes its model-class inspections through the configuration's link, into the
+    one folder a server of any other configuration reads (orchestrator.compile_cache)."""
+    folder = Path(runs["one"]["first"]["startup"]["compile_cache_dir"])
+    link = folder / "vllm-cache" / "modelinfos"
+    assert link.is_symlink() and link.resolve() == (folder.parent / "modelinfos").resolve()
+    written = sorted(p.name for p in link.iterdir())
+    # The target and its MTP draft, one file each.
+    assert any("DeepSeekMTP" in name for name in written), written
+    assert len(written) >= 2, written
+
+
 def test_the_next_run_meets_the_cache_too(runs) -> None:
     (row,) = runs["two"].values()
     first = runs["one"]["first"]["startup"]
