@@ -27,6 +27,7 @@ same server after the blocks, and each row gets its own traces.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,7 +41,7 @@ from orchestrator.engines.vllm import auth_headers
 from orchestrator.matrix import SWITCH_SERVER_VARIANT, Case, Matrix
 from orchestrator.results import CaseResult, PathFlip, ProfileResult, SwitchRecord
 from orchestrator.store import RunStore
-from orchestrator.workload import WorkloadResult
+from orchestrator.workload import WorkloadResult, mean_of_repeats
 
 SET_PATH, STATE = "fusedq_set_path", "fusedq_state"
 RPC_PATH = "/collective_rpc"
@@ -118,6 +119,24 @@ def flip(
     state = collective_rpc(base_url, STATE, timeout_s=timeout_s, api_key=api_key)
     check_workers(STATE, path, state, workers)
     return PathFlip(block=block, path=path, seconds=round(seconds, 3), workers=answers)
+
+
+def block_figures(
+    result: WorkloadResult, moved: server_metrics.SpecDecodeCounters | None = None
+) -> str:
+    """One block's figures for the run log: its repeats' mean output tok/s and TPOT p50, its
+    errors, and the MTP acceptance its workload saw (where the counters were read)."""
+    mean = mean_of_repeats(result.repeats)
+    parts = [f"{mean.get('aggregate_tok_s', math.nan):.2f} tok/s"]
+    tpot = (mean.get("tpot_ms") or {}).get("p50")
+    if tpot is not None and not math.isnan(tpot):
+        parts.append(f"TPOT p50 {tpot:.3f} ms")
+    errors = sum(r["error"] is not None for r in result.records)
+    if errors:
+        parts.append(f"{errors} of {len(result.records)} requests failed")
+    if moved is not None and moved.draft_tokens > 0:
+        parts.append(f"MTP acceptance {moved.accepted_tokens / moved.draft_tokens:.3f}")
+    return ", ".join(parts)
 
 
 def server_case(unit: Sequence[Case], matrix: Matrix) -> Case:
@@ -246,10 +265,17 @@ class SwitchRun(CaseRun):
                     timing=f"{variant}:workload_{wl.name}_s",
                 )
                 self.results[variant].setdefault(wl.name, []).append(result)
+                moved = None
                 if before is not None:
                     # Read around the workload alone: the warm-up after a flip is not in it.
                     moved = server_metrics.difference(before, self._spec_decode_counters(key))
                     self.spec_decode[variant].setdefault(wl.name, []).append(moved)
+                # The rows are made once every block has run: a run stopped before that
+                # still has each finished block's figures in its log.
+                self.log(
+                    f"{self.case_id}: block {block}: {variant} {wl.name}: "
+                    f"{block_figures(result, moved)}"
+                )
             rounds[variant] += 1
         if self.matrix.profile is not None:
             known: set[str] = set()

@@ -265,6 +265,23 @@ def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):
     assert fused.workloads["greedy"].spec_decode is None
 
 
+def test_each_block_says_its_figures_in_the_log():
+    """What a run stopped before its rows keeps: each finished block's line in the run log."""
+    from orchestrator.server_metrics import SpecDecodeCounters as Moved
+    from orchestrator.switch import block_figures
+
+    # Two requests of 3 tokens, each from 0 to 0.3 s, first token at 0.1 s: 6 tokens in
+    # 0.3 s, and 0.2 s for the 2 tokens after the first.
+    block = _greedy([1, 2, 3], 0)
+    assert block_figures(block) == "20.00 tok/s, TPOT p50 100.000 ms"
+    assert block_figures(block, Moved(10, 10, 7, {0: 7})) == (
+        "20.00 tok/s, TPOT p50 100.000 ms, MTP acceptance 0.700"
+    )
+    block.records[1] = {**block.records[1], "error": "HTTP 500", "end_s": None}
+    block.repeats = [repeat_metrics(block.records)]
+    assert block_figures(block) == "10.00 tok/s, TPOT p50 100.000 ms, 1 of 2 requests failed"
+
+
 # --------------------------------------------------------------------------- the RPC
 
 

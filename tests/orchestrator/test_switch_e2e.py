@@ -83,6 +83,14 @@ def test_one_server_serves_both_variants_in_abba_blocks(switch_run):
     # Block k of each path sent the same prompts: greedy tokens compare request by request.
     assert rows["fused"]["same_tokens"]["ctx0"]["verdict"] == "identical"
     assert rows["fused"]["same_tokens"]["ctx0"]["requests"] == 2 * BLOCKS
+    # Each block's figures are in the run log as it finishes, the same as its row's repeat.
+    log = (switch_run["root"] / "orchestrator.log").read_text()
+    rounds = {"staged": 0, "fused": 0}
+    for block, variant in enumerate(plan, 1):
+        repeat = rows[variant]["workloads"]["ctx0"]["repeats"][rounds[variant]]
+        rounds[variant] += 1
+        said = f"block {block}: {variant} ctx0: {repeat['aggregate_tok_s']:.2f} tok/s, TPOT p50"
+        assert f"{TOPOLOGY}/switch/s1: {said}" in log, log
 
 
 def test_the_server_ran_once_with_the_extension_and_its_time_counts_once(switch_run):
