@@ -41,6 +41,11 @@ class SpecDecodeCounters:
     accepted_tokens: float = 0.0
     accepted_per_position: dict[int, float] = field(default_factory=dict)
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens; None where none was proposed."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens > 0 else None
+
 
 def parse_spec_decode(text: str) -> SpecDecodeCounters | None:
     """The counters in a Prometheus text exposition; None where it has none (a server
@@ -138,7 +143,8 @@ def summarize(
     """Counter differences, acceptance rate and length, per-position rates; and, with
     `configured` (vLLM's synthetic per-position rates), the rate expected. None where
     `moved` is missing or no draft token was proposed."""
-    if moved is None or moved.draft_tokens <= 0:
+    rate = moved.acceptance_rate if moved is not None else None
+    if moved is None or rate is None:
         return None
     drafts, draft_tokens, accepted = moved.drafts, moved.draft_tokens, moved.accepted_tokens
     per_position = [
@@ -150,7 +156,7 @@ def summarize(
         "drafts": int(drafts),
         "draft_tokens": int(draft_tokens),
         "accepted_tokens": int(accepted),
-        "acceptance_rate": round(accepted / draft_tokens, 4),
+        "acceptance_rate": round(rate, 4),
         "acceptance_length": round(1 + accepted / drafts, 4) if drafts > 0 else None,
         "per_position": per_position,
     }

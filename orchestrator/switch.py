@@ -134,8 +134,9 @@ def block_figures(
     errors = sum(r["error"] is not None for r in result.records)
     if errors:
         parts.append(f"{errors} of {len(result.records)} requests failed")
-    if moved is not None and moved.draft_tokens > 0:
-        parts.append(f"MTP acceptance {moved.accepted_tokens / moved.draft_tokens:.3f}")
+    rate = moved.acceptance_rate if moved is not None else None
+    if rate is not None:
+        parts.append(f"MTP acceptance {rate:.3f}")
     return ", ".join(parts)
 
 
@@ -337,10 +338,8 @@ class SwitchRun(CaseRun):
         )
         if seen is None:
             return None
-        seen["block_rates"] = [
-            round(m.accepted_tokens / m.draft_tokens, 4) if m and m.draft_tokens > 0 else None
-            for m in moves
-        ]
+        rates = [m.acceptance_rate if m else None for m in moves]
+        seen["block_rates"] = [round(r, 4) if r is not None else None for r in rates]
         self.log(
             f"{self.unit[variant].case_id}: {workload}: MTP acceptance {seen['acceptance_rate']:.3f}"
             f" ({seen['accepted_tokens']}/{seen['draft_tokens']} draft tokens, "
