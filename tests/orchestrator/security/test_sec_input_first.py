@@ -35,19 +35,32 @@ workloads: [{name: ctx0, prompt_tokens: 1, output_tokens: 4, requests: 1}]
 
 
 def _marked_children(mark: str, own: int) -> list[str]:
-    """Command lines of processes other than `own` whose environment holds the mark."""
+    """Command lines of processes other than `own` whose environment holds the mark, but for
+    its GPU probe (`nvidia-smi -L`, which a GPU matrix's check of this machine runs), seen
+    as itself or, between fork and exec, as a copy of `own` (its command line, an instant)."""
+    try:
+        own_cmd = _cmdline(Path("/proc") / str(own))
+    except OSError:  # it has exited
+        own_cmd = None
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == own:
             continue
         try:
             env = (entry / "environ").read_bytes()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = _cmdline(entry)
         except OSError:
             continue
-        if f"{MARK_ENV}={mark}".encode() in env.split(b"\0"):
-            found.append(cmd)
+        if f"{MARK_ENV}={mark}".encode() not in env.split(b"\0"):
+            continue
+        if cmd == own_cmd or Path(cmd.split(" ", 1)[0]).name == "nvidia-smi":
+            continue
+        found.append(cmd)
     return found
+
+
+def _cmdline(proc: Path) -> str:
+    return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
 def refused(*args: str, logs: Path) -> str:
