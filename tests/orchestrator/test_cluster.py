@@ -148,9 +148,16 @@ def _power_off(cluster, node, also: list[int]) -> None:
 
 def _start_cluster(node_tmp: dict[str, Path]):
     """Head on 127.0.0.1 (the driver's node), a worker node on each of NODES."""
-    saved = {k: os.environ.get(k) for k in ("TMPDIR", MARK_ENV, "RAY_USAGE_STATS_ENABLED")}
+    saved = {
+        k: os.environ.get(k)
+        for k in ("TMPDIR", MARK_ENV, "RAY_USAGE_STATS_ENABLED", "TRITON_INTERPRET")
+    }
     os.environ[MARK_ENV] = MARK  # inherited by every raylet, worker and server
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # The nodes' processes get a user's environment, as the orchestrator's do (orch_cli): not
+    # the test run's TRITON_INTERPRET, which put every server's decode query in Triton's
+    # interpreter (2-core AVX2 host, 2026-12-03: 256 tokens outlasted the 120 s request timeout).
+    os.environ.pop("TRITON_INTERPRET", None)
     try:
         from ray.cluster_utils import Cluster
 
