@@ -23,6 +23,18 @@ CPU and more on a cold GPU host, twice per start with MTP (target and draft). vL
 default shares them among all its servers; a folder per configuration would make every new
 configuration pay again, so each configuration's ``modelinfos`` is a link to one folder beside
 the configurations' (``share_model_info``).
+
+Inductor's cache is no configuration's either: its FX graph cache keys every entry by the
+graph, its inputs and torch's version, a content address any server can share. vLLM compiles
+more than the model with Inductor: the sampler's logprobs gather is compiled at a server's
+first request for logprobs, even with ``--enforce-eager`` (18.2 s of that request on the
+2-core CPU, 2.0 s with the graph cached). So every configuration's ``TORCHINDUCTOR_CACHE_DIR``
+is one folder beside theirs (``inductor_dir``): a graph is compiled once per machine. One per
+CPU instruction set, though: Inductor's key leaves out the one its C++ code targets, and a
+graph a TP2 server had cached on AVX-512, loaded by a server capped at AVX2
+(``ATEN_CPU_CAPABILITY``), fed its vocabulary-parallel embedding an id out of range. A cache
+root shared by machines of two kinds (a home directory on NFS) keeps their code apart
+(docs/decisions/0018-one-inductor-cache-per-isa.md).
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ from orchestrator.matrix import Case
 from orchestrator.tinymodel import cache_root
 
 SUBDIR = "compile"
+# Inductor's cache, shared by every configuration on one instruction set (module docstring).
+INDUCTOR = "inductor"
 # vLLM's folder of model-class inspections under VLLM_CACHE_ROOT (vllm/model_executor/models/
 # registry.py, _LazyRegisteredModel._get_cache_dir); shared by every configuration.
 MODEL_INFO = "modelinfos"
@@ -67,12 +81,44 @@ def shared_dir(
     return base / configuration_key(case, model_path, fusedq_fingerprint)
 
 
+def inductor_dir(root: Path | None = None, isa: str | None = None) -> Path:
+    """Inductor's cache folder of every configuration on this instruction set (``cpu_isa``):
+    `<cache root>/compile/inductor-<isa>`."""
+    base = Path(root) if root is not None else cache_root() / SUBDIR
+    return (base / f"{INDUCTOR}-{isa or cpu_isa()}").absolute()
+
+
+# x86 flags of AVX-512 as torch requires them for its AVX512 kernels (cpuinfo's avx512 check).
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def cpu_isa(environ: dict[str, str] | None = None, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The instruction set torch's and Inductor's CPU code targets here: ATEN_CPU_CAPABILITY
+    where it is set (torch caps both at it), else the widest the CPU's flags offer
+    (``avx512``, ``avx2``), else ``default``. Read without importing torch."""
+    env = os.environ if environ is None else environ
+    if env.get("ATEN_CPU_CAPABILITY"):
+        return env["ATEN_CPU_CAPABILITY"].lower()
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return "default"
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+    )
+    if set(flags) >= _AVX512:
+        return "avx512"
+    return "avx2" if "avx2" in flags else "default"
+
+
 def shared_env(
     case: Case, model_path: str, fusedq_fingerprint: str | None, root: Path | None = None
 ) -> dict[str, str]:
-    """The cache variables for `case`'s server, pointed at its configuration's folder; none
-    that the matrix's env sets itself."""
+    """The cache variables for `case`'s server: vLLM's pointed at its configuration's folder,
+    Inductor's at the folder every configuration shares; none that the matrix's env sets
+    itself."""
     env = compile_cache_env(shared_dir(case, model_path, fusedq_fingerprint, root))
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir(root))
     return {k: v for k, v in env.items() if k not in case.env_dict}
 
 

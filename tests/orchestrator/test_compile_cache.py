@@ -41,13 +41,20 @@ def test_equal_settings_share_a_folder_whatever_the_variant_is_called() -> None:
     assert key(a, "/m", "f1") != key(replace(a, args=("--x",)), "/m", "f1")
 
 
-def test_shared_env_points_both_caches_under_the_configurations_folder(tmp_path: Path) -> None:
-    case = cases()["m/tp1-dcp1-mtp0/a"]
-    env = compile_cache.shared_env(case, "/m", "f1", root=tmp_path)
-    folder = compile_cache.shared_dir(case, "/m", "f1", root=tmp_path)
+def test_shared_env_points_vllms_cache_at_the_configuration_and_inductors_at_all(
+    tmp_path: Path,
+) -> None:
+    all_cases = cases()
+    env = compile_cache.shared_env(all_cases["m/tp1-dcp1-mtp0/a"], "/m", "f1", root=tmp_path)
+    folder = compile_cache.shared_dir(all_cases["m/tp1-dcp1-mtp0/a"], "/m", "f1", root=tmp_path)
     assert folder.parent == tmp_path
     assert set(env) == {"VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"}
-    assert all(Path(v).parent == folder for v in env.values())
+    assert Path(env["VLLM_CACHE_ROOT"]).parent == folder
+    # Inductor's folder is every configuration's: another one's server gets the same.
+    assert Path(env["TORCHINDUCTOR_CACHE_DIR"]) == tmp_path / f"inductor-{compile_cache.cpu_isa()}"
+    other = compile_cache.shared_env(all_cases["m/tp1-dcp1-mtp0/c"], "/m", "f1", root=tmp_path)
+    assert other["VLLM_CACHE_ROOT"] != env["VLLM_CACHE_ROOT"]
+    assert other["TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
     assert not tmp_path.exists() or not any(tmp_path.iterdir()), "naming creates nothing"
 
 
@@ -97,3 +104,18 @@ def test_a_folder_of_inspections_of_its_own_is_kept(tmp_path: Path) -> None:
     assert compile_cache.share_model_info(root, root=tmp_path) is None
     assert not (root / "modelinfos").is_symlink()
     assert (root / "modelinfos" / "x.json").read_text() == "{}"
+
+
+def test_inductors_folder_is_one_per_instruction_set(tmp_path: Path) -> None:
+    """Code Inductor cached for AVX-512 is not what a server capped at AVX2 loads (a TP2
+    server's vocabulary-parallel embedding got an id out of range from such a graph)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512dq avx512bw avx512vl\n")
+    assert compile_cache.cpu_isa({}, cpuinfo) == "avx512"
+    assert compile_cache.cpu_isa({"ATEN_CPU_CAPABILITY": "AVX2"}, cpuinfo) == "avx2"
+    cpuinfo.write_text("flags\t\t: fpu sse4_2 avx avx2 fma\n")
+    assert compile_cache.cpu_isa({}, cpuinfo) == "avx2"
+    assert compile_cache.cpu_isa({}, tmp_path / "none") == "default"
+    assert compile_cache.inductor_dir(tmp_path, isa="avx2") != compile_cache.inductor_dir(
+        tmp_path, isa="avx512"
+    )
