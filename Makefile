@@ -14,11 +14,17 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 smoke: install
 	$(VENV)/bin/orchestrator run matrices/smoke.yaml
 
-# Everything but the GPU-marked tests (those need a CUDA GPU: docs/gpu-validation.md).
+# Everything but the GPU-marked tests (those need a CUDA GPU: docs/gpu-validation.md), on
+# TEST_LANES pytest-xdist workers (tests/lanes.py); then where the time went, per module.
+TEST_LANES ?= 2
+JUNIT ?= .cache/junit.xml
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -m "not gpu" tests
+	@mkdir -p $(dir $(JUNIT)) && rm -f $(JUNIT)
+	$(PY) -m pytest -m "not gpu" -n $(TEST_LANES) --dist loadscope --no-loadscope-reorder \
+		--durations=25 --junitxml=$(JUNIT) tests; rc=$$?; \
+		$(PY) scripts/test_times.py $(JUNIT); exit $$rc
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

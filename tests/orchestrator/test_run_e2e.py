@@ -1,5 +1,6 @@
 """`orchestrator run` end to end: the smoke matrix against real `vllm serve` (CPU build) placed
-through a real local Ray, then resume, then an injected fault. Nothing here is mocked.
+through a real local Ray, then resume. Nothing here is mocked. (An Xid in a server's log that
+fails its measured case is one of test_faults.py's variants.)
 
 The workloads are shrunk with --set (CI time); the topology axes and the staged and fused
 variants are the smoke matrix's own: the fused servers run fusedq's kernel in Triton's
@@ -12,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
-from orch_cli import REPO, VENV_BIN, run_cli
+from orch_cli import REPO, marked_processes, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 PROFILE_STEPS = 3
@@ -32,23 +33,15 @@ SMALL = [
 ]
 
 
+# Every process the smoke run starts (its local Ray's daemons, each server and its engine
+# core) inherits this mark: what outlives the run is counted by it, not by what else runs on
+# the machine meanwhile (the suite's other lane starts and stops servers of its own).
+MARK_ENV = "SMOKE_TEST_MARK"
+MARK = uuid.uuid4().hex
+
+
 def _orchestrator(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
-    return run_cli(*args, timeout=timeout)
-
-
-def _server_processes() -> set[int]:
-    """PIDs of any vllm server or Ray daemon on this machine."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    pids = set()
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if (
-            (" serve " in f" {args} " and "vllm" in args)
-            or "raylet" in args
-            or "gcs_server" in args
-        ):
-            pids.add(int(pid))
-    return pids
+    return run_cli(*args, timeout=timeout, env={MARK_ENV: MARK})
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,6 @@ def smoke_run(tmp_path_factory):
     types `--logs-dir logs`: every path handed to a server must still be absolute."""
     logs = tmp_path_factory.mktemp("logs")
     rel = os.path.relpath(logs, REPO)  # the CLI runs from the repository root
-    before = _server_processes()
     sets = [f"--set={s}" for s in SMALL]
     first = _orchestrator(
         "run", "matrices/smoke.yaml", "--logs-dir", rel, "--run-id", "e2e",
@@ -72,7 +64,6 @@ def smoke_run(tmp_path_factory):
         "run", "matrices/smoke.yaml", "--logs-dir", rel, "--resume", "e2e", "--quiet", *sets
     )
     audit = run_cli("audit", str(logs / "e2e"), "--json", timeout=300)
-    after = _server_processes()
     return {
         "dir": logs / "e2e",
         "first": first,
@@ -80,7 +71,7 @@ def smoke_run(tmp_path_factory):
         "again": again,
         "figures_before_again": figures,
         "audit": audit,
-        "leaked": after - before,
+        "leaked": marked_processes(MARK_ENV, MARK),
     }
 
 
@@ -301,28 +292,3 @@ def test_output_ends_with_the_summary_table(smoke_run):
 
 def test_no_process_outlives_the_run(smoke_run):
     assert not smoke_run["leaked"]
-
-
-def test_injected_fault_line_fails_its_case(tmp_path):
-    """A server that logs an Xid fails its case even though throughput was measured."""
-    wrapper = tmp_path / "vllm-with-xid"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        "echo 'NVRM: Xid (PCI:0000:1b:00): 31, pid=4242, name=python3, Ch 00000008, "
-        "intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12345000. "
-        "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ' >&2\n"
-        f'exec "{VENV_BIN / "vllm"}" "$@"\n'
-    )
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    out = _orchestrator(
-        "run", "matrices/smoke.yaml", "--logs-dir", str(tmp_path), "--run-id", "fault",
-        "--only", "tp2-dcp1-mtp0/staged", "--quiet", f"--set=engine.vllm_bin={wrapper}",
-        *[f"--set={s}" for s in SMALL],
-    )  # fmt: skip
-    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
-    row = json.loads((tmp_path / "fault" / "results.jsonl").read_text().splitlines()[0])
-    assert row["status"] == "failed"
-    assert row["workloads"]["ctx0"]["mean"]["aggregate_tok_s"] > 0  # measured, and still failed
-    assert "xid" in row["reason"].lower()
-    report = (tmp_path / "fault" / "report.md").read_text()
-    assert "**FAILED**" in report and "Xid" in report
