@@ -55,3 +55,26 @@ def vp():
     from fusedq import vllm_plugin
 
     return vllm_plugin
+
+
+# The recorded real-server runs test_vllm_plugin.py and test_vllm_worker_ext.py both read: each
+# server starts once for both (tests/lanes.py keeps the two modules on one lane), is asked
+# everything their tests check, and is stopped before they run.
+
+
+@pytest.fixture(scope="session")
+def switch_server(tmp_path_factory):
+    """tiny_vllm.record_switch_server: TP1, fused at start, then flipped over the RPC."""
+    pytest.importorskip("vllm")
+    import tiny_vllm
+
+    return tiny_vllm.record_switch_server(tmp_path_factory.mktemp("switch-server"))
+
+
+@pytest.fixture(scope="session")
+def tp2_server(tmp_path_factory):
+    """tiny_vllm.record_tp2_server: TP2, 4 heads per rank, the plugin declining per worker."""
+    pytest.importorskip("vllm")
+    import tiny_vllm
+
+    return tiny_vllm.record_tp2_server(tmp_path_factory.mktemp("tp2-server"))

@@ -10,25 +10,32 @@ that ``test_api.py`` already does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import types
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from fusedq_cases import E4M3, Q_SCALE, TOLERANCES, assert_matches, poison, staged_decode_query
+from tiny_vllm import (
+    DISABLED,
+    E2E_TIMEOUT_S,
+    ENABLED,
+    FIRST_USE,
+    MAX_TOKENS,
+    PROFILE_STEPS,
+    assert_greedy_agree,
+    greedy,
+    log_lines,
+    profile_decode,
+    text_lines,
+    vllm_server,
+    worker_pids,
+)
 
 import fusedq
 from fusedq import vllm_hook
@@ -847,184 +854,22 @@ def test_set_path_refuses_where_the_plugin_is_not_active(mla, vp, monkeypatch):
     assert vp.current_path() == "fused"
 
 
-# --- end to end: real vllm serve on the tiny model (CPU) ----------------------------------
-
-PROMPT = [5, 17, 99, 123, 7, 300, 42, 8, 1000, 64, 11, 512]
-MAX_TOKENS = 16
-# Greedy tokens must match the staged run exactly; when bf16 rounding (fp32 accumulation
-# order in the kernel vs torch.bmm) flips a near-tie, the tokens after it legitimately
-# diverge, so the fallback check is on the first divergent step's chosen-token logprobs:
-# both runs' top-1 logprobs there must agree within this many nats (a tie, not a bug).
-LOGPROB_TOL = 0.02
-ENABLED = "fusedq: fused MLA query enabled ("
-DISABLED = "fusedq: fused MLA query disabled: "
-FIRST_USE = "fusedq: first fused MLA decode query"
-# Three launches share the first test's setup; each takes 25-35 s on an idle 2-core machine
-# (minutes when it is busy), and the interpreted fused decode ~1 s per layer and step.
-E2E_TIMEOUT_S = 1800
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# The CPU build's MLA backend that takes the generic query path (DESIGN.md), run eagerly.
-CPU_ENGINE_ARGS = ("--attention-backend", "CPU_MLA", "--enforce-eager")
-
-
-@contextlib.contextmanager
-def vllm_server(
-    workdir: Path,
-    env: dict[str, str],
-    *,
-    tp: int = 1,
-    expect_ready: bool = True,
-    profile_dir: Path | None = None,
-    model: Path | None = None,
-    engine_args: Sequence[str] = CPU_ENGINE_ARGS,
-):
-    """Start ``vllm serve`` on the tiny model (loopback only), yield (port, log path), stop it
-    (SIGTERM to its process group, SIGKILL after 20 s). `profile_dir`: with vLLM's torch
-    profiler writing there (the orchestrator's profile phase's flag). `model` (default the
-    CPU tiny model) and `engine_args` (default the CPU build's) serve something else."""
-    from orchestrator.engines.vllm import PROFILER_FLAG, profiler_config
-    from orchestrator.tinymodel import build_tiny_model
-
-    model = model if model is not None else build_tiny_model()
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    full_env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TRITON_INTERPRET", "FUSEDQ_MLA_QUERY", "VLLM_PLUGINS")
-    }
-    # vLLM binds ZeroMQ IPC sockets under TMPDIR and a socket path holds at most 107 bytes;
-    # pytest's tmp_path is deeper than that, so the server gets a short private temp dir.
-    short_tmp = tempfile.mkdtemp(prefix="fq-")
-    full_env.update(
-        VLLM_HOST_IP="127.0.0.1",
-        VLLM_CPU_KVCACHE_SPACE="2",
-        VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
-        TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
-        TMPDIR=short_tmp,
-    )
-    if tp == 2:
-        full_env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    else:
-        # TP1: vLLM's `auto` binding (worker on core 0) measured 4x faster than "0-1" here.
-        full_env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    full_env.update(env)
-    vllm_bin = Path(sys.executable).with_name("vllm")
-    argv = [
-        str(vllm_bin), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-        *engine_args, "--max-model-len", "4096", "--tensor-parallel-size", str(tp),
-        "--max-num-seqs", "4",
-    ]  # fmt: skip
-    if profile_dir is not None:
-        argv += [PROFILER_FLAG, profiler_config(str(profile_dir.absolute()))]
-    log = workdir / "server.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            argv, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        if expect_ready:
-            _wait_ready(proc, port, log)
-        else:
-            proc.wait(timeout=600)
-        yield port, log
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        shutil.rmtree(short_tmp, ignore_errors=True)
-
-
-def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return
-        time.sleep(1)
-    raise AssertionError(f"vllm serve not ready after {timeout} s:\n{log.read_text()[-4000:]}")
-
-
-def greedy(port: int) -> tuple[list[int], list[float]]:
-    """Greedy token ids and their logprobs for the fixed prompt."""
-    import httpx
-
-    models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
-    body = {
-        "model": models["data"][0]["id"], "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-        "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
-        "ignore_eos": True,
-    }  # fmt: skip
-    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600)
-    reply.raise_for_status()
-    lp = reply.json()["choices"][0]["logprobs"]
-    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-    return ids, lp["token_logprobs"]
-
-
-# Decode steps the staged and fused servers are profiled for (interpreted fused query: ~1 s
-# per layer and step).
-PROFILE_STEPS = 2
-
-
-def profile_decode(port: int) -> None:
-    """What the orchestrator's profile phase does: start the profiler, one one-token request
-    of PROFILE_STEPS output tokens alone on the server, stop the profiler."""
-    import httpx
-
-    from orchestrator.engines.vllm import profile_request
-
-    base = f"http://127.0.0.1:{port}"
-    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-    profile_request(base, "start", timeout_s=120)
-    body = {"model": model, "prompt": [5], "max_tokens": PROFILE_STEPS, "min_tokens":
-            PROFILE_STEPS, "ignore_eos": True, "temperature": 0}  # fmt: skip
-    httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
-    profile_request(base, "stop", timeout_s=300)
-
-
-def log_lines(log: Path, needle: str) -> list[str]:
-    return [ln for ln in log.read_text(errors="replace").splitlines() if needle in ln]
-
-
-def worker_pids(lines: list[str]) -> set[str]:
-    return {m.group(1) for ln in lines if (m := re.search(r"pid=(\d+)\)", ln))}
+# --- end to end: real vllm serve on the tiny model (CPU; tiny_vllm.py) ----------------------
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch per configuration, shared by the e2e tests: plain vLLM (plugin not loaded),
-    FUSEDQ_MLA_QUERY=0, and the plugin in auto mode with the kernel in Triton's interpreter."""
+    """One launch per configuration this module alone reads: plain vLLM (plugin not loaded)
+    and FUSEDQ_MLA_QUERY=0, profiled. The plugin in auto mode with the kernel in Triton's
+    interpreter is the shared switch server's start-up path (tests/fusedq/conftest.py)."""
     pytest.importorskip("vllm")
     base = tmp_path_factory.mktemp("vllm-e2e")
     results = {}
-    configs = {
-        "plain": {"VLLM_PLUGINS": ""},
-        "off": {"FUSEDQ_MLA_QUERY": "0"},
-        "fused": {"TRITON_INTERPRET": "1"},
-    }
-    for name, env in configs.items():
-        # The staged and fused servers are profiled too (test_e2e_profile_...).
-        profile = base / name / "profile" if name != "plain" else None
-        with vllm_server(base / name, env, profile_dir=profile) as (port, log):
-            results[name] = (greedy(port), log)
-            if profile is not None:
-                profile_decode(port)
+    with vllm_server(base / "plain", {"VLLM_PLUGINS": ""}) as (port, log):
+        results["plain"] = (greedy(port), log)
+    with vllm_server(base / "off", {"FUSEDQ_MLA_QUERY": "0"}, profile_dir=base / "off" / "profile") as (port, log):  # fmt: skip
+        results["off"] = (greedy(port), log)
+        profile_decode(port)  # test_e2e_profile_...
     return results
 
 
@@ -1042,50 +887,26 @@ def test_e2e_off_is_plain_vllm(runs):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT_S)
-def test_e2e_fused_matches_staged(runs):
+def test_e2e_fused_matches_staged(runs, switch_server):
     (staged_ids, staged_lp), _ = runs["plain"]
-    (fused_ids, fused_lp), log = runs["fused"]
-    enabled = log_lines(log, ENABLED)
+    fused_ids, fused_lp = switch_server["start"]
+    log = switch_server["start_log"]  # as served until its first flip
+    enabled = text_lines(log, ENABLED)
     assert len(enabled) == 1, enabled
     assert (
         "heads=8, format=bf16, query=tensor, prewarmed M=none [no CUDA graphs on cpu]" in enabled[0]
     )
-    kernels = log_lines(log, "fusedq: kernels (heads=8, format=bf16): M=1")
+    kernels = text_lines(log, "fusedq: kernels (heads=8, format=bf16): M=1")
     assert len(kernels) == 1, kernels  # which kernel each decode M ran, once per worker
-    assert len(log_lines(log, FIRST_USE)) == 1, "the fused op never ran in the decode step"
-    assert not log_lines(log, DISABLED)
+    assert len(text_lines(log, FIRST_USE)) == 1, "the fused op never ran in the decode step"
+    assert not text_lines(log, DISABLED)
     assert_greedy_agree((fused_ids, fused_lp), (staged_ids, staged_lp))
-
-
-def assert_greedy_agree(
-    fused: tuple[list[int], list[float]], staged: tuple[list[int], list[float]]
-) -> None:
-    """The fused run's greedy tokens equal the staged run's, or part at a near-tie (see
-    LOGPROB_TOL) after equal tokens; equal tokens carry logprobs within LOGPROB_TOL."""
-    (fused_ids, fused_lp), (staged_ids, staged_lp) = fused, staged
-    same = fused_ids == staged_ids
-    print(f"greedy ids {'identical' if same else 'differ'}: fused {fused_ids} staged {staged_ids}")
-    print(f"logprobs fused {fused_lp}\nlogprobs staged {staged_lp}")
-    if not same:
-        first = next(
-            i for i, (a, b) in enumerate(zip(fused_ids, staged_ids, strict=True)) if a != b
-        )
-        assert abs(fused_lp[first] - staged_lp[first]) <= LOGPROB_TOL, (
-            first,
-            fused_ids,
-            staged_ids,
-        )
-        assert fused_ids[:first] == staged_ids[:first]
-    else:
-        torch.testing.assert_close(
-            torch.tensor(fused_lp), torch.tensor(staged_lp), atol=LOGPROB_TOL, rtol=0
-        )
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT_S)
-def test_e2e_profile_attributes_the_query_step(runs):
+def test_e2e_profile_attributes_the_query_step(runs, switch_server):
     """The trace reader's query-step rule on real traces whose answer is known: the tiny
     model's 2 layers x PROFILE_STEPS steps, each found once, as vLLM's aten::bmm + aten::cat
     in the staged server's trace and as the fused op in the fused server's; the fused trace
@@ -1095,12 +916,10 @@ def test_e2e_profile_attributes_the_query_step(runs):
     from orchestrator.trace import find_rank_traces, read_trace
 
     layers = 2
-    got = {}
-    for name in ("off", "fused"):
-        profile_dir = runs[name][1].parent / "profile"
-        paths = find_rank_traces(profile_dir)
-        assert len(paths) == 1, sorted(p.name for p in profile_dir.iterdir())
-        got[name] = read_trace(paths[0])
+    profile_dir = runs["off"][1].parent / "profile"
+    paths = find_rank_traces(profile_dir)
+    assert len(paths) == 1, sorted(p.name for p in profile_dir.iterdir())
+    got = {"off": read_trace(paths[0]), "fused": read_trace(switch_server["start_trace"])}
     staged, fused = got["off"].query, got["fused"].query
     n = layers * PROFILE_STEPS
     assert got["off"].steps_seen == got["fused"].steps_seen == PROFILE_STEPS
@@ -1124,18 +943,16 @@ def test_e2e_profile_attributes_the_query_step(runs):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT_S)
-def test_e2e_tp2_unsupported_heads_fall_back_per_worker(tmp_path):
+def test_e2e_tp2_unsupported_heads_fall_back_per_worker(tp2_server):
     """TP2 on the 8-head model: 4 heads per rank is not qualified. Auto mode serves with the
     staged path and each of the two workers says why, once."""
-    pytest.importorskip("vllm")
-    env = {"TRITON_INTERPRET": "1"}
-    with vllm_server(tmp_path / "tp2", env, tp=2) as (port, log):
-        ids, _ = greedy(port)
+    ids, _ = tp2_server["served"]
+    log = tp2_server["start_log"]  # as served, before the RPCs
     assert len(ids) == MAX_TOKENS
-    lines = log_lines(log, DISABLED)
+    lines = text_lines(log, DISABLED)
     assert len(lines) == 2 and len(worker_pids(lines)) == 2, lines
     assert all("num_heads=4 is not qualified" in ln for ln in lines)
-    assert not log_lines(log, ENABLED) and not log_lines(log, FIRST_USE)
+    assert not text_lines(log, ENABLED) and not text_lines(log, FIRST_USE)
 
 
 @pytest.mark.slow

@@ -15,27 +15,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_plugin import (
+from test_vllm_plugin import stand_in_layer
+from tiny_vllm import (
     DISABLED,
     E2E_TIMEOUT_S,
     ENABLED,
+    EXTENSION,
+    FIRST_STAGED,
     FIRST_USE,
     MAX_TOKENS,
     PROFILE_STEPS,
+    SWITCHED,
     assert_greedy_agree,
-    greedy,
     log_lines,
-    profile_decode,
-    stand_in_layer,
+    switch_run,
     vllm_server,
 )
 
 from fusedq import vllm_worker_ext
 from fusedq.vllm_worker_ext import FusedqWorkerExtension
-
-EXTENSION = ("--worker-extension-cls", "fusedq.vllm_worker_ext.FusedqWorkerExtension")
-SWITCHED = "fusedq: decode path switched to "
-FIRST_STAGED = "fusedq: first staged MLA decode query since the switch"
 
 
 def eager_worker(**runner) -> types.SimpleNamespace:
@@ -157,45 +155,6 @@ def test_set_path_refuses_a_runner_it_cannot_recapture(mla, vp, monkeypatch):
 # --- end to end: a real server flipped over /collective_rpc ---------------------------------
 
 
-def rpc(port: int, method: str, *args: str) -> list:
-    """vLLM's dev-mode collective RPC: one result per worker."""
-    import httpx
-
-    reply = httpx.post(
-        f"http://127.0.0.1:{port}/collective_rpc",
-        json={"method": method, "args": list(args)},
-        timeout=600,
-    )
-    reply.raise_for_status()
-    return reply.json()["results"]
-
-
-def profiled_query(port: int, profile_dir: Path):
-    """The decode query step of a short profiled request (its trace: this cycle's only)."""
-    from orchestrator.trace import find_rank_traces, read_trace
-
-    before = set(find_rank_traces(profile_dir)) if profile_dir.exists() else set()
-    profile_decode(port)
-    new = [p for p in find_rank_traces(profile_dir) if p not in before]
-    assert len(new) == 1, new
-    return read_trace(new[0]).query
-
-
-def switch_run(port: int, profile_dir: Path) -> dict:
-    """Flip a started (fused) server staged -> fused -> staged; after each flip its greedy
-    tokens and the query step its profile shows."""
-    run: dict = {"state": rpc(port, "fusedq_state"), "start": greedy(port)}
-    for i, path in enumerate(("staged", "fused", "staged")):
-        results = rpc(port, "fusedq_set_path", path)
-        run[f"{i}:{path}"] = {
-            "results": results,
-            "greedy": greedy(port),
-            "query": profiled_query(port, profile_dir),
-            "state": rpc(port, "fusedq_state"),
-        }
-    return run
-
-
 def check_switch_run(run: dict, log_text: str, *, layers: int, recaptured: bool) -> None:
     """What a flipped server must show, on CPU and GPU alike (``log_text``: its log up to the
     end of the run)."""
@@ -234,35 +193,21 @@ def check_switch_run(run: dict, log_text: str, *, layers: int, recaptured: bool)
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT_S)
-def test_e2e_switch_on_a_running_cpu_server(tmp_path):
+def test_e2e_switch_on_a_running_cpu_server(switch_server):
     """TP1 on CPU, eager: nothing to re-capture; each flip shows in the tokens, the log and
-    the profile (the fused op's custom op, or vLLM's aten::bmm + aten::cat)."""
-    pytest.importorskip("vllm")
-    env = {"TRITON_INTERPRET": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    profile = tmp_path / "profile"
-    with vllm_server(
-        tmp_path / "switch", env, profile_dir=profile,
-        engine_args=(*EXTENSION, "--attention-backend", "CPU_MLA", "--enforce-eager"),
-    ) as (port, log):  # fmt: skip
-        run = switch_run(port, profile)
-        run_log = log.read_bytes().decode(errors="replace")
-        import httpx
-
-        # A refused switch: its traceback goes to the log, the server keeps serving.
-        bad = httpx.post(
-            f"http://127.0.0.1:{port}/collective_rpc",
-            json={"method": "fusedq_set_path", "args": ["eager"]}, timeout=600,
-        )  # fmt: skip
-        after = greedy(port)  # the refused call left the server serving, on its path
+    the profile (the fused op's custom op, or vLLM's aten::bmm + aten::cat). The server is
+    tiny_vllm.record_switch_server's, shared with test_vllm_plugin.py."""
+    run = switch_server
     (state,) = run["state"]
     assert (state["path"], state["active"], state["layers"], state["query"]) == (
         "fused", True, 2, ["tensor"]
     )  # fmt: skip
     assert state["graphs"] == "no CUDA graphs: enforce-eager"
-    check_switch_run(run, run_log, layers=2, recaptured=False)
-    assert after == run["2:staged"]["greedy"]
-    assert bad.status_code >= 400
-    assert "decode path 'eager' is not one of staged, fused" in log.read_text(errors="replace")
+    check_switch_run(run, run["run_log"], layers=2, recaptured=False)
+    # A refused switch: its traceback goes to the log, the server keeps serving, on its path.
+    assert run["after"] == run["2:staged"]["greedy"]
+    assert run["refused"]["status"] >= 400
+    assert "decode path 'eager' is not one of staged, fused" in run["log"]
     names = run["1:fused"]["query"].names
     assert names == {"fusedq::mla_query_projection": 2 * PROFILE_STEPS}, names
     n = 2 * PROFILE_STEPS
@@ -272,29 +217,18 @@ def test_e2e_switch_on_a_running_cpu_server(tmp_path):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT_S)
-def test_e2e_switch_refused_where_the_plugin_is_not_active(tmp_path):
+def test_e2e_switch_refused_where_the_plugin_is_not_active(tp2_server):
     """TP2 on the 8-head model (4 heads per rank: not qualified): both workers say why over
-    the RPC, and a switch is refused without disturbing the server."""
-    pytest.importorskip("vllm")
-    env = {"TRITON_INTERPRET": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    with vllm_server(
-        tmp_path / "switch-tp2", env, tp=2,
-        engine_args=(*EXTENSION, "--attention-backend", "CPU_MLA", "--enforce-eager"),
-    ) as (port, log):  # fmt: skip
-        import httpx
-
-        states = rpc(port, "fusedq_state")
-        bad = httpx.post(
-            f"http://127.0.0.1:{port}/collective_rpc",
-            json={"method": "fusedq_set_path", "args": ["staged"]}, timeout=600,
-        )  # fmt: skip
-        ids, _ = greedy(port)
+    the RPC, and a switch is refused without disturbing the server (tiny_vllm's
+    record_tp2_server, shared with test_vllm_plugin.py)."""
+    states = tp2_server["states"]
+    ids, _ = tp2_server["after"]
     assert len(states) == 2 and len({s["pid"] for s in states}) == 2
     for s in states:
         assert (s["active"], s["path"], s["layers"]) == (False, "staged", 0)
         assert "num_heads=4 is not qualified" in s["reason"]
-    assert bad.status_code >= 400 and len(ids) == MAX_TOKENS
-    assert "the fused MLA query is not active" in log.read_text(errors="replace")
+    assert tp2_server["refused"]["status"] >= 400 and len(ids) == MAX_TOKENS
+    assert "the fused MLA query is not active" in tp2_server["log"]
 
 
 # --- on a CUDA vLLM (the H200): the graphs are captured again ------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from orch_cli import user_environ
 
 from orchestrator import workload as wl
 
@@ -339,6 +339,7 @@ def test_failed_requests_wait_for_a_dying_server_to_be_seen() -> None:
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any]]:
     pytest.importorskip("vllm", reason="vLLM not installed")
+    from orchestrator.compile_cache import inductor_dir, share_model_info
     from orchestrator.engines import vllm as eng
     from orchestrator.tinymodel import build_tiny_model
 
@@ -355,9 +356,11 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         served_name="tiny",
         extra_args=["--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096"],
     )
-    env = eng.serve_env(
-        os.environ, host="127.0.0.1", run_dir=run_dir, extra={"VLLM_CPU_KVCACHE_SPACE": "1"}
-    )
+    # A user's environment (no TRITON_INTERPRET: the plugin declines, the decode is vLLM's
+    # own), and Inductor's cache every configuration shares (orchestrator.compile_cache).
+    extra = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir())}
+    env = eng.serve_env(user_environ(), host="127.0.0.1", run_dir=run_dir, extra=extra)
+    share_model_info(Path(env["VLLM_CACHE_ROOT"]))  # vLLM's model inspection, run once
     log = run_dir / "server.log"
     proc = eng.start_server(argv, env, log)
     try:

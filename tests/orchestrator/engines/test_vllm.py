@@ -16,7 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from orch_cli import user_environ
 
+from orchestrator.compile_cache import share_model_info
 from orchestrator.engines import vllm as eng
 
 # ---------------------------------------------------------------------------- argv
@@ -422,6 +424,8 @@ def test_stop_after_leader_died_still_kills_children(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- real vLLM
 
 CPU_ARGS = ["--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096"]
+# A user's environment (orch_cli.user_environ: not the test run's TRITON_INTERPRET, so the
+# plugin declines and the decode is vLLM's own).
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -448,7 +452,8 @@ def test_real_server_serves_and_stops_clean(tiny_model: str, tmp_path: Path) -> 
         served_name="tiny",
         extra_args=CPU_ARGS,
     )
-    env = eng.serve_env(os.environ, host="127.0.0.1", run_dir=tmp_path, extra=CPU_ENV)
+    env = eng.serve_env(user_environ(), host="127.0.0.1", run_dir=tmp_path, extra=CPU_ENV)
+    share_model_info(Path(env["VLLM_CACHE_ROOT"]))  # vLLM's model inspection, run once
     log = tmp_path / "server.log"
     proc = eng.start_server(argv, env, log)
     try:
@@ -497,7 +502,7 @@ def test_bad_model_path_fails_fast_with_reason(tiny_model: str, tmp_path: Path) 
         port=port,
         extra_args=CPU_ARGS,
     )
-    env = eng.serve_env(os.environ, host="127.0.0.1", run_dir=tmp_path, extra=CPU_ENV)
+    env = eng.serve_env(user_environ(), host="127.0.0.1", run_dir=tmp_path, extra=CPU_ENV)
     log = tmp_path / "server.log"
     proc = eng.start_server(argv, env, log)
     t0 = time.monotonic()
