@@ -1,7 +1,8 @@
 """Fault injection against real `vllm serve` processes (CPU build) placed through a real local
 Ray: a server that exits during start-up, one SIGKILLed and one SIGSTOPped mid-measurement, a
-port taken between choosing it and binding it, a missing model path, and the orchestrator
-itself SIGKILLed mid-matrix and resumed. Nothing of vLLM or Ray is mocked.
+port taken between choosing it and binding it, a server that logs an Xid while it serves, a
+missing model path, and the orchestrator itself SIGKILLed mid-matrix and resumed. Nothing of
+vLLM or Ray is mocked.
 
 One matrix holds the server faults as variants of one topology (the fault is picked by the
 variant's env), so one orchestrator run covers them: CI time is dominated by vLLM start-ups.
@@ -46,7 +47,10 @@ MISSING = f"missing-{MARK[:8]}"
 API_KEY = f"apikey{uuid.uuid4().hex}"
 HF_TOKEN = f"tok{uuid.uuid4().hex}"
 CASE = "tiny-mla/tp1-dcp1-mtp0/{}"
-REQUEST_S = 60
+# The faults land on the first measured request, after the warm-up request (which gets
+# start-up's patience and absorbs a fresh server's one-time costs): the request timeout bounds
+# a warmed server's 32 tokens (well under a second here) and is what the hung case waits.
+REQUEST_S = 20
 # A real vLLM CPU start-up failure (see test_failure_reason.py): its root cause is this line.
 STARTUP_FAILURE_LOG = REPO / "tests/orchestrator/fixtures/audit/vllm_cpu_mtp_draft_amx.log"
 ROOT_CAUSE = "ValueError: No common block size for 128 (CPU_MLA: [16]; AMX_MLA: [MultipleOf(32)])."
@@ -65,25 +69,21 @@ print(f"fault-wrapper: {{fault}} HF_TOKEN={{os.environ.get('HF_TOKEN')}} argv {{
       file=sys.stderr, flush=True)
 
 
-def after_first_request(sig):
-    # A forked watcher signals the server once a completion is being answered (uvicorn logs
-    # the access line when the streamed response starts): the fault lands mid-measurement.
+def after_first_measured_request(sig):
+    # A forked watcher signals the server once the first measured completion is being
+    # answered (uvicorn logs the access line when the streamed response starts; the first
+    # such line is the warm-up's): the fault lands mid-measurement.
     server = os.getpid()
     if os.fork():
         return
-    offset, tail = 0, b""
     while True:
         time.sleep(0.05)
         try:
             with open("server.log", "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
+                if f.read().count(b"POST /v1/completions") >= 2:
+                    break
         except OSError:
             continue
-        offset += len(chunk)
-        if b"POST /v1/completions" in tail + chunk:
-            break
-        tail = (tail + chunk)[-64:]
     at = time.time()
     os.kill(server, sig)
     with open("fault-injected.json", "w") as f:
@@ -97,10 +97,16 @@ if fault == "exit3":
         sys.stderr.write(f.read())
     print("fault-wrapper: exiting with code 3 during start-up", file=sys.stderr, flush=True)
     sys.exit(3)
+if fault == "xid":
+    # What a GPU fault leaves in a server's log, here before a server that then serves its
+    # workload in full: the audit fails the case though it measured.
+    print("NVRM: Xid (PCI:0000:1b:00): 31, pid=4242, name=python3, Ch 00000008, intr 00000000. "
+          "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12345000. Fault is of type "
+          "FAULT_PDE ACCESS_TYPE_VIRT_READ", file=sys.stderr, flush=True)
 if fault == "kill":
-    after_first_request(signal.SIGKILL)
+    after_first_measured_request(signal.SIGKILL)
 if fault == "stop":
-    after_first_request(signal.SIGSTOP)
+    after_first_measured_request(signal.SIGSTOP)
 if fault == "clash" and not os.path.exists("clash-injected"):
     # Another process takes the port after the orchestrator chose it: the race a free-port
     # scheme cannot close, since vLLM binds seconds later, after its imports.
@@ -133,18 +139,16 @@ engine:
   env: {{VLLM_CPU_KVCACHE_SPACE: "2", HF_TOKEN: {hf_token}}}
 resources: {{accelerator: cpu, cpus_per_rank: 1}}
 topologies: [{{tp: 1, mtp: [0]}}]
-# ~1 s of streaming on an idle machine: the window in which the injected faults must land.
+# ~1 s of streaming on an idle machine: the window in which the injected faults must land
+# (on the first measured request: the one warm-up request before it is the first POST).
 workloads: [{{name: ctx0, prompt_tokens: 1, output_tokens: 32, requests: 3}}]
 variants:
   - {{name: exit3, env: {{FAULT: exit3}}}}
   - {{name: killed, env: {{FAULT: kill}}}}
   - {{name: clash, env: {{FAULT: clash}}}}
+  - {{name: xid, env: {{FAULT: xid}}}}
   - {{name: hang, env: {{FAULT: stop}}}}
 timeouts: {{placement_s: 120, ready_s: 900, request_s: {request_s}, case_s: 1500}}
-# The faults land on the first completion request: that must be a measured one. So the
-# first request also pays a fresh server's one-time costs (it outlasted 15 s once on a fresh
-# CI machine): request_s leaves room for that.
-warmup_requests: 0
 """
 
 
@@ -286,11 +290,11 @@ def _explain(out: subprocess.CompletedProcess[str]) -> str:
     return f"rc={out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
 
 
-def test_run_was_killed_mid_matrix_with_three_cases_finished(faults):
+def test_run_was_killed_mid_matrix_with_four_cases_finished(faults):
     assert faults["run1_code"] == -signal.SIGKILL
     rows = faults["results_at_kill"].decode().splitlines()
     assert [json.loads(r)["case_id"] for r in rows] == [
-        CASE.format(v) for v in ("exit3", "killed", "clash")
+        CASE.format(v) for v in ("exit3", "killed", "clash", "xid")
     ], faults["run1_err"][-3000:]
 
 
@@ -330,7 +334,7 @@ def test_the_root_cause_leads_in_every_report_and_the_terminal(faults):
 def test_a_resume_with_nothing_left_starts_nothing_and_still_fails(faults):
     out = faults["again"]
     assert out.returncode == 1, _explain(out)  # three cases of the run failed
-    assert "nothing left to run" in out.stdout and "3 case(s) failed" in out.stderr
+    assert "nothing left to run" in out.stdout and "4 case(s) failed" in out.stderr
     manifest = json.loads((faults["dir"] / "manifest.json").read_text())
     assert len(manifest["resumes"]) == 1  # it recorded no attempt: it made none
 
@@ -380,6 +384,18 @@ def test_a_hung_server_fails_by_request_timeout_and_is_stopped(faults):
     # Stopped within the grace period (SIGCONT lets the stopped server act on SIGTERM).
     assert row["timings"]["stop_s"] < 30, row["timings"]
     assert not [p for p, v in faults["marked_after"].items() if v.get("ORCHESTRATOR_CASE")]
+
+
+def test_an_xid_in_the_log_fails_its_case_though_throughput_was_measured(faults):
+    row = _rows(faults["dir"])[CASE.format("xid")]
+    assert row["status"] == "failed"
+    assert row["workloads"]["ctx0"]["mean"]["aggregate_tok_s"] > 0  # measured, and still failed
+    assert row["errors"] == 0
+    assert "xid" in row["reason"].lower(), row["reason"]
+    report = (faults["dir"] / "report.md").read_text()
+    rows = [x for x in report.splitlines() if x.startswith("| tiny-mla |") and "| xid |" in x]
+    assert rows and all(x.endswith("| **FAILED** |") for x in rows), rows  # every seed table
+    assert f"- **{CASE.format('xid')}**: " in report and "Xid" in report
 
 
 def test_missing_model_path_fails_clearly_without_starting_vllm(faults):
@@ -433,11 +449,11 @@ def test_resume_with_kill_leftovers_completes_without_loss_or_duplicates(faults)
     out = faults["resumed"]
     assert "leftover process(es) of crashed runs (--kill-leftovers)" in out.stderr, _explain(out)
     _check_named(out.stderr, faults)
-    assert "skipped 3 finished case(s)" in out.stdout
+    assert "skipped 4 finished case(s)" in out.stdout
     data = (faults["dir"] / "results.jsonl").read_bytes()
     assert data.startswith(faults["results_at_kill"])  # finished rows kept, byte for byte
     ids = [json.loads(x)["case_id"] for x in data.decode().splitlines()]
-    assert ids == [CASE.format(v) for v in ("exit3", "killed", "clash", "hang")]
+    assert ids == [CASE.format(v) for v in ("exit3", "killed", "clash", "xid", "hang")]
     manifest = json.loads((faults["dir"] / "manifest.json").read_text())
     assert len(manifest["resumes"]) == 1  # the refused attempt changed nothing
     # The killed attempt's log is kept aside (and was redacted: see the secrets test).
