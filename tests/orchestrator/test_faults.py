@@ -333,7 +333,7 @@ def test_the_root_cause_leads_in_every_report_and_the_terminal(faults):
 
 def test_a_resume_with_nothing_left_starts_nothing_and_still_fails(faults):
     out = faults["again"]
-    assert out.returncode == 1, _explain(out)  # three cases of the run failed
+    assert out.returncode == 1, _explain(out)  # four cases of the run failed
     assert "nothing left to run" in out.stdout and "4 case(s) failed" in out.stderr
     manifest = json.loads((faults["dir"] / "manifest.json").read_text())
     assert len(manifest["resumes"]) == 1  # it recorded no attempt: it made none
