@@ -31,7 +31,7 @@ SCALE_BLOCKS = KV_LORA // MX_BLOCK
 # What a profiler trace calls the fused query: the kernels' names (the Triton and Gluon JIT
 # functions, as CUDA launches them; the CuTe DSL kernel's function, which its symbol embeds:
 # kernel_cutlass__mla_query_cute_kernel_<argument types>) and the custom op's name (what a CPU
-# trace records). orchestrator/trace.py attributes a layer's query step by them; a kernel
+# trace records). orchestrator/analysis/trace.py attributes a layer's query step by them; a kernel
 # missing here is not seen (before 2026-12-01 the Gluon ones were: tests/orchestrator/
 # test_trace.py now checks the list against the kernels).
 KERNEL_NAMES = (

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from orchestrator.runner import RunSummary
+    from orchestrator.execution.runner import RunSummary
 
 app = typer.Typer(
     add_completion=False,
@@ -72,8 +72,8 @@ def plan(
     """Validate a matrix and list its cases and their needs; launches nothing."""
     import json
 
-    from orchestrator.matrix import MatrixError
-    from orchestrator.plan import plan_matrix, render_plan
+    from orchestrator.config.matrix import MatrixError
+    from orchestrator.plan.render import plan_matrix, render_plan
 
     try:
         result = plan_matrix(matrix, sets=sets)
@@ -122,10 +122,10 @@ def run(
     input or when processes of a crashed attempt of the resumed run still run (nothing
     launched).
     """
-    from orchestrator.launch import LaunchError
-    from orchestrator.matrix import MatrixError
-    from orchestrator.runner import RunAborted, RunOptions, run_matrix
-    from orchestrator.store import StoreError
+    from orchestrator.cluster.launch import LaunchError
+    from orchestrator.config.matrix import MatrixError
+    from orchestrator.execution.runner import RunAborted, RunOptions, run_matrix
+    from orchestrator.results.store import StoreError
 
     options = RunOptions(
         logs_dir=logs_dir,
@@ -155,7 +155,7 @@ def run(
 def _print_interrupted(exc: KeyboardInterrupt) -> None:
     """An interrupted run: the closing table of what it kept, then (on stderr) its id, where
     it is and the exact command that continues it."""
-    from orchestrator.interrupted import RunInterrupted
+    from orchestrator.execution.interrupted import RunInterrupted
 
     if not isinstance(exc, RunInterrupted):
         typer.echo("orchestrator: interrupted", err=True)
@@ -168,7 +168,7 @@ def _print_interrupted(exc: KeyboardInterrupt) -> None:
 
 def _print_outcome(summary: RunSummary) -> None:
     """Where the run went, what it skipped, its closing table, and each failed case's reason."""
-    from orchestrator.mdtable import plain_text
+    from orchestrator.common.mdtable import plain_text
 
     report = summary.run_dir / "report.md"
     typer.echo(f"run directory: {summary.run_dir}")
@@ -218,7 +218,7 @@ def profile(
     """Run a matrix with its profile phase on (`profile:` in the matrix, or --decode-steps):
     every case's decode is profiled after its workloads, and the report gets the paired
     table of each staged/fused pair. Exit codes as `run`."""
-    from orchestrator.matrix import MatrixError, load_matrix
+    from orchestrator.config.matrix import MatrixError, load_matrix
 
     try:
         given = load_matrix(matrix, sets=sets).profile
@@ -256,9 +256,9 @@ def trace_summary(
     the file that is missing or not a trace."""
     import json
 
-    from orchestrator.mdtable import md_table
+    from orchestrator.analysis.trace import TraceError, read_trace, short_name
+    from orchestrator.common.mdtable import md_table
     from orchestrator.reports.profile import mean_rows, trace_rows
-    from orchestrator.trace import TraceError, read_trace, short_name
 
     try:
         figures = [read_trace(p, top=top) for p in traces]
@@ -288,8 +288,8 @@ def trace_summary(
 def _print_summary(run_dir: Path) -> None:
     """The closing table of a run (every case of it, resumed ones too), after the paths:
     what a person reads first when the run ends. Failed cases' reasons follow on stderr."""
-    from orchestrator.recorded_run import Run
     from orchestrator.reports.summary import render_summary
+    from orchestrator.results.recorded_run import Run
 
     typer.echo("")
     typer.echo(render_summary(Run.load(run_dir)))
@@ -301,7 +301,7 @@ def report(
 ) -> None:
     """Rebuild report.md, report.json, report.html and junit.xml of a run; print the Markdown."""
     from orchestrator.reports import write_reports
-    from orchestrator.store import RunStore, StoreError
+    from orchestrator.results.store import RunStore, StoreError
 
     try:
         store = RunStore.read(run_dir)
@@ -336,9 +336,9 @@ def compare(
     """Compare CAND with BASE: exit 0 unchanged, 1 regression or new fatal finding, 2 bad input."""
     import json
 
-    from orchestrator.compare import CompareError, compare_runs
+    from orchestrator.analysis.compare import CompareError, compare_runs
     from orchestrator.reports.compare import comparison_json, comparison_markdown
-    from orchestrator.store import RunStore
+    from orchestrator.results.store import RunStore
 
     try:
         result = compare_runs(base, cand, threshold_pct=threshold_pct)
@@ -382,11 +382,11 @@ def nightly(
     Exit 0 when every case passed and nothing regressed, 1 on a failed case, a regression or
     a new fatal finding, 2 on bad input (nothing launched).
     """
-    from orchestrator.launch import LaunchError
-    from orchestrator.matrix import MatrixError
-    from orchestrator.nightly import run_nightly
-    from orchestrator.runner import RunAborted
-    from orchestrator.store import StoreError
+    from orchestrator.cluster.launch import LaunchError
+    from orchestrator.config.matrix import MatrixError
+    from orchestrator.execution.nightly import run_nightly
+    from orchestrator.execution.runner import RunAborted
+    from orchestrator.results.store import StoreError
 
     try:
         result = run_nightly(
@@ -475,7 +475,7 @@ def audit(
     if not kernel:
         result.searched.kernel_log = kernel_log_skipped()
         result.verdict = verdict(result.findings, result.searched)
-    from orchestrator.redact import redact, redact_text
+    from orchestrator.common.redact import redact, redact_text
 
     # The scanner redacts what it quotes; this catches whatever else reached the output.
     text = json.dumps(redact(result.to_dict()), indent=2) if json_out else _audit_text(result)
@@ -563,14 +563,14 @@ def gpu_check(
     allow_cpu: bool = typer.Option(False, "--allow-cpu", hidden=True),
 ) -> None:
     """Check GPU placement, fusedq on every rank and the DCP query gather; exit 0 when all hold."""
-    from orchestrator.gpucheck import (
+    from orchestrator.cluster.gpucheck import (
         GpuCheckError,
         GpuCheckOptions,
         default_out_dir,
         parse_tps,
         run_gpu_check,
     )
-    from orchestrator.launch import LaunchError
+    from orchestrator.cluster.launch import LaunchError
 
     try:
         opts = GpuCheckOptions(

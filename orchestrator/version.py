@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.probes import dist_version, git_commit
+from orchestrator.common.probes import dist_version, git_commit
 
 # The distribution that ships both packages (pyproject.toml's [project] name).
 DISTRIBUTION = "fusedq"

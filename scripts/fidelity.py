@@ -36,9 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator.engines import vllm as eng  # noqa: E402
-from orchestrator.stats import Interval, t_interval  # noqa: E402
-from orchestrator.workload import WorkloadParams, run_workload  # noqa: E402
+from orchestrator.analysis.stats import Interval, t_interval  # noqa: E402
+from orchestrator.client.workload import WorkloadParams, run_workload  # noqa: E402
+from orchestrator.engines.vllm import server as eng  # noqa: E402
 
 EXIT = {"PASS": 0, "FAIL": 1, "inconclusive": 3}
 RUN_ORDER = ("ours", "bench", "bench", "ours")  # one ABBA round
@@ -168,10 +168,10 @@ def main() -> int:
 
     model = a.model
     if model is None:
-        from orchestrator.tinymodel import build_tiny_model
+        from orchestrator.models.tinymodel import build_tiny_model
 
         model = str(build_tiny_model())
-    from orchestrator.tinymodel import vocab_size
+    from orchestrator.models.tinymodel import vocab_size
 
     vocab = vocab_size(model) if (Path(model) / "config.json").exists() else 1000
     work = Path(tempfile.mkdtemp(prefix="fidelity-"))

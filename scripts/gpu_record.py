@@ -232,7 +232,7 @@ def environment() -> dict[str, Any]:
             "python_packages (4.3) or dsl_packages (4.6) directory on PYTHONPATH"
         )
     from fusedq.provenance import describe
-    from orchestrator.probes import NvidiaSmiError, nvidia_smi
+    from orchestrator.common.probes import NvidiaSmiError, nvidia_smi
 
     try:
         driver = nvidia_smi(["--query-gpu=driver_version", "--format=csv,noheader"]).split()[0]

@@ -328,7 +328,7 @@ def _query_us(trace: dict[str, Any]) -> tuple[float, int, str | None]:
     where it found the path it expected; where it did not (a rule of its day that did not
     know a fusedq kernel's name and counted another GEMM, ``mixed`` windows), the fusedq
     kernel's own total over its calls from the trace's kernel table."""
-    from orchestrator.trace import FUSED, QueryRule
+    from orchestrator.analysis.trace import FUSED, QueryRule
 
     query = trace["query"]
     rule = QueryRule()

@@ -42,6 +42,7 @@ from orchestrator.audit.findings import (
 from orchestrator.audit.prefilter import Prefilter, grep_binary, make_prefilter
 from orchestrator.audit.scan import MAX_FINDINGS_PER_SIGNATURE, MAX_REPORT_CHARS
 from orchestrator.audit.scope import audit_logs
+from orchestrator.audit.severity import Severity
 from orchestrator.audit.sources import (
     collect_log_files,
     parse_nvidia_smi_q,
@@ -50,7 +51,6 @@ from orchestrator.audit.sources import (
     read_kernel_log,
 )
 from orchestrator.audit.verdict import SHUTDOWN_NOISE, AuditResult, mark_root_cause, verdict
-from orchestrator.severity import Severity
 
 __all__ = [
     "CATALOGUE_PATH",

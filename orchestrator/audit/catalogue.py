@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from orchestrator.severity import Severity
+from orchestrator.audit.severity import Severity
 
 CATALOGUE_PATH = Path(__file__).resolve().parent / "signatures.yaml"
 

@@ -1,7 +1,7 @@
 """What an audit finds and what it covered: findings, expectations, what was searched.
 
 The one declaration of the audit's records. Plain dataclasses (no pydantic: ``orchestrator
-audit`` must answer in a fraction of a second); ``orchestrator.results`` derives the stored
+audit`` must answer in a fraction of a second); ``orchestrator.results.rows`` derives the stored
 form every reader of a run reads (audit.json, results.jsonl) from these fields, and each
 record's behaviour (its ``…View`` base, used by both) comes along.
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from orchestrator.severity import Severity
+from orchestrator.audit.severity import Severity
 
 
 class AuditInputError(ValueError):
@@ -45,7 +45,7 @@ class FindingView:
 
     @property
     def breaks_case(self) -> bool:
-        """Fatal or worse (orchestrator.severity): such a finding fails its case."""
+        """Fatal or worse (orchestrator.audit.severity): such a finding fails its case."""
         return self.severity is not None and self.severity.breaks_case
 
     def location(self, *, basename: bool = False) -> str:

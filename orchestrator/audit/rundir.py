@@ -34,7 +34,7 @@ from typing import Any
 from orchestrator.audit.findings import Expectation, Finding, SourceStatus
 from orchestrator.audit.scope import audit_logs
 from orchestrator.audit.verdict import AuditResult, verdict
-from orchestrator.layout import (
+from orchestrator.common.layout import (
     AUDIT_RECORD,
     CASES,
     INTERRUPTED_MARK,
@@ -145,7 +145,7 @@ def _rows(root: Path) -> dict[str, dict[str, Any]]:
 
 def _expectations(matrix: dict[str, Any], variant: str) -> list[Expectation]:
     """What the run expected of the case's log: the matrix's lines, then its variant's (the
-    order orchestrator.case_run audits them in)."""
+    order orchestrator.execution.case_run audits them in)."""
     specs = list((matrix.get("audit") or {}).get("expect") or [])
     for v in matrix.get("variants") or []:
         if v.get("name") == variant:

@@ -35,11 +35,11 @@ from orchestrator.audit.prefilter import (
     grep_argv,
     start_wc,
 )
+from orchestrator.audit.severity import Severity
 from orchestrator.audit.sources import open_log, read_chunks
-from orchestrator.logline import HEADER_RE, LABEL_RE, strip_ansi
-from orchestrator.redact import redact_text
-from orchestrator.safe_io import size_text
-from orchestrator.severity import Severity
+from orchestrator.common.redact import redact_text
+from orchestrator.common.safe_io import size_text
+from orchestrator.engines.vllm.logline import HEADER_RE, LABEL_RE, strip_ansi
 
 # A "line" longer than this (a binary dump, a runaway progress bar, no newline at all) is
 # scanned in pieces of this size, each around a candidate, and never held whole: with the

@@ -16,10 +16,10 @@ from orchestrator.audit.catalogue import Catalogue, load_catalogue
 from orchestrator.audit.findings import Expectation, FileSearched, Finding, Searched
 from orchestrator.audit.prefilter import Prefilter, make_prefilter
 from orchestrator.audit.scan import _Scanner
+from orchestrator.audit.severity import Severity
 from orchestrator.audit.sources import collect_log_files, read_gpu_state, read_kernel_log
 from orchestrator.audit.verdict import AuditResult, expectation_finding, judge
-from orchestrator.probes import Runner
-from orchestrator.severity import Severity
+from orchestrator.common.probes import Runner
 
 
 def audit_logs(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orchestrator.audit.findings import Finding, Searched, Verdict
-from orchestrator.wording import plural as _plural
+from orchestrator.common.wording import plural as _plural
 
 
 def _or_list(items: Sequence[str]) -> str:

@@ -2,7 +2,7 @@
 
 Log files are opened by content (a rotated ``.1`` may be gzip) and read in blocks; the kernel
 log comes from journalctl, else dmesg, since a time; the GPUs' ECC and row-remapper state
-from nvidia-smi (orchestrator.probes). The kernel log and nvidia-smi take a ``runner``: on a
+from nvidia-smi (orchestrator.common.probes). The kernel log and nvidia-smi take a ``runner``: on a
 cluster, a node agent runs them on the node the server ran on.
 """
 
@@ -19,8 +19,8 @@ from typing import IO, Any
 
 from orchestrator.audit.catalogue import Catalogue, load_catalogue
 from orchestrator.audit.findings import AuditInputError, Finding, SourceStatus
-from orchestrator.probes import NvidiaSmiError, Runner, first_line, nvidia_smi, run_command
-from orchestrator.safe_io import UnsafeFileError, open_regular
+from orchestrator.common.probes import NvidiaSmiError, Runner, first_line, nvidia_smi, run_command
+from orchestrator.common.safe_io import UnsafeFileError, open_regular
 
 # 8 MiB blocks: large enough that per-block Python and grep start-up cost vanish
 # (<1 % at 8 MiB on the 2-core sandbox), small enough to keep memory flat on GB logs.

@@ -15,7 +15,7 @@ from typing import Any
 
 from orchestrator.audit.findings import ExpectationResult, Finding, Searched, Verdict
 from orchestrator.audit.sentences import summary_sentence
-from orchestrator.severity import Severity
+from orchestrator.audit.severity import Severity
 
 # What vLLM logs because it was told to stop (SIGTERM aborts the engine: the API server's output
 # handler then raises EngineDeadError with a traceback). Only these may be discounted after a stop.
@@ -24,7 +24,7 @@ SHUTDOWN_NOISE = frozenset({"python-traceback", "vllm-engine-dead"})
 
 class AuditView:
     """What an audit's result says of itself, for the audit's record and the stored one
-    (orchestrator.results.AuditSummary) alike."""
+    (orchestrator.results.rows.AuditSummary) alike."""
 
     @property
     def root_cause(self) -> Finding | None:

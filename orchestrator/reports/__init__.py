@@ -8,7 +8,7 @@
 - ``summary``: the closing table `orchestrator run` prints, and the latency table the
   others show;
 - ``ab_section``: an A/B matrix's verdicts with their intervals and the evidence chain
-  (orchestrator.ab, orchestrator.evidence), which every report above shows.
+  (orchestrator.analysis.ab, orchestrator.analysis.evidence), which every report above shows.
 
 Input is only the run directory (manifest, results.jsonl, overhead.json), so `orchestrator
 report RUN` rebuilds the reports of any run, finished, interrupted or resumed.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.recorded_run import OVERHEAD, Overhead, Run
-from orchestrator.store import RunStore, write_json_atomic, write_text_atomic
+from orchestrator.results.recorded_run import OVERHEAD, Overhead, Run
+from orchestrator.results.store import RunStore, write_json_atomic, write_text_atomic
 
 
 def write_reports(

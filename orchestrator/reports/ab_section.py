@@ -1,6 +1,6 @@
 """The A/B section every report shows: per candidate variant, one table of its figures against
-the baseline's (orchestrator.ab), the sentence saying how the units were taken, and the
-evidence chain (orchestrator.evidence).
+the baseline's (orchestrator.analysis.ab), the sentence saying how the units were taken, and the
+evidence chain (orchestrator.analysis.evidence).
 
 The table is built once here as plain strings; report.md, report.html and the closing table
 of `orchestrator run` lay it out, report.json takes `ab_json`.
@@ -12,9 +12,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.ab import ABResult, ab_results, design
-from orchestrator.evidence import Evidence, evidence_chain
-from orchestrator.recorded_run import Run
+from orchestrator.analysis.ab import ABResult, ab_results, design
+from orchestrator.analysis.evidence import Evidence, evidence_chain
+from orchestrator.results.recorded_run import Run
 
 TITLE = "A/B: {cand} vs {base}, 95% interval over {unit}"
 

@@ -1,5 +1,5 @@
-"""`orchestrator compare`'s output: a ``Comparison`` (orchestrator.compare) as Markdown, the
-page a person reads, and as JSON, the same verdict and figures for machines (``--json``,
+"""`orchestrator compare`'s output: a ``Comparison`` (orchestrator.analysis.compare) as Markdown,
+the page a person reads, and as JSON, the same verdict and figures for machines (``--json``,
 nightly's compare.json).
 """
 
@@ -8,10 +8,17 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from orchestrator.compare import TOO_FEW, CaseRow, Comparison, FindingChange, Judgement, MetricDelta
-from orchestrator.mdtable import md_table
+from orchestrator.analysis.compare import (
+    TOO_FEW,
+    CaseRow,
+    Comparison,
+    FindingChange,
+    Judgement,
+    MetricDelta,
+)
+from orchestrator.analysis.stats import MIN_REPEATS
+from orchestrator.common.mdtable import md_table
 from orchestrator.reports.run import fmt_tok as _fmt
-from orchestrator.stats import MIN_REPEATS
 
 THROUGHPUT_HEADER = [
     "Case",

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from markupsafe import Markup
 
-from orchestrator.recorded_run import Run, workload_defs
 from orchestrator.reports.measures import STATS_NOTE, bursty
 from orchestrator.reports.run import (
     LATENCY_NOTE,
@@ -44,11 +43,12 @@ from orchestrator.reports.run import (
 )
 from orchestrator.reports.run import fmt_tok as _fmt
 from orchestrator.reports.summary import latency_table, totals_table
-from orchestrator.results import CaseResult
-from orchestrator.store import write_text_atomic
+from orchestrator.results.recorded_run import Run, workload_defs
+from orchestrator.results.rows import CaseResult
+from orchestrator.results.store import write_text_atomic
 
 if TYPE_CHECKING:
-    from orchestrator.compare import Comparison
+    from orchestrator.analysis.compare import Comparison
 
 HTML_NAME = "report.html"
 

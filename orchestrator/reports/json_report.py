@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from orchestrator.recorded_run import Run, workload_defs
 from orchestrator.reports.ab_section import ab_json
 from orchestrator.reports.measures import LATENCIES, chunking, stat, totals
 from orchestrator.reports.profile import profile_pairs
 from orchestrator.reports.run import audit_sentence, paired_deltas
-from orchestrator.results import WorkloadSummary
+from orchestrator.results.recorded_run import Run, workload_defs
+from orchestrator.results.rows import WorkloadSummary
 
 
 def _workload(w: WorkloadSummary) -> dict[str, Any]:

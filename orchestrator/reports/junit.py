@@ -19,13 +19,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.recorded_run import Run, WorkloadDef, workload_defs
 from orchestrator.reports.measures import LATENCIES, fmt_ms, fmt_n, stat, totals
-from orchestrator.results import CaseResult, Finding
-from orchestrator.store import write_text_atomic
+from orchestrator.results.recorded_run import Run, WorkloadDef, workload_defs
+from orchestrator.results.rows import CaseResult, Finding
+from orchestrator.results.store import write_text_atomic
 
 if TYPE_CHECKING:
-    from orchestrator.compare import Comparison
+    from orchestrator.analysis.compare import Comparison
 
 JUNIT_NAME = "junit.xml"
 # Dashboards show the message attribute in one line; the full text is in the element body.
@@ -89,9 +89,9 @@ def _not_run(run: Run, case_id: str) -> str:
 
 
 def _ab_properties(run: Run) -> list[tuple[str, str]]:
-    """The A/B verdicts (orchestrator.ab) as suite properties: a dashboard shows them beside
-    the run, and they are figures about variants, not a test a case passed or failed."""
-    from orchestrator.ab import ab_results
+    """The A/B verdicts (orchestrator.analysis.ab) as suite properties: a dashboard shows them
+    beside the run, and they are figures about variants, not a test a case passed or failed."""
+    from orchestrator.analysis.ab import ab_results
 
     out = []
     for r in ab_results(run):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.corrections import CORRECTIONS, Correction
-from orchestrator.mdtable import md_code, md_table, md_text, plain_text
-from orchestrator.recorded_run import Run, workload_defs
+from orchestrator.common.mdtable import md_code, md_table, md_text, plain_text
+from orchestrator.common.wording import plural
 from orchestrator.reports.measures import STATS_NOTE, bursty
 from orchestrator.reports.run import (
     LATENCY_NOTE,
@@ -27,7 +26,8 @@ from orchestrator.reports.run import (
 )
 from orchestrator.reports.serving import acceptance_section, startup_section
 from orchestrator.reports.summary import latency_table, totals_table
-from orchestrator.wording import plural
+from orchestrator.results.corrections import CORRECTIONS, Correction
+from orchestrator.results.recorded_run import Run, workload_defs
 
 # Findings listed in report.md; the rest are in each case's audit.json.
 MAX_FINDINGS = 50
@@ -125,7 +125,7 @@ def _paired_section(run: Run) -> list[str]:
 
 
 def _ab_section(run: Run) -> list[str]:
-    """The A/B of the variants over server starts or blocks (orchestrator.ab), with the
+    """The A/B of the variants over server starts or blocks (orchestrator.analysis.ab), with the
     evidence chain; it replaces the paired table, whose one-server deltas it supersedes."""
     from orchestrator.reports.ab_section import ab_section
 
@@ -188,7 +188,7 @@ def _failed_case(case_id: str, reason: str) -> list[str]:
 
 def overhead_sentence(o: dict) -> str:
     """One attempt's overhead figures; an interrupted attempt's, or one an orchestrator error
-    stopped, are over its finished cases only (orchestrator.runner), and one that finished
+    stopped, are over its finished cases only (orchestrator.execution.runner), and one that finished
     none has none."""
     cut, aborted = o.get("cut_short"), o.get("aborted")
     left = ""

@@ -1,7 +1,7 @@
 """What each figure of a run measured: the workloads' totals and the samples behind every
 latency statistic. One home for all of it: the closing table, report.md, report.json,
 report.html and junit.xml state it from here (the workloads themselves, ``WorkloadDef``, are
-orchestrator.recorded_run's).
+orchestrator.results.recorded_run's).
 
 - ``Totals``: what `vllm bench serve` prints in its result block, summed over the repeats:
   successful requests, duration, input and output tokens, request and token throughput.
@@ -19,9 +19,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from orchestrator.recorded_run import Run
 from orchestrator.reports.run import MISSING
-from orchestrator.results import Distribution, WorkloadSummary
+from orchestrator.results.recorded_run import Run
+from orchestrator.results.rows import Distribution, WorkloadSummary
 
 LATENCIES = (
     ("TTFT", "ttft_ms", "time to first token"),

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.results import ProfileResult, TraceFigures
+from orchestrator.results.rows import ProfileResult, TraceFigures
 
 MISSING = "-"
-# The runtime/driver call groups compared between the paired traces (orchestrator.trace).
+# The runtime/driver call groups compared between the paired traces (orchestrator.analysis.trace).
 SYNC_LABELS = {
     "stream_wait_event": "cudaStreamWaitEvent",
     "event_record": "event records",

@@ -1,5 +1,5 @@
 """The tables and sentences every report shares, drawn from one ``Run``
-(orchestrator.recorded_run).
+(orchestrator.results.recorded_run).
 
 Each renderer (Markdown, JSON, HTML, JUnit, the closing table) formats what it is handed
 here. A figure is derived in one place (a paired delta, the run's audit sentence, a latency
@@ -12,10 +12,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.matrix_policy import bind_all_warning
-from orchestrator.recorded_run import Run
-from orchestrator.results import CaseResult
-from orchestrator.wording import plural
+from orchestrator.common.wording import plural
+from orchestrator.config.policy import bind_all_warning
+from orchestrator.results.recorded_run import Run
+from orchestrator.results.rows import CaseResult
 
 MISSING = "-"
 

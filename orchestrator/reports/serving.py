@@ -7,10 +7,10 @@ rows without them (older runs, no MTP) leave the sections out.
 
 from __future__ import annotations
 
-from orchestrator.mdtable import md_table
-from orchestrator.recorded_run import Run
+from orchestrator.common.mdtable import md_table
+from orchestrator.engines.vllm.startup import PHASES
 from orchestrator.reports.run import MISSING
-from orchestrator.startup import PHASES
+from orchestrator.results.recorded_run import Run
 
 
 def _s(value: float | None) -> str:

@@ -22,8 +22,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass, field
 
-from orchestrator.mdtable import plain_text
-from orchestrator.recorded_run import Run, legend
+from orchestrator.common.mdtable import plain_text
 from orchestrator.reports.measures import (
     LATENCIES,
     PERCENTILES,
@@ -36,6 +35,7 @@ from orchestrator.reports.measures import (
     totals,
 )
 from orchestrator.reports.run import MISSING
+from orchestrator.results.recorded_run import Run, legend
 
 __all__ = ["LATENCIES", "SummaryRow", "fmt_ms", "latency_table", "render_summary"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from orchestrator import standins, tinymodel
-from orchestrator.matrix import Matrix
+from orchestrator.config.matrix import Matrix
+from orchestrator.models import standins, tinymodel
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = REPO / "docs" / "matrix.md"

@@ -198,7 +198,7 @@ def test_fake_tensors_go_through_the_custom_op(device):
 
 
 def test_a_profiled_call_is_named_in_the_trace_once(device):
-    # The trace reader (orchestrator/trace.py) finds the fused step by this op name where a
+    # The trace reader (orchestrator/analysis/trace.py) finds the fused step by this op name where a
     # trace has no kernel events (vLLM's CPU build), and the fast path skips the dispatcher
     # that used to record it. Found by the profile phase's CPU e2e test.
     from torch.profiler import ProfilerActivity, profile

@@ -911,9 +911,9 @@ def test_e2e_profile_attributes_the_query_step(runs, switch_server):
     model's 2 layers x PROFILE_STEPS steps, each found once, as vLLM's aten::bmm + aten::cat
     in the staged server's trace and as the fused op in the fused server's; the fused trace
     holds no staged query step (the W_UK_T bmm is gone, not added to)."""
+    from orchestrator.analysis.trace import find_rank_traces, read_trace
     from orchestrator.reports.profile import ProfilePair
-    from orchestrator.results import ProfileResult
-    from orchestrator.trace import find_rank_traces, read_trace
+    from orchestrator.results.rows import ProfileResult
 
     layers = 2
     profile_dir = runs["off"][1].parent / "profile"

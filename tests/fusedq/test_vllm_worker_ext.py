@@ -249,7 +249,7 @@ DSA_FIELDS = {
 def gpu_model(kind: str, workdir: Path) -> tuple[Path, tuple[str, ...], str]:
     """(model directory, extra engine args, the query form the plan must pick) for ``kind``:
     ``dense`` (tiny-glm5, FLASH_ATTN_MLA) or ``dsa`` (the same with DSA_FIELDS, dummy weights)."""
-    from orchestrator.tinymodel import build_tiny_model
+    from orchestrator.models.tinymodel import build_tiny_model
 
     model = build_tiny_model(name="tiny-glm5", heads=16, layers=4, mtp=False)
     if kind == "dense":

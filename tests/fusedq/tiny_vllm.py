@@ -63,9 +63,9 @@ def vllm_server(
     (SIGTERM to its process group, SIGKILL after 20 s). `profile_dir`: with vLLM's torch
     profiler writing there (the orchestrator's profile phase's flag). `model` (default the
     CPU tiny model) and `engine_args` (default the CPU build's) serve something else."""
-    from orchestrator.compile_cache import inductor_dir, share_model_info
-    from orchestrator.engines.vllm import PROFILER_FLAG, profiler_config
-    from orchestrator.tinymodel import build_tiny_model
+    from orchestrator.engines.vllm.compile_cache import inductor_dir, share_model_info
+    from orchestrator.engines.vllm.server import PROFILER_FLAG, profiler_config
+    from orchestrator.models.tinymodel import build_tiny_model
 
     model = model if model is not None else build_tiny_model()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -82,8 +82,9 @@ def vllm_server(
         VLLM_HOST_IP="127.0.0.1",
         VLLM_CPU_KVCACHE_SPACE="2",
         VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
-        # The orchestrator's folder of every configuration (orchestrator.compile_cache): the
-        # sampler's logprobs gather is compiled once for all of the suite's servers.
+        # The orchestrator's folder of every configuration
+        # (orchestrator.engines.vllm.compile_cache): the sampler's logprobs gather is compiled once
+        # for all of the suite's servers.
         TORCHINDUCTOR_CACHE_DIR=str(inductor_dir()),
         TMPDIR=short_tmp,
     )
@@ -169,7 +170,7 @@ def profile_decode(port: int) -> None:
     of PROFILE_STEPS output tokens alone on the server, stop the profiler."""
     import httpx
 
-    from orchestrator.engines.vllm import profile_request
+    from orchestrator.engines.vllm.server import profile_request
 
     base = f"http://127.0.0.1:{port}"
     model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -233,7 +234,7 @@ def rpc(port: int, method: str, *args: str) -> list:
 
 def profiled_trace(port: int, profile_dir: Path) -> Path:
     """The trace of a short profiled request (this cycle's only one in `profile_dir`)."""
-    from orchestrator.trace import find_rank_traces
+    from orchestrator.analysis.trace import find_rank_traces
 
     before = set(find_rank_traces(profile_dir)) if profile_dir.exists() else set()
     profile_decode(port)
@@ -244,7 +245,7 @@ def profiled_trace(port: int, profile_dir: Path) -> Path:
 
 def profiled_query(port: int, profile_dir: Path):
     """The decode query step of a short profiled request."""
-    from orchestrator.trace import read_trace
+    from orchestrator.analysis.trace import read_trace
 
     return read_trace(profiled_trace(port, profile_dir)).query
 

@@ -1,4 +1,4 @@
-"""Recorded A/B run directories for the tests of orchestrator.ab, the reports and compare:
+"""Recorded A/B run directories for the tests of orchestrator.analysis.ab, the reports and compare:
 the manifest and rows `orchestrator run` writes for an A/B matrix, with figures the test
 chooses. The cases are the real matrix expander's, so ids, order and fields are exactly a
 run's."""
@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.matrix import expand, parse_matrix
-from orchestrator.results import CaseResult
-from orchestrator.store import RunStore
+from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.results.rows import CaseResult
+from orchestrator.results.store import RunStore
 
 RESTARTS = """\
 name: ab-h16

@@ -1,5 +1,5 @@
-"""orchestrator.ab and orchestrator.evidence: the verdict rule, the sampling units (server
-starts, blocks), the figures and interval of each variant, the evidence chain, and the A/B
+"""orchestrator.analysis.ab and orchestrator.analysis.evidence: the verdict rule, the sampling units
+(server starts, blocks), the figures and interval of each variant, the evidence chain, and the A/B
 section of every report, on recorded A/B run directories (abrun.py)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import xml.etree.ElementTree as ET
 import abrun
 import pytest
 
-from orchestrator.ab import BLOCKS, FASTER, SERVERS, SLOWER, TOO_FEW, ab_results, verdict
-from orchestrator.evidence import BMM_ALONE, BMM_CAT, evidence_chain
-from orchestrator.recorded_run import Run
+from orchestrator.analysis.ab import BLOCKS, FASTER, SERVERS, SLOWER, TOO_FEW, ab_results, verdict
+from orchestrator.analysis.evidence import BMM_ALONE, BMM_CAT, evidence_chain
+from orchestrator.analysis.stats import Interval, MeanEstimate, ratio_interval
 from orchestrator.reports import write_reports
 from orchestrator.reports.summary import render_summary
-from orchestrator.stats import Interval, MeanEstimate, ratio_interval
+from orchestrator.results.recorded_run import Run
 
 # Four server starts per variant at the spread the H200 showed between servers (0.1-0.35 %),
 # fused ~0.5 % faster: output tok/s, TPOT p50 and mean (ms).
@@ -181,7 +181,7 @@ def test_a_chain_that_does_not_hold_says_so_and_names_bmm_plus_cat(tmp_path):
 
 def test_every_report_carries_the_ab(tmp_path):
     root = abrun.write_run(tmp_path, abrun.restarts(STAGED, FUSED), edit=_profiled(3.270, 2.736))
-    from orchestrator.store import RunStore
+    from orchestrator.results.store import RunStore
 
     run = write_reports(RunStore(root))
     md = (root / "report.md").read_text()

@@ -8,7 +8,7 @@ import re
 import pytest
 from orch_cli import run_cli
 
-from orchestrator.probes import dist_version
+from orchestrator.common.probes import dist_version
 
 
 def test_version() -> None:

@@ -43,7 +43,7 @@ import psutil
 import pytest
 from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, user_environ, wait_for
 
-from orchestrator.gpucheck_worker import MARKER
+from orchestrator.cluster.gpucheck_worker import MARKER
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -27,7 +27,7 @@ import pytest
 from orchestrator.reports import write_reports
 from orchestrator.reports.measures import PERCENTILES, min_samples
 from orchestrator.reports.run import fmt_tok
-from orchestrator.store import RunStore, read_jsonl
+from orchestrator.results.store import RunStore, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = sorted(

@@ -15,15 +15,15 @@ from pathlib import Path
 import abrun
 import pytest
 
-from orchestrator.compare import (
+from orchestrator.analysis.compare import (
     NO_REGRESSION,
     TOO_FEW,
     CompareError,
     compare_runs,
     request_blocks,
 )
+from orchestrator.analysis.stats import MeanEstimate, ratio_interval
 from orchestrator.reports.compare import comparison_json, comparison_markdown
-from orchestrator.stats import MeanEstimate, ratio_interval
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator import compile_cache
-from orchestrator.matrix import expand, parse_matrix
+from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.engines.vllm import compile_cache
 
 MATRIX = """
 name: t

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.corrections import CorrectionsError, load
 from orchestrator.reports import write_reports
-from orchestrator.store import RunStore
+from orchestrator.results.corrections import CorrectionsError, load
+from orchestrator.results.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
 VALIDATION = REPO / "docs" / "validation"

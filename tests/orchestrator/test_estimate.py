@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.estimate import ASSUMED, Eta, estimate_run, human_s, request_s, workload_s
-from orchestrator.matrix import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS, expand, parse_matrix
-from orchestrator.plan import plan_matrix, render_plan
+from orchestrator.config.matrix import (
+    WARMUP_OUTPUT_TOKENS,
+    WARMUP_PROMPT_TOKENS,
+    expand,
+    parse_matrix,
+)
+from orchestrator.plan.estimate import ASSUMED, Eta, estimate_run, human_s, request_s, workload_s
+from orchestrator.plan.render import plan_matrix, render_plan
 
 CPU = ASSUMED["cpu"]
 MATRIX = """
@@ -109,7 +114,7 @@ def test_a_fused_query_in_the_interpreter_costs_decode_steps() -> None:
     """On CPU the fused variant's kernel runs in Triton's interpreter: each decode step pays
     it per layer (at MTP on CPU, the draft layer's only: the verify takes the prefill path),
     in proportion to a rank's heads; the staged variant pays nothing."""
-    from orchestrator.estimate import interpreted_query_s
+    from orchestrator.plan.estimate import interpreted_query_s
 
     text = MATRIX.replace("ACCEL", "cpu").replace("path: /m", 'path: "builtin:tiny-mla"')
     text += "variants: [{name: staged, env: {FUSEDQ_MLA_QUERY: '0'}}, {name: fused, env: {TRITON_INTERPRET: '1'}}]\n"

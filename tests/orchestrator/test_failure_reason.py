@@ -17,12 +17,12 @@ from pathlib import Path
 import markupsafe
 
 from orchestrator.audit import Finding, audit_logs, mark_root_cause
-from orchestrator.case_run import REASON_TAIL_LINES, failure_reason
-from orchestrator.engines.vllm import log_tail
-from orchestrator.recorded_run import Run
+from orchestrator.engines.vllm.server import log_tail
+from orchestrator.execution.case_run import REASON_TAIL_LINES, failure_reason
 from orchestrator.reports.html import render_html
 from orchestrator.reports.junit import render_junit
 from orchestrator.reports.markdown import render_markdown
+from orchestrator.results.recorded_run import Run
 
 LOG = Path(__file__).parent / "fixtures" / "audit" / "vllm_cpu_mtp_draft_amx.log"
 CAUSE = "ValueError: No common block size for 128 (CPU_MLA: [16]; AMX_MLA: [MultipleOf(32)])."

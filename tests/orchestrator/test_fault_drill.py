@@ -31,9 +31,9 @@ import pytest
 from orch_cli import REPO, marked_processes, run_cli
 
 from orchestrator.audit import audit_logs
-from orchestrator.case_run import failure_reason
-from orchestrator.engines.vllm import log_tail
-from orchestrator.leftovers import RUN_ENV
+from orchestrator.cluster.leftovers import RUN_ENV
+from orchestrator.engines.vllm.server import log_tail
+from orchestrator.execution.case_run import failure_reason
 
 DRILL_SRC = REPO / "tests" / "fault_drill"
 FIXTURES = REPO / "tests" / "orchestrator" / "fixtures" / "audit"

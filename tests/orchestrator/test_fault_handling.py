@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import workload as wl
-from orchestrator.engines import vllm as eng
+from orchestrator.client import workload as wl
+from orchestrator.engines.vllm import server as eng
 
 
 class _Server(BaseHTTPRequestHandler):

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from orch_cli import REPO, VENV_BIN, marked_processes, run_cli, user_environ, wait_for
 
-from orchestrator.leftovers import RUN_ENV
+from orchestrator.cluster.leftovers import RUN_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

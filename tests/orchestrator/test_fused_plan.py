@@ -1,6 +1,6 @@
 """`orchestrator plan` says "qualified" only where a case's server will run the fused query:
 a qualified head count per rank, the plugin not switched off, and on CPU Triton's
-interpreter on; elsewhere the reason (orchestrator/fused_plan.py)."""
+interpreter on; elsewhere the reason (orchestrator/plan/fused.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import pytest
 from orch_cli import run_cli
 
-from orchestrator.fused_plan import fused_plan
-from orchestrator.matrix import expand, parse_matrix
+from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.plan.fused import fused_plan
 
 MATRIX = """
 name: m

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from orch_cli import run_cli
 
-from orchestrator.gpucheck import (
+from orchestrator.cluster.gpucheck import (
     GpuCheckError,
     bench_heads,
     parse_tps,
@@ -22,7 +22,7 @@ from orchestrator.gpucheck import (
     placement_problems,
     render_markdown,
 )
-from orchestrator.gpucheck_worker import MARKER
+from orchestrator.cluster.gpucheck_worker import MARKER
 
 
 def _bundle(name, visible, ids, node="10.0.0.1", count=None, gpu_ids=None):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from orch_cli import REPO, VENV_BIN, user_environ
 
-from orchestrator.interrupted import RunInterrupted, how, resume_command
+from orchestrator.execution.interrupted import RunInterrupted, how, resume_command
 from orchestrator.reports.markdown import overhead_sentence
 
 # --------------------------------------------------------------------------- pure parts
@@ -83,10 +83,10 @@ def test_a_case_measured_but_not_recordable_stops_the_run_and_says_how_to_contin
     # text as bad input (exit 2), and the report said "Interrupted (?)".
     from pydantic import ValidationError
 
-    from orchestrator.matrix import expand, load_matrix
-    from orchestrator.results import Distribution
-    from orchestrator.runner import RunOptions, _Attempt
-    from orchestrator.store import RunStore
+    from orchestrator.config.matrix import expand, load_matrix
+    from orchestrator.execution.runner import RunOptions, _Attempt
+    from orchestrator.results.rows import Distribution
+    from orchestrator.results.store import RunStore
 
     matrix = load_matrix(REPO / "matrices" / "smoke.yaml")
     cases = expand(matrix)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.launch import Launcher
-from orchestrator.matrix import load_matrix
+from orchestrator.cluster.launch import Launcher
+from orchestrator.config.matrix import load_matrix
 
 
 def _launcher(ray_address: str | None) -> Launcher:

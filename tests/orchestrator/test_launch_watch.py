@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from orchestrator import launch
-from orchestrator.launch import Launcher, ServerHandle
+from orchestrator.cluster import launch
+from orchestrator.cluster.launch import Launcher, ServerHandle
 
 
 class _Timeout(Exception):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import leftovers as lo
-from orchestrator.runner import LeftoverError, RunOptions, handle_leftovers, run_matrix
-from orchestrator.store import RunStore
+from orchestrator.cluster import leftovers as lo
+from orchestrator.execution.runner import LeftoverError, RunOptions, handle_leftovers, run_matrix
+from orchestrator.results.store import RunStore
 
 # A driver tag naming this (live) process with a start time it never had: what a recycled
 # pid of a dead orchestrator looks like, and dead for certain.
@@ -118,7 +118,7 @@ def test_run_matrix_refuses_before_launching_anything(spawn, tmp_path: Path) -> 
         "resources: {accelerator: cpu}\ntopologies: [{tp: 1}]\n"
         "workloads: [{name: w, prompt_tokens: 1, output_tokens: 1}]\n"
     )
-    from orchestrator.matrix import expand, load_matrix
+    from orchestrator.config.matrix import expand, load_matrix
 
     store = RunStore.create(tmp_path, "run-x")
     store.write_manifest({"cases": [c.to_dict() for c in expand(load_matrix(matrix))]})
@@ -140,7 +140,7 @@ def _ray_initialized() -> bool:
 def test_staging_directories_of_dead_orchestrators_are_removed(tmp_path: Path) -> None:
     """A SIGKILLed orchestrator skips Launcher.__exit__; the next run removes its py_modules
     staging directory, and never a live one's."""
-    from orchestrator.launch import _remove_stale_stages
+    from orchestrator.cluster.launch import _remove_stale_stages
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.matrix import MatrixError, expand, load_matrix, parse_matrix, units_needed
+from orchestrator.config.matrix import MatrixError, expand, load_matrix, parse_matrix, units_needed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -354,7 +354,8 @@ def test_plan_cli_is_fast_and_names_cases():
 
 def test_plan_does_not_import_heavy_modules():
     code = (
-        "import sys; from orchestrator.plan import plan_matrix; plan_matrix('matrices/smoke.yaml');"
+        "import sys; from orchestrator.plan.render import plan_matrix;"
+        "plan_matrix('matrices/smoke.yaml');"
         "bad = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import orchestrator.nightly as nightly_mod
+import orchestrator.execution.nightly as nightly_mod
 from orchestrator.cli import app
-from orchestrator.nightly import history_runs, is_good_run, run_nightly
-from orchestrator.recorded_run import Run
+from orchestrator.execution.nightly import history_runs, is_good_run, run_nightly
+from orchestrator.execution.runner import RunSummary
 from orchestrator.reports import write_reports
 from orchestrator.reports.compare import comparison_markdown
-from orchestrator.runner import RunSummary
-from orchestrator.store import RunStore
+from orchestrator.results.recorded_run import Run
+from orchestrator.results.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(

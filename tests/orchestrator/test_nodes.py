@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator import leftovers as lo
-from orchestrator.launch import (
+from orchestrator.cluster import leftovers as lo
+from orchestrator.cluster.launch import (
     NODE_HOST,
     Launcher,
     LaunchError,
@@ -27,9 +27,9 @@ from orchestrator.launch import (
     describe_nodes,
     fits_a_node,
 )
-from orchestrator.matrix import Matrix
-from orchestrator.nodes import NODE_COMMANDS, _NodeAgent, completed, pick_reports
-from orchestrator.runner import LeftoverError, handle_leftovers
+from orchestrator.cluster.nodes import NODE_COMMANDS, _NodeAgent, completed, pick_reports
+from orchestrator.config.matrix import Matrix
+from orchestrator.execution.runner import LeftoverError, handle_leftovers
 
 DEAD_DRIVER = f"{socket.gethostname()}:{os.getpid()}:0"
 
@@ -206,7 +206,7 @@ def test_a_remote_servers_log_and_files_come_back_and_its_directory_goes(
         "print('host', os.environ.get('VLLM_HOST_IP'), 'node', os.environ['ORCHESTRATOR_NODE'])\n"
         "sys.stdout.write('x' * 3_000_000)\n"
     )
-    from orchestrator.engines.vllm import serve_env
+    from orchestrator.engines.vllm.server import serve_env
 
     env = serve_env({}, host=NODE_HOST, run_dir=run_case, extra={"VLLM_TORCH_PROFILER_DIR": "p"})
     seen = []  # the case directory the argv is built with: the node's (a profiler's path)

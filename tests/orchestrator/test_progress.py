@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator.progress import PLAIN_EVERY_S, PLAIN_MAX_EVERY_S, ProgressView, last_log_line
-from orchestrator.results import CaseResult
+from orchestrator.execution.progress import (
+    PLAIN_EVERY_S,
+    PLAIN_MAX_EVERY_S,
+    ProgressView,
+    last_log_line,
+)
+from orchestrator.results.rows import CaseResult
 
 CASES = ["tiny-mla/tp1-dcp1-mtp0/default", "tiny-mla/tp2-dcp1-mtp0/default"]
 SERVER_LOG = (

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.case_run import _set_aside
-from orchestrator.matrix import load_matrix
-from orchestrator.redact import REDACTED, redact_file, secret_args
-from orchestrator.runner import _Log, matrix_secrets
+from orchestrator.common.redact import REDACTED, redact_file, secret_args
+from orchestrator.config.matrix import load_matrix
+from orchestrator.execution.case_run import _set_aside
+from orchestrator.execution.runner import _Log, matrix_secrets
 
 
 def test_secret_args() -> None:
@@ -78,7 +78,7 @@ def test_set_aside_moves_and_redacts_an_earlier_attempts_log(tmp_path: Path) -> 
 def test_token_counts_and_tokenizer_are_not_secrets() -> None:
     # Every results row once lost its token counts to "***": names are secret by TOKEN not
     # followed by a letter, so counts (tokens) and paths (tokenizer) stay.
-    from orchestrator.redact import is_secret_name, redact, redact_argv, redact_text
+    from orchestrator.common.redact import is_secret_name, redact, redact_argv, redact_text
 
     for name in ("prompt_tokens", "output_tokens", "max_tokens", "requested_output_tokens",
                  "--max-tokens", "tokenizer", "--tokenizer", "aggregate_tok_s"):  # fmt: skip

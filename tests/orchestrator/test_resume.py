@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator import launch
-from orchestrator.case_run import _absolute_if_path
 from orchestrator.cli import app
-from orchestrator.engines import vllm as eng
-from orchestrator.matrix import expand, load_matrix
+from orchestrator.cluster import launch
+from orchestrator.config.matrix import expand, load_matrix
+from orchestrator.engines.vllm import server as eng
+from orchestrator.execution.case_run import _absolute_if_path
+from orchestrator.execution.runner import RunOptions, run_matrix
 from orchestrator.reports import write_reports
-from orchestrator.results import CaseResult
-from orchestrator.runner import RunOptions, run_matrix
-from orchestrator.store import RunStore
+from orchestrator.results.rows import CaseResult
+from orchestrator.results.store import RunStore
 
 SMOKE = "matrices/smoke.yaml"
 FAILED_REASON = "ValueError: boom (root cause, server.log:7)\nserver process exited with code 1"

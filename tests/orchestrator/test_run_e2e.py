@@ -121,8 +121,8 @@ def test_profile_phase_brings_every_rank_trace(smoke_run):
     directory, read into figures; at MTP 0 the query step of every layer of every step is
     found, as vLLM's staged bmm + cat or as the fused op, whichever the server's plugin said
     it runs."""
-    from orchestrator.recorded_run import Run
-    from orchestrator.store import case_slug
+    from orchestrator.results.recorded_run import Run
+    from orchestrator.results.store import case_slug
 
     run = Run.load(smoke_run["dir"])
     for r in run.ordered:
@@ -181,8 +181,8 @@ def test_case_folders_hold_no_copy_of_the_run_path(smoke_run):
     d = smoke_run["dir"]
     assert [p for p in d.rglob("cases") if p != d / "cases"] == []
     for case in (d / "cases").iterdir():
-        # Compile caches are shared by configuration (orchestrator.compile_cache), not kept
-        # in the case folder; the folder each server was given is absolute and was used.
+        # Compile caches are shared by configuration (orchestrator.engines.vllm.compile_cache), not
+        # kept in the case folder; the folder each server was given is absolute and was used.
         assert not (case / "vllm-cache").exists()
     for row in map(json.loads, (d / "results.jsonl").read_text().splitlines()):
         folder = Path(row["startup"]["compile_cache_dir"])

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.server_metrics import (
+from orchestrator.engines.vllm.server_metrics import (
     SpecDecodeCounters,
     acceptance,
     difference,

@@ -102,7 +102,8 @@ def test_the_next_server_of_a_configuration_meets_the_first_ones_caches(runs) ->
 
 def test_model_inspections_are_written_to_the_folder_every_configuration_shares(runs) -> None:
     """vLLM writes its model-class inspections through the configuration's link, into the
-    one folder a server of any other configuration reads (orchestrator.compile_cache)."""
+    one folder a server of any other configuration reads
+    (orchestrator.engines.vllm.compile_cache)."""
     folder = Path(runs["one"]["first"]["startup"]["compile_cache_dir"])
     link = folder / "vllm-cache" / "modelinfos"
     assert link.is_symlink() and link.resolve() == (folder.parent / "modelinfos").resolve()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import standins, tinymodel
-from orchestrator.matrix import MatrixError, expand, parse_matrix
+from orchestrator.config.matrix import MatrixError, expand, parse_matrix
+from orchestrator.models import standins, tinymodel
 
 FIXTURE = Path(__file__).parent / "fixtures" / "glm5" / "published_config.json"
 PUBLISHED = json.loads(FIXTURE.read_text())
@@ -247,7 +247,7 @@ def test_plan_shows_the_stand_ins_without_torch(name: str) -> None:
     nothing heavy imported (plan answers in well under a second)."""
     code = (
         "import json, sys\n"
-        "from orchestrator.plan import plan_matrix\n"
+        "from orchestrator.plan.render import plan_matrix\n"
         f"p = plan_matrix('matrices/{name}.yaml')\n"
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers', 'vllm', 'ray') if m in sys.modules]\n"
         "print(json.dumps({'notes': p['notes'], 'heavy': heavy, 'cases': len(p['cases'])}))\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.startup import PHASE_NAMES, startup_record
+from orchestrator.engines.vllm.startup import PHASE_NAMES, startup_record
 
 T0 = time.mktime((2026, 12, 2, 10, 0, 0, 0, 0, -1))  # the process was started here
 

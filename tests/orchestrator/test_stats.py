@@ -1,4 +1,4 @@
-"""orchestrator.stats: Student's t, the interval of a change between two runs' repeats and
+"""orchestrator.analysis.stats: Student's t, the interval of a change between two runs' repeats and
 where an interval lies against a bar (pure logic)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from orchestrator.stats import (
+from orchestrator.analysis.stats import (
     Interval,
     MeanEstimate,
     RepeatSample,

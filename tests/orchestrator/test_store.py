@@ -7,9 +7,9 @@ import multiprocessing as mp
 
 import pytest
 
-from orchestrator.redact import REDACTED, redact, redact_argv, redact_text
-from orchestrator.results import CaseResult
-from orchestrator.store import RunStore, StoreError, append_jsonl, read_jsonl
+from orchestrator.common.redact import REDACTED, redact, redact_argv, redact_text
+from orchestrator.results.rows import CaseResult
+from orchestrator.results.store import RunStore, StoreError, append_jsonl, read_jsonl
 
 
 def _append_many(path: str, worker: int, n: int) -> None:

@@ -1,4 +1,4 @@
-"""orchestrator.switch without vLLM: the block schedule, the switch server's argv and env,
+"""orchestrator.execution.switch without vLLM: the block schedule, the switch server's argv and env,
 what one server measures (and re-measures on a resume), and the path flip over real HTTP
 against a small local stand-in of vLLM's /collective_rpc (the real one is exercised by
 test_switch_e2e.py)."""
@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import tokens
-from orchestrator.matrix import expand, parse_matrix
-from orchestrator.plan import plan_matrix
-from orchestrator.results import AuditSummary, CaseResult
-from orchestrator.runner import _left_to_run
-from orchestrator.store import RunStore
-from orchestrator.switch import (
+from orchestrator.client import tokens
+from orchestrator.client.workload import WorkloadParams, WorkloadResult, repeat_metrics
+from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.execution.runner import _left_to_run
+from orchestrator.execution.switch import (
     SET_PATH,
     STATE,
     SwitchError,
@@ -30,7 +28,9 @@ from orchestrator.switch import (
     schedule,
     server_case,
 )
-from orchestrator.workload import WorkloadParams, WorkloadResult, repeat_metrics
+from orchestrator.plan.render import plan_matrix
+from orchestrator.results.rows import AuditSummary, CaseResult
+from orchestrator.results.store import RunStore
 
 MATRIX = """\
 name: sw
@@ -207,10 +207,10 @@ def test_reports_say_why_tokens_were_not_compared(tmp_path):
     """report.md, report.html and report.json carry the check's verdict and reason (the
     committed switch-mode run, its fused row given the check of a synthetic-acceptance
     topology)."""
-    from orchestrator.recorded_run import Run
     from orchestrator.reports.html import render_html
     from orchestrator.reports.json_report import render_json
     from orchestrator.reports.markdown import render_markdown
+    from orchestrator.results.recorded_run import Run
 
     check = _switch_rows(tmp_path, 1, [1, 7, 3])["fused"].same_tokens["greedy"]
     run = Run.load(Path(__file__).parents[2] / "docs/validation/h200-2026-12-02/glm5-ab-2")
@@ -245,7 +245,7 @@ def test_plan_notes_the_tokens_a_switch_server_does_not_compare(tmp_path):
 def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):
     """Each variant's row sums what the server's counters moved around its own blocks of a
     workload, and keeps each block's rate."""
-    from orchestrator.server_metrics import SpecDecodeCounters as Moved
+    from orchestrator.engines.vllm.server_metrics import SpecDecodeCounters as Moved
 
     m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
     cases = expand(m)
@@ -267,8 +267,8 @@ def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):
 
 def test_each_block_says_its_figures_in_the_log():
     """What a run stopped before its rows keeps: each finished block's line in the run log."""
-    from orchestrator.server_metrics import SpecDecodeCounters as Moved
-    from orchestrator.switch import block_figures
+    from orchestrator.engines.vllm.server_metrics import SpecDecodeCounters as Moved
+    from orchestrator.execution.switch import block_figures
 
     # Two requests of 3 tokens, each from 0 to 0.3 s, first token at 0.1 s: 6 tokens in
     # 0.3 s, and 0.2 s for the 2 tokens after the first.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import tinymodel
+from orchestrator.models import tinymodel
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")

@@ -1,5 +1,5 @@
-"""Same tokens (orchestrator/tokens.py): the comparison rules, and the runner's glue that holds
-a variant's recorded requests against its topology's first variant."""
+"""Same tokens (orchestrator/client/tokens.py): the comparison rules, and the runner's glue that
+holds a variant's recorded requests against its topology's first variant."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import tokens
-from orchestrator.case_run import token_checks
-from orchestrator.matrix import MatrixError, expand, parse_matrix
-from orchestrator.store import RunStore
+from orchestrator.client import tokens
+from orchestrator.config.matrix import MatrixError, expand, parse_matrix
+from orchestrator.execution.case_run import token_checks
+from orchestrator.results.store import RunStore
 
 
 def rec(index: int, ids: list[int], tops: list[dict] | None = None, **kw) -> dict:
@@ -198,7 +198,7 @@ def test_same_tokens_needs_one_request_at_a_time_in_request_mode(workload):
 def test_a_check_survives_the_results_redaction():
     """Rows are redacted before they are stored; no key of a check may look like a secret
     (a first version named the chosen ids 'token' and stored '***')."""
-    from orchestrator.redact import redact
+    from orchestrator.common.redact import redact
 
     ref = rec(0, [5, 6], [{5: -1.0}, {6: -2.0, 8: -2.01}])
     got = rec(0, [5, 8], [{5: -1.0}, {8: -2.0, 6: -2.005}])
@@ -209,9 +209,9 @@ def test_a_check_survives_the_results_redaction():
 def test_reports_list_every_check():
     """report.md and report.html carry each check's verdict and sentence (the committed H200
     run: a near-tie at MTP0, identical at MTP1)."""
-    from orchestrator.recorded_run import Run
     from orchestrator.reports.html import render_html
     from orchestrator.reports.markdown import render_markdown
+    from orchestrator.results.recorded_run import Run
 
     store = Run.load(Path(__file__).parents[2] / "docs/validation/h200-2026-11-30/h200-1")
     md, page = render_markdown(store), render_html(store)

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from orch_cli import run_cli
 
-from orchestrator.matrix import MatrixError, expand, parse_matrix
-from orchestrator.recorded_run import Run
+from orchestrator.analysis.trace import DEFAULT_RULE, TraceError, find_rank_traces, read_trace
+from orchestrator.config.matrix import MatrixError, expand, parse_matrix
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.profile import ProfilePair, Spread, profile_pairs
-from orchestrator.results import CaseResult, ProfileResult
-from orchestrator.store import RunStore
-from orchestrator.trace import DEFAULT_RULE, TraceError, find_rank_traces, read_trace
+from orchestrator.results.recorded_run import Run
+from orchestrator.results.rows import CaseResult, ProfileResult
+from orchestrator.results.store import RunStore
 
 # Kernel durations (us) of one decode layer; the query step is W_UK_T's GEMM + the cat
 # (staged) or the fused kernel, so its time per layer is known exactly.
@@ -408,7 +408,7 @@ LONG_NAME = (
 
 
 def test_short_name_folds_templates_to_fit_a_cell():
-    from orchestrator.trace import NAME_CELL_CHARS, short_name
+    from orchestrator.analysis.trace import NAME_CELL_CHARS, short_name
 
     assert len(LONG_NAME) > 1000
     short = short_name(LONG_NAME)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from orch_cli import user_environ
 
-from orchestrator import workload as wl
+from orchestrator.client import workload as wl
 
 # ---------------------------------------------------------------------------- params
 
@@ -159,7 +159,7 @@ def test_mean_of_repeats_sums_sample_counts() -> None:
 
 
 def test_repeats_of_unequal_counts_make_a_valid_row() -> None:
-    from orchestrator.results import WorkloadSummary
+    from orchestrator.results.rows import WorkloadSummary
 
     def repeat(k: int, chunks: int) -> list[dict]:
         # One request of `chunks` streamed chunks, as a drafted decode streams them.
@@ -280,7 +280,7 @@ def test_first_repeat_numbers_the_repeats_and_picks_their_prompts(
 
 
 def test_connection_refused_is_recorded() -> None:
-    from orchestrator.engines.vllm import free_port
+    from orchestrator.engines.vllm.server import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     d = wl.run_workload(url, "m", wl.WorkloadParams("w", 1, 1), vocab_size=2048).to_dict()
@@ -308,7 +308,7 @@ def test_failed_requests_wait_for_a_dying_server_to_be_seen() -> None:
     # A killed server refuses connections before its pid polls as gone: requests that failed
     # are not a measurement while the watch may still turn. Here alive() turns 0.5 s after
     # the (refused) requests are over, and the workload still ends in ServerDiedError.
-    from orchestrator.engines.vllm import free_port
+    from orchestrator.engines.vllm.server import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     calls: list[float] = []
@@ -339,9 +339,9 @@ def test_failed_requests_wait_for_a_dying_server_to_be_seen() -> None:
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any]]:
     pytest.importorskip("vllm", reason="vLLM not installed")
-    from orchestrator.compile_cache import inductor_dir, share_model_info
-    from orchestrator.engines import vllm as eng
-    from orchestrator.tinymodel import build_tiny_model
+    from orchestrator.engines.vllm import server as eng
+    from orchestrator.engines.vllm.compile_cache import inductor_dir, share_model_info
+    from orchestrator.models.tinymodel import build_tiny_model
 
     model = str(build_tiny_model())
     run_dir = tmp_path_factory.mktemp("server")
@@ -357,7 +357,8 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         extra_args=["--attention-backend", "CPU_MLA", "--enforce-eager", "--max-model-len", "4096"],
     )
     # A user's environment (no TRITON_INTERPRET: the plugin declines, the decode is vLLM's
-    # own), and Inductor's cache every configuration shares (orchestrator.compile_cache).
+    # own), and Inductor's cache every configuration shares
+    # (orchestrator.engines.vllm.compile_cache).
     extra = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir())}
     env = eng.serve_env(user_environ(), host="127.0.0.1", run_dir=run_dir, extra=extra)
     share_model_info(Path(env["VLLM_CACHE_ROOT"]))  # vLLM's model inspection, run once
@@ -380,7 +381,7 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_real_exact_lengths_and_sane_metrics(tiny_server: tuple[str, str, Any]) -> None:
-    from orchestrator.tinymodel import vocab_size
+    from orchestrator.models.tinymodel import vocab_size
 
     url, model, proc = tiny_server
     p = wl.WorkloadParams("ctx", prompt_tokens=517, output_tokens=33, concurrency=2, requests=4)
@@ -425,7 +426,7 @@ def test_import_stays_light() -> None:
     import subprocess
     import sys
 
-    code = "import sys, orchestrator.workload as w; assert 'torch' not in sys.modules"
+    code = "import sys, orchestrator.client.workload as w; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
@@ -434,7 +435,7 @@ def test_import_stays_light() -> None:
 @pytest.mark.timeout(900)
 def test_real_recorded_tokens_repeat_exactly(tiny_server: tuple[str, str, Any]) -> None:
     """Greedy ids and top logprobs as vLLM streams them; one server twice gives the same ids."""
-    from orchestrator import tokens
+    from orchestrator.client import tokens
 
     url, _, proc = tiny_server
     p = wl.WorkloadParams("greedy", 12, 8, requests=2, record_tokens=True)

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from orchestrator.audit import Expectation, audit_logs
 from orchestrator.cli import app
-from orchestrator.layout import case_slug
-from orchestrator.store import read_jsonl
+from orchestrator.common.layout import case_slug
+from orchestrator.results.store import read_jsonl
 
 RUNS = sorted(
     p.parent
@@ -71,8 +71,8 @@ def test_the_committed_runs_cover_a_discounted_stop() -> None:
 
 def _run_of(tmp_path: Path, *, record_stop: bool, stop_line: int | None = 1) -> Path:
     """A run directory of one case whose server log is a real CPU server's SIGTERM shutdown
-    (an EngineDeadError traceback), audited as orchestrator.case_run audits: the stop began
-    at `stop_line`, the matrix expects a line every worker logs."""
+    (an EngineDeadError traceback), audited as orchestrator.execution.case_run audits: the stop
+    began at `stop_line`, the matrix expects a line every worker logs."""
     root = tmp_path / "run"
     case_id = "tiny/tp1-dcp1-mtp0/staged"
     folder = root / "cases" / case_slug(case_id)

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from orch_cli import user_environ
 
-from orchestrator.compile_cache import share_model_info
-from orchestrator.engines import vllm as eng
+from orchestrator.engines.vllm import server as eng
+from orchestrator.engines.vllm.compile_cache import share_model_info
 
 # ---------------------------------------------------------------------------- argv
 
@@ -192,7 +192,7 @@ def test_vllm_takes_the_synthetic_acceptance_keys() -> None:
 
 
 def _smoke_mtp_argvs() -> list[list[str]]:
-    from orchestrator.matrix import expand, load_matrix
+    from orchestrator.config.matrix import expand, load_matrix
 
     cases = [c for c in expand(load_matrix("matrices/smoke.yaml")) if c.mtp]
     assert cases, "the smoke matrix has MTP cases"
@@ -310,7 +310,7 @@ def test_probe_version_names_missing_vllm(tmp_path: Path) -> None:
 
 def test_module_import_is_light() -> None:
     code = (
-        "import sys, orchestrator.engines.vllm, orchestrator.workload\n"
+        "import sys, orchestrator.engines.vllm.server, orchestrator.client.workload\n"
         "heavy = [m for m in ('torch', 'vllm', 'transformers', 'ray') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
@@ -432,7 +432,7 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 @pytest.fixture(scope="module")
 def tiny_model() -> str:
     pytest.importorskip("vllm", reason="vLLM not installed")
-    from orchestrator.tinymodel import build_tiny_model
+    from orchestrator.models.tinymodel import build_tiny_model
 
     return str(build_tiny_model())
 

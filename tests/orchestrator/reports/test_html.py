@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.compare import compare_runs
-from orchestrator.matrix import expand, parse_matrix
-from orchestrator.recorded_run import Run
+from orchestrator.analysis.compare import compare_runs
+from orchestrator.config.matrix import expand, parse_matrix
 from orchestrator.reports import write_reports
 from orchestrator.reports.html import render_html, write_html
-from orchestrator.store import RunStore
+from orchestrator.results.recorded_run import Run
+from orchestrator.results.store import RunStore
 
 REPO = Path(__file__).resolve().parents[3]
 ARTIFACT = REPO / "logs" / "test-artifacts" / "report-screenshot.png"

@@ -6,9 +6,9 @@ import importlib.util
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from orchestrator.compare import compare_runs
-from orchestrator.recorded_run import Run
+from orchestrator.analysis.compare import compare_runs
 from orchestrator.reports.junit import render_junit, write_junit, xml_text
+from orchestrator.results.recorded_run import Run
 
 _spec = importlib.util.spec_from_file_location(
     "recorded_runs", Path(__file__).parents[1] / "fixtures" / "runs" / "make_fixtures.py"

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 from orchestrator.audit import audit_logs
-from orchestrator.matrix import expand, parse_matrix
-from orchestrator.recorded_run import Overhead, Run
+from orchestrator.config.matrix import expand, parse_matrix
 from orchestrator.reports import write_reports
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.run import audit_sentence, paired_deltas
-from orchestrator.results import AuditSummary, CaseResult
-from orchestrator.store import RunStore
+from orchestrator.results.recorded_run import Overhead, Run
+from orchestrator.results.rows import AuditSummary, CaseResult
+from orchestrator.results.store import RunStore
 
 AUDIT_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "audit"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.matrix import expand, parse_matrix
+from orchestrator.config.matrix import expand, parse_matrix
 from orchestrator.reports import write_reports
-from orchestrator.results import CaseResult
-from orchestrator.store import RunStore
+from orchestrator.results.rows import CaseResult
+from orchestrator.results.store import RunStore
 
 MATRIX = """
 name: s

@@ -8,11 +8,11 @@ import json
 import re
 from pathlib import Path
 
-from orchestrator.recorded_run import Run
 from orchestrator.reports.html import render_html
 from orchestrator.reports.json_report import render_json
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.summary import fmt_ms, render_summary, summary_rows
+from orchestrator.results.recorded_run import Run
 
 _spec = importlib.util.spec_from_file_location(
     "recorded_runs", Path(__file__).parents[1] / "fixtures" / "runs" / "make_fixtures.py"

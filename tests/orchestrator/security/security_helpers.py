@@ -12,9 +12,9 @@ from pathlib import Path
 
 from orch_cli import user_environ
 
-from orchestrator.matrix import expand, parse_matrix
-from orchestrator.results import CaseResult
-from orchestrator.store import RunStore
+from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.results.rows import CaseResult
+from orchestrator.results.store import RunStore
 
 REPO = Path(__file__).resolve().parents[3]
 ORCHESTRATOR = Path(sys.executable).parent / "orchestrator"

@@ -8,7 +8,7 @@ import json
 import pytest
 from security_helpers import MATRIX, assert_refused, run_cli, write_matrix
 
-from orchestrator.matrix import MatrixError, expand, parse_matrix
+from orchestrator.config.matrix import MatrixError, expand, parse_matrix
 
 
 def _two_models(a: str, b: str) -> str:

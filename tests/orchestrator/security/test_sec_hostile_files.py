@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from security_helpers import assert_refused, make_run, passed_row, run_cli
 
-from orchestrator import trace
-from orchestrator.trace import TraceError, read_trace
+from orchestrator.analysis import trace
+from orchestrator.analysis.trace import TraceError, read_trace
 
 CAP_MB = 640  # a few hundred MiB over what the commands need for a small input
 EVENT = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 1, "ts": 0.0, "dur": 1.0}

@@ -3,7 +3,7 @@
 Each case is a real CLI call. While it runs, /proc is watched for any process carrying this
 test's mark in its environment (the orchestrator's children inherit it: a local Ray's
 daemons, a server): only the orchestrator itself may be seen, and no run directory may
-appear. The checks come in `orchestrator plan`'s order (orchestrator/preflight.py).
+appear. The checks come in `orchestrator plan`'s order (orchestrator/execution/preflight.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_an_invalid_run_id_is_refused(tmp_path: Path, cpu_matrix: Path, bad: str
 
 
 def test_a_matrix_needing_more_gpus_than_the_machine_names_the_file(tmp_path: Path) -> None:
-    from orchestrator.preflight import local_gpus
+    from orchestrator.execution.preflight import local_gpus
 
     have, _ = local_gpus()
     if have >= 8:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from security_helpers import MATRIX, run_cli, write_matrix
 
-from orchestrator.plan import plan_matrix
+from orchestrator.plan.render import plan_matrix
 
 
 @pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONSTARTUP"])

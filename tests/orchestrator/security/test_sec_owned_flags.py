@@ -20,9 +20,9 @@ from security_helpers import (
     write_matrix,
 )
 
-from orchestrator.engines.vllm import serve_argv
-from orchestrator.matrix import MatrixError, load_matrix, parse_matrix
-from orchestrator.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, owned_flag
+from orchestrator.config.matrix import MatrixError, load_matrix, parse_matrix
+from orchestrator.config.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, owned_flag
+from orchestrator.engines.vllm.server import serve_argv
 
 # (passthrough args, the owned flag vLLM 0.32's parser reads them as). The first five are
 # ones e3a37d8 let through; vLLM 0.32 read each as the owned flag it abbreviates.
@@ -159,7 +159,7 @@ def test_plan_does_not_import_vllm(tmp_path):
     path = write_matrix(tmp_path, f"engine: {{args: [--config, '{cfg}', '--enforce-eager']}}\n")
     code = (
         "import sys, time; t = time.monotonic()\n"
-        "from orchestrator.plan import plan_matrix\n"
+        "from orchestrator.plan.render import plan_matrix\n"
         f"plan_matrix({str(path)!r})\n"
         "assert 'vllm' not in sys.modules, 'plan imported vllm'\n"
         "print(time.monotonic() - t)\n"

@@ -9,7 +9,7 @@ import json
 import pytest
 from security_helpers import run_cli
 
-from orchestrator.redact import (
+from orchestrator.common.redact import (
     REDACTED,
     redact,
     redact_argv,

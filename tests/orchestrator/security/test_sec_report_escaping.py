@@ -13,9 +13,9 @@ import pytest
 from security_helpers import make_run, passed_row, rewrite_json, run_cli
 
 from orchestrator.cli import _print_outcome
-from orchestrator.mdtable import md_cell, md_table
-from orchestrator.runner import RunSummary
-from orchestrator.store import RunStore
+from orchestrator.common.mdtable import md_cell, md_table
+from orchestrator.execution.runner import RunSummary
+from orchestrator.results.store import RunStore
 
 HOSTILE = "a\nb|<script>alert(1)</script>\x00\x1b[31mred\x1b[0m\x07"
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")

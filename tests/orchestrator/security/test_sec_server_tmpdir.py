@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.engines.vllm import run_dir_env, start_server
+from orchestrator.engines.vllm.server import run_dir_env, start_server
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from security_helpers import assert_refused, make_run, run_cli, write_matrix
 
-from orchestrator.engines.vllm import start_server
-from orchestrator.redact import redact_file
-from orchestrator.runner import _Log
-from orchestrator.store import RunStore, StoreError, append_jsonl
+from orchestrator.common.redact import redact_file
+from orchestrator.engines.vllm.server import start_server
+from orchestrator.execution.runner import _Log
+from orchestrator.results.store import RunStore, StoreError, append_jsonl
 
 PRECIOUS = "precious contents\n"
 

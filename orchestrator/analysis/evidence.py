@@ -1,0 +1,177 @@
+"""The evidence chain: the paired profile's per-layer saving x the query steps of a model
+step, beside the TPOT change the A/B measured, and whether the two agree within its interval.
+
+It is the seeds' chain (a kernel table, then a trace, then an end-to-end figure): on the
+H200 (2026-12-02) the fused query saved 3.27 -> 2.74 µs per layer in vLLM 0.26's decode
+step, and 78 layers of a GLM-5-width stand-in make ~42 µs a step, where the TPOT moved by
+~45 µs. A chain that holds says the end-to-end change is the kernel's; one that does not
+says something else moved (the path flip, the host, a graph re-capture).
+
+Which staged baseline the served vLLM runs is read from the baseline's own traces, never
+assumed: a staged query step of one GEMM is a backend that takes the query as a (nope, pe)
+pair (vLLM 0.26's FLASH_ATTN_MLA: the bmm alone); a GEMM and a concat is one that takes an
+[M, H, 576] query (vLLM 0.32's staged path: bmm + cat). A kernel figure quoted beside the
+chain must be the one against that same baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.analysis.ab import METRICS, ABResult, server_groups
+from orchestrator.results.recorded_run import Run
+from orchestrator.results.rows import CaseResult
+
+# The TPOT the chain is held against: the mean, as the profile's saving is a mean over layer
+# steps and a sum of step times moves the mean (a median need not move with it).
+CHAIN_METRIC = next(m for m in METRICS if m.key == "tpot_mean_ms")
+BMM_ALONE = "the bmm alone (the attention backend takes the query as a (nope, pe) pair)"
+BMM_CAT = "bmm + cat (the attention backend takes one [M, H, 576] query)"
+
+
+@dataclass(frozen=True)
+class QueryProfile:
+    """One variant's decode query step from its profiled servers of one topology."""
+
+    per_layer_us: float  # mean over the profiled servers of each one's mean over ranks
+    layers: int | None  # query steps in one model step (decoder layers + MTP draft passes)
+    servers: int
+    staged_form: str | None  # for a staged trace: BMM_ALONE or BMM_CAT
+
+
+def query_profile(rows: Sequence[CaseResult]) -> QueryProfile | None:
+    """The query step of a variant's profiled, passed rows; None where none was found."""
+    per_server, layers, forms = [], set(), set()
+    for r in rows:
+        p = r.profile
+        if p is None or not r.passed:
+            continue
+        ranks = [t.query.per_layer_us for t in p.traces if t.query.per_layer_us is not None]
+        if not ranks:
+            continue
+        per_server.append(statistics.fmean(ranks))
+        layers.add(p.layers)
+        for t in p.traces:
+            if t.query.path == "staged":
+                forms.add(BMM_CAT if t.query.events > t.query.occurrences else BMM_ALONE)
+    if not per_server:
+        return None
+    return QueryProfile(
+        statistics.fmean(per_server),
+        layers.pop() if len(layers) == 1 else None,
+        len(per_server),
+        forms.pop() if len(forms) == 1 else None,
+    )
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One TPOT figure of the A/B beside what the paired profile predicts for it."""
+
+    result: ABResult
+    baseline: QueryProfile
+    candidate: QueryProfile
+    mtp: int
+    vllm: str | None
+
+    @property
+    def saving_per_layer_us(self) -> float:
+        return self.candidate.per_layer_us - self.baseline.per_layer_us
+
+    @property
+    def predicted_us(self) -> float | None:
+        """The change per model step the profile predicts: per layer x query steps."""
+        layers = self.baseline.layers
+        return None if layers is None else self.saving_per_layer_us * layers
+
+    @property
+    def measured_us(self) -> tuple[float, float, float] | None:
+        """The TPOT change in µs per token and its 95 % bounds, or None without an interval."""
+        iv, base = self.result.interval, self.result.baseline.mean
+        if iv is None or base is None:
+            return None
+        return tuple(base * 1000.0 * pct / 100.0 for pct in (iv.estimate, iv.low, iv.high))  # type: ignore[return-value]
+
+    @property
+    def agrees(self) -> bool | None:
+        """Whether the prediction lies within the measured interval; None where they cannot
+        be compared (no interval, no layer count, or MTP: a step then emits more than one
+        token and the TPOT is per token)."""
+        measured, predicted = self.measured_us, self.predicted_us
+        if measured is None or predicted is None or self.mtp:
+            return None
+        return measured[1] <= predicted <= measured[2]
+
+    def baseline_text(self) -> str:
+        form = self.baseline.staged_form or "not read (the baseline's trace shows no staged step)"
+        where = f"vLLM {self.vllm}" if self.vllm else "the served vLLM"
+        return f"staged baseline in {where}: {form}"
+
+    def sentence(self) -> str:
+        r = self.result
+        head = f"{r.topology_id} {r.workload}, {r.metric.label}"
+        b, c = self.baseline, self.candidate
+        profile = (
+            f"query step {b.per_layer_us:.3f} → {c.per_layer_us:.3f} µs per layer "
+            f"({self.saving_per_layer_us:+.3f} µs)"
+        )
+        predicted = self.predicted_us
+        if predicted is not None:
+            profile += f" × {b.layers} query steps = {predicted:+.1f} µs per model step"
+        measured = self.measured_us
+        if measured is None:
+            told = f"measured: no interval ({r.why or r.verdict})"
+        else:
+            told = (
+                f"measured {measured[0]:+.1f} µs per token (95% interval {measured[1]:+.1f} … "
+                f"{measured[2]:+.1f} µs; {r.baseline.mean:.3f} → {r.candidate.mean:.3f} ms)"
+            )
+        if self.mtp:
+            end = (
+                f"not compared: at MTP {self.mtp} a model step emits up to {self.mtp + 1} "
+                "tokens, and TPOT is per token"
+            )
+        elif self.agrees is None:
+            end = "not compared"
+        else:
+            end = "they agree within the interval" if self.agrees else "they do NOT agree"
+        return f"{head}: {told}; the paired profile: {profile}; {self.baseline_text()}; {end}."
+
+    def to_dict(self) -> dict[str, Any]:
+        measured = self.measured_us
+        return {
+            "topology_id": self.result.topology_id,
+            "workload": self.result.workload,
+            "metric": self.result.metric.key,
+            "baseline_per_layer_us": self.baseline.per_layer_us,
+            "candidate_per_layer_us": self.candidate.per_layer_us,
+            "saving_per_layer_us": self.saving_per_layer_us,
+            "query_steps": self.baseline.layers,
+            "predicted_us_per_step": self.predicted_us,
+            "measured_us_per_token": None if measured is None else measured[0],
+            "measured_interval_us": None if measured is None else list(measured[1:]),
+            "agrees": self.agrees,
+            "staged_baseline": self.baseline.staged_form,
+            "vllm": self.vllm,
+            "sentence": self.sentence(),
+        }
+
+
+def evidence_chain(run: Run, results: Sequence[ABResult]) -> list[Evidence]:
+    """The chain for the mean TPOT of every workload at concurrency 1 (the profile's own
+    batch: one request, M = 1 per layer step) whose two variants were both profiled."""
+    groups = server_groups(run.ordered)
+    mtp = {r.topology_id: r.mtp for r in run.ordered}
+    out = []
+    for r in results:
+        if r.metric != CHAIN_METRIC or run.manifest.concurrency(r.workload) != 1:
+            continue
+        base = query_profile(groups.get((r.topology_id, r.baseline.variant), []))
+        cand = query_profile(groups.get((r.topology_id, r.candidate.variant), []))
+        if base is None or cand is None:
+            continue
+        out.append(Evidence(r, base, cand, mtp.get(r.topology_id, 0), run.manifest.version("vllm")))
+    return out

@@ -1,0 +1,396 @@
+"""Production-geometry stand-ins: GLM-5 at its real widths, one rank's share, config only.
+
+A stand-in is a model directory holding ``config.json`` and a tokenizer, nothing else; the
+orchestrator serves it with ``--load-format dummy`` (vLLM draws every weight itself, seeded)
+and simulated MoE routing. Its decode step does one rank's work of a GLM-5 server at
+tensor parallelism ``standin_tp``, so a TP8, TP6 or TP4 topology can be measured on one GPU.
+
+- ``glm5``: dense MLA (``DeepseekV3ForCausalLM``, no ``index_topk``): vLLM's ``MLAAttention``
+  decode path, the one the fusedq plugin hooks today.
+- ``glm5-dsa``: GLM-5's own architecture (``GlmMoeDsaForCausalLM``) with its DSA indexer
+  (``index_topk`` 2048, 32 indexer heads of 128): vLLM 0.26 takes its sparse-MLA path
+  (``FLASH_ATTN_MLA_SPARSE`` on sm_90) whenever the config has ``index_topk``.
+
+What is GLM-5's, unchanged: hidden 6144, 78 layers (the first 3 dense), q_lora 2048,
+kv_lora 512, qk_nope 192, rope 64, v 256, vocabulary 154,880 (the tokenizer has that many
+ids), one shared expert, top-8 routing, one MTP layer, the DSA indexer (replicated on every
+rank in vLLM, so a rank's share is all of it).
+
+What is one rank's share (``standin_tp`` = t), the way vLLM's tensor parallelism cuts it:
+- attention heads ``ceil(64 / t)``: 8 / 16 at TP8 / TP4; 11 at TP6, where a head-padding
+  ("virtual TP") engine build pads 64 heads to 66;
+- the dense MLP ``12288 / t`` and every expert's and the shared expert's width ``2048 / t``
+  (``RowParallel``/``ColumnParallel`` and ``FusedMoE`` shard the intermediate dimension), each
+  rounded up to a multiple of 32 where t does not divide it (TP6: 2048 / 6 -> 352; 32 is
+  the MXFP8 block, which online MXFP8 needs of every K dimension).
+
+Approximations, and what each does to the decode step (docs/standins.md has the same list):
+- Experts are cut from 256 to as many as fit one H200 (``experts_that_fit``: 120 / 80 / 56 at
+  TP8 / TP6 / TP4 within a 96 GiB weight budget; the matrix's ``experts`` overrides). Each
+  token still runs top-8 experts of full per-rank width plus the shared one, so at one
+  sequence a step reads the same expert bytes; with routing drawn uniformly with
+  replacement, 8 draws from E experts hit ``E * (1 - (1 - 1/E)**8)`` distinct ones (7.89 of
+  256, 7.52 of 56), so the step reads up to ~5 % fewer expert bytes than GLM-5, and with a
+  batch the experts a step touches saturate sooner. The fused-MoE kernel's tuned tile table
+  is looked up by expert count, so a cut count may run vLLM's default tiles.
+- Routing is simulated (``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random``, vLLM's
+  ``RoutingSimulator``): random weights route every token to the same few experts, which
+  would understate the expert reads. The simulated router draws from the global CUDA
+  generator, so greedy tokens repeat across servers only where both consumed it alike.
+- No collectives: a TP-t server all-reduces after attention and after the MLP in every
+  layer (and gathers the logits); one GPU does none of that, so the stand-in's step is
+  shorter by that communication.
+- The vocabulary is GLM-5's whole 154,880 on the one GPU: a TP-t rank computes 1/t of the
+  logits (``ParallelLMHead``), so the stand-in reads ``(1 - 1/t)`` x 1.9 GB more lm_head
+  per step (about 0.3 ms at TP4 on an H200) and samples from all of it.
+- Weights are random (seeded uniform in +-1e-3): numerics, not timing, differ; a random MTP
+  draft accepts almost nothing, so MTP cases use vLLM's synthetic acceptance at the rate
+  the matrix sets (``mtp_acceptance``).
+
+Pure: no torch, no transformers; ``tokenizers`` is imported only when a stand-in is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from orchestrator.models import tinymodel
+
+# Bump when the files written change in a way the spec hash does not capture.
+BUILDER_VERSION = 1
+
+# GLM-5 as published (zai-org/GLM-5: transformers' GlmMoeDsaConfig defaults, which cite that
+# checkpoint, and the GLM-5 technical report's architecture table). tests/orchestrator/
+# fixtures/glm5/published_config.json keeps the published values with their sources.
+GLM5: dict[str, Any] = {
+    "vocab_size": 154880,
+    "hidden_size": 6144,
+    "num_hidden_layers": 78,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 2048,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "num_nextn_predict_layers": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "index_topk": 2048,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 202752,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+# The DSA indexer's keys: present only in the sparse stand-in (vLLM takes the sparse path on
+# `hasattr(config, "index_topk")`, deepseek_v2.py).
+DSA_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
+# GLM-5's router (DeepSeek-V3 style: sigmoid scores, bias-corrected top-k). With routing
+# simulated these only decide which router parameters exist.
+ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+STANDINS: dict[str, dict[str, Any]] = {
+    "glm5": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "dsa": False,
+        "summary": "dense MLA (no DSA indexer): vLLM's MLAAttention decode path",
+    },
+    "glm5-dsa": {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "dsa": True,
+        "summary": "GLM-5's DSA sparse attention (index_topk 2048): vLLM's sparse-MLA path",
+    },
+}
+# Weight formats a stand-in can be served in; mxfp8 is quantised by vLLM at load time
+# (`--quantization mxfp8`: dummy bf16 weights -> E4M3 values + E8M0 scales per 32).
+WEIGHT_FORMATS = ("bf16", "mxfp8")
+# What vLLM's routing simulator draws experts from (vllm/model_executor/layers/fused_moe/
+# router/routing_simulator_router.py: "uniform_random" or "normal_routing").
+ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
+ROUTING_STRATEGY = "uniform_random"
+# Per-rank widths that t does not divide are rounded up to this: the MXFP8 block (online
+# MXFP8 refuses a K dimension it does not divide).
+WIDTH_ALIGN = 32
+# Weights (bf16) a stand-in may take on one H200 (~139 GiB): the rest holds a 65,536-token
+# KV cache (~7.5 GiB with the DSA indexer's), activations and CUDA graphs.
+WEIGHT_BUDGET_GIB = 96.0
+# Experts are cut in steps of 8 (top-8 needs at least 8).
+EXPERT_STEP = 8
+BF16_BYTES = 2
+TOKENIZER_SPECIALS = ("<bos>", "<eos>", "<pad>", "<unk>")  # ids 0..3
+TRANSFORMERS_VERSION = "5.2.0"
+
+
+def is_standin(name: str) -> bool:
+    return name in STANDINS
+
+
+def heads_per_rank(standin_tp: int) -> int:
+    """GLM-5's 64 heads over `standin_tp` ranks, padded up where it does not divide."""
+    return math.ceil(GLM5["num_attention_heads"] / standin_tp)
+
+
+def standin_tp_for_heads(heads: int) -> int:
+    """The TP whose rank holds `heads` of GLM-5's 64 heads (11 -> 6, padded); ValueError
+    where no TP does, or several do without dividing evenly."""
+    total = GLM5["num_attention_heads"]
+    fits = [t for t in range(1, total + 1) if heads_per_rank(t) == heads]
+    exact = [t for t in fits if total % t == 0]
+    if exact:
+        return exact[0]
+    if len(fits) == 1:
+        return fits[0]
+    known = sorted({heads_per_rank(t) for t in (1, 2, 4, 6, 8, 16)}, reverse=True)
+    raise ValueError(
+        f"num_heads={heads} is not one rank's share of GLM-5's {total} heads at any single "
+        f"TP (e.g. {known}); set standin_tp"
+    )
+
+
+def per_rank(width: int, standin_tp: int) -> int:
+    """`width / standin_tp`, rounded up to a multiple of WIDTH_ALIGN where it is not whole."""
+    if width % standin_tp == 0:
+        return width // standin_tp
+    return math.ceil(width / standin_tp / WIDTH_ALIGN) * WIDTH_ALIGN
+
+
+def _attention_params(heads: int, dsa: bool) -> int:
+    g = GLM5
+    hidden, q_lora, kv_lora = g["hidden_size"], g["q_lora_rank"], g["kv_lora_rank"]
+    nope, rope, v = g["qk_nope_head_dim"], g["qk_rope_head_dim"], g["v_head_dim"]
+    params = hidden * (q_lora + kv_lora + rope)  # fused q_a + kv_a (replicated)
+    params += q_lora * heads * (nope + rope)  # q_b
+    params += kv_lora * heads * (nope + v)  # kv_b: W_UK and W_UV
+    params += heads * v * hidden  # o_proj
+    params += q_lora + kv_lora + 2 * hidden  # norms
+    if dsa:
+        # The indexer: wq_b, and wk fused with the head weights; replicated on every rank.
+        params += q_lora * g["index_n_heads"] * g["index_head_dim"]
+        params += hidden * (g["index_head_dim"] + g["index_n_heads"])
+    return params
+
+
+def weight_bytes(*, standin_tp: int, layers: int, experts: int, dsa: bool, mtp: bool = True) -> int:
+    """Bytes of bf16 weights vLLM allocates for the stand-in (the MTP layer included): what
+    decides whether it fits one GPU."""
+    g = GLM5
+    hidden, vocab = g["hidden_size"], g["vocab_size"]
+    heads = heads_per_rank(standin_tp)
+    dense_mlp = 3 * hidden * per_rank(g["intermediate_size"], standin_tp)
+    expert = 3 * hidden * per_rank(g["moe_intermediate_size"], standin_tp)
+    moe = hidden * experts + experts + expert * (experts + g["n_shared_experts"])
+    attn = _attention_params(heads, dsa)
+    dense_layers = min(g["first_k_dense_replace"], layers)
+    params = 2 * vocab * hidden + hidden  # embedding, lm_head, final norm
+    params += layers * attn + dense_layers * dense_mlp + (layers - dense_layers) * moe
+    if mtp:
+        # vLLM's DeepSeekMTP layer: its own embedding and head, eh_proj, norms, a MoE layer.
+        params += 2 * vocab * hidden + 2 * hidden * hidden + 3 * hidden + attn + moe
+    return params * BF16_BYTES
+
+
+def experts_that_fit(standin_tp: int, layers: int) -> int:
+    """The most routed experts (a multiple of 8, at most GLM-5's 256) whose weights stay in
+    WEIGHT_BUDGET_GIB with the DSA indexer and the MTP layer, so the dense and the DSA
+    stand-in of one TP keep one expert count."""
+    budget = WEIGHT_BUDGET_GIB * 2**30
+    best = EXPERT_STEP
+    for e in range(EXPERT_STEP, GLM5["n_routed_experts"] + 1, EXPERT_STEP):
+        if weight_bytes(standin_tp=standin_tp, layers=layers, experts=e, dsa=True) <= budget:
+            best = e
+    return best
+
+
+def config(
+    name: str,
+    *,
+    standin_tp: int,
+    layers: int | None = None,
+    experts: int | None = None,
+    mtp: bool = True,
+) -> dict[str, Any]:
+    """The config.json of stand-in `name` (one rank of GLM-5 at TP `standin_tp`).
+
+    ValueError naming the value for an unknown name or sizes out of range.
+    """
+    if name not in STANDINS:
+        raise ValueError(f"unknown stand-in {name!r}; known: {sorted(STANDINS)}")
+    total = GLM5["num_attention_heads"]
+    if not 1 <= standin_tp <= total:
+        raise ValueError(f"standin_tp={standin_tp} is outside 1..{total} (GLM-5's heads)")
+    layers = GLM5["num_hidden_layers"] if layers is None else layers
+    if not 1 <= layers <= tinymodel.MAX_LAYERS:
+        raise ValueError(f"layers={layers} is outside 1..{tinymodel.MAX_LAYERS}")
+    experts = experts_that_fit(standin_tp, layers) if experts is None else experts
+    top_k, routed = GLM5["num_experts_per_tok"], GLM5["n_routed_experts"]
+    if not top_k <= experts <= routed:
+        raise ValueError(
+            f"experts={experts} is outside {top_k}..{routed} (top-{top_k} of GLM-5's {routed})"
+        )
+    kind = STANDINS[name]
+    heads = heads_per_rank(standin_tp)
+    keep = {k: v for k, v in GLM5.items() if kind["dsa"] or k not in DSA_KEYS}
+    cfg: dict[str, Any] = {
+        "architectures": kind["architectures"],
+        "model_type": kind["model_type"],
+        **keep,
+        **ROUTER,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "intermediate_size": per_rank(GLM5["intermediate_size"], standin_tp),
+        "moe_intermediate_size": per_rank(GLM5["moe_intermediate_size"], standin_tp),
+        "n_routed_experts": experts,
+        "num_nextn_predict_layers": GLM5["num_nextn_predict_layers"] if mtp else 0,
+        "rope_interleave": True,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "initializer_range": 0.02,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+        # The first transformers that knows glm_moe_dsa. Without a version, transformers 5
+        # takes a local config for an old Mistral one and warns of a wrong tokenizer regex.
+        "transformers_version": TRANSFORMERS_VERSION,
+    }
+    if kind["dsa"]:
+        cfg["indexer_rope_interleave"] = True
+    return cfg
+
+
+def spec(
+    name: str,
+    *,
+    standin_tp: int,
+    layers: int | None = None,
+    experts: int | None = None,
+    mtp: bool = True,
+) -> dict[str, Any]:
+    """Everything that determines the files built; its hash names the directory."""
+    return {
+        "builder": BUILDER_VERSION,
+        "name": name,
+        "standin_tp": standin_tp,
+        "config": config(name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp),
+    }
+
+
+def dir_name(s: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:12]
+    c = s["config"]
+    mtp = "-mtp1" if c["num_nextn_predict_layers"] else ""
+    return (
+        f"{s['name']}-tp{s['standin_tp']}-l{c['num_hidden_layers']}-e{c['n_routed_experts']}"
+        f"{mtp}-{digest}"
+    )
+
+
+def build_standin(
+    cache_dir: Path | None = None,
+    *,
+    name: str,
+    standin_tp: int,
+    layers: int | None = None,
+    experts: int | None = None,
+    mtp: bool = True,
+) -> Path:
+    """The stand-in's directory (config.json + tokenizer), built first if not cached."""
+    s = spec(name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp)
+    root = Path(cache_dir) if cache_dir is not None else tinymodel.default_cache_dir()
+
+    def write(tmp: Path) -> None:
+        _write_tokenizer(tmp, s["config"]["vocab_size"])
+        (tmp / "config.json").write_text(json.dumps(s["config"], indent=2) + "\n")
+        generation = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        (tmp / "orchestrator-standin.json").write_text(json.dumps(s, indent=2) + "\n")
+
+    return tinymodel.build_into(root / dir_name(s), write)
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with exactly `vocab_size` ids, so any id a random model samples
+    decodes (a smaller tokenizer beside GLM-5's 154,880-row head would leave most of them
+    without text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    names = [*TOKENIZER_SPECIALS, *(f"w{i}" for i in range(len(TOKENIZER_SPECIALS), vocab_size))]
+    tok = Tokenizer(models.WordLevel(vocab={n: i for i, n in enumerate(names)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(TOKENIZER_SPECIALS))
+    tok.save(str(out / "tokenizer.json"))
+    bos, eos, pad, unk = TOKENIZER_SPECIALS
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "unk_token": unk,
+        "add_bos_token": False,
+        "model_max_length": GLM5["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    special = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": unk}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def serve_defaults(weight_format: str) -> tuple[list[str], dict[str, str]]:
+    """The `vllm serve` args and environment every stand-in needs (the matrix's own, given
+    after them, win): dummy weights, simulated routing, and online MXFP8 for mxfp8."""
+    args = ["--load-format=dummy"]
+    if weight_format == "mxfp8":
+        args.append("--quantization=mxfp8")
+    return args, {ROUTING_ENV: ROUTING_STRATEGY}
+
+
+def describe(
+    name: str,
+    *,
+    standin_tp: int,
+    layers: int | None = None,
+    experts: int | None = None,
+    mtp: bool = True,
+    weight_format: str = "bf16",
+) -> str:
+    """One line for `plan`: what the stand-in is and what it weighs."""
+    c = config(name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp)
+    gib = (
+        weight_bytes(
+            standin_tp=standin_tp,
+            layers=c["num_hidden_layers"],
+            experts=c["n_routed_experts"],
+            dsa=STANDINS[name]["dsa"],
+            mtp=mtp,
+        )
+        / 2**30
+    )
+    padded = " (padded)" if GLM5["num_attention_heads"] % standin_tp else ""
+    mtp_text = f" + {c['num_nextn_predict_layers']} MTP" if c["num_nextn_predict_layers"] else ""
+    return (
+        f"one rank of GLM-5 at TP{standin_tp}, {STANDINS[name]['summary']}: "
+        f"{c['num_attention_heads']} heads{padded}, {c['num_hidden_layers']} layers{mtp_text}, "
+        f"dense MLP {c['intermediate_size']}, {c['n_routed_experts']} of "
+        f"{GLM5['n_routed_experts']} experts x {c['moe_intermediate_size']} (top-"
+        f"{c['num_experts_per_tok']} + {c['n_shared_experts']} shared), vocab "
+        f"{c['vocab_size']}, ~{gib:.0f} GiB bf16 weights, served {weight_format} from "
+        f"--load-format dummy, routing {ROUTING_STRATEGY}"
+    )

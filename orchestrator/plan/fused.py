@@ -1,0 +1,57 @@
+"""Will a case's server run the fused query? What `orchestrator plan` says of each case.
+
+Head counts alone do not decide it. The fusedq vLLM plugin (fusedq/vllm_plugin.py) declines,
+per worker, where the kernel cannot run, and the server then serves vLLM's staged path:
+
+- ``FUSEDQ_MLA_QUERY=0``: the plugin is off (a staged variant, by choice);
+- a head count per rank outside fusedq's qualified ones (fusedq/limits.py); with
+  ``FUSEDQ_MLA_QUERY=1`` (required) the server refuses to start instead;
+- on CPU, a worker without ``TRITON_INTERPRET=1``: CPU tensors run the kernel only in
+  Triton's interpreter. The variable comes from the case's env, else the environment the
+  orchestrator runs in (a local Ray's workers inherit it).
+
+What is known only on the worker (the vLLM release's guard, a GPU's architecture) is not
+judged here; the server log's decision line says it, and a matrix can expect that line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from orchestrator.common.fusedq_files import limits
+from orchestrator.config.matrix import Case
+
+MODE_ENV = "FUSEDQ_MLA_QUERY"  # fusedq/vllm_plugin.py's switch: auto (unset), 0, 1
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    runs: bool
+    why: str  # for a plan's column: "qualified", or "staged: <reason>"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"runs": self.runs, "why": self.why}
+
+
+def fused_plan(case: Case, accelerator: str, environ: Mapping[str, str] = os.environ) -> FusedPlan:
+    """Whether `case`'s server will run the fused query, and why not where it will not."""
+    env = case.env_dict
+    mode = env.get(MODE_ENV, environ.get(MODE_ENV, "auto")).strip().lower() or "auto"
+    if mode == "0":
+        return FusedPlan(False, f"staged: {MODE_ENV}=0")
+    heads = case.heads_per_rank
+    if heads not in limits.QUALIFIED_HEADS:
+        qualified = ", ".join(map(str, limits.QUALIFIED_HEADS))
+        why = f"staged: {heads} heads per rank (qualified: {qualified})"
+        if mode == "1":
+            why = f"fails: {MODE_ENV}=1 and {heads} heads per rank (qualified: {qualified})"
+        return FusedPlan(False, why)
+    if accelerator == "cpu" and env.get(INTERPRET_ENV, environ.get(INTERPRET_ENV)) != "1":
+        why = f"staged: CPU without {INTERPRET_ENV}=1"
+        if mode == "1":
+            why = f"fails: {MODE_ENV}=1 on CPU without {INTERPRET_ENV}=1"
+        return FusedPlan(False, why)
+    return FusedPlan(True, "qualified")
