@@ -72,7 +72,7 @@ def plan(
     """Validate a matrix and list its cases and their needs; launches nothing."""
     import json
 
-    from orchestrator.config.matrix import MatrixError
+    from orchestrator.config.errors import MatrixError
     from orchestrator.plan.render import plan_matrix, render_plan
 
     try:
@@ -123,7 +123,7 @@ def run(
     launched).
     """
     from orchestrator.cluster.launch import LaunchError
-    from orchestrator.config.matrix import MatrixError
+    from orchestrator.config.errors import MatrixError
     from orchestrator.execution.runner import RunAborted, RunOptions, run_matrix
     from orchestrator.results.store import StoreError
 
@@ -218,7 +218,8 @@ def profile(
     """Run a matrix with its profile phase on (`profile:` in the matrix, or --decode-steps):
     every case's decode is profiled after its workloads, and the report gets the paired
     table of each staged/fused pair. Exit codes as `run`."""
-    from orchestrator.config.matrix import MatrixError, load_matrix
+    from orchestrator.config.errors import MatrixError
+    from orchestrator.config.load import load_matrix
 
     try:
         given = load_matrix(matrix, sets=sets).profile
@@ -383,7 +384,7 @@ def nightly(
     a new fatal finding, 2 on bad input (nothing launched).
     """
     from orchestrator.cluster.launch import LaunchError
-    from orchestrator.config.matrix import MatrixError
+    from orchestrator.config.errors import MatrixError
     from orchestrator.execution.nightly import run_nightly
     from orchestrator.execution.runner import RunAborted
     from orchestrator.results.store import StoreError

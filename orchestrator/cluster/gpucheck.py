@@ -89,7 +89,7 @@ _PORT_HOST = "0.0.0.0"
 
 
 def _round_matrix(tp: int, bundles: int, heads: int, host: str) -> Any:
-    from orchestrator.config.matrix import parse_matrix
+    from orchestrator.config.load import parse_matrix
 
     doc = {
         "name": "gpu-check",
@@ -236,7 +236,7 @@ def _run_round(
     """One round: as many bundles of `rnd["tp"]` GPUs as the nodes hold, side by side, each
     running the worker; what each saw goes into `rnd`."""
     from orchestrator.cluster.launch import LaunchError
-    from orchestrator.config.matrix import expand
+    from orchestrator.config.expand import expand
 
     tp = rnd["tp"]
     nodes = launcher.cluster["nodes"]

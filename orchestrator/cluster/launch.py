@@ -37,8 +37,9 @@ from typing import Any
 
 from orchestrator.cluster.leftovers import NODE_ENV
 from orchestrator.common import processes, safe_io
-from orchestrator.config.matrix import Case, Matrix
+from orchestrator.config.expand import Case
 from orchestrator.config.policy import RAY_WORKER_ENV
+from orchestrator.config.schema import Matrix
 
 # Ray's default object store takes 30% of RAM; the orchestrator moves only small dicts through it,
 # and every GiB it holds is a GiB a CPU vLLM server cannot have.

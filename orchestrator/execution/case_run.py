@@ -32,10 +32,10 @@ from orchestrator.client.workload import (
 )
 from orchestrator.cluster.leftovers import run_env
 from orchestrator.common.redact import redact, redact_argv, redact_file
-from orchestrator.config.matrix import (
+from orchestrator.config.expand import Case
+from orchestrator.config.schema import (
     WARMUP_OUTPUT_TOKENS,
     WARMUP_PROMPT_TOKENS,
-    Case,
     Matrix,
     WorkloadSpec,
 )

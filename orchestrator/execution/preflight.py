@@ -21,7 +21,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from orchestrator.common import probes
-from orchestrator.config.matrix import Case, Matrix, MatrixError, load_matrix
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.expand import Case
+from orchestrator.config.load import load_matrix
+from orchestrator.config.schema import Matrix
 
 
 class FlagError(ValueError):

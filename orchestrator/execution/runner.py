@@ -29,8 +29,9 @@ from orchestrator.common import probes, safe_io
 from orchestrator.common.fusedq_files import provenance
 from orchestrator.common.layout import SERVER_LOG
 from orchestrator.common.redact import redact, redact_argv, redact_text, secret_args, secret_values
-from orchestrator.config.matrix import Case, Matrix, expand
+from orchestrator.config.expand import Case, expand
 from orchestrator.config.policy import matrix_warnings
+from orchestrator.config.schema import Matrix
 from orchestrator.execution import interrupted, preflight
 from orchestrator.execution.interrupted import RunInterrupted
 from orchestrator.results.rows import CaseResult

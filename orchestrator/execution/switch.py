@@ -37,7 +37,8 @@ import httpx
 
 from orchestrator.client import tokens
 from orchestrator.client.workload import WorkloadResult, mean_of_repeats
-from orchestrator.config.matrix import SWITCH_SERVER_VARIANT, Case, Matrix
+from orchestrator.config.expand import Case
+from orchestrator.config.schema import SWITCH_SERVER_VARIANT, Matrix
 from orchestrator.engines.vllm import server_metrics
 from orchestrator.engines.vllm.server import auth_headers
 from orchestrator.execution.case_run import CaseFailed, CaseRun, token_checks

@@ -21,10 +21,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from orchestrator.config.matrix import (
+from orchestrator.config.expand import Case
+from orchestrator.config.schema import (
     WARMUP_OUTPUT_TOKENS,
     WARMUP_PROMPT_TOKENS,
-    Case,
     Matrix,
     WorkloadSpec,
 )

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from orchestrator.common.fusedq_files import limits
-from orchestrator.config.matrix import Case
+from orchestrator.config.expand import Case
 
 MODE_ENV = "FUSEDQ_MLA_QUERY"  # fusedq/vllm_plugin.py's switch: auto (unset), 0, 1
 INTERPRET_ENV = "TRITON_INTERPRET"

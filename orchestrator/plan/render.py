@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.client import tokens
-from orchestrator.config.matrix import Case, Matrix, expand, load_matrix, units_needed
+from orchestrator.config.expand import Case, expand, units_needed
+from orchestrator.config.load import load_matrix
 from orchestrator.config.policy import env_notes, matrix_warnings
+from orchestrator.config.schema import Matrix
 from orchestrator.models import standins
 from orchestrator.plan.estimate import estimate_run, human_s
 from orchestrator.plan.fused import fused_plan

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from orchestrator.config.matrix import Matrix
+from orchestrator.config.schema import Matrix
 from orchestrator.models import standins, tinymodel
 
 REPO = Path(__file__).resolve().parents[2]

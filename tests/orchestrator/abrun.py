@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config.matrix import (
-    WARMUP_OUTPUT_TOKENS,
-    WARMUP_PROMPT_TOKENS,
-    expand,
-    parse_matrix,
-)
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
+from orchestrator.config.schema import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS
 from orchestrator.plan.estimate import ASSUMED, Eta, estimate_run, human_s, request_s, workload_s
 from orchestrator.plan.render import plan_matrix, render_plan
 

@@ -9,7 +9,8 @@ import json
 import pytest
 from orch_cli import run_cli
 
-from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.plan.fused import fused_plan
 
 MATRIX = """

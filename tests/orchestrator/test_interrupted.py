@@ -83,7 +83,8 @@ def test_a_case_measured_but_not_recordable_stops_the_run_and_says_how_to_contin
     # text as bad input (exit 2), and the report said "Interrupted (?)".
     from pydantic import ValidationError
 
-    from orchestrator.config.matrix import expand, load_matrix
+    from orchestrator.config.expand import expand
+    from orchestrator.config.load import load_matrix
     from orchestrator.execution.runner import RunOptions, _Attempt
     from orchestrator.results.rows import Distribution
     from orchestrator.results.store import RunStore

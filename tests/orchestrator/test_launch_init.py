@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.cluster.launch import Launcher
-from orchestrator.config.matrix import load_matrix
+from orchestrator.config.load import load_matrix
 
 
 def _launcher(ray_address: str | None) -> Launcher:

@@ -118,7 +118,8 @@ def test_run_matrix_refuses_before_launching_anything(spawn, tmp_path: Path) -> 
         "resources: {accelerator: cpu}\ntopologies: [{tp: 1}]\n"
         "workloads: [{name: w, prompt_tokens: 1, output_tokens: 1}]\n"
     )
-    from orchestrator.config.matrix import expand, load_matrix
+    from orchestrator.config.expand import expand
+    from orchestrator.config.load import load_matrix
 
     store = RunStore.create(tmp_path, "run-x")
     store.write_manifest({"cases": [c.to_dict() for c in expand(load_matrix(matrix))]})

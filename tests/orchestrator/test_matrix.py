@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.config.matrix import MatrixError, expand, load_matrix, parse_matrix, units_needed
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.expand import expand, units_needed
+from orchestrator.config.load import load_matrix, parse_matrix
 
 REPO = Path(__file__).resolve().parents[2]
 

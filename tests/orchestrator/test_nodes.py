@@ -28,7 +28,7 @@ from orchestrator.cluster.launch import (
     fits_a_node,
 )
 from orchestrator.cluster.nodes import NODE_COMMANDS, _NodeAgent, completed, pick_reports
-from orchestrator.config.matrix import Matrix
+from orchestrator.config.schema import Matrix
 from orchestrator.execution.runner import LeftoverError, handle_leftovers
 
 DEAD_DRIVER = f"{socket.gethostname()}:{os.getpid()}:0"

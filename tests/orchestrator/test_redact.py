@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.common.redact import REDACTED, redact_file, secret_args
-from orchestrator.config.matrix import load_matrix
+from orchestrator.config.load import load_matrix
 from orchestrator.execution.case_run import _set_aside
 from orchestrator.execution.runner import _Log, matrix_secrets
 

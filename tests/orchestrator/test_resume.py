@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from orchestrator.cluster import launch
-from orchestrator.config.matrix import expand, load_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import load_matrix
 from orchestrator.engines.vllm import server as eng
 from orchestrator.execution.case_run import _absolute_if_path
 from orchestrator.execution.runner import RunOptions, run_matrix

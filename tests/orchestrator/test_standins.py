@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config.matrix import MatrixError, expand, parse_matrix
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.models import standins, tinymodel
 
 FIXTURE = Path(__file__).parent / "fixtures" / "glm5" / "published_config.json"

@@ -15,7 +15,8 @@ import pytest
 
 from orchestrator.client import tokens
 from orchestrator.client.workload import WorkloadParams, WorkloadResult, repeat_metrics
-from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.execution.runner import _left_to_run
 from orchestrator.execution.switch import (
     SET_PATH,

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import tokens
-from orchestrator.config.matrix import MatrixError, expand, parse_matrix
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.execution.case_run import token_checks
 from orchestrator.results.store import RunStore
 

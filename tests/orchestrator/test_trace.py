@@ -18,7 +18,9 @@ import pytest
 from orch_cli import run_cli
 
 from orchestrator.analysis.trace import DEFAULT_RULE, TraceError, find_rank_traces, read_trace
-from orchestrator.config.matrix import MatrixError, expand, parse_matrix
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.profile import ProfilePair, Spread, profile_pairs
 from orchestrator.results.recorded_run import Run

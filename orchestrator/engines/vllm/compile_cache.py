@@ -45,7 +45,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.config.matrix import Case
+from orchestrator.config.expand import Case
 from orchestrator.engines.vllm.server import compile_cache_env
 from orchestrator.models.tinymodel import cache_root
 

@@ -192,7 +192,8 @@ def test_vllm_takes_the_synthetic_acceptance_keys() -> None:
 
 
 def _smoke_mtp_argvs() -> list[list[str]]:
-    from orchestrator.config.matrix import expand, load_matrix
+    from orchestrator.config.expand import expand
+    from orchestrator.config.load import load_matrix
 
     cases = [c for c in expand(load_matrix("matrices/smoke.yaml")) if c.mtp]
     assert cases, "the smoke matrix has MTP cases"

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.analysis.compare import compare_runs
-from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.reports import write_reports
 from orchestrator.reports.html import render_html, write_html
 from orchestrator.results.recorded_run import Run

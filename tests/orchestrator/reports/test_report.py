@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from orchestrator.audit import audit_logs
-from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.reports import write_reports
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.run import audit_sentence, paired_deltas

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.reports import write_reports
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from orch_cli import user_environ
 
-from orchestrator.config.matrix import expand, parse_matrix
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
 

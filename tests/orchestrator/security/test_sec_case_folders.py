@@ -8,7 +8,9 @@ import json
 import pytest
 from security_helpers import MATRIX, assert_refused, run_cli, write_matrix
 
-from orchestrator.config.matrix import MatrixError, expand, parse_matrix
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.expand import expand
+from orchestrator.config.load import parse_matrix
 
 
 def _two_models(a: str, b: str) -> str:

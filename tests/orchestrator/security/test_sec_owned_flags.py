@@ -20,7 +20,8 @@ from security_helpers import (
     write_matrix,
 )
 
-from orchestrator.config.matrix import MatrixError, load_matrix, parse_matrix
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.load import load_matrix, parse_matrix
 from orchestrator.config.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, owned_flag
 from orchestrator.engines.vllm.server import serve_argv
 
