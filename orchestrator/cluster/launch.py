@@ -1,10 +1,10 @@
 """Ray placement of servers: one placement group and one server actor per case.
 
-The actor runs on the node Ray chose, inside the bundle's GPUs (Ray sets CUDA_VISIBLE_DEVICES
-for it), starts `vllm serve` there as its own process group, and keeps the server's log. fusedq
-travels to every worker through the Ray runtime environment (`py_modules`), so the server runs
-the driver's fusedq; the actor reports a fingerprint of the copy it sees, and the driver checks
-it against its own.
+The actor (orchestrator.cluster.server_actor) runs on the node Ray chose, inside the bundle's
+GPUs (Ray sets CUDA_VISIBLE_DEVICES for it), starts `vllm serve` there as its own process
+group, and keeps the server's log. fusedq travels to every worker through the Ray runtime
+environment (`py_modules`, orchestrator.cluster.ship), so the server runs the driver's fusedq;
+the actor reports a fingerprint of the copy it sees, and the driver checks it against its own.
 
 On the driver's node a server writes into the run directory itself. On any other node it runs
 in a case directory of that node's own (the driver's paths mean nothing there); its log is
@@ -12,23 +12,18 @@ copied to the run directory as it grows (each process-watch poll brings the new 
 what else it left in its directory comes back when it stops. A server there is reached on the
 node's address: ``host: node`` binds exactly that address.
 
-Ray is imported only here, and only when a run starts.
+Ray is imported only in this package, and only when a run starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata as md
-import importlib.util
-import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cluster.leftovers import NODE_ENV
+from orchestrator.cluster.server_actor import ServerActor
+from orchestrator.cluster.ship import new_stage, package_dir, tree_fingerprint, write_dist_info
 from orchestrator.common import processes, safe_io
 from orchestrator.config.expand import Case
-from orchestrator.config.policy import RAY_WORKER_ENV
 from orchestrator.config.schema import Matrix
 
 # Ray's default object store takes 30% of RAM; the orchestrator moves only small dicts through it,
@@ -49,12 +45,8 @@ POLL_TIMEOUT_S = 5.0
 # ...and an actor silent this long (a hung or partitioned node) counts as a dead server.
 UNREACHABLE_S = 60.0
 
-
-_STAGE_PREFIX = "orch-ship-"
 # The matrix's `host: node`: bind the address Ray knows the server's node by.
 NODE_HOST = "node"
-# One read of a log or file from a node's actor.
-_CHUNK = 1 << 20
 
 
 class LaunchError(RuntimeError):
@@ -72,56 +64,6 @@ def _loopback_address(address: str) -> bool:
 
     host = address.rpartition(":")[0] if ":" in address else address
     return is_loopback(host.strip("[]"))
-
-
-def package_dir(name: str) -> Path:
-    """Directory of an importable package, found without importing it (fusedq imports torch)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise LaunchError(f"package {name!r} is not importable from {sys.executable}")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def write_dist_info(stage: Path, name: str) -> Path | None:
-    """A metadata-only ``<name>-<version>.dist-info`` carrying the package's entry points.
-
-    Ray's ``py_modules`` makes a package importable on the workers but not *installed*: vLLM
-    finds plugins through ``importlib.metadata`` entry points, so the shipped fusedq would be
-    invisible to it on a node without fusedq installed. This directory, shipped as one more
-    ``py_modules`` entry, puts the driver's entry points (and version) on the workers' path.
-    """
-    try:
-        dist = md.distribution(name)
-    except md.PackageNotFoundError:
-        return None
-    version = dist.version
-    info = stage / f"{name}-{version}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    eps = dist.read_text("entry_points.txt") or ""
-    (info / "entry_points.txt").write_text(eps)
-    (info / "INSTALLER").write_text("orchestrator (ray py_modules)\n")
-    return info
-
-
-def _dist_location(name: str) -> str | None:
-    """Where importlib.metadata finds a distribution (the shipped dist-info wins on PYTHONPATH)."""
-    try:
-        return str(md.distribution(name).locate_file(""))
-    except md.PackageNotFoundError:
-        return None
-
-
-def tree_fingerprint(root: Path) -> str:
-    """sha256 over the package's .py files (path and bytes): equal fingerprints, equal code."""
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        if "__pycache__" in path.parts:
-            continue
-        h.update(str(path.relative_to(root)).encode())
-        h.update(b"\0")
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -144,149 +86,6 @@ class ServerHandle:
     @property
     def base_url(self) -> str:
         return f"http://{self.info['connect_host']}:{self.info['port']}"
-
-
-class _ServerActor:
-    """Lives on the chosen node; owns one `vllm serve` process group. (Wrapped by ray.remote.)"""
-
-    def __init__(self) -> None:
-        self.proc: Any = None
-        self.log_path: Path | None = None
-        self.own_dir: Path | None = None
-        self.stand_ins: list[Path] = []  # a short TMPDIR beside it (run_dir_env)
-
-    def node_info(self) -> dict[str, Any]:
-        import ray
-
-        return {
-            "hostname": socket.gethostname(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "pythonpath": os.environ.get("PYTHONPATH", ""),
-            "python": sys.executable,
-        }
-
-    def probe(self) -> dict[str, Any]:
-        return _probe_server_view()
-
-    def free_port(self, host: str) -> int:
-        from orchestrator.engines.vllm.server import free_port
-
-        return free_port(host)
-
-    def missing_paths(self, paths: list[str]) -> list[str]:
-        return [p for p in paths if not os.path.exists(p)]
-
-    def case_dir(self, name: str) -> str:
-        """A case directory of this node's own, under its temp directory."""
-        self.own_dir = Path(tempfile.gettempdir()) / name
-        # A predictable name in a shared /tmp: only ever this user's own 0700 folder.
-        safe_io.private_dir(self.own_dir, "the case folder on this node")
-        return str(self.own_dir)
-
-    def start(
-        self,
-        argv: list[str],
-        env_overrides: dict[str, str],
-        log_path: str,
-        rebase: list[str] | None = None,
-    ) -> int:
-        from orchestrator.engines.vllm.server import run_dir_env, start_server
-
-        # The actor's own environment carries what Ray set up (CUDA_VISIBLE_DEVICES for the
-        # bundle's GPUs, PYTHONPATH for py_modules); the case adds to it, never replaces those.
-        env = {**os.environ, **env_overrides}
-        for key in RAY_WORKER_ENV:
-            if key in os.environ:
-                env[key] = os.environ[key]
-        if env_overrides.get("PYTHONPATH") and "PYTHONPATH" in os.environ:
-            # A matrix's own PYTHONPATH (a worker extension's module, say) comes after Ray's:
-            # the shipped fusedq must still win.
-            env["PYTHONPATH"] = os.pathsep.join(
-                [os.environ["PYTHONPATH"], env_overrides["PYTHONPATH"]]
-            )
-        self.log_path = Path(log_path)
-        if rebase:
-            # Caches and temp files in this node's case directory, as the driver's would be in
-            # its own (worked out here: a short TMPDIR stand-in depends on this node's /tmp).
-            own = run_dir_env(self.log_path.parent)
-            env.update({key: own[key] for key in rebase})
-            self.stand_ins = [
-                Path(own[k])
-                for k in rebase
-                if not Path(own[k]).is_relative_to(self.log_path.parent)
-            ]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = start_server(argv, env, self.log_path)
-        return self.proc.pid
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def poll_log(self, offset: int) -> tuple[int | None, bytes]:
-        """The exit code, then the log from `offset`: read after the poll, so a log read
-        with an exit code is complete."""
-        code = self.poll()
-        return code, self.read_log(offset)
-
-    def files(self) -> list[str]:
-        """Files the server left in its case directory here (a profiler's traces, say), as
-        paths relative to it: not its log, and nothing of its caches and temp directory."""
-        from orchestrator.engines.vllm.server import run_dir_env
-
-        if self.log_path is None or not self.log_path.parent.is_dir():
-            return []
-        root = self.log_path.parent
-        skip = {Path(d) for d in run_dir_env(root).values()}
-        found = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            here = Path(dirpath)
-            dirnames[:] = [d for d in dirnames if here / d not in skip]
-            for name in filenames:
-                path = here / name
-                if path != self.log_path and path.is_file() and not path.is_symlink():
-                    found.append(path.relative_to(root).as_posix())
-        return sorted(found)
-
-    def file_sizes(self) -> dict[str, int]:
-        """`files()` with their sizes now (a writer still at work shows growing sizes)."""
-        root = None if self.log_path is None else self.log_path.parent
-        sizes = {}
-        for name in self.files():
-            with contextlib.suppress(OSError):  # gone between the listing and the stat
-                sizes[name] = (root / name).stat().st_size  # type: ignore[operator]
-        return sizes
-
-    def read_file(self, name: str, offset: int, max_bytes: int = _CHUNK) -> bytes:
-        root = None if self.log_path is None else self.log_path.parent
-        path = None if root is None else (root / name).resolve()
-        if root is None or path is None or not path.is_relative_to(root.resolve()):
-            raise ValueError(f"not a file of the case directory: {name!r}")
-        with path.open("rb") as f:
-            f.seek(offset)
-            return f.read(max_bytes)
-
-    def remove_case_dir(self) -> None:
-        for d in [*self.stand_ins, self.own_dir]:
-            if d is not None:
-                shutil.rmtree(d, ignore_errors=True)
-
-    def stop(self, grace_s: float) -> int | None:
-        from orchestrator.engines.vllm.server import stop_server
-
-        if self.proc is None:
-            return None
-        return stop_server(self.proc, grace_s=grace_s)
-
-    def read_log(self, offset: int, max_bytes: int = _CHUNK) -> bytes:
-        if self.log_path is None or not self.log_path.exists():
-            return b""
-        with self.log_path.open("rb") as f:
-            f.seek(offset)
-            return f.read(max_bytes)
 
 
 class Launcher:
@@ -339,11 +138,11 @@ class Launcher:
 
         self._ray = ray
         py_modules = []
-        # Named with the pid, so a later run can remove what a SIGKILLed one left behind.
-        self._stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE_PREFIX}{os.getpid()}-"))
-        _remove_stale_stages(self._stage.parent)
+        self._stage = new_stage()
         for name in self.runtime_packages:
             pdir = package_dir(name)
+            if pdir is None:
+                raise LaunchError(f"package {name!r} is not importable from {sys.executable}")
             self.driver_fingerprints[name] = tree_fingerprint(pdir)
             py_modules.append(str(pdir))
             info = write_dist_info(self._stage, name)
@@ -360,7 +159,7 @@ class Launcher:
         self.driver_node_id = ray.get_runtime_context().get_node_id()
         self.cluster = self._describe_cluster()
         self.cluster["ray_init_s"] = round(time.monotonic() - t0, 3)
-        self._actor_cls = ray.remote(max_restarts=0)(_ServerActor)
+        self._actor_cls = ray.remote(max_restarts=0)(ServerActor)
         return self
 
     def init_kwargs(self, runtime_env: dict[str, Any]) -> dict[str, Any]:
@@ -717,48 +516,6 @@ class Launcher:
     def stop_all(self) -> None:
         for handle in list(self.handles):
             self.stop(handle, grace_s=10.0, log_dest=handle.mirror)
-
-
-_PROBE = """
-import importlib.metadata as md, importlib.util, json
-from pathlib import Path
-from orchestrator.cluster.launch import _dist_location, tree_fingerprint
-spec = importlib.util.find_spec("fusedq")
-d = Path(next(iter(spec.submodule_search_locations))) if spec else None
-print(json.dumps({
-    "fusedq_path": str(d) if d else None,
-    "fusedq_fingerprint": tree_fingerprint(d) if d else None,
-    "fusedq_metadata_from": _dist_location("fusedq"),
-    "vllm_plugins": sorted(f"{e.name}={e.value}" for e in md.entry_points(group="vllm.general_plugins")),
-}))
-"""
-
-
-def _probe_server_view() -> dict[str, Any]:
-    """What a server process started by this actor will import: probed in a child with the
-    same interpreter and environment, from a neutral directory (the actor's own sys.path may
-    hold the driver's working directory, which the server's does not)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tempfile.gettempdir(),
-        env=dict(os.environ),
-    )
-    if out.returncode != 0:
-        return {"probe_error": out.stderr.strip()[-2000:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _remove_stale_stages(tmp: Path) -> None:
-    """Remove staging directories whose orchestrator no longer runs (a SIGKILL skips
-    __exit__); a live pid's directory is kept, even if the pid was recycled."""
-    for stage in tmp.glob(f"{_STAGE_PREFIX}*-*"):
-        pid = stage.name[len(_STAGE_PREFIX) :].split("-", 1)[0]
-        # A live pid's directory is kept, another user's included (pid_alive holds for it).
-        if pid.isdigit() and not processes.pid_alive(int(pid)):
-            shutil.rmtree(stage, ignore_errors=True)
 
 
 def fits_a_node(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> bool:

@@ -28,7 +28,7 @@ CODE_LOADING_ENV = frozenset(
      "PYTHONUSERBASE", "PYTHONSAFEPATH", "BASH_ENV", "ENV"}
 )  # fmt: skip
 # Variables the server gets from its Ray worker, wherever Ray sets them
-# (orchestrator.cluster.launch).
+# (orchestrator.cluster.server_actor).
 RAY_WORKER_ENV = {
     "CUDA_VISIBLE_DEVICES": "the GPUs of the case's Ray bundle",
     "PYTHONPATH": "Ray's py_modules, which carry the deployed fusedq",

@@ -141,7 +141,7 @@ def _ray_initialized() -> bool:
 def test_staging_directories_of_dead_orchestrators_are_removed(tmp_path: Path) -> None:
     """A SIGKILLed orchestrator skips Launcher.__exit__; the next run removes its py_modules
     staging directory, and never a live one's."""
-    from orchestrator.cluster.launch import _remove_stale_stages
+    from orchestrator.cluster.ship import remove_stale_stages
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -150,5 +150,5 @@ def test_staging_directories_of_dead_orchestrators_are_removed(tmp_path: Path) -
     other = tmp_path / "orch-ship-notapid-x"
     for d in (stale, live, other):
         (d / "fusedq-1.0.dist-info").mkdir(parents=True)
-    _remove_stale_stages(tmp_path)
+    remove_stale_stages(tmp_path)
     assert not stale.exists() and live.exists() and other.exists()

@@ -23,11 +23,11 @@ from orchestrator.cluster.launch import (
     LaunchError,
     ServerHandle,
     _loopback_address,
-    _ServerActor,
     describe_nodes,
     fits_a_node,
 )
 from orchestrator.cluster.nodes import NODE_COMMANDS, _NodeAgent, completed, pick_reports
+from orchestrator.cluster.server_actor import ServerActor
 from orchestrator.config.schema import Matrix
 from orchestrator.execution.runner import LeftoverError, handle_leftovers
 
@@ -174,7 +174,7 @@ def test_a_lost_nodes_kernel_log_is_not_waited_for() -> None:
     assert lau.node_runner(h) is None and lau.node_runner(None) is None
 
 
-def _direct(actor: _ServerActor) -> SimpleNamespace:
+def _direct(actor: ServerActor) -> SimpleNamespace:
     """The actor's methods as Ray handles would offer them (`.remote` returns the answer)."""
     return SimpleNamespace(
         **{
@@ -195,7 +195,7 @@ def test_a_remote_servers_log_and_files_come_back_and_its_directory_goes(
     run_case.mkdir(parents=True)
     lau, h = _launcher(NODE_HOST)
     lau._ray = SimpleNamespace(get=lambda answer, timeout: answer)
-    actor = _ServerActor()
+    actor = ServerActor()
     h.actor = _direct(actor)
     h.info.update(node_id="other", node_ip="127.0.0.3")  # bindable here
     server = (
@@ -247,7 +247,7 @@ def test_a_matrix_pythonpath_comes_after_the_one_ray_gives_the_actor(
     # A worker extension's module reaches the server through the matrix's env; the fusedq
     # Ray ships to the actor must still win.
     monkeypatch.setenv("PYTHONPATH", "/ray/py_modules")
-    actor = _ServerActor()
+    actor = ServerActor()
     log = tmp_path / "c" / "server.log"
     show = [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"]
     actor.start(show, {"PYTHONPATH": "/ext"}, str(log))
