@@ -109,7 +109,9 @@ print(json.dumps({
     "fusedq_path": str(d) if d else None,
     "fusedq_fingerprint": tree_fingerprint(d) if d else None,
     "fusedq_metadata_from": _dist_location("fusedq"),
-    "vllm_plugins": sorted(f"{e.name}={e.value}" for e in md.entry_points(group="vllm.general_plugins")),
+    "vllm_plugins": sorted(
+        f"{e.name}={e.value}" for e in md.entry_points(group="vllm.general_plugins")
+    ),
 }))
 """
 
