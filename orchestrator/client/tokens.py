@@ -1,7 +1,7 @@
 """Same tokens: do two variants of one topology produce the same greedy token ids?
 
 A workload with ``same_tokens: true`` records every request's output token ids and, per
-position, the top logprobs (``workload.TOP_LOGPROBS``). Each variant after a topology's first
+position, the top logprobs (``stream.TOP_LOGPROBS``). Each variant after a topology's first
 is then held against the first, request by request (the same prompts: they are drawn from the
 matrix seed, the workload name and the request's index).
 

@@ -1,27 +1,8 @@
 """Workload client: streams `/v1/completions` with exact-length token-id prompts and measures.
 
-Prompts are random token ids (seeded, so a rerun sends the same prompts), sent as ids so
-the prompt length is exact without a tokenizer; `ignore_eos` plus `min_tokens` pin the
-output length. Every request's timeline is recorded (start, first token, each streamed
-chunk with its token count, end, usage) and the metrics are computed from those records
-alone, so the maths is testable on synthetic records.
-
-Definitions (per repeat; failed requests are excluded from every latency figure):
-- aggregate tok/s: output tokens of all successful requests / (last end - first start).
-- active per-user tok/s: tokens streamed after each request's first chunk / time after its
-  first chunk, summed over the requests (a ratio of sums); it excludes time to first token,
-  so a long prefill does not hide decode speed. Not a mean of per-request rates: a starved
-  API server (2 busy CPU cores) can flush a whole answer in one burst right after its first
-  chunk, and one such request's near-zero time made a mean of rates read 20,324 tok/s.
-- TTFT: first token - start. TPOT: (end - first token) / (output_tokens - 1).
-- ITL: the gap between consecutive streamed chunks, one value per gap, as `vllm bench
-  serve` counts it (with MTP a chunk may carry several tokens).
-- E2EL: end-to-end request latency, start to the last chunk (`vllm bench serve`'s E2EL).
-- every distribution carries ``n``, the samples behind it (requests, or chunk gaps for ITL);
-- chunking: how the tokens reached the client (chunks, tokens per chunk, how many gaps were
-  under BURST_GAP_S). An API server short of CPU flushes several chunks at once, so most
-  gaps are near zero and one is long: ITL percentiles then describe that flushing, not the
-  decode step, and the chunking says so.
+Prompts are random token ids (orchestrator.client.prompts); each request is streamed and its
+timeline recorded (orchestrator.client.stream), and the metrics are computed from those
+records alone (orchestrator.client.metrics, where each figure is defined).
 
 Modes: `requests` sends that many in total at the given concurrency; `duration_s` runs
 `concurrency` users that each issue requests back to back until the duration is over.
@@ -36,17 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
-import json
 import logging
 import math
-import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import httpx
+
+from orchestrator.client.metrics import chunking, latency_metrics, mean_of_repeats, repeat_metrics
+from orchestrator.client.prompts import make_prompt
+from orchestrator.client.stream import RequestRecord, run_request
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -56,10 +38,6 @@ _MONITOR_S = 0.25  # how often alive() is asked and progress is reported
 _DEATH_GRACE_S = 3.0  # after failed requests: how long to watch for the server's death
 _PROGRESS_EVERY_S = 1.0
 _ERROR_BACKOFF_S = 0.5  # a duration-mode user that failed waits, so errors cannot spin
-_PERCENTILES = (50, 90, 99)
-# A gap between chunks shorter than this is delivery, not a decode step: no model step on
-# any machine here is this fast, so such gaps are chunks the API server flushed together.
-BURST_GAP_S = 0.001
 
 
 class WorkloadAborted(RuntimeError):
@@ -129,35 +107,6 @@ class WorkloadParams:
 
 
 @dataclass
-class RequestRecord:
-    """One request's timeline. Times are seconds from the start of its repeat."""
-
-    repeat: int
-    index: int
-    user: int
-    started_at: float  # wall clock (epoch s), to line up with server logs
-    start_s: float
-    requested_prompt_tokens: int
-    requested_output_tokens: int
-    first_token_s: float | None = None
-    end_s: float | None = None
-    chunk_s: list[float] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
-    prompt_tokens: int | None = None  # from usage
-    output_tokens: int = 0  # from usage, else counted from chunks
-    finish_reason: str | None = None
-    error: str | None = None
-    # With WorkloadParams.record_tokens: the output token ids, and per position the top
-    # TOP_LOGPROBS {token id: logprob} (what tells a near-tie from a real difference).
-    token_ids: list[int] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.end_s is not None and self.first_token_s is not None
-
-
-@dataclass
 class WorkloadResult:
     params: WorkloadParams
     repeats: list[dict[str, Any]]
@@ -192,268 +141,6 @@ def _nan_to_none(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_nan_to_none(v) for v in obj]
     return obj
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def token_id_range(vocab_size: int) -> tuple[int, int]:
-    """[lo, hi) of ids safe for random prompts: tokenizers keep special and control tokens
-    at the very start (bos/eos/pad, byte fallbacks) or the very end (chat and tool
-    markers, padding rows), so the middle of the vocabulary holds ordinary text tokens."""
-    if vocab_size < 64:
-        raise ValueError(f"vocab_size={vocab_size} is too small for random prompts")
-    return min(vocab_size // 16, 1000), vocab_size * 7 // 8
-
-
-def make_prompt(n_tokens: int, *, vocab_size: int, seed: int, key: str) -> list[int]:
-    """Random ids, the same for the same (seed, key): reruns send identical prompts."""
-    lo, hi = token_id_range(vocab_size)
-    rng = random.Random(f"{seed}/{key}")
-    return [rng.randrange(lo, hi) for _ in range(n_tokens)]
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), NaN when empty."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
-    ms = [v * 1000 for v in values_s]
-    out = {f"p{q}": percentile(ms, q) for q in _PERCENTILES}
-    out["mean"] = sum(ms) / len(ms) if ms else math.nan
-    out["n"] = len(ms)
-    return out
-
-
-def chunking(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """How the successful requests' tokens were streamed: chunks, tokens per chunk (mean and
-    largest), chunk gaps, and how many of those were under BURST_GAP_S (see the module
-    docstring)."""
-    ok = [r for r in records if r["error"] is None]
-    sizes = [n for r in ok for n in (r.get("chunk_tokens") or [])]
-    gaps = [b - a for r in ok for a, b in itertools.pairwise(r["chunk_s"])]
-    return {
-        "chunks": len(sizes),
-        "tokens_per_chunk_mean": sum(sizes) / len(sizes) if sizes else math.nan,
-        "tokens_per_chunk_max": max(sizes, default=0),
-        "gaps": len(gaps),
-        "gaps_under_1ms": sum(1 for g in gaps if g < BURST_GAP_S),
-    }
-
-
-def _decoding(ok: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Successful requests with a decode phase: more than one token, and time after the first."""
-    return [r for r in ok if r["output_tokens"] > 1 and r["end_s"] > r["first_token_s"]]
-
-
-def latency_metrics(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """TTFT, TPOT and ITL distributions (ms) over the successful requests among `records`.
-
-    Times are differences within one request, so records of several repeats may be pooled:
-    a workload's p99 over all its requests is a percentile, a mean of repeats' p99s is not."""
-    ok = [r for r in records if r["error"] is None]
-    tpot = [(r["end_s"] - r["first_token_s"]) / (r["output_tokens"] - 1) for r in _decoding(ok)]
-    return {
-        "ttft_ms": _stats_ms([r["first_token_s"] - r["start_s"] for r in ok]),
-        "tpot_ms": _stats_ms(tpot),
-        "itl_ms": _stats_ms([b - a for r in ok for a, b in itertools.pairwise(r["chunk_s"])]),
-        "e2el_ms": _stats_ms([r["end_s"] - r["start_s"] for r in ok]),
-    }
-
-
-def repeat_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The metrics of one repeat from its request records (see the module docstring)."""
-    ok = [r for r in records if r["error"] is None]
-    out_tokens = sum(r["output_tokens"] for r in ok)
-    starts = [r["start_s"] for r in records]
-    ends = [r["end_s"] for r in records if r["end_s"] is not None]
-    wall = (max(ends) - min(starts)) if starts and ends else 0.0
-    decoding = _decoding(ok)
-    # Tokens of the first chunk arrived with the first token (older records lack chunk_tokens).
-    after_first = sum(r["output_tokens"] - ((r.get("chunk_tokens") or [1])[0]) for r in decoding)
-    active_s = sum(r["end_s"] - r["first_token_s"] for r in decoding)
-    return {
-        "requests": len(records),
-        "errors": len(records) - len(ok),
-        "output_tokens": out_tokens,
-        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
-        "wall_s": wall,
-        "aggregate_tok_s": out_tokens / wall if wall > 0 else 0.0,
-        "per_user_tok_s": after_first / active_s if active_s > 0 else 0.0,
-        **latency_metrics(records),
-    }
-
-
-def mean_of_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Field-wise mean of the repeats' metrics (nested percentile dicts too). A
-    distribution's sample count ``n`` is summed instead: the samples behind the averaged
-    figures, an integer (with MTP, or in duration mode, repeats stream different counts,
-    and their mean is fractional)."""
-    if not repeats:
-        return {}
-
-    def avg(values: list[Any]) -> Any:
-        if isinstance(values[0], dict):
-            return {k: (total if k == "n" else avg)([v[k] for v in values]) for k in values[0]}
-        nums = [float(v) for v in values if not (isinstance(v, float) and math.isnan(v))]
-        return sum(nums) / len(nums) if nums else math.nan
-
-    def total(values: list[Any]) -> int | None:
-        counts = [int(v) for v in values if v is not None]
-        return sum(counts) if counts else None
-
-    keys = [k for k in repeats[0] if k != "repeat"]
-    return {k: avg([r[k] for r in repeats]) for k in keys}
-
-
-# --------------------------------------------------------------------------- client
-
-
-# Logprobs asked per position when tokens are recorded: the chosen token and its closest
-# rivals. Two were too few: random-weight BF16 models tie three ways
-# (orchestrator/client/tokens.py).
-TOP_LOGPROBS = 5
-
-
-def request_body(
-    model: str, prompt: list[int], output_tokens: int, *, record_tokens: bool = False
-) -> dict[str, Any]:
-    """The JSON body of one streamed completion with an exact output length."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": output_tokens,
-        "min_tokens": output_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # Per-chunk token ids (vLLM >= 0.10.2); older servers ignore the field and each
-        # chunk then counts as one token, with usage giving the exact total.
-        "return_token_ids": True,
-    }
-    if record_tokens:
-        # Top logprobs keyed "token_id:<id>" instead of by text (byte-level BPE pieces are
-        # not unique keys).
-        body |= {"logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}
-    return body
-
-
-def _token_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
-    """A streamed choice's top logprobs per position, keyed by token id."""
-    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
-    return [
-        {int(k.removeprefix("token_id:")): float(v) for k, v in (top or {}).items()} for top in tops
-    ]
-
-
-def _take_chunk(rec: RequestRecord, chunk: dict[str, Any], now: float) -> int:
-    """Record one streamed chunk's choices into `rec`; the number of tokens it carried."""
-    record = rec.token_ids is not None
-    counted = 0
-    for choice in chunk.get("choices") or []:
-        ids = choice.get("token_ids")
-        n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
-        if choice.get("finish_reason"):
-            rec.finish_reason = choice["finish_reason"]
-        if record and ids:
-            rec.token_ids.extend(int(i) for i in ids)
-            rec.top_logprobs.extend(_token_logprobs(choice))
-        if n == 0:
-            continue
-        if rec.first_token_s is None:
-            rec.first_token_s = now
-        rec.chunk_s.append(now)
-        rec.chunk_tokens.append(n)
-        counted += n
-    return counted
-
-
-def _check_answer(rec: RequestRecord, usage: dict[str, Any] | None, counted: int) -> None:
-    """Fill `rec`'s token counts from usage (else the streamed count) and hold the answer to
-    the exact-length contract: a mismatch means the numbers describe another workload."""
-    try:
-        rec.output_tokens = int(usage["completion_tokens"]) if usage else counted
-        rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
-    except (KeyError, TypeError, ValueError) as exc:
-        rec.error = f"malformed usage {usage!r}: {exc}"[:500]
-        return
-    problems = []
-    if rec.prompt_tokens != rec.requested_prompt_tokens:
-        problems.append(f"prompt_tokens {rec.prompt_tokens} != {rec.requested_prompt_tokens}")
-    if rec.output_tokens != rec.requested_output_tokens:
-        problems.append(f"output_tokens {rec.output_tokens} != {rec.requested_output_tokens}")
-    if rec.first_token_s is None:
-        problems.append("no token streamed")
-    if problems:
-        rec.error = "; ".join(problems)
-
-
-async def _one_request(
-    client: httpx.AsyncClient,
-    model: str,
-    prompt: list[int],
-    rec: RequestRecord,
-    t0: float,
-    timeout_s: float,
-    on_tokens: Callable[[int], None],
-) -> bool:
-    """Run one request into `rec`; True when it ran past `timeout_s`."""
-    record = rec.token_ids is not None
-    body = request_body(model, prompt, rec.requested_output_tokens, record_tokens=record)
-    counted = 0
-    usage: dict[str, Any] | None = None
-
-    async def stream() -> None:
-        nonlocal counted, usage
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                rec.error = f"HTTP {resp.status_code}: {text[:500]}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.monotonic() - t0
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                n = _take_chunk(rec, chunk, now)
-                if n:
-                    counted += n
-                    on_tokens(n)
-
-    timed_out = False
-    try:
-        await asyncio.wait_for(stream(), timeout_s)
-        rec.end_s = time.monotonic() - t0
-    except asyncio.TimeoutError:  # not the builtin before Python 3.11
-        rec.error = f"request timed out after {timeout_s:.0f} s"
-        timed_out = True
-    except httpx.TimeoutException as exc:  # httpx's read/connect timeouts may fire first
-        rec.error = f"{type(exc).__name__}: no answer within the time limit"
-        timed_out = True
-    except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as exc:
-        # ValueError covers malformed JSON; KeyError/TypeError an unexpected chunk shape.
-        rec.error = f"{type(exc).__name__}: {exc}"[:500]
-    if rec.end_s is None:
-        rec.end_s = time.monotonic() - t0
-    if rec.error is None:
-        _check_answer(rec, usage, counted)
-    return timed_out
 
 
 class _Repeat:
@@ -548,7 +235,7 @@ class _Repeat:
         params = self.params
         while (request := self._next_request(u)) is not None:
             prompt, rec = request
-            timed_out = await _one_request(
+            timed_out = await run_request(
                 self.client, self.model, prompt, rec, self.t0, self.timeout_s, self.count
             )
             self.report()

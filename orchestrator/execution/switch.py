@@ -36,7 +36,8 @@ from typing import Any
 import httpx
 
 from orchestrator.client import tokens
-from orchestrator.client.workload import WorkloadResult, mean_of_repeats
+from orchestrator.client.metrics import mean_of_repeats
+from orchestrator.client.workload import WorkloadResult
 from orchestrator.config.expand import Case
 from orchestrator.config.schema import SWITCH_SERVER_VARIANT, Matrix
 from orchestrator.engines.vllm import server_metrics

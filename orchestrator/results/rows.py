@@ -128,7 +128,7 @@ class Figures(_Record):
     """The figures of one repeat of a workload, or their field-wise mean over repeats.
 
     aggregate tok/s: output tokens of the successful requests / wall time; per-user tok/s:
-    tokens after each request's first chunk / the time after it (orchestrator.client.workload).
+    tokens after each request's first chunk / the time after it (orchestrator.client.metrics).
     """
 
     requests: float | None = None
@@ -155,7 +155,7 @@ class Repeat(Figures):
 
 class Chunking(_Figures):
     """How a workload's tokens were streamed to the client
-    (orchestrator.client.workload.chunking)."""
+    (orchestrator.client.metrics.chunking)."""
 
     chunks: int | None = None
     tokens_per_chunk_mean: float | None = None

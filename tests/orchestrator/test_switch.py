@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import tokens
-from orchestrator.client.workload import WorkloadParams, WorkloadResult, repeat_metrics
+from orchestrator.client.metrics import repeat_metrics
+from orchestrator.client.workload import WorkloadParams, WorkloadResult
 from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
 from orchestrator.execution.runner import _left_to_run

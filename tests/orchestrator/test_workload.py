@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from orch_cli import user_environ
 
+from orchestrator.client import metrics, prompts
 from orchestrator.client import workload as wl
 
 # ---------------------------------------------------------------------------- params
@@ -47,16 +48,16 @@ def test_total_requests() -> None:
 
 
 def test_prompts_exact_seeded_and_in_safe_range() -> None:
-    a = wl.make_prompt(1000, vocab_size=2048, seed=1, key="x")
+    a = prompts.make_prompt(1000, vocab_size=2048, seed=1, key="x")
     assert len(a) == 1000
-    assert a == wl.make_prompt(1000, vocab_size=2048, seed=1, key="x")
-    assert a != wl.make_prompt(1000, vocab_size=2048, seed=2, key="x")
-    assert a != wl.make_prompt(1000, vocab_size=2048, seed=1, key="y")
-    lo, hi = wl.token_id_range(2048)
+    assert a == prompts.make_prompt(1000, vocab_size=2048, seed=1, key="x")
+    assert a != prompts.make_prompt(1000, vocab_size=2048, seed=2, key="x")
+    assert a != prompts.make_prompt(1000, vocab_size=2048, seed=1, key="y")
+    lo, hi = prompts.token_id_range(2048)
     assert (lo, hi) == (128, 1792)
     assert lo <= min(a) and max(a) < hi
     # Large vocabularies: the bottom 1000 ids and the top eighth are never used.
-    assert wl.token_id_range(151_552) == (1000, 132_608)
+    assert prompts.token_id_range(151_552) == (1000, 132_608)
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -82,7 +83,7 @@ def test_repeat_metrics_maths() -> None:
         _rec(1.0, 1.2, 3.0, 10),  # 9 tokens over 1.8 s: 5 tok/s, TPOT 200 ms
         _rec(0.5, 0.6, 0.7, 4, error="HTTP 500"),  # excluded from every figure
     ]
-    m = wl.repeat_metrics(recs)
+    m = metrics.repeat_metrics(recs)
     assert m["requests"] == 3 and m["errors"] == 1
     assert m["output_tokens"] == 21
     assert m["prompt_tokens"] == 20
@@ -102,7 +103,7 @@ def test_workload_latency_pools_every_repeat() -> None:
     fast = [_rec(0.0, 0.1, 1.1, 11), _rec(0.0, 0.1, 1.1, 11)]  # TTFT 100 ms, TPOT 100 ms
     slow = [_rec(0.0, 0.9, 2.9, 11), _rec(0.0, 0.1, 1.1, 11, error="HTTP 500")]  # TTFT 900 ms
     params = wl.WorkloadParams("w", 10, 11, requests=2, repeats=2)
-    reps = [{"repeat": i + 1, **wl.repeat_metrics(r)} for i, r in enumerate((fast, slow))]
+    reps = [{"repeat": i + 1, **metrics.repeat_metrics(r)} for i, r in enumerate((fast, slow))]
     d = wl.WorkloadResult(params, reps, [*fast, *slow]).to_dict()
     ttft = d["latency"]["ttft_ms"]
     assert ttft["p50"] == pytest.approx(100.0)  # three successful requests: 100, 100, 900
@@ -110,8 +111,8 @@ def test_workload_latency_pools_every_repeat() -> None:
     assert d["mean"]["ttft_ms"]["p50"] == pytest.approx(500.0)  # (100 + 900) / 2: not this
     assert d["latency"]["tpot_ms"]["p50"] == pytest.approx(100.0)
     assert d["latency"] == {
-        **wl.latency_metrics([*fast, *slow]),
-        "chunking": wl.chunking([*fast, *slow]),
+        **metrics.latency_metrics([*fast, *slow]),
+        "chunking": metrics.chunking([*fast, *slow]),
     }
     # The samples behind each figure: three successful requests, each of 10 chunk gaps.
     assert [d["latency"][k]["n"] for k in ("ttft_ms", "tpot_ms", "e2el_ms", "itl_ms")] == [
@@ -121,19 +122,19 @@ def test_workload_latency_pools_every_repeat() -> None:
         30,
     ]
     assert d["latency"]["e2el_ms"]["p50"] == pytest.approx(1100.0)  # start to last chunk
-    assert d["latency"]["itl_ms"] == wl.repeat_metrics([*fast, *slow])["itl_ms"]
+    assert d["latency"]["itl_ms"] == metrics.repeat_metrics([*fast, *slow])["itl_ms"]
 
 
 def test_percentile_matches_numpy_linear() -> None:
     vals = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert wl.percentile(vals, 50) == 3.0
-    assert wl.percentile(vals, 90) == pytest.approx(4.6)
-    assert wl.percentile(vals, 99) == pytest.approx(4.96)
-    assert math.isnan(wl.percentile([], 50))
+    assert metrics.percentile(vals, 50) == 3.0
+    assert metrics.percentile(vals, 90) == pytest.approx(4.6)
+    assert metrics.percentile(vals, 99) == pytest.approx(4.96)
+    assert math.isnan(metrics.percentile([], 50))
 
 
 def test_all_failed_repeat_is_zero_not_crash() -> None:
-    m = wl.repeat_metrics([_rec(0, 1, 2, 3, error="x")])
+    m = metrics.repeat_metrics([_rec(0, 1, 2, 3, error="x")])
     assert m["aggregate_tok_s"] == 0.0 and m["per_user_tok_s"] == 0.0
     assert math.isnan(m["ttft_ms"]["p50"])
     json.dumps(m)  # NaN is allowed by json.dumps: summaries stay serialisable
@@ -142,11 +143,11 @@ def test_all_failed_repeat_is_zero_not_crash() -> None:
 def test_mean_of_repeats() -> None:
     r1 = {"repeat": 1, "aggregate_tok_s": 10.0, "ttft_ms": {"p50": 1.0, "mean": math.nan}}
     r2 = {"repeat": 2, "aggregate_tok_s": 20.0, "ttft_ms": {"p50": 3.0, "mean": 4.0}}
-    assert wl.mean_of_repeats([r1, r2]) == {
+    assert metrics.mean_of_repeats([r1, r2]) == {
         "aggregate_tok_s": 15.0,
         "ttft_ms": {"p50": 2.0, "mean": 4.0},
     }
-    assert wl.mean_of_repeats([]) == {}
+    assert metrics.mean_of_repeats([]) == {}
 
 
 def test_mean_of_repeats_sums_sample_counts() -> None:
@@ -155,7 +156,7 @@ def test_mean_of_repeats_sums_sample_counts() -> None:
     # case had been measured. The samples behind the averaged figures are their sum.
     r1 = {"repeat": 0, "itl_ms": {"p50": 10.0, "mean": 11.0, "n": 152}}
     r2 = {"repeat": 1, "itl_ms": {"p50": 12.0, "mean": 13.0, "n": 153}}
-    assert wl.mean_of_repeats([r1, r2]) == {"itl_ms": {"p50": 11.0, "mean": 12.0, "n": 305}}
+    assert metrics.mean_of_repeats([r1, r2]) == {"itl_ms": {"p50": 11.0, "mean": 12.0, "n": 305}}
 
 
 def test_repeats_of_unequal_counts_make_a_valid_row() -> None:
@@ -170,7 +171,7 @@ def test_repeats_of_unequal_counts_make_a_valid_row() -> None:
 
     records = repeat(0, 40) + repeat(1, 43)
     params = wl.WorkloadParams(name="ctx0", prompt_tokens=1, output_tokens=64, requests=1)
-    repeats = [wl.repeat_metrics([r]) | {"repeat": r["repeat"]} for r in records]
+    repeats = [metrics.repeat_metrics([r]) | {"repeat": r["repeat"]} for r in records]
     summary = WorkloadSummary.model_validate(wl.WorkloadResult(params, repeats, records).to_dict())
     assert summary.mean.itl_ms.n == 39 + 42
 
@@ -270,7 +271,7 @@ def test_first_repeat_numbers_the_repeats_and_picks_their_prompts(
 ) -> None:
     # A switch-mode server's k-th block of each path is repeat k: the same prompts for both.
     keys: list[str] = []
-    make = wl.make_prompt
+    make = prompts.make_prompt
     monkeypatch.setattr(wl, "make_prompt", lambda n, **kw: keys.append(kw["key"]) or make(n, **kw))
     p = wl.WorkloadParams("w", 3, 2, repeats=2)
     res = wl.run_workload(fake_url, "m", p, vocab_size=2048, first_repeat=3)
@@ -460,7 +461,7 @@ def test_per_user_rate_survives_a_burst_after_the_first_chunk() -> None:
     first chunk over the time after it, summed: the burst request adds 1 token over 1 ms."""
     steady = _rec(0.0, 0.1, 2.1, 21)  # 20 tokens after the first, over 2 s
     burst = _rec(3.0, 3.1, 3.101, 2) | {"chunk_tokens": [63, 1], "output_tokens": 64}
-    m = wl.repeat_metrics([steady, burst])
+    m = metrics.repeat_metrics([steady, burst])
     assert m["per_user_tok_s"] == pytest.approx(21 / 2.001)
 
 
@@ -471,7 +472,7 @@ def test_chunking_tells_bursts_from_decode_steps() -> None:
     steady = _rec(0.0, 0.1, 1.0, 10)
     burst = _rec(0.0, 0.1, 1.0, 10)
     burst["chunk_s"] = [0.1] + [0.9998 + 0.00002 * i for i in range(9)]
-    c = wl.chunking([steady, burst])
+    c = metrics.chunking([steady, burst])
     assert c == {
         "chunks": 20,
         "tokens_per_chunk_mean": 1.0,
@@ -482,5 +483,5 @@ def test_chunking_tells_bursts_from_decode_steps() -> None:
     mtp = _rec(0.0, 0.1, 1.0, 5)
     mtp["chunk_tokens"] = [1, 2, 2, 2, 2]  # a speculative step's chunk carries its tokens
     mtp["output_tokens"] = 9
-    assert wl.chunking([mtp])["tokens_per_chunk_mean"] == pytest.approx(1.8)
-    assert wl.chunking([mtp])["tokens_per_chunk_max"] == 2
+    assert metrics.chunking([mtp])["tokens_per_chunk_mean"] == pytest.approx(1.8)
+    assert metrics.chunking([mtp])["tokens_per_chunk_max"] == 2
