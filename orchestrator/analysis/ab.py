@@ -25,13 +25,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.analysis.stats import CONFIDENCE, Interval, MeanEstimate, ratio_interval
+from orchestrator.analysis.stats import (
+    CONFIDENCE,
+    TOO_FEW,
+    Interval,
+    MeanEstimate,
+    ratio_interval,
+)
 from orchestrator.results.recorded_run import Run
 from orchestrator.results.rows import CaseResult, Repeat, WorkloadSummary
 
 SERVERS, BLOCKS = "server starts", "blocks"
 FASTER, SLOWER = "faster", "slower"
-TOO_FEW = "too few samples to tell"
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,9 @@ def _tpot(q: str) -> tuple[Callable[[WorkloadSummary], Any], Callable[[Repeat], 
     return of_server, of_block
 
 
-METRICS = (
+# The figures an A/B judges, under the keys its report.json names them by (``output_tok_s`` is
+# the aggregate tok/s a row's mean holds as ``aggregate_tok_s``).
+AB_METRICS = (
     Metric(
         "output_tok_s",
         "output tok/s",
@@ -250,7 +257,7 @@ def ab_results(run: Run) -> list[ABResult]:
             if (topo, cand) not in groups:
                 continue
             for workload in run.columns:
-                for metric in METRICS:
+                for metric in AB_METRICS:
                     out.append(
                         judge_units(
                             topo,

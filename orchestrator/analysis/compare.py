@@ -34,22 +34,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from orchestrator.analysis.ab import METRICS as AB_METRICS
-from orchestrator.analysis.ab import group_id, server_groups, unit_values
-from orchestrator.analysis.stats import MIN_REPEATS, Interval, RepeatSample, change_interval
+from orchestrator.analysis.ab import AB_METRICS, group_id, server_groups, unit_values
+from orchestrator.analysis.stats import (
+    MIN_REPEATS,
+    TOO_FEW,
+    Interval,
+    RepeatSample,
+    change_interval,
+)
 from orchestrator.common.wording import plural
 from orchestrator.results.recorded_run import Run, legend
 from orchestrator.results.rows import CaseResult, Finding, Severity
 from orchestrator.results.store import RunStore, StoreError, case_slug
 
 DEFAULT_THRESHOLD_PCT = 3.0
-METRICS = ("aggregate_tok_s", "per_user_tok_s")
+# The throughput figures set side by side, by the names a row's mean (and a MetricDelta's
+# ``metric``) gives them.
+THROUGHPUT_FIGURES = ("aggregate_tok_s", "per_user_tok_s")
 # The gate: only aggregate tok/s is the throughput figure the seeds' tables are judged by.
-GATED_METRIC = "aggregate_tok_s"
-# The A/B figure the gate reads for an A/B's groups: output tok/s, the same aggregate figure.
-AB_GATED = next(m for m in AB_METRICS if m.key == "output_tok_s")
-# What the gate says of one gated figure.
-REGRESSION, NO_REGRESSION, TOO_FEW = "regression", "no regression", "too few samples to tell"
+GATED_FIGURE = "aggregate_tok_s"
+# The A/B metric the gate reads for an A/B's groups: output tok/s, the same aggregate figure.
+AB_GATED_METRIC = next(m for m in AB_METRICS if m.key == "output_tok_s")
+# What the gate says of one gated figure (TOO_FEW: analysis.stats).
+REGRESSION, NO_REGRESSION = "regression", "no regression"
 
 
 class CompareError(ValueError):
@@ -268,10 +275,10 @@ def repeat_samples(run: Run, row: CaseResult, workload: str) -> RunSamples:
     repeats = [
         (r.repeat if r.repeat is not None else i + 1, float(value))
         for i, r in enumerate(summary.repeats if summary is not None else [])
-        if (value := getattr(r, GATED_METRIC)) is not None
+        if (value := getattr(r, GATED_FIGURE)) is not None
     ]
     if not repeats:
-        mean = row.mean_of(workload, GATED_METRIC)
+        mean = row.mean_of(workload, GATED_FIGURE)
         samples = [] if mean is None else [RepeatSample(mean)]
         return RunSamples(samples, "no repeats recorded")
     concurrency = run.manifest.concurrency(workload)
@@ -375,7 +382,7 @@ def compare(base: Run, cand: Run, *, threshold_pct: float = DEFAULT_THRESHOLD_PC
         workloads = list(b.workloads)
         workloads += [w for w in c.workloads if w not in workloads]
         for wl in workloads:
-            for metric in METRICS:
+            for metric in THROUGHPUT_FIGURES:
                 d = MetricDelta(
                     case_id=case_id,
                     workload=wl,
@@ -385,7 +392,7 @@ def compare(base: Run, cand: Run, *, threshold_pct: float = DEFAULT_THRESHOLD_PC
                     cand=c.mean_of(wl, metric),
                 )
                 # An A/B's server starts are judged together (_ab_rows), never one by one.
-                if metric == GATED_METRIC and d.delta_pct is not None and c.ab_server is None:
+                if metric == GATED_FIGURE and d.delta_pct is not None and c.ab_server is None:
                     d.judgement = judge(
                         repeat_samples(base, b, wl), repeat_samples(cand, c, wl), threshold_pct
                     )
@@ -436,7 +443,7 @@ def _throughput_regressions(row: CaseRow, threshold_pct: float) -> list[Regressi
 def _unit_samples(rows: list[CaseResult], workload: str) -> RunSamples:
     """An A/B group's gated figure as samples: one per unit, the same units (server starts,
     or the blocks of one switch-mode server) and figures the run's own A/B is judged on."""
-    unit, values = unit_values(rows, workload, AB_GATED)
+    unit, values = unit_values(rows, workload, AB_GATED_METRIC)
     return RunSamples([RepeatSample(v) for v in values], plural(len(values), unit[:-1]))
 
 
@@ -461,12 +468,12 @@ def _ab_rows(base: Run, cand: Run, columns: dict[str, str], threshold_pct: float
         )  # fmt: skip
         workloads = list(dict.fromkeys(w for r in [*b_rows, *c_rows] for w in r.workloads))
         for wl in workloads:
-            for metric in METRICS:
+            for metric in THROUGHPUT_FIGURES:
                 d = MetricDelta(
                     row.case_id, wl, columns.get(wl, wl), metric,
                     _mean_of(b_rows, wl, metric), _mean_of(c_rows, wl, metric),
                 )  # fmt: skip
-                if metric == GATED_METRIC and d.delta_pct is not None:
+                if metric == GATED_FIGURE and d.delta_pct is not None:
                     samples = _unit_samples(b_rows, wl), _unit_samples(c_rows, wl)
                     d.judgement = judge(*samples, threshold_pct)
                 row.deltas.append(d)

@@ -35,6 +35,8 @@ CONFIDENCE = 0.95
 # moves between measurement windows, and two runs of one commit on a shared machine
 # differed by 20 % while each run's requests agreed to a few percent.
 MIN_REPEATS = 2
+# The verdict on a figure these units cannot bound (an A/B's and compare's gate alike).
+TOO_FEW = "too few samples to tell"
 
 Position = Literal["inside", "outside", "across"]
 

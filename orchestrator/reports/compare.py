@@ -9,14 +9,13 @@ from dataclasses import asdict
 from typing import Any
 
 from orchestrator.analysis.compare import (
-    TOO_FEW,
     CaseRow,
     Comparison,
     FindingChange,
     Judgement,
     MetricDelta,
 )
-from orchestrator.analysis.stats import MIN_REPEATS
+from orchestrator.analysis.stats import MIN_REPEATS, TOO_FEW
 from orchestrator.common.mdtable import md_table
 from orchestrator.reports.run import fmt_tok as _fmt
 

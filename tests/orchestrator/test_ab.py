@@ -11,9 +11,9 @@ import xml.etree.ElementTree as ET
 import abrun
 import pytest
 
-from orchestrator.analysis.ab import BLOCKS, FASTER, SERVERS, SLOWER, TOO_FEW, ab_results, verdict
+from orchestrator.analysis.ab import BLOCKS, FASTER, SERVERS, SLOWER, ab_results, verdict
 from orchestrator.analysis.evidence import BMM_ALONE, BMM_CAT, evidence_chain
-from orchestrator.analysis.stats import Interval, MeanEstimate, ratio_interval
+from orchestrator.analysis.stats import TOO_FEW, Interval, MeanEstimate, ratio_interval
 from orchestrator.reports import write_reports
 from orchestrator.reports.summary import render_summary
 from orchestrator.results.recorded_run import Run

@@ -17,12 +17,11 @@ import pytest
 
 from orchestrator.analysis.compare import (
     NO_REGRESSION,
-    TOO_FEW,
     CompareError,
     compare_runs,
     request_blocks,
 )
-from orchestrator.analysis.stats import MeanEstimate, ratio_interval
+from orchestrator.analysis.stats import TOO_FEW, MeanEstimate, ratio_interval
 from orchestrator.reports.compare import comparison_json, comparison_markdown
 
 REPO = Path(__file__).resolve().parents[2]
