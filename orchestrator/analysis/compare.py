@@ -42,10 +42,12 @@ from orchestrator.analysis.stats import (
     RepeatSample,
     change_interval,
 )
+from orchestrator.audit.severity import Severity
 from orchestrator.common.wording import plural
 from orchestrator.results.recorded_run import Run, legend
-from orchestrator.results.rows import CaseResult, Finding, Severity
+from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore, StoreError, case_slug
+from orchestrator.results.stored_audit import Finding
 
 DEFAULT_THRESHOLD_PCT = 3.0
 # The throughput figures set side by side, by the names a row's mean (and a MetricDelta's

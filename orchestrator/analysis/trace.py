@@ -53,7 +53,7 @@ from typing import Any
 from orchestrator.common import safe_io
 from orchestrator.common.fusedq_files import limits
 from orchestrator.common.safe_io import MAX_JSON_DEPTH
-from orchestrator.results.rows import KernelTotal, QueryStep, TraceFigures
+from orchestrator.results.profile_figures import KernelTotal, QueryStep, TraceFigures
 
 # One file per worker: dp{d}_pp{p}_tp{t}_dcp{c}_ep{e}_rank{r}.<id>.pt.trace.json.gz (vLLM's
 # get_worker_rank_suffix); the API server's own CPU trace (<host>_<pid>.async_llm.<id>...) is

@@ -1,9 +1,9 @@
 """What an audit finds and what it covered: findings, expectations, what was searched.
 
 The one declaration of the audit's records. Plain dataclasses (no pydantic: ``orchestrator
-audit`` must answer in a fraction of a second); ``orchestrator.results.rows`` derives the stored
-form every reader of a run reads (audit.json, results.jsonl) from these fields, and each
-record's behaviour (its ``…View`` base, used by both) comes along.
+audit`` must answer in a fraction of a second); ``orchestrator.results.stored_audit``
+derives the stored form every reader of a run reads (audit.json, results.jsonl) from these
+fields, and each record's behaviour (its ``…View`` base, used by both) comes along.
 """
 
 from __future__ import annotations

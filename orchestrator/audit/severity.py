@@ -2,7 +2,7 @@
 
 Its own module, stdlib only, because the audit (which must import neither pydantic nor
 anything heavy: ``orchestrator audit`` answers in a fraction of a second) and the result
-models (pydantic, ``orchestrator.results.rows``) both need it.
+models (pydantic, ``orchestrator.results.stored_audit``) both need it.
 """
 
 from __future__ import annotations

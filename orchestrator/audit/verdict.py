@@ -24,7 +24,7 @@ SHUTDOWN_NOISE = frozenset({"python-traceback", "vllm-engine-dead"})
 
 class AuditView:
     """What an audit's result says of itself, for the audit's record and the stored one
-    (orchestrator.results.rows.AuditSummary) alike."""
+    (orchestrator.results.stored_audit.AuditSummary) alike."""
 
     @property
     def root_cause(self) -> Finding | None:

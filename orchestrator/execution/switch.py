@@ -43,7 +43,8 @@ from orchestrator.config.schema import SWITCH_SERVER_VARIANT, Matrix
 from orchestrator.engines.vllm import server_metrics
 from orchestrator.engines.vllm.server import auth_headers
 from orchestrator.execution.case_run import CaseFailed, CaseRun, token_checks
-from orchestrator.results.rows import CaseResult, PathFlip, ProfileResult, SwitchRecord
+from orchestrator.results.profile_figures import ProfileResult
+from orchestrator.results.rows import CaseResult, PathFlip, SwitchRecord
 from orchestrator.results.store import RunStore
 
 SET_PATH, STATE = "fusedq_set_path", "fusedq_state"

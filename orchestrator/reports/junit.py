@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.reports.measures import LATENCIES, fmt_ms, fmt_n, stat, totals
 from orchestrator.results.recorded_run import Run, WorkloadDef, workload_defs
-from orchestrator.results.rows import CaseResult, Finding
+from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import write_text_atomic
+from orchestrator.results.stored_audit import Finding
 
 if TYPE_CHECKING:
     from orchestrator.analysis.compare import Comparison

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.results.rows import ProfileResult, TraceFigures
+from orchestrator.results.profile_figures import ProfileResult, TraceFigures
 
 MISSING = "-"
 # The runtime/driver call groups compared between the paired traces (orchestrator.analysis.trace).

@@ -20,7 +20,8 @@ from pydantic import ValidationError
 
 from orchestrator.common import safe_io
 from orchestrator.results import corrections
-from orchestrator.results.rows import CaseResult, RunManifest
+from orchestrator.results.manifest import RunManifest
+from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import MANIFEST, RunStore, StoreError
 
 OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (see reports.write_reports)

@@ -913,7 +913,7 @@ def test_e2e_profile_attributes_the_query_step(runs, switch_server):
     holds no staged query step (the W_UK_T bmm is gone, not added to)."""
     from orchestrator.analysis.trace import find_rank_traces, read_trace
     from orchestrator.reports.profile import ProfilePair
-    from orchestrator.results.rows import ProfileResult
+    from orchestrator.results.profile_figures import ProfileResult
 
     layers = 2
     profile_dir = runs["off"][1].parent / "profile"

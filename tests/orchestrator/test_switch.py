@@ -31,8 +31,9 @@ from orchestrator.execution.switch import (
     server_case,
 )
 from orchestrator.plan.render import plan_matrix
-from orchestrator.results.rows import AuditSummary, CaseResult
+from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
+from orchestrator.results.stored_audit import AuditSummary
 
 MATRIX = """\
 name: sw

@@ -23,8 +23,9 @@ from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.profile import ProfilePair, Spread, profile_pairs
+from orchestrator.results.profile_figures import ProfileResult
 from orchestrator.results.recorded_run import Run
-from orchestrator.results.rows import CaseResult, ProfileResult
+from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
 
 # Kernel durations (us) of one decode layer; the query step is W_UK_T's GEMM + the cat

@@ -1,5 +1,5 @@
 """The audit's records (orchestrator.audit.findings) are the one declaration: what a case's
-audit.json and results.jsonl row hold reads back as them (orchestrator.results.rows)."""
+audit.json and results.jsonl row hold reads back as them (orchestrator.results.stored_audit)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from audit_cases import FIXTURES, FUSEDQ, run_audit, write_log
 
 from orchestrator.audit import Expectation
-from orchestrator.results.rows import AuditSummary
+from orchestrator.results.stored_audit import AuditSummary
 
 
 def test_the_stored_audit_is_the_audits_own_record_read_back(tmp_path):

@@ -12,8 +12,9 @@ from orchestrator.reports import write_reports
 from orchestrator.reports.markdown import render_markdown
 from orchestrator.reports.run import audit_sentence, paired_deltas
 from orchestrator.results.recorded_run import Overhead, Run
-from orchestrator.results.rows import AuditSummary, CaseResult
+from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
+from orchestrator.results.stored_audit import AuditSummary
 
 AUDIT_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "audit"
 

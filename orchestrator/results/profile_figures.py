@@ -1,0 +1,74 @@
+"""A case's profile phase as its row stores it: each trace's figures (one rank of a server)
+and the decode query step found in it (orchestrator.analysis.trace computes them)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from orchestrator.results.record import Record
+
+__all__ = ["KernelTotal", "ProfileResult", "QueryStep", "TraceFigures"]
+
+
+class KernelTotal(Record):
+    """One kernel (or CPU op) name of a trace: how often it ran and for how long in all."""
+
+    name: str = ""
+    count: int = 0
+    total_us: float = 0.0
+
+
+class QueryStep(Record):
+    """The decode query step found in one trace (orchestrator.analysis.trace's rule): how many layer
+    steps, their time in all and per layer step, and which path ran them."""
+
+    # "fused", "staged", "mixed" (both in one trace), or None (no query step found).
+    path: str | None = None
+    occurrences: int = 0
+    fused: int = 0
+    staged: int = 0
+    events: int = 0  # trace events counted in query steps: 2 per staged step with a concat
+    total_us: float = 0.0
+    names: dict[str, int] = Field(default_factory=dict)
+    # What launched the counted kernels, where the trace says (eager: the CPU op around the
+    # launch; CUDA graphs: cudaGraphLaunch): the rule's ground truth where one exists.
+    launched_by: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def per_layer_us(self) -> float | None:
+        return self.total_us / self.occurrences if self.occurrences else None
+
+
+class TraceFigures(Record):
+    """The figures of one torch-profiler trace (one rank of a server), from
+    orchestrator.analysis.trace.
+
+    ``domain`` is what the device work is: ``kernel`` (GPU kernel events) or ``cpu_op`` (a CPU
+    build's trace, whose work is CPU ops); events, span and busy time are of that domain.
+    """
+
+    file: str = ""
+    rank: int | None = None
+    domain: str = "kernel"
+    trace_events: int = 0
+    kernel_events: int = 0
+    work_events: int = 0
+    work_us: float = 0.0
+    span_us: float | None = None
+    busy_us: float | None = None
+    steps_seen: int | None = None
+    calls: dict[str, int] = Field(default_factory=dict)
+    runtime_calls: dict[str, int] = Field(default_factory=dict)
+    top: list[KernelTotal] = Field(default_factory=list)
+    query: QueryStep = Field(default_factory=QueryStep)
+
+
+class ProfileResult(Record):
+    """A case's profile phase: what was asked, where the traces are, each rank's figures."""
+
+    decode_steps: int = 0
+    prompt_tokens: int = 1
+    layers: int | None = None  # query steps one model step should run (decoder + MTP draft)
+    dir: str = "profile"
+    traces: list[TraceFigures] = Field(default_factory=list)
+    error: str | None = None
