@@ -15,7 +15,8 @@ The package, in the order a log travels through it:
 - ``sources``: log files, the kernel log, nvidia-smi's GPU state;
 - ``prefilter``: the lines holding a catalogue needle (GNU grep where present; docs/audit.md
   has the measured figures);
-- ``scan``: those lines matched, tracebacks followed, expected lines counted per worker;
+- ``scan``: those lines matched, tracebacks followed (``linetext``: a line decoded,
+  labelled and quoted), expected lines counted per worker (``expectations``);
 - ``verdict``: stop noise discounted, the root cause marked, clean or not;
 - ``sentences``: the summary sentence;
 - ``findings``: the records all of them pass along;

@@ -2,9 +2,10 @@
 
 A candidate line (orchestrator.audit.prefilter) is decoded (invalid UTF-8 replaced), stripped
 of ANSI codes, split at carriage returns and tested against the signatures whose needles
-it holds (see _Scanner._match_signatures for why not one combined alternation). A Python
+it holds (see Scanner._match_signatures for why not one combined alternation). A Python
 traceback is followed, per process, to its exception line; lines every worker must log
-(expectations) are counted per process label.
+(expectations) are counted per process label (orchestrator.audit.expectations). How a line
+is decoded, labelled and quoted is orchestrator.audit.linetext's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import IO
 
 import orchestrator.audit.sources as sources  # read at call time: tests patch its bounds
 from orchestrator.audit.catalogue import Catalogue
+from orchestrator.audit.expectations import ExpectationTally
 from orchestrator.audit.findings import (
     AuditInputError,
     Expectation,
@@ -27,6 +29,7 @@ from orchestrator.audit.findings import (
     FileSearched,
     Finding,
 )
+from orchestrator.audit.linetext import CONTEXT_BYTES, clean, escape, split_label
 from orchestrator.audit.prefilter import (
     C_LOCALE,
     BlockFinder,
@@ -37,9 +40,8 @@ from orchestrator.audit.prefilter import (
 )
 from orchestrator.audit.severity import Severity
 from orchestrator.audit.sources import open_log, read_chunks
-from orchestrator.common.redact import redact_text
 from orchestrator.common.safe_io import size_text
-from orchestrator.engines.vllm.logline import HEADER_RE, LABEL_RE, strip_ansi
+from orchestrator.engines.vllm.logline import HEADER_RE
 
 # A "line" longer than this (a binary dump, a runaway progress bar, no newline at all) is
 # scanned in pieces of this size, each around a candidate, and never held whole: with the
@@ -51,9 +53,6 @@ GREP_MAX_LINE_BYTES = 16 << 20
 CONTEXT_LINES = 2  # before and after each finding: enough to see the failing call
 MAX_REPORT_CHARS = 400  # a finding's line, truncated around the match
 MAX_CONTEXT_CHARS = 200
-# Bytes read for one context line or a process label: MAX_CONTEXT_CHARS of UTF-8 with room
-# for colour codes, never the rest of a line that has no end.
-_CONTEXT_BYTES = 4096
 # Per file and signature: a dying 8-rank job repeats the same NCCL WARN thousands of
 # times; the rest are counted, not stored.
 MAX_FINDINGS_PER_SIGNATURE = 20
@@ -70,53 +69,6 @@ TRACEBACK_MAX_LINES = 2000
 _TRACEBACK_CONT_RE = re.compile(
     r"^(?:During handling of the above exception|The above exception was the direct cause)"
 )
-# Worker process prefixes, for expectations that must hold on every worker.
-_WORKER_SUFFIX = rb"(_[A-Za-z0-9_]+| rank=\d+) pid="
-_UNPRINTABLE_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-
-
-def _escape(text: str, limit: int, around: int | None = None) -> str:
-    """Printable, bounded form of a log line: secrets redacted before anything is cut (a cut
-    could leave half a password no pattern knows), control bytes escaped, long lines cut
-    around the match."""
-    if around is None:
-        text = redact_text(text)
-    else:  # the match stays where it was, relative to the redacted text
-        left = redact_text(text[:around])
-        text, around = left + redact_text(text[around:]), len(left)
-    text = _UNPRINTABLE_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-    if len(text) <= limit:
-        return text
-    start = 0 if around is None else max(0, min(around - limit // 4, len(text) - limit))
-    cut = text[start : start + limit]
-    return ("…" if start else "") + cut + ("…" if start + limit < len(text) else "")
-
-
-def _clean(raw: bytes) -> str:
-    return strip_ansi(raw.decode("utf-8", "replace"))
-
-
-def _split_label(text: str) -> tuple[str | None, str]:
-    m = LABEL_RE.match(text)
-    if not m:
-        return None, text
-    if m.group("trank") is not None:
-        return f"rank{m.group('trank')}", text[m.end() :]
-    name = m.group("name")
-    if m.group("rank") is not None:
-        name = f"{name} rank={m.group('rank')}"
-    return name, text[m.end() :]
-
-
-def _label_aliases(label: str) -> set[str]:
-    """Names a caller may use for a process label: Worker_TP3 -> {Worker_TP3, TP3}."""
-    out = {label}
-    if "_" in label:
-        out.add(label.split("_", 1)[1])
-    m = re.search(r"rank=?(\d+)$", label)
-    if m:
-        out |= {f"rank={m.group(1)}", f"rank{m.group(1)}", m.group(1)}
-    return out
 
 
 @dataclass
@@ -128,14 +80,6 @@ class _PendingTraceback:
     recent: deque[str] = field(default_factory=lambda: deque(maxlen=CONTEXT_LINES))
     lines: int = 0  # body lines of this process
     walked: int = 0  # lines of any process since the header
-
-
-@dataclass
-class _ExpectationState:
-    spec: Expectation
-    regex: re.Pattern[bytes]
-    labels: dict[str, int] = field(default_factory=dict)
-    unlabelled: int = 0
 
 
 @dataclass
@@ -152,7 +96,7 @@ class _FileState:
 class _Context:
     """Context lines of one candidate line, computed only once a signature matched."""
 
-    def __init__(self, scanner: _Scanner, st: _FileState, block: bytes, start: int, end: int):
+    def __init__(self, scanner: Scanner, st: _FileState, block: bytes, start: int, end: int):
         self._args = (scanner, st, block, start, end)
         self._before: list[str] | None = None
         self._attach: Callable[[Finding], None] | None = None
@@ -173,7 +117,7 @@ class _Context:
         self._attach(f)  # type: ignore[misc]
 
 
-class _Scanner:
+class Scanner:
     """Scans byte streams block by block; collects findings, expectation hits and labels."""
 
     def __init__(
@@ -185,10 +129,7 @@ class _Scanner:
         self.cat = catalogue
         self.prefilter = prefilter
         self.findings: list[Finding] = []
-        self.expectations = [_ExpectationState(e, _compile_expectation(e)) for e in expectations]
-        self.want_workers = any(e.ranks is None for e in expectations)
-        self.workers: set[str] = set()
-        self._worker_suffixes: set[bytes] = set()
+        self.expectations = ExpectationTally(expectations)
         self.needles = catalogue.needles
 
     # -- streams ------------------------------------------------------------------
@@ -223,9 +164,7 @@ class _Scanner:
             env=C_LOCALE,
         )
         try:
-            self._scan_expectations(st, mm)
-            if self.want_workers:
-                self._collect_workers(mm)
+            self.expectations.count(mm, MAX_LINE_BYTES)
             n = len(mm)
             pos = 0  # everything before pos has been examined
             assert proc.stdout is not None
@@ -320,27 +259,6 @@ class _Scanner:
             st.searched.error = f"could not read to the end: {error}"
         return st.searched
 
-    def _collect_workers(self, data: bytes | mmap.mmap) -> None:
-        """Distinct worker labels in ``data``.
-
-        Nearly every line of a TP8 log carries a worker prefix: one Python step per match
-        would cost seconds per GB, so the regex is rebuilt to skip the labels already
-        known and each search runs in C until a new label turns up (≤ one per rank).
-        """
-        pos = 0
-        while True:
-            known = sorted(self._worker_suffixes)
-            skip = b"(?!(?:" + b"|".join(map(re.escape, known)) + b") pid=)" if known else b""
-            m = re.compile(b"Worker" + skip + _WORKER_SUFFIX).search(data, pos)
-            if m is None:
-                return
-            suffix = m.group(1)
-            self._worker_suffixes.add(suffix)
-            lp = data.rfind(b"(", max(0, m.start() - 32), m.start())
-            if lp >= 0:
-                self.workers.add(data[lp + 1 : m.end() - 5].decode(errors="replace"))
-            pos = m.start()
-
     def _finish(self, st: _FileState) -> None:
         for label, tb in list(st.tracebacks.items()):
             self._emit_traceback(
@@ -357,9 +275,7 @@ class _Scanner:
     def _scan_block(self, st: _FileState, block: bytes, finder: BlockFinder, offset: int) -> None:
         if st.pending_after:
             self._fill_pending_after(st, block)
-        self._scan_expectations(st, block)
-        if self.want_workers:
-            self._collect_workers(block)
+        self.expectations.count(block, MAX_LINE_BYTES)
         cands = finder(offset, block)
         ci = 0
         pos = 0  # offset of the next unexamined line
@@ -395,19 +311,6 @@ class _Scanner:
         # Count each newline once: the jumps above counted block[:pos] already.
         st.base += nl + (block.count(b"\n", pos) if pos < n else 0)
 
-    def _scan_expectations(self, st: _FileState, block: bytes) -> None:
-        for ex in self.expectations:
-            for m in ex.regex.finditer(block):
-                # Only the line's start is read: the process label is there.
-                lo = max(0, m.start() - MAX_LINE_BYTES)
-                ls = block.rfind(b"\n", lo, m.start()) + 1
-                head = block[ls : ls + _CONTEXT_BYTES].split(b"\n", 1)[0]
-                label = None if ls == 0 and lo > 0 else _split_label(_clean(head))[0]
-                if label is None:
-                    ex.unlabelled += 1
-                else:
-                    ex.labels[label] = ex.labels.get(label, 0) + 1
-
     def _fill_pending_after(self, st: _FileState, block: bytes) -> None:
         need = max(k for _, k in st.pending_after)
         lines: list[str] = []
@@ -415,7 +318,7 @@ class _Scanner:
         while len(lines) < need and pos < len(block):
             end = _line_end(block, pos)
             lines.append(
-                _escape(_clean(block[pos : min(end, pos + _CONTEXT_BYTES)]), MAX_CONTEXT_CHARS)
+                escape(clean(block[pos : min(end, pos + CONTEXT_BYTES)]), MAX_CONTEXT_CHARS)
             )
             pos = end + 1
         for finding, k in st.pending_after:
@@ -431,20 +334,20 @@ class _Scanner:
             lo = max(0, j - 1 - MAX_LINE_BYTES)
             p = block.rfind(b"\n", lo, j - 1) + 1
             if p == 0 and lo > 0:  # a monster line: its last bytes, and nothing before it
-                before.append(block[j - 1 - _CONTEXT_BYTES : j - 1])
+                before.append(block[j - 1 - CONTEXT_BYTES : j - 1])
                 break
-            before.append(block[p : min(j - 1, p + _CONTEXT_BYTES)])
+            before.append(block[p : min(j - 1, p + CONTEXT_BYTES)])
             j = p
         if len(before) < CONTEXT_LINES and j == 0:
             before.extend(reversed(list(st.tail)[-(CONTEXT_LINES - len(before)) :]))
-        before_s = [_escape(_clean(b), MAX_CONTEXT_CHARS) for b in reversed(before)]
+        before_s = [escape(clean(b), MAX_CONTEXT_CHARS) for b in reversed(before)]
 
         def attach_after(f: Finding) -> None:
             pos = end + 1
             while len(f.context_after) < CONTEXT_LINES and pos < len(block):
                 e = _line_end(block, pos)
-                text = _clean(block[pos : min(e, pos + _CONTEXT_BYTES)])
-                f.context_after.append(_escape(text, MAX_CONTEXT_CHARS))
+                text = clean(block[pos : min(e, pos + CONTEXT_BYTES)])
+                f.context_after.append(escape(text, MAX_CONTEXT_CHARS))
                 pos = e + 1
             if len(f.context_after) < CONTEXT_LINES:
                 st.pending_after.append((f, CONTEXT_LINES - len(f.context_after)))
@@ -463,12 +366,12 @@ class _Scanner:
                     tb.header_line,
                     tb.header_text + f"  (no exception line within {TRACEBACK_MAX_LINES} lines)",
                 )
-        text = _clean(block[start:end])
+        text = clean(block[start:end])
         ctx: _Context | None = None
         for seg in text.split("\r") if "\r" in text else (text,):
             if not seg.strip():
                 continue
-            label, body = _split_label(seg)
+            label, body = split_label(seg)
             tb = st.tracebacks.get(label)
             if tb is not None:
                 core = HEADER_RE.sub("", body, count=1)
@@ -491,7 +394,7 @@ class _Scanner:
     def _traceback_body(tb: _PendingTraceback, core: str) -> bool:
         """True while ``core`` is still part of the traceback (a frame, source or caret line)."""
         if core.startswith((" ", "\t")) or not core.strip() or _TRACEBACK_CONT_RE.match(core):
-            tb.recent.append(_escape(core, MAX_CONTEXT_CHARS))
+            tb.recent.append(escape(core, MAX_CONTEXT_CHARS))
             tb.lines += 1
             return tb.lines < TRACEBACK_MAX_LINES
         return False
@@ -530,7 +433,7 @@ class _Scanner:
                     severity = Severity.WARNING
                 st.tracebacks[label] = _PendingTraceback(
                     header_line=line_no,
-                    header_text=_escape(body, MAX_REPORT_CHARS, m.start()),
+                    header_text=escape(body, MAX_REPORT_CHARS, m.start()),
                     severity=severity,
                     context_before=ctx.before,
                 )
@@ -542,7 +445,7 @@ class _Scanner:
                 signature=sig.id,
                 severity=severity,
                 category=sig.category,
-                text=_escape(body, MAX_REPORT_CHARS, m.start()),
+                text=escape(body, MAX_REPORT_CHARS, m.start()),
                 meaning=meaning,
                 action=sig.action,
                 context_before=list(ctx.before),
@@ -569,7 +472,7 @@ class _Scanner:
             signature=sig.id,
             severity=tb.severity,
             category=sig.category,
-            text=_escape(exception_line, MAX_REPORT_CHARS),
+            text=escape(exception_line, MAX_REPORT_CHARS),
             meaning=sig.meaning,
             action=sig.action,
             context_before=list(tb.recent) if tb.recent else list(tb.context_before),
@@ -586,27 +489,9 @@ class _Scanner:
         self.findings.append(f)
         return True
 
-    # -- expectations ---------------------------------------------------------------
     def expectation_results(self) -> list[ExpectationResult]:
-        out = []
-        for ex in self.expectations:
-            seen = sorted(ex.labels)
-            occurrences = ex.unlabelled + sum(ex.labels.values())
-            # ranks=None: every worker prefix the logs showed (none: one occurrence anywhere).
-            expected = sorted(self.workers) if ex.spec.ranks is None else list(ex.spec.ranks)
-            aliases = set().union(*(_label_aliases(s) for s in seen)) if seen else set()
-            missing = [r for r in expected if r not in aliases]
-            out.append(
-                ExpectationResult(
-                    description=ex.spec.label,
-                    pattern=ex.spec.pattern,
-                    expected=expected,
-                    seen=seen,
-                    missing=missing,
-                    occurrences=occurrences,
-                )
-            )
-        return out
+        """Each expectation over every stream scanned so far (orchestrator.audit.expectations)."""
+        return self.expectations.results()
 
 
 def _line_end(block: bytes | mmap.mmap, pos: int) -> int:
@@ -621,12 +506,3 @@ def _has_line_over(mm: mmap.mmap, limit: int) -> bool:
     One bounded find per window, so a GB file costs a few dozen calls; a line of up to
     2 x limit can pass unseen, which is what GREP_MAX_LINE_BYTES allows for."""
     return any(mm.find(b"\n", i, i + limit) < 0 for i in range(0, len(mm) - limit + 1, limit))
-
-
-def _compile_expectation(e: Expectation) -> re.Pattern[bytes]:
-    try:
-        return re.compile(e.pattern.encode())
-    except re.error as exc:
-        raise AuditInputError(
-            f"expectation {e.label!r}: {e.pattern!r} is not a valid regex: {exc}"
-        ) from exc

@@ -15,7 +15,7 @@ from pathlib import Path
 from orchestrator.audit.catalogue import Catalogue, load_catalogue
 from orchestrator.audit.findings import Expectation, FileSearched, Finding, Searched
 from orchestrator.audit.prefilter import Prefilter, make_prefilter
-from orchestrator.audit.scan import _Scanner
+from orchestrator.audit.scan import Scanner
 from orchestrator.audit.severity import Severity
 from orchestrator.audit.sources import collect_log_files, read_gpu_state, read_kernel_log
 from orchestrator.audit.verdict import AuditResult, expectation_finding, judge
@@ -57,7 +57,7 @@ def audit_logs(
         klog = read_kernel_log(since, runner=kernel_runner)
         searched.kernel_log = klog.status
         if klog.status.audited:
-            kscan = _Scanner(cat, pf)
+            kscan = Scanner(cat, pf)
             name = f"kernel log ({klog.status.source})"
             kscan.scan_stream(name, io.BytesIO("\n".join(klog.lines).encode() + b"\n"))
             findings += kscan.findings
@@ -77,7 +77,7 @@ def _scan_logs(
 ) -> list[Finding]:
     """Scan every log file into `searched`; a file that cannot be read (whole or in part)
     is said so, as a warning finding, and the rest are scanned."""
-    scanner = _Scanner(cat, pf, expectations)
+    scanner = Scanner(cat, pf, expectations)
     for path in files:
         try:
             sf = scanner.scan_file(path)
