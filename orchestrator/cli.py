@@ -1,4 +1,5 @@
-"""The `orchestrator` command line: parse arguments, call one library function, map errors to exit codes.
+"""The `orchestrator` command line: parse arguments, call one library function, map errors
+to exit codes.
 
 Heavy modules (torch, ray, vllm) are imported inside the command that needs them so that
 `orchestrator --help` and `orchestrator plan` answer in well under a second.
@@ -432,113 +433,16 @@ def audit(
     The kernel log is audited only with --since (the whole ring buffer would report every
     Xid since boot, from other jobs); without it the verdict says so.
     """
-    import json
-
-    from orchestrator.audit import (
-        AuditInputError,
-        CatalogueError,
-        audit_logs,
-        parse_since,
-        verdict,
-    )
-    from orchestrator.audit.rundir import audit_run, kernel_log_skipped, split_run_paths
+    from orchestrator.audit import AuditInputError, CatalogueError
+    from orchestrator.audit.render import audit_paths
 
     try:
-        since_dt = parse_since(since) if since is not None else None
-        runs, plain = split_run_paths(paths)
-        if runs and plain:
-            raise AuditInputError(
-                f"{plain[0]}: audit run directories (or their cases' server.log) and other "
-                "logs in separate calls: a run's logs are judged by the run's own settings"
-            )
-        kernel = since_dt is not None
-        if runs:
-            audits = [
-                audit_run(root, logs=logs, since=since_dt, include_kernel_log=kernel)
-                for root, logs in runs.items()
-            ]
-        else:
-            result = audit_logs(paths, since=since_dt, include_kernel_log=kernel)
+        output = audit_paths(paths, since=since, json_out=json_out)
     except (AuditInputError, CatalogueError) as exc:
         typer.echo(f"orchestrator audit: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
-    if runs:
-        for ra in audits:
-            for ca in ra.cases if not kernel else []:
-                ca.result.searched.kernel_log = kernel_log_skipped()
-                ca.result.verdict = verdict(ca.result.findings, ca.result.searched)
-        if json_out:
-            out = [ra.to_dict() for ra in audits]
-            typer.echo(json.dumps(out[0] if len(out) == 1 else out, indent=2))
-        else:
-            typer.echo("\n\n".join(_run_audit_text(ra) for ra in audits))
-        raise typer.Exit(EXIT_OK if all(ra.clean for ra in audits) else EXIT_FINDINGS)
-    if not kernel:
-        result.searched.kernel_log = kernel_log_skipped()
-        result.verdict = verdict(result.findings, result.searched)
-    from orchestrator.common.redact import redact, redact_text
-
-    # The scanner redacts what it quotes; this catches whatever else reached the output.
-    text = json.dumps(redact(result.to_dict()), indent=2) if json_out else _audit_text(result)
-    typer.echo(text if json_out else redact_text(text))
-    raise typer.Exit(EXIT_OK if result.verdict.clean else EXIT_FINDINGS)
-
-
-def _run_audit_text(ra: Any) -> str:
-    """A run's audit: per case its findings, verdict (beside the run's) and what was
-    discounted, then the run's verdict."""
-    n = len(ra.cases)
-    out = [
-        f"run {ra.run_id} ({ra.root}): {n} case log{'' if n == 1 else 's'} audited as the run "
-        "audited them (the matrix's expected lines, each server's recorded stop line)"
-    ]
-    for ca in ra.cases:
-        c, r = ca.case, ca.result
-        out += ["", f"== {c.case_id}: {c.log}"]
-        out += _finding_lines(r)
-        for f in r.discounted:
-            out.append(
-                f"{f.location()}: discounted {f.signature}: logged after the orchestrator "
-                f"stopped the server (stop began at line {c.stop_line}: {c.stop_basis})"
-            )
-        run_said = "no result recorded" if c.run_verdict is None else c.run_verdict
-        agree = {True: "agrees", False: "DIFFERS", None: "nothing to compare"}[ca.agrees]
-        worst = "" if r.verdict.clean else f" (worst: {r.verdict.worst_severity})"
-        out.append(f"verdict: {r.verdict.status}{worst}; the run: {run_said} ({agree})")
-    for case_id, why in ra.missing:
-        out += ["", f"== {case_id}: not audited: {why}"]
-    caveats = dict.fromkeys(cv for ca in ra.cases for cv in ca.result.verdict.caveats)
-    out += ["", f"run verdict: {'clean' if ra.clean else 'findings'}"]
-    out += [f"not searched: {cv}" for cv in caveats]
-    return "\n".join(out)
-
-
-def _audit_text(result: Any) -> str:
-    """`orchestrator audit`'s text: each finding with its context, meaning and action, what
-    was capped, the verdict and the summary sentence."""
-    out = _finding_lines(result)
-    out.append(f"verdict: {result.verdict}")
-    out.append(result.summary_sentence())
-    return "\n".join(out)
-
-
-def _finding_lines(result: Any) -> list[str]:
-    """Each finding of an audit with its context, meaning and action, and what was capped."""
-    out = []
-    for f in result.findings:
-        mark = " (root cause)" if f.root_cause else ""
-        out.append(f"{f.location()}: {f.severity} {f.signature}{mark}: {f.text}")
-        out += [f"    | {c}" for c in f.context_before]
-        out.append(f"    > {f.text}")
-        out += [f"    | {c}" for c in f.context_after]
-        if f.meaning:
-            out.append(f"    meaning: {f.meaning}")
-        if f.action:
-            out.append(f"    action:  {f.action}")
-    for sf in result.searched.files:
-        for sig, n in sf.suppressed.items():
-            out.append(f"{sf.path}: {n} more {sig} findings not shown")
-    return out
+    typer.echo(output.text)
+    raise typer.Exit(EXIT_OK if output.clean else EXIT_FINDINGS)
 
 
 @app.command("gpu-check", short_help="Check GPU placement and fusedq on every rank.")

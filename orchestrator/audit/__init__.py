@@ -21,7 +21,8 @@ The package, in the order a log travels through it:
 - ``sentences``: the summary sentence;
 - ``findings``: the records all of them pass along;
 - ``scope``: ``audit_logs``, one scope (a case) through all of the above;
-- ``rundir``: a run directory audited case by case, as the run audited it.
+- ``rundir``: a run directory audited case by case, as the run audited it;
+- ``render``: what ``orchestrator audit PATH...`` prints, as text or JSON.
 
 This module only names the package's public parts: its modules import each other directly,
 never through it (tests/orchestrator/test_structure.py keeps it so).
