@@ -14,7 +14,7 @@ __all__ = ["RunManifest"]
 
 class RunManifest(Record):
     """manifest.json as its readers need it: the run, its matrix (as expanded, a JSON dump of
-    orchestrator.config.matrix.Matrix), its cases in run order, versions and commit. The rest (the
+    orchestrator.config.schema.Matrix), its cases in run order, versions and commit. The rest (the
     cluster, the driver, resumes) is kept as it was written."""
 
     run_id: str | None = None
@@ -80,7 +80,7 @@ class RunManifest(Record):
 
     @property
     def ab(self) -> dict[str, Any] | None:
-        """The matrix's ``ab`` block as run (orchestrator.config.matrix.ABSpec), or None."""
+        """The matrix's ``ab`` block as run (orchestrator.config.schema.ABSpec), or None."""
         return self.matrix.get("ab") or None
 
     def concurrency(self, workload: str) -> int:
