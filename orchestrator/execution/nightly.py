@@ -129,7 +129,7 @@ def run_nightly(
         sets=list(sets),
         progress=False,  # unattended: a live view only fills the cron log with redraws
         # Unattended too: last night's crashed run may still hold the GPUs; by default the
-        # run only warns (see orchestrator.execution.runner.handle_leftovers).
+        # run only warns (see orchestrator.execution.leftover_check.handle_leftovers).
         kill_leftovers=kill_leftovers,
     )
     summary = (runner or _default_runner)(Path(matrix_path), options)

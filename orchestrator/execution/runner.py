@@ -4,14 +4,15 @@ For each case in order: its life (place it on Ray, start `vllm serve`, warm it u
 workload one at a time, stop it, audit its logs) is one ``CaseRun``
 (orchestrator.execution.case_run), and its result is appended to results.jsonl before the next
 case starts. This module owns what is around the cases: the matrix and the cases selected,
-resume, leftovers of crashed runs, the Ray connection, the run directory and its manifest,
-signals (SIGTERM unwinds like Ctrl-C), the live view, and the reports when the attempt ends.
+the Ray connection, the run directory (its manifest: orchestrator.execution.manifest; a
+resume: orchestrator.execution.resume), leftovers of crashed runs
+(orchestrator.execution.leftover_check), signals (SIGTERM unwinds like Ctrl-C), the live
+view, and the reports when the attempt ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import os
 import signal
 import sys
@@ -24,22 +25,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.cluster.leftovers import Leftover, find_leftovers, run_env, stop_leftovers
 from orchestrator.common import probes, safe_io
-from orchestrator.common.fusedq_files import provenance
 from orchestrator.common.layout import SERVER_LOG
-from orchestrator.common.redact import redact, redact_argv, redact_text, secret_args, secret_values
+from orchestrator.common.redact import redact, redact_text, secret_args, secret_values
 from orchestrator.config.expand import Case, expand
+from orchestrator.config.schema import Matrix
 from orchestrator.config.policy import matrix_warnings
 from orchestrator.config.schema import Matrix
 from orchestrator.execution import interrupted, preflight
 from orchestrator.execution.interrupted import RunInterrupted
+from orchestrator.execution.leftover_check import LeftoverError, handle_leftovers, marked_environ
+from orchestrator.execution.manifest import manifest, now
+from orchestrator.execution.resume import left_to_run, open_for_resume
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore, new_run_id
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 @dataclass
@@ -86,7 +85,7 @@ class _Log:
         self.secrets = secrets
 
     def __call__(self, msg: str) -> None:
-        line = f"{_now()} {redact_text(msg, self.secrets)}"
+        line = f"{now()} {redact_text(msg, self.secrets)}"
         # Never through a link in the log's place (safe_io.UnsafeFileError, one line).
         safe_io.append_bytes(self.path, (line + "\n").encode("utf-8", "backslashreplace"))
         if self.echo:
@@ -105,135 +104,10 @@ def matrix_secrets(matrix: Matrix, environ: Mapping[str, str] = os.environ) -> t
     return tuple(dict.fromkeys(values))
 
 
-def _engine_version() -> str:
-    """vLLM's version for the manifest, asked of its own metadata: a missing vLLM is
-    recorded, and the first case fails naming it."""
-    from orchestrator.engines.vllm.server import probe_version
-
-    try:
-        return probe_version()
-    except Exception as exc:
-        return f"unavailable: {exc}"
-
-
-def _open_for_resume(options: RunOptions, cases: list[Case], matrix_path: str | Path) -> RunStore:
-    assert options.resume
-    store = RunStore.open(options.logs_dir, options.resume)
-    old_ids = {c["case_id"] for c in store.manifest().get("cases", [])}
-    extra = sorted({c.case_id for c in cases} - old_ids)
-    if extra:
-        raise ValueError(
-            f"{matrix_path}: case {extra[0]!r} is not in run {store.run_id}; "
-            "a resumed run must use the matrix it started with"
-        )
-    store.lock()
-    return store
-
-
-def _left_to_run(
-    store: RunStore, selected: Sequence[Case], retry_failed: bool
-) -> tuple[list[Case], list[CaseResult]]:
-    """The selected cases still to run, and the stored rows of the others."""
-    rows = {r.case_id: r for r in store.results()}
-    done = store.finished_case_ids(include_failed=not retry_failed)
-    todo = [c for c in selected if c.case_id not in done]
-    return todo, [rows[c.case_id] for c in selected if c.case_id in done]
-
-
-def _manifest(
-    run_id: str,
-    matrix_path: str | Path,
-    matrix: Matrix,
-    cases: list[Case],
-    options: RunOptions,
-    launcher: Any,
-) -> dict[str, Any]:
-    driver = probes.driver_info()
-    return {
-        "run_id": run_id,
-        "created_at": _now(),
-        "matrix_path": str(matrix_path),
-        "matrix_text": Path(matrix_path).read_text(encoding="utf-8"),
-        "matrix": matrix.model_dump(mode="json"),
-        "sets": list(options.sets),
-        "only": list(options.only),
-        "cases": [c.to_dict() for c in cases],
-        "versions": probes.versions(_engine_version()),
-        "git": probes.git_commit(),
-        # The commit and fingerprints of the code that runs, even where `git` above is a
-        # copied tree's stale HEAD or absent (fusedq.provenance).
-        "provenance": provenance.describe(),
-        "cluster": launcher.cluster,
-        "fusedq_fingerprint": launcher.driver_fingerprints.get("fusedq"),
-        "gpus": probes.gpu_inventory(),
-        "driver": {**driver, "argv": redact_argv(driver["argv"])},
-    }
-
-
-class LeftoverError(ValueError):
-    """Processes a crashed attempt of this run left behind still run; nothing was started."""
-
-
 class RunAborted(RuntimeError):
     """A case was measured but its result row could not be made (an orchestrator error, not
     the server's): the run stops with its servers stopped and finished cases kept, and the
     message names the case, the error, where its request records are and how to continue."""
-
-
-def _pids(leftovers: Sequence[Leftover]) -> str:
-    return " ".join(str(p.pid) for p in leftovers)
-
-
-def handle_leftovers(
-    run_id: str,
-    *,
-    resuming: bool,
-    kill: bool,
-    log: Callable[[str], None],
-    find: Callable[[], list[Leftover]] = find_leftovers,
-    stop: Callable[[list[Leftover]], list[Leftover]] = stop_leftovers,
-) -> list[Leftover]:
-    """Find processes of runs whose orchestrator is gone (see orchestrator.cluster.leftovers), with
-    `find` and `stop`: this machine's by default, every node's on a cluster.
-
-    With `kill`, stop them all. Otherwise a resumed run refuses to start while its own
-    earlier attempt's processes run (they hold the memory and GPUs its cases need, and
-    the user should decide what happens to them), and any run warns about other runs'
-    leftovers: on a shared machine they may be another user's business, but this run
-    must say why it may be short of memory. Returns what was found.
-    """
-    found = find()
-    if not found:
-        return found
-    listing = "\n".join(f"  {p.describe()}" for p in found)
-
-    def warn(msg: str) -> None:
-        log(msg)
-        print(f"orchestrator: {msg}", file=sys.stderr, flush=True)
-
-    if kill:
-        stuck = stop(found)
-        warn(
-            f"stopped {len(found) - len(stuck)} leftover process(es) of crashed runs "
-            f"(--kill-leftovers):\n{listing}"
-        )
-        if stuck:
-            raise LeftoverError(f"could not stop leftover process(es) {_pids(stuck)}")
-        return found
-    own = [p for p in found if resuming and p.run_id == run_id]
-    if own:
-        raise LeftoverError(
-            f"run {run_id}: {len(own)} process(es) of an earlier attempt of this run are "
-            f"still running, and the orchestrator that started them is gone:\n{listing}\n"
-            f"stop them (kill {_pids(found)}; they may need kill -CONT too) "
-            "or resume with --kill-leftovers"
-        )
-    warn(
-        f"warning: {len(found)} process(es) of crashed runs are still running; they may hold "
-        f"memory or GPUs this run needs:\n{listing}\n"
-        f"stop them (kill {_pids(found)}) or pass --kill-leftovers"
-    )
-    return found
 
 
 def checked_inputs(
@@ -267,12 +141,14 @@ def run_matrix(matrix_path: str | Path, options: RunOptions) -> RunSummary:
     """
     t_run = time.monotonic()
     matrix, cases, selected, warnings = checked_inputs(matrix_path, options)
-    store = _open_for_resume(options, cases, matrix_path) if options.resume else None
+    store = None
+    if options.resume:
+        store = open_for_resume(options.logs_dir, options.resume, cases, matrix_path)
     torn = store.set_aside_torn_tail() if store is not None else None
     if torn:
         print(f"orchestrator: warning: {torn}", file=sys.stderr, flush=True)
     if store is not None:
-        todo, earlier = _left_to_run(store, selected, options.retry_failed)
+        todo, earlier = left_to_run(store, selected, options.retry_failed)
         if not todo:
             # Nothing to measure: no Ray, no server, and the run directory stays as it was
             # (its manifest, figures and reports describe the attempts that did the work).
@@ -398,7 +274,7 @@ class _Attempt:
         )
         try:
             with (
-                _marked_environ(self.run_id),
+                marked_environ(self.run_id),
                 _explicit_ray_auth(local=not cluster),
                 _sigterm_unwinds() as rearm,
             ):
@@ -429,17 +305,18 @@ class _Attempt:
     def _open(self, launcher: Any) -> None:
         """Create the run directory with its manifest, or record this resume in it."""
 
-        def manifest() -> dict[str, Any]:
-            args = (self.run_id, self.matrix_path, self.matrix, self.cases, self.options)
-            return _manifest(*args, launcher)
+        def this_attempt() -> dict[str, Any]:
+            o = self.options
+            args = (self.run_id, self.matrix_path, self.matrix, self.cases)
+            return manifest(*args, sets=o.sets, only=o.only, launcher=launcher)
 
         if self.store is None:
             self.store = RunStore.create(self.options.logs_dir, self.run_id)
             self.store.lock()
-            self.store.write_manifest(manifest(), self.secrets)
+            self.store.write_manifest(this_attempt(), self.secrets)
         else:
             saved = self.store.manifest()
-            saved["resumes"] = [*saved.get("resumes", []), manifest()]
+            saved["resumes"] = [*saved.get("resumes", []), this_attempt()]
             self.store.write_manifest(saved, self.secrets)
         self._log = _Log(self.store.root / "orchestrator.log", echo=False, secrets=self.secrets)
         for line in self._pending:
@@ -451,7 +328,7 @@ class _Attempt:
 
         assert self.store is not None
         store = self.store
-        todo, earlier = _left_to_run(store, self.selected, self.options.retry_failed)
+        todo, earlier = left_to_run(store, self.selected, self.options.retry_failed)
         self.summary = summary = RunSummary(
             run_dir=store.root, skipped=[r.case_id for r in earlier], earlier=earlier
         )
@@ -588,23 +465,6 @@ def _check_capacity(launcher: Any, matrix_path: str | Path) -> None:
         launcher.check_capacity()
     except LaunchError as exc:
         raise LaunchError(f"{matrix_path}: {exc}") from None
-
-
-@contextlib.contextmanager
-def _marked_environ(run_id: str) -> Iterator[None]:
-    """The local Ray's daemons and workers inherit the driver's environment: marked with the
-    run, they are found as leftovers too if this process dies without stopping them."""
-    marks = run_env(run_id)
-    saved = {k: os.environ.get(k) for k in marks}
-    os.environ.update(marks)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # Ray's switch for token authentication. A new local Ray turns it on when the switch is unset,

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cluster import leftovers as lo
-from orchestrator.execution.runner import LeftoverError, RunOptions, handle_leftovers, run_matrix
+from orchestrator.execution.leftover_check import LeftoverError, handle_leftovers
+from orchestrator.execution.runner import RunOptions, run_matrix
 from orchestrator.results.store import RunStore
 
 # A driver tag naming this (live) process with a start time it never had: what a recycled

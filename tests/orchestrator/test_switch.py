@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import tokens
-from orchestrator.client.metrics import repeat_metrics
-from orchestrator.client.workload import WorkloadParams, WorkloadResult
+from orchestrator.client.workload import WorkloadParams, WorkloadResult, repeat_metrics
 from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
-from orchestrator.execution.runner import _left_to_run
+from orchestrator.execution.resume import left_to_run
 from orchestrator.execution.switch import (
     SET_PATH,
     STATE,
@@ -118,7 +117,7 @@ def test_resume_of_half_done_restarts_continues_the_rounds(tmp_path):
         "m/tp2-dcp1-mtp0/staged/s2": "failed",
     }
     store = _store_with(tmp_path, m, done)
-    todo, earlier = _left_to_run(store, cases, retry_failed=False)
+    todo, earlier = left_to_run(store, cases, retry_failed=False)
     assert [c.case_id for c in todo][:4] == [
         "m/tp2-dcp1-mtp0/fused/s2",
         "m/tp2-dcp1-mtp0/staged/s3",
@@ -126,7 +125,7 @@ def test_resume_of_half_done_restarts_continues_the_rounds(tmp_path):
         "m/tp2-dcp1-mtp1/staged/s1",
     ]
     assert len(earlier) == 3
-    again, _ = _left_to_run(store, cases, retry_failed=True)
+    again, _ = left_to_run(store, cases, retry_failed=True)
     assert again[0].case_id == "m/tp2-dcp1-mtp0/staged/s2"
 
 
@@ -136,7 +135,7 @@ def test_resume_of_a_half_written_switch_server_measures_the_pair_again(tmp_path
     m = _matrix("{mode: switch}")
     cases = expand(m)
     store = _store_with(tmp_path, m, {"m/tp2-dcp1-mtp0/staged/s1": "passed"})
-    todo, _ = _left_to_run(store, cases, retry_failed=False)
+    todo, _ = left_to_run(store, cases, retry_failed=False)
     units = measured_units(m, todo, cases)
     assert [[c.case_id for c in u] for u in units] == [
         ["m/tp2-dcp1-mtp0/staged/s1", "m/tp2-dcp1-mtp0/fused/s1"],
