@@ -1,8 +1,12 @@
-"""One case's life: place, start, warm up, measure, stop, audit, result.
+"""One server's life: place, start, warm up, measure, stop, audit, its rows.
 
-``CaseRun(...).run()`` always returns a ``CaseResult``, failed or not: a fault costs its case,
-never the run (orchestrator.execution.runner loops over the cases). Each step is a call into the
-module that owns it (launch for Ray, engines.vllm for the server, workload for the client, audit for
+``CaseRun(unit, measuring, ...).run()`` always returns the unit's rows
+(orchestrator.plan.units), failed or not: a fault costs its case, never the run
+(orchestrator.execution.runner loops over the units). The server is started as the unit's
+server case; what it measures once ready, and which rows it makes of its own, is the unit's
+``Measuring`` (orchestrator.execution.measure's for a case of its own,
+orchestrator.execution.switch's for a switch server). Each step is a call into the module
+that owns it (launch for Ray, engines.vllm for the server, workload for the client, audit for
 the logs); this class sequences them, keeps their time, and turns what went wrong into the
 case's reason, leading with the root cause the audit found.
 """
@@ -11,12 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,9 +26,7 @@ from orchestrator.audit import Expectation, audit_logs
 from orchestrator.client import tokens
 from orchestrator.client.workload import (
     ServerDiedError,
-    WorkloadAborted,
     WorkloadParams,
-    WorkloadResult,
     WorkloadTimeoutError,
     run_workload,
 )
@@ -37,26 +37,28 @@ from orchestrator.config.schema import (
     WARMUP_OUTPUT_TOKENS,
     WARMUP_PROMPT_TOKENS,
     Matrix,
-    WorkloadSpec,
 )
-from orchestrator.engines.vllm import compile_cache, server_metrics
+from orchestrator.engines.vllm import compile_cache
 from orchestrator.engines.vllm.server import (
     ServerStartError,
     api_key,
-    auth_headers,
     describe_exit,
     is_port_clash,
     log_tail,
-    profile_request,
     serve_argv,
     serve_env,
-    synthetic_acceptance_rates,
     wait_ready,
 )
 from orchestrator.engines.vllm.startup import read_startup
 from orchestrator.execution.progress import STOPPING
-from orchestrator.results.profile_figures import ProfileResult
-from orchestrator.results.rows import SCHEMA_VERSION, CaseResult, WorkloadSummary
+from orchestrator.plan.units import Unit
+from orchestrator.results.rows import (
+    SCHEMA_VERSION,
+    AuditSummary,
+    CaseResult,
+    ProfileResult,
+    WorkloadSummary,
+)
 from orchestrator.results.store import RunStore, write_json_atomic
 from orchestrator.results.stored_audit import AuditSummary
 
@@ -70,9 +72,6 @@ PORT_ATTEMPTS = 3
 REASON_TAIL_LINES = 10
 # The profile phase's traces, under the case directory (of the server's node, then the run's).
 PROFILE_DIR = "profile"
-# A trace file is complete when every rank's is there and no size changed for this long (a
-# worker gzips its trace in /stop_profile; a remote node's disk may lag the answer).
-TRACE_SETTLE_S = 2.0
 
 
 class CaseFailed(Exception):
@@ -108,17 +107,39 @@ def failure_reason(what: str, root_cause: Located | None = None, tail: str = "")
     return "\n".join(lines)
 
 
-class CaseRun:
-    """One case, from placement to its result row. Use once: ``CaseRun(...).run()``.
+class Measuring(Protocol):
+    """What a unit's server measures once it is ready, and the rows it makes of the server's
+    own: orchestrator.execution.measure.EveryWorkloadOnce (a case on a server of its own) or
+    orchestrator.execution.switch.SwitchBlocks (every variant on one server)."""
 
-    `secrets` are scrubbed from the server log once the server has stopped, before the
-    audit reads it, and from the audit record. `progress` is the live view
-    (orchestrator.execution.progress.ProgressView: update(case_id, phase, ...)).
+    def measure(self, run: CaseRun, model_path: str, vocab: int, key: str | None) -> None:
+        """Measure the ready server; a CaseFailed (or a workload's fault) fails it."""
+
+    def read_traces(self, run: CaseRun) -> None:
+        """Read the profile phase's traces, once the stop has brought them home."""
+
+    def same_tokens(self, run: CaseRun) -> dict[str, dict[str, Any]]:
+        """The same-tokens checks of the server's own row (a failed one fails it)."""
+
+    def rows(self, run: CaseRun, server: CaseResult) -> list[CaseResult]:
+        """The unit's rows, made of the server's own."""
+
+
+class CaseRun:
+    """One unit's server, from placement to the unit's result rows. Use once:
+    ``CaseRun(...).run()``.
+
+    `measuring` is what the ready server measures (Measuring). `secrets` are scrubbed from the
+    server log once the server has stopped, before the audit reads it, and from the audit
+    record. `progress` is the live view (orchestrator.execution.progress.ProgressView:
+    update(case_id, phase, ...)), which files the server under the unit's first case.
+    The steps `measuring` takes call `show`, `timed`, `fail` and `warm_up`.
     """
 
     def __init__(
         self,
-        case: Case,
+        unit: Unit,
+        measuring: Measuring,
         matrix: Matrix,
         launcher: Any,
         store: RunStore,
@@ -126,9 +147,10 @@ class CaseRun:
         progress: Any,
         secrets: tuple[str, ...] = (),
     ) -> None:
-        self.case, self.matrix, self.launcher, self.store = case, matrix, launcher, store
+        self.case, self.shown_as, self.measuring = unit.server, unit.shown_as, measuring
+        self.matrix, self.launcher, self.store = matrix, launcher, store
         self.log, self.progress, self.secrets = log, progress, secrets
-        self.dir = store.case_dir(case.slug)
+        self.dir = store.case_dir(self.case.slug)
         self.server_log = self.dir / "server.log"
         self.timings: dict[str, float] = {}
         self.server: dict[str, Any] | None = None  # node facts, argv, port, exit code
@@ -155,64 +177,64 @@ class CaseRun:
     def case_id(self) -> str:
         return self.case.case_id
 
-    def run(self) -> CaseResult:
-        """Place, start, measure, stop and audit the case; always a result, failed or not."""
+    def run(self) -> list[CaseResult]:
+        """Place, start, measure, stop and audit the server; the unit's rows, failed or not."""
         earlier = _set_aside(self.server_log, self.secrets)
         if earlier is not None:
             self.log(f"{self.case_id}: the log of an earlier attempt is kept as {earlier.name}")
         self.started = dt.datetime.now(dt.timezone.utc)
         self.t0 = time.monotonic()
         try:
-            self._serve_and_measure()
+            self.measuring.measure(self, *self._bring_up())
         except ServerDiedError as exc:
             # When the watch saw it go: a test (and a reader) can hold it against the kill time.
             self._server()["died_noticed_at"] = round(exc.noticed_at, 3)
-            self._fail(f"{exc}: {self.launcher.describe_end(self.handle)}")
+            self.fail(f"{exc}: {self.launcher.describe_end(self.handle)}")
             self.tail = ""  # read once the stop has brought the log home
         except WorkloadTimeoutError as exc:
             t = self.matrix.timeouts
-            self._fail(f"{exc} (timeouts: request_s={t.request_s:g}, case_s={t.case_s:g})")
+            self.fail(f"{exc} (timeouts: request_s={t.request_s:g}, case_s={t.case_s:g})")
         except ServerStartError as exc:
             # The tail as it was when the server gave up, before the stop added its own lines.
-            self._fail(exc.reason)
+            self.fail(exc.reason)
             self.tail = exc.log_tail
         except CaseFailed as exc:
-            self._fail(str(exc))
+            self.fail(str(exc))
         except Exception as exc:  # LaunchError and anything unexpected: the run goes on
-            self._fail(f"{type(exc).__name__}: {exc}")
+            self.fail(f"{type(exc).__name__}: {exc}")
         finally:
             self._stop()
         startup = self._startup()
         if self.profile is not None and self.status == "passed":
-            self._read_traces()
+            self.measuring.read_traces(self)
         if self.status == "passed" and self.exited_early is not None:
             how = describe_exit(self.exited_early)
-            self._fail(f"server process {how} before the orchestrator stopped it")
+            self.fail(f"server process {how} before the orchestrator stopped it")
             self.tail = ""
         if self.tail == "" and self.server_log.exists():
             self.tail = log_tail(self.server_log)
         # The audit runs on every case, failed or not: a fault explains a failure, and a fault
         # in a case that produced numbers must fail it anyway.
         audit = self._audit()
-        same_tokens = token_checks(self.case, self.matrix, self.store, self.workloads)
+        same_tokens = self.measuring.same_tokens(self)
         differs = [c["sentence"] for c in same_tokens.values() if c["verdict"] == tokens.DIFFERS]
         if differs and self.status == "passed":
-            self._fail(f"same tokens: {differs[0]}")
+            self.fail(f"same tokens: {differs[0]}")
         if self.status == "failed":
             self.log(f"{self.case_id}: FAILED: {self.reason}")
-        return self._result(audit, same_tokens, startup)
+        return self.measuring.rows(self, self.result(audit, same_tokens, startup))
 
-    # -- the steps ---------------------------------------------------------------------------
-    def _fail(self, reason: str) -> None:
+    # -- what the measuring steps call -------------------------------------------------------
+    def show(self, phase: str, *args: Any, **kwargs: Any) -> None:
+        """The server's phase, in the live view."""
+        self.progress.update(self.shown_as, phase, *args, **kwargs)
+
+    def fail(self, reason: str) -> None:
+        """The server's case fails, for `reason`."""
         self.status, self.reason = "failed", reason
 
-    def _server(self) -> dict[str, Any]:
-        if self.server is None:
-            self.server = {}
-        return self.server
-
     @contextlib.contextmanager
-    def _timed(self, key: str) -> Iterator[None]:
+    def timed(self, key: str) -> Iterator[None]:
         """Add the block's wall time to `timings[key]`, however the block ends."""
         t0 = time.monotonic()
         try:
@@ -220,16 +242,11 @@ class CaseRun:
         finally:
             self.timings[key] = self.timings.get(key, 0.0) + time.monotonic() - t0
 
-    def _serve_and_measure(self) -> None:
-        self._measure_all(*self._bring_up())
-
-    def _measure_all(self, model_path: str, vocab: int, key: str | None) -> None:
-        """The measurements of a ready server: every workload, then the profile phase."""
-        for wl in self.matrix.workloads:
-            self._measure(wl, vocab, key)
-        if self.matrix.profile is not None:
-            # After the workloads: the profiler's overhead never touches a measured figure.
-            self._profile(model_path, vocab, key)
+    # -- the steps ---------------------------------------------------------------------------
+    def _server(self) -> dict[str, Any]:
+        if self.server is None:
+            self.server = {}
+        return self.server
 
     def _bring_up(self) -> tuple[str, int, str | None]:
         """Place, start and warm up the case's server: (model path, vocabulary size, API key)."""
@@ -245,7 +262,7 @@ class CaseRun:
         self._start(model_path, env, key, self._shared_cache_env(model_path))
         vocab = _vocab_size(model_path)
         if self.matrix.warmup_requests:
-            self._warm_up(vocab, key)
+            self.warm_up(vocab, key)
         return model_path, vocab, key
 
     def _shared_cache_env(self, model_path: str) -> dict[str, str]:
@@ -294,7 +311,7 @@ class CaseRun:
 
         clashes: list[int] = []
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            with self._timed("placement_s"):
+            with self.timed("placement_s"):
                 self.handle = handle = launcher.place(case, self.matrix.timeouts.placement_s)
             self.server = {k: v for k, v in handle.info.items() if k != "pythonpath"}
             if _is_local_path(model_path) and launcher.missing_paths(handle, [model_path]):
@@ -305,7 +322,7 @@ class CaseRun:
             try:
                 # Start-up time whether the server came up or not: a failed start-up (or a
                 # port lost to another process) is the server's time, not the orchestrator's.
-                with self._timed("startup_s"):
+                with self.timed("startup_s"):
                     node_env = {**env, **shared}
                     if launcher.is_remote(handle):
                         node_env, self.compile_cache_dir = env, None
@@ -317,7 +334,7 @@ class CaseRun:
                         f"{self.case_id}: starting on {handle.info['node_ip']} "
                         f"port {handle.info['port']}"
                     )
-                    self.progress.update(self.case_id, "starting", server_log=self.server_log)
+                    self.show("starting", server_log=self.server_log)
                     waited = wait_ready(
                         handle.base_url,
                         timeout_s=self.matrix.timeouts.ready_s,
@@ -344,12 +361,13 @@ class CaseRun:
             self.server["port_clashes"] = clashes
         self.log(f"{self.case_id}: ready after {waited:.1f} s")
 
-    def _warm_up(self, vocab: int, key: str | None) -> None:
+    def warm_up(self, vocab: int, key: str | None) -> None:
+        """The warm-up requests, after start-up and after a switch server's path flips."""
         # Not measured: on a fresh server the first request pays one-time costs (TP2 on
         # CPU measured 4.6 tok/s on its first ctx0 request against 33 per user after).
-        self.progress.update(self.case_id, "warm-up")
+        self.show("warm-up")
         timeouts = self.matrix.timeouts
-        with self._timed("warmup_s"):
+        with self.timed("warmup_s"):
             warm = run_workload(
                 self.handle.base_url,
                 self.case.model.served_name or self.case.model.label,
@@ -373,89 +391,6 @@ class CaseRun:
             )
         self.warmup = {"requests": self.matrix.warmup_requests, "errors": warm.to_dict()["errors"]}
 
-    def _measure(self, wl: WorkloadSpec, vocab: int, key: str | None) -> None:
-        before = self._spec_decode_counters(key)
-        result = self._run_measured(wl, vocab, key, slug=self.case.slug)
-        seen = self._spec_decode_seen(before, key)
-        summary = WorkloadSummary.model_validate(
-            {**result.to_dict(), **({"spec_decode": seen} if seen else {})}
-        )
-        self.workloads[wl.name] = summary
-        self.store.write_records(self.case.slug, wl.name, result.records)
-        self.log(
-            f"{self.case_id}: {wl.name}: {summary.mean.aggregate_tok_s or 0.0:.2f} tok/s "
-            f"aggregate, {summary.mean.per_user_tok_s or 0.0:.2f} per user, "
-            f"errors {summary.errors}"
-        )
-
-    def _run_measured(
-        self,
-        wl: WorkloadSpec,
-        vocab: int,
-        key: str | None,
-        *,
-        slug: str,
-        first_repeat: int = 0,
-        phase: str | None = None,
-        timing: str | None = None,
-    ) -> WorkloadResult:
-        """Run one measured workload (`first_repeat`: the number its repeats count from, which
-        picks their prompts); a fault keeps what finished as `slug`'s records and raises."""
-        deadline = self.t0 + self.matrix.timeouts.case_s
-        if time.monotonic() > deadline:
-            raise CaseFailed(f"case timeout ({self.matrix.timeouts.case_s:.0f} s) before {wl.name}")
-        phase = phase or wl.name
-        self.progress.update(self.case_id, phase)
-        # Measured time even when the workload ends in a fault: it was spent measuring.
-        with self._timed(timing or f"workload_{wl.name}_s"):
-            try:
-                return run_workload(
-                    self.handle.base_url,
-                    self.case.model.served_name or self.case.model.label,
-                    _workload_params(wl),
-                    vocab_size=vocab,
-                    seed=self.matrix.seed,
-                    request_timeout_s=self.matrix.timeouts.request_s,
-                    alive=lambda: self.launcher.alive(self.handle),
-                    progress=lambda p: self.progress.update(self.case_id, phase, p),
-                    deadline=deadline,
-                    api_key=key,
-                    first_repeat=first_repeat,
-                )
-            except WorkloadAborted as exc:
-                # What finished before the fault is evidence; keep it beside the log.
-                self.store.write_records(slug, wl.name, exc.records)
-                raise
-
-    def _spec_decode_counters(self, key: str | None) -> server_metrics.SpecDecodeCounters | None:
-        """The server's speculative-decoding counters now (MTP cases only)."""
-        if self.case.mtp == 0:
-            return None
-        return server_metrics.read_spec_decode(self.handle.base_url, headers=auth_headers(key))
-
-    def _spec_decode_seen(
-        self, before: server_metrics.SpecDecodeCounters | None, key: str | None
-    ) -> dict[str, Any] | None:
-        """The acceptance a workload saw: the counters' change since `before` (as `vllm bench
-        serve` reports it), with the synthetic rates configured where there are some."""
-        if before is None:
-            return None
-        seen = server_metrics.acceptance(
-            before, self._spec_decode_counters(key), configured=self._configured_acceptance()
-        )
-        if seen is not None:
-            self.log(
-                f"{self.case_id}: MTP acceptance {seen['acceptance_rate']:.3f} "
-                f"({seen['accepted_tokens']}/{seen['draft_tokens']} draft tokens)"
-            )
-        return seen
-
-    def _configured_acceptance(self) -> list[float] | None:
-        """vLLM's synthetic per-position acceptance rates this case's server was given."""
-        if self.case.mtp_acceptance is None:
-            return None
-        return synthetic_acceptance_rates(self.case.mtp, self.case.mtp_acceptance)
-
     def _startup(self) -> dict[str, Any] | None:
         """The server's start-up phases from its log (orchestrator.engines.vllm.startup), once it
         stopped."""
@@ -466,113 +401,17 @@ class CaseRun:
             record["compile_cache_dir"] = self.compile_cache_dir
         return record
 
-    def _profile(
-        self, model_path: str, vocab: int, key: str | None, known: Collection[str] = ()
-    ) -> dict[str, int]:
-        """Profile exactly `decode_steps` model steps of one request, alone on the server, and
-        wait until every rank's trace is written (orchestrator.analysis.trace reads them after the
-        stop, once a remote node's files are home); the new trace files and their sizes
-        (`known`: an earlier profile's, on a switch-mode server)."""
-        spec = self.matrix.profile
-        assert spec is not None
-        self.progress.update(self.case_id, "profile")
-        self.profile = ProfileResult(
-            decode_steps=spec.decode_steps,
-            prompt_tokens=spec.prompt_tokens,
-            layers=_query_layers(self.case, model_path),
-            dir=PROFILE_DIR,
-        )
-        timeout = self.matrix.timeouts.request_s
-        with self._timed("profile_s"):
-            try:
-                profile_request(self.handle.base_url, "start", timeout_s=timeout, api_key=key)
-                run = run_workload(
-                    self.handle.base_url,
-                    self.case.model.served_name or self.case.model.label,
-                    WorkloadParams(
-                        "profile",
-                        prompt_tokens=spec.prompt_tokens,
-                        output_tokens=spec.decode_steps,
-                        requests=1,
-                    ),
-                    vocab_size=vocab,
-                    seed=self.matrix.seed,
-                    request_timeout_s=timeout,
-                    alive=lambda: self.launcher.alive(self.handle),
-                    deadline=self.t0 + self.matrix.timeouts.case_s,
-                    api_key=key,
-                )
-                profile_request(self.handle.base_url, "stop", timeout_s=timeout, api_key=key)
-            except RuntimeError as exc:
-                raise CaseFailed(f"profile: {exc}") from None
-            summary = run.to_dict()
-            if summary["errors"]:
-                first = (summary.get("error_samples") or ["?"])[0]
-                raise CaseFailed(f"profile: the profiled request failed: {first}")
-            found = self._wait_for_traces(spec.wait_s, known)
-        self.log(f"{self.case_id}: profile: {len(found)} rank trace(s) written")
-        return found
-
-    def _wait_for_traces(self, wait_s: float, known: Collection[str] = ()) -> dict[str, int]:
-        """The ranks' trace files (other than the `known` ones of an earlier profile of this
-        server), once there is one per rank and none has grown for TRACE_SETTLE_S;
-        CaseFailed naming what is missing after `wait_s`."""
-        from orchestrator.analysis.trace import RANK_TRACE
-
-        deadline = time.monotonic() + wait_s
-        last: dict[str, int] = {}
-        steady_since = time.monotonic()
-        while True:
-            files = {
-                name: size
-                for name, size in self.launcher.case_files(self.handle).items()
-                if name.startswith(f"{PROFILE_DIR}/")
-                and RANK_TRACE.match(Path(name).name)
-                and name not in known
-            }
-            if files != last:
-                last, steady_since = files, time.monotonic()
-            elif len(files) >= self.case.tp and time.monotonic() - steady_since >= TRACE_SETTLE_S:
-                return files
-            if time.monotonic() > deadline:
-                raise CaseFailed(
-                    f"profile: {len(files)} of {self.case.tp} rank traces written "
-                    f"{wait_s:g} s after /stop_profile ({sorted(files) or 'none'})"
-                )
-            time.sleep(0.5)
-
-    def _read_traces(self) -> None:
-        """Each rank's figures (orchestrator.analysis.trace), from the traces now in the run's case
-        directory; a trace that cannot be read fails the case, naming the file."""
-        from orchestrator.analysis.trace import TraceError, find_rank_traces, read_trace
-
-        assert self.profile is not None
-        with self._timed("trace_read_s"):
-            try:
-                traces = [read_trace(p) for p in find_rank_traces(self.dir / PROFILE_DIR)]
-            except TraceError as exc:
-                self.profile.error = str(exc)
-                self._fail(f"profile: {exc}")
-                return
-        for t in traces:
-            # Relative to the case directory: the run directory may move.
-            t.file = str(Path(t.file).relative_to(self.dir))
-        self.profile.traces = traces
-        if len(traces) < self.case.tp:
-            self.profile.error = f"{len(traces)} of {self.case.tp} rank traces came home"
-            self._fail(f"profile: {self.profile.error}")
-
     def _stop(self) -> None:
         """Stop the server (if one was placed), redact its log, remove our temp directory."""
         if self.handle is not None:
-            self.progress.update(self.case_id, STOPPING)
+            self.show(STOPPING)
             # A server that exited on its own before the stop crashed during the case, however
             # its workloads ended (one SIGKILLed in CI answered all its requests with errors
             # before its pid polled as gone, and was recorded as passed).
             if self.status == "passed":
                 self.exited_early = self.launcher.exit_code(self.handle)
             self.stop_line = _line_count(self.server_log) + 1
-            with self._timed("stop_s"):
+            with self.timed("stop_s"):
                 code = self.launcher.stop(self.handle, log_dest=self.server_log)
             self._server()["exit_code"] = code
         if self.server_log.exists():
@@ -610,18 +449,19 @@ class CaseRun:
             self.reason = failure_reason(str(self.reason), root_cause, self.tail or "")
         elif audit.case_breaking:
             first = root_cause or audit.case_breaking[0]
-            self._fail(
+            self.fail(
                 f"audit: {first.signature} ({first.severity}) at {first.location()}: "
                 f"{first.text[:200]}"
             )
         return audit
 
-    def _result(
+    def result(
         self,
         audit: AuditSummary,
         same_tokens: dict[str, dict[str, Any]],
         startup: dict[str, Any] | None = None,
     ) -> CaseResult:
+        """The server's own row: the case's, or the one a switch server's rows are made of."""
         self.timings["total_s"] = time.monotonic() - self.t0
         row: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -650,64 +490,7 @@ class CaseRun:
         return CaseResult.model_validate(row)
 
 
-def token_checks(
-    case: Case, matrix: Matrix, store: RunStore, workloads: Mapping[str, Any]
-) -> dict[str, dict[str, Any]]:
-    """For each measured ``same_tokens`` workload: this case's tokens against those of the
-    baseline variant of its topology (``{}`` for the baseline itself), or, for tokens that
-    cannot agree by construction (tokens.not_compared), why they were not compared."""
-    first = matrix.baseline_variant if matrix.variants else None
-    if first is None or case.variant.name == first.name:
-        return {}
-    reference = replace(case, variant=first)
-    why_not = tokens.not_compared(
-        mtp=case.mtp,
-        mtp_acceptance=case.mtp_acceptance,
-        switch=matrix.switch_mode,
-    )
-    checks: dict[str, dict[str, Any]] = {}
-    for wl in matrix.workloads:
-        if not wl.same_tokens or wl.name not in workloads:
-            continue
-        if why_not is not None:
-            checks[wl.name] = {
-                "reference": reference.case_id,
-                "verdict": tokens.NOT_COMPARED,
-                "why": why_not,
-                "sentence": f"{case.variant.name} vs {first.name}: not compared: {why_not}",
-            }
-            continue
-        if not store.records_path(reference.slug, wl.name).is_file():
-            checks[wl.name] = {
-                "reference": reference.case_id,
-                "verdict": tokens.NO_REFERENCE,
-                "sentence": f"{case.variant.name} vs {first.name}: the {first.name} case "
-                "recorded no tokens (not run, or failed before this workload)",
-            }
-            continue
-        check = tokens.compare(
-            store.read_records(reference.slug, wl.name), store.read_records(case.slug, wl.name)
-        )
-        check["reference"] = reference.case_id
-        check["sentence"] = tokens.describe(check, reference=first.name, variant=case.variant.name)
-        checks[wl.name] = check
-    return checks
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _workload_params(w: WorkloadSpec) -> WorkloadParams:
-    return WorkloadParams(
-        name=w.name,
-        prompt_tokens=w.prompt_tokens,
-        output_tokens=w.output_tokens,
-        concurrency=w.concurrency,
-        requests=w.request_count,
-        duration_s=w.duration_s,
-        repeats=w.repeats,
-        record_tokens=w.same_tokens,
-    )
 
 
 def _model_path(case: Case, log: Callable[[str], None]) -> str:
@@ -764,18 +547,6 @@ def _set_aside(server_log: Path, secrets: tuple[str, ...]) -> Path | None:
     redact_file(server_log, secrets)
     os.replace(server_log, dest)
     return dest
-
-
-def _query_layers(case: Case, model_path: str) -> int | None:
-    """Query steps one model step runs: the decoder layers, plus one MTP draft pass per
-    speculative token (each runs the MTP layer's attention); None where the model's config
-    cannot be read (a hub id)."""
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        layers = int(cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return layers + case.mtp
 
 
 def _vocab_size(model_path: str) -> int:

@@ -1,13 +1,14 @@
 """`orchestrator run`: the loop that turns a matrix into measured, audited result rows.
 
-For each case in order: its life (place it on Ray, start `vllm serve`, warm it up, run every
-workload one at a time, stop it, audit its logs) is one ``CaseRun``
-(orchestrator.execution.case_run), and its result is appended to results.jsonl before the next
-case starts. This module owns what is around the cases: the matrix and the cases selected,
-the Ray connection, the run directory (its manifest: orchestrator.execution.manifest; a
-resume: orchestrator.execution.resume), leftovers of crashed runs
-(orchestrator.execution.leftover_check), signals (SIGTERM unwinds like Ctrl-C), the live
-view, and the reports when the attempt ends.
+The run's plan is its units (orchestrator.plan.units): each one server, a case's own or a
+switch server measuring every variant of a topology. A unit's life (place it on Ray, start
+`vllm serve`, warm it up, measure it, stop it, audit its logs) is one ``CaseRun``
+(orchestrator.execution.case_run) with the unit's measuring, and its rows are appended to
+results.jsonl before the next unit starts. This module owns what is around the units: the
+matrix and the cases selected, the Ray connection, the run directory (its manifest:
+orchestrator.execution.manifest; a resume: orchestrator.execution.resume), leftovers of
+crashed runs (orchestrator.execution.leftover_check), signals (SIGTERM unwinds like Ctrl-C),
+the live view, and the reports when the attempt ends.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from orchestrator.execution.interrupted import RunInterrupted
 from orchestrator.execution.leftover_check import LeftoverError, handle_leftovers, marked_environ
 from orchestrator.execution.manifest import manifest, now
 from orchestrator.execution.resume import left_to_run, open_for_resume
+from orchestrator.plan.units import RESTART, SWITCH, run_units
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore, new_run_id
 
@@ -323,8 +325,13 @@ class _Attempt:
             self.log(line)
 
     def _run_cases(self, launcher: Any, view: Any) -> None:
-        from orchestrator.execution.switch import measure, measured_units, unit_runner
+        from orchestrator.execution.case_run import CaseRun
+        from orchestrator.execution.measure import EveryWorkloadOnce
+        from orchestrator.execution.switch import SwitchBlocks
         from orchestrator.plan.estimate import estimate_run
+
+        # What a unit's server measures, by the unit's kind (orchestrator.plan.units).
+        measuring = {RESTART: EveryWorkloadOnce, SWITCH: SwitchBlocks}
 
         assert self.store is not None
         store = self.store
@@ -341,20 +348,21 @@ class _Attempt:
         view.start()
         # Where the run is, on screen from its start (an interrupted run repeats it).
         view.note(f"run {store.run_id}: {store.root}")
-        for unit in measured_units(self.matrix, todo, self.cases):
-            view.begin(unit[0].case_id)
-            for case in unit:
+        for unit in run_units(self.matrix, todo, self.cases):
+            view.begin(unit.shown_as)
+            for case in unit.cases:
                 interrupted.set_aside_mark(store.case_dir(case.slug))
             t_case = time.monotonic()
-            runner = unit_runner(unit, self.matrix, launcher, store, self.log, view, self.secrets)
+            how = measuring[unit.kind](unit, self.matrix)
+            runner = CaseRun(unit, how, self.matrix, launcher, store, self.log, view, self.secrets)
             try:
-                rows = measure(runner)
+                rows = runner.run()
                 # Redacted before anything reads it: the summary feeds the CLI's FAILED lines.
                 results = [
                     CaseResult.model_validate(redact(r.to_record(), self.secrets)) for r in rows
                 ]
             except ValidationError as exc:
-                raise self._aborted(unit, exc) from exc
+                raise self._aborted(unit.cases, exc) from exc
             except KeyboardInterrupt:
                 # The server was stopped on the way out; the line its stop began at lets a
                 # later `orchestrator audit` discount what that stop made vLLM log.

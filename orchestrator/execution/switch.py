@@ -22,6 +22,10 @@ its repeats, its records in its own case directory), so reports, compare and nig
 switch-mode run like any other; the rows share the server's log, audit and start-up, which
 live in the server's own case directory. With ``profile:``, each path is profiled on the
 same server after the blocks, and each row gets its own traces.
+
+The unit (its variants, its server case, its blocks in order) is the run's plan
+(orchestrator.plan.units); ``SwitchBlocks`` is what its server measures once
+orchestrator.execution.case_run has brought it up, and the rows it makes of the server's.
 """
 
 from __future__ import annotations
@@ -29,43 +33,34 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from orchestrator.client import tokens
-from orchestrator.client.metrics import mean_of_repeats
-from orchestrator.client.workload import WorkloadResult
-from orchestrator.config.expand import Case
-from orchestrator.config.schema import SWITCH_SERVER_VARIANT, Matrix
+from orchestrator.client.workload import WorkloadResult, mean_of_repeats
+from orchestrator.config.schema import Matrix
 from orchestrator.engines.vllm import server_metrics
 from orchestrator.engines.vllm.server import auth_headers
-from orchestrator.execution.case_run import CaseFailed, CaseRun, token_checks
-from orchestrator.results.profile_figures import ProfileResult
-from orchestrator.results.rows import CaseResult, PathFlip, SwitchRecord
-from orchestrator.results.store import RunStore
+from orchestrator.execution.case_run import CaseFailed, CaseRun
+from orchestrator.execution.measure import (
+    configured_acceptance,
+    run_measured,
+    spec_decode_counters,
+    take_profile,
+    token_checks,
+)
+from orchestrator.plan.units import DEV_MODE_ENV, Unit
+from orchestrator.results.rows import CaseResult, PathFlip, ProfileResult, SwitchRecord
 
 SET_PATH, STATE = "fusedq_set_path", "fusedq_state"
 RPC_PATH = "/collective_rpc"
-DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "1")
 
 
 class SwitchError(CaseFailed):
     """A path flip that failed or was not confirmed by every worker: the case fails."""
-
-
-def schedule(variants: Sequence[str], blocks: int, order: str, first: str) -> list[str]:
-    """The server's blocks in order, by variant (`variants` baseline first): `blocks` rounds
-    of one block per variant; ABBA reverses every other round."""
-    names = list(variants)
-    if first == "candidate":
-        names = names[1:] + names[:1]
-    out: list[str] = []
-    for k in range(blocks):
-        out += names if order == "alternate" or k % 2 == 0 else names[::-1]
-    return out
 
 
 def collective_rpc(
@@ -144,178 +139,113 @@ def block_figures(
     return ", ".join(parts)
 
 
-def server_case(unit: Sequence[Case], matrix: Matrix) -> Case:
-    """The one server of `unit` (the variants of one topology and start): the `serve_as`
-    variant's args and env, plus the extension, the dev endpoint and no prefix caching."""
-    ab = matrix.ab
-    assert ab is not None
-    by_name = {c.variant.name: c for c in unit}
-    baseline = matrix.baseline_variant.name
-    name = ab.serve_as or next(n for n in by_name if n != baseline)
-    chosen = by_name[name]
-    args = (*chosen.args, "--worker-extension-cls", ab.extension, "--no-enable-prefix-caching")
-    env = dict(chosen.env)
-    env[DEV_MODE_ENV[0]] = DEV_MODE_ENV[1]
-    variant = chosen.variant.model_copy(update={"name": SWITCH_SERVER_VARIANT})
-    return dataclasses.replace(chosen, variant=variant, args=args, env=tuple(sorted(env.items())))
+class SwitchBlocks:
+    """A switch unit's measuring: its server (brought up, audited and stopped as a case by
+    CaseRun) measured block by block between path flips, its figures split into one row per
+    variant."""
 
-
-def measured_units(matrix: Matrix, todo: Sequence[Case], cases: Sequence[Case]) -> list[list[Case]]:
-    """What each server measures, in run order: one case each; in switch mode every variant
-    of a todo case's topology and start (all of them re-run: blocks of two servers do not
-    pair), baseline first."""
-    if not matrix.switch_mode:
-        return [[c] for c in todo]
-    order = [v.name for v in matrix.variants]
-    baseline = matrix.baseline_variant.name
-    order.sort(key=lambda n: n != baseline)
-    units: dict[tuple[str, int | None], list[Case]] = {}
-    for c in todo:
-        key = (c.topology_id, c.server)
-        if key not in units:
-            members = [x for x in cases if (x.topology_id, x.server) == key]
-            units[key] = sorted(members, key=lambda x: order.index(x.variant.name))
-    return list(units.values())
-
-
-def unit_runner(unit: Sequence[Case], matrix: Matrix, *args: Any) -> CaseRun:
-    """The one server of a unit: a case's own (orchestrator.execution.case_run), or a switch server
-    measuring every variant. `args`: CaseRun's launcher, store, log, progress, secrets."""
-    if matrix.switch_mode:
-        return SwitchRun(unit, matrix, *args)
-    return CaseRun(unit[0], matrix, *args)
-
-
-def measure(runner: CaseRun) -> list[CaseResult]:
-    """The result rows of a unit's server: one, or a switch server's one per variant."""
-    if isinstance(runner, SwitchRun):
-        return runner.run_all()
-    return [runner.run()]
-
-
-class _AsCase:
-    """A live view (orchestrator.execution.progress.ProgressView) that files every update under one
-    case id: the run expects its cases' ids, and a switch server's own is none of them."""
-
-    def __init__(self, view: Any, case_id: str) -> None:
-        self.view, self.case_id = view, case_id
-
-    def update(self, _case_id: str, phase: str, *args: Any, **kwargs: Any) -> None:
-        self.view.update(self.case_id, phase, *args, **kwargs)
-
-
-class SwitchRun(CaseRun):
-    """One switch-mode server: brought up, audited and stopped as a case (CaseRun), measured
-    block by block between path flips, its figures split into one row per variant."""
-
-    def __init__(
-        self,
-        unit: Sequence[Case],
-        matrix: Matrix,
-        launcher: Any,
-        store: RunStore,
-        log: Callable[[str], None],
-        progress: Any,
-        secrets: tuple[str, ...] = (),
-    ) -> None:
-        # The live view follows the run's cases: the server shows as the first one it measures.
-        view = _AsCase(progress, unit[0].case_id)
-        super().__init__(server_case(unit, matrix), matrix, launcher, store, log, view, secrets)
+    def __init__(self, unit: Unit, matrix: Matrix) -> None:
         ab = matrix.ab
         assert ab is not None
-        self.ab = ab
-        self.unit = {c.variant.name: c for c in unit}
-        self.plan = schedule(list(self.unit), ab.blocks, ab.order, ab.first)
-        self.results: dict[str, dict[str, list[WorkloadResult]]] = {n: {} for n in self.unit}
-        self.flips: dict[str, list[PathFlip]] = {n: [] for n in self.unit}
+        self.unit, self.matrix, self.ab = unit, matrix, ab
+        self.by_variant = {c.variant.name: c for c in unit.cases}
+        self.blocks = list(unit.blocks)
+        self.results: dict[str, dict[str, list[WorkloadResult]]] = {n: {} for n in self.by_variant}
+        self.flips: dict[str, list[PathFlip]] = {n: [] for n in self.by_variant}
         self.profiles: dict[str, tuple[ProfileResult, dict[str, int]]] = {}
         # MTP servers: what the spec-decode counters moved in each block, by variant, workload.
         self.spec_decode: dict[str, dict[str, list[server_metrics.SpecDecodeCounters | None]]] = {
-            n: {} for n in self.unit
+            n: {} for n in self.by_variant
         }
 
     # -- measuring ---------------------------------------------------------------------------
-    def _flip(self, variant: str, block: int, key: str | None) -> None:
+    def _flip(self, run: CaseRun, variant: str, block: int, key: str | None) -> None:
         path = self.ab.path_of(variant)
-        self.progress.update(self.case_id, f"flip to {path}")
-        with self._timed(f"{variant}:flip_s"):
+        run.show(f"flip to {path}")
+        with run.timed(f"{variant}:flip_s"):
             done = flip(
-                self.handle.base_url,
+                run.handle.base_url,
                 path,
-                workers=self.case.tp,
+                workers=run.case.tp,
                 block=block,
                 timeout_s=self.matrix.timeouts.request_s,
                 api_key=key,
             )
         self.flips[variant].append(done)
-        self.log(f"{self.case_id}: block {block}: {path} on every worker in {done.seconds:.2f} s")
+        run.log(f"{run.case_id}: block {block}: {path} on every worker in {done.seconds:.2f} s")
 
-    def _measure_all(self, model_path: str, vocab: int, key: str | None) -> None:
-        rounds: dict[str, int] = dict.fromkeys(self.unit, 0)
-        for block, variant in enumerate(self.plan, 1):
-            self._flip(variant, block, key)
+    def measure(self, run: CaseRun, model_path: str, vocab: int, key: str | None) -> None:
+        """Every block in order, each after its flip (and a warm-up), then each path's
+        profile."""
+        rounds: dict[str, int] = dict.fromkeys(self.by_variant, 0)
+        for block, variant in enumerate(self.blocks, 1):
+            self._flip(run, variant, block, key)
             if self.matrix.warmup_requests:
                 # As after start-up: the first requests on a path just re-captured may pay
                 # one-time costs that are not the path's speed.
-                self._warm_up(vocab, key)
+                run.warm_up(vocab, key)
             for wl in self.matrix.workloads:
-                before = self._spec_decode_counters(key)
-                result = self._run_measured(
+                before = spec_decode_counters(run, key)
+                result = run_measured(
+                    run,
                     wl,
                     vocab,
                     key,
-                    slug=self.unit[variant].slug,
+                    slug=self.by_variant[variant].slug,
                     first_repeat=rounds[variant],
-                    phase=f"block {block}/{len(self.plan)} {variant} {wl.name}",
+                    phase=f"block {block}/{len(self.blocks)} {variant} {wl.name}",
                     timing=f"{variant}:workload_{wl.name}_s",
                 )
                 self.results[variant].setdefault(wl.name, []).append(result)
                 moved = None
                 if before is not None:
                     # Read around the workload alone: the warm-up after a flip is not in it.
-                    moved = server_metrics.difference(before, self._spec_decode_counters(key))
+                    moved = server_metrics.difference(before, spec_decode_counters(run, key))
                     self.spec_decode[variant].setdefault(wl.name, []).append(moved)
                 # The rows are made once every block has run: a run stopped before that
                 # still has each finished block's figures in its log.
-                self.log(
-                    f"{self.case_id}: block {block}: {variant} {wl.name}: "
+                run.log(
+                    f"{run.case_id}: block {block}: {variant} {wl.name}: "
                     f"{block_figures(result, moved)}"
                 )
             rounds[variant] += 1
         if self.matrix.profile is not None:
             known: set[str] = set()
-            for n, variant in enumerate(self.unit, len(self.plan) + 1):
-                self._flip(variant, n, key)
-                found = self._profile(model_path, vocab, key, known=known)
-                assert self.profile is not None
-                self.profiles[variant] = (self.profile, found)
+            for n, variant in enumerate(self.by_variant, len(self.blocks) + 1):
+                self._flip(run, variant, n, key)
+                found = take_profile(run, model_path, vocab, key, known=known)
+                assert run.profile is not None
+                self.profiles[variant] = (run.profile, found)
                 known |= set(found)
 
-    def _read_traces(self) -> None:
+    def read_traces(self, run: CaseRun) -> None:
         """Each path's traces into its own row's profile; a trace that cannot be read fails
         the server, naming the file."""
         from orchestrator.analysis.trace import TraceError, read_trace
 
         for variant, (profile, found) in self.profiles.items():
-            self.profile = profile
-            with self._timed("trace_read_s"):
+            with run.timed("trace_read_s"):
                 try:
-                    traces = [read_trace(self.dir / name) for name in sorted(found)]
+                    traces = [read_trace(run.dir / name) for name in sorted(found)]
                 except TraceError as exc:
                     profile.error = str(exc)
-                    self._fail(f"profile of {variant}: {exc}")
+                    run.fail(f"profile of {variant}: {exc}")
                     return
             for t in traces:
-                t.file = str(Path(t.file).relative_to(self.dir))
+                t.file = str(Path(t.file).relative_to(run.dir))
             profile.traces = traces
 
-    # -- the rows ----------------------------------------------------------------------------
-    def run_all(self) -> list[CaseResult]:
-        """Bring the server up, measure, stop and audit it; one row per variant."""
-        server = self.run()
-        return [self._row(server, i, name) for i, name in enumerate(self.unit)]
+    def same_tokens(self, run: CaseRun) -> dict[str, dict[str, Any]]:
+        """None of the server's own row, which measured no workload of its own: each
+        variant's row holds its tokens against the baseline's (rows)."""
+        return {}
 
-    def _workloads(self, variant: str) -> dict[str, Any]:
+    # -- the rows ----------------------------------------------------------------------------
+    def rows(self, run: CaseRun, server: CaseResult) -> list[CaseResult]:
+        """One row per variant, made of the server's own."""
+        return [self._row(run, server, i, name) for i, name in enumerate(self.by_variant)]
+
+    def _workloads(self, run: CaseRun, variant: str) -> dict[str, Any]:
         out = {}
         for wl in self.matrix.workloads:
             blocks = self.results[variant].get(wl.name)
@@ -325,39 +255,39 @@ class SwitchRun(CaseRun):
             records = [x for b in blocks for x in b.records]
             params = dataclasses.replace(blocks[0].params, repeats=len(blocks))
             out[wl.name] = WorkloadResult(params, repeats, records).to_dict()
-            seen = self._acceptance_seen(variant, wl.name)
+            seen = self._acceptance_seen(run, variant, wl.name)
             if seen is not None:
                 out[wl.name]["spec_decode"] = seen
-            self.store.write_records(self.unit[variant].slug, wl.name, records)
+            run.store.write_records(self.by_variant[variant].slug, wl.name, records)
         return out
 
-    def _acceptance_seen(self, variant: str, workload: str) -> dict[str, Any] | None:
+    def _acceptance_seen(self, run: CaseRun, variant: str, workload: str) -> dict[str, Any] | None:
         """The MTP acceptance a variant's blocks of a workload saw: their counters' moves
         summed (server_metrics.summarize), and each block's own rate."""
         moves = self.spec_decode[variant].get(workload)
         if not moves:
             return None
         seen = server_metrics.summarize(
-            server_metrics.total(moves), configured=self._configured_acceptance()
+            server_metrics.total(moves), configured=configured_acceptance(self.unit.server)
         )
         if seen is None:
             return None
         rates = [m.acceptance_rate if m else None for m in moves]
         seen["block_rates"] = [round(r, 4) if r is not None else None for r in rates]
-        self.log(
-            f"{self.unit[variant].case_id}: {workload}: MTP acceptance {seen['acceptance_rate']:.3f}"
-            f" ({seen['accepted_tokens']}/{seen['draft_tokens']} draft tokens, "
-            f"{len(moves)} blocks)"
+        run.log(
+            f"{self.by_variant[variant].case_id}: {workload}: MTP acceptance "
+            f"{seen['acceptance_rate']:.3f} ({seen['accepted_tokens']}/{seen['draft_tokens']} "
+            f"draft tokens, {len(moves)} blocks)"
         )
         return seen
 
-    def _row(self, server: CaseResult, index: int, variant: str) -> CaseResult:
-        case = self.unit[variant]
+    def _row(self, run: CaseRun, server: CaseResult, index: int, variant: str) -> CaseResult:
+        case, served = self.by_variant[variant], self.unit.server
         row = server.to_record()
         row.update(case.to_dict())
         # What the server ran, not the variant's own args: the path was flipped, not served.
-        row.update(args=list(self.case.args), env=dict(self.case.env))
-        row["workloads"] = self._workloads(variant)
+        row.update(args=list(served.args), env=dict(served.env))
+        row["workloads"] = self._workloads(run, variant)
         row["errors"] = sum(w["errors"] for w in row["workloads"].values())
         shared = {k: v for k, v in server.timings.items() if ":" not in k}
         own = {
@@ -366,10 +296,10 @@ class SwitchRun(CaseRun):
         # The server's own time (start-up, stop, audit) counts once, in its first row.
         row["timings"] = {**(shared if index == 0 else {}), **own}
         row["switch"] = SwitchRecord(
-            server_case=self.case.case_id,
+            server_case=served.case_id,
             path=self.ab.path_of(variant),
-            blocks=[i for i, v in enumerate(self.plan, 1) if v == variant],
-            schedule=self.plan,
+            blocks=[i for i, v in enumerate(self.blocks, 1) if v == variant],
+            schedule=self.blocks,
             flips=self.flips[variant],
         ).model_dump(mode="json")
         profile = self.profiles.get(variant)
@@ -377,7 +307,7 @@ class SwitchRun(CaseRun):
             row["profile"] = profile[0].model_dump(mode="json")
         else:
             row.pop("profile", None)
-        checks = token_checks(case, self.matrix, self.store, row["workloads"])
+        checks = token_checks(case, self.matrix, run.store, row["workloads"])
         row["same_tokens"] = checks
         differs = [c["sentence"] for c in checks.values() if c["verdict"] == tokens.DIFFERS]
         if differs and row["status"] == "passed":

@@ -14,6 +14,7 @@ from orchestrator.config.schema import Matrix
 from orchestrator.models import standins
 from orchestrator.plan.estimate import estimate_run, human_s
 from orchestrator.plan.fused import fused_plan
+from orchestrator.plan.units import run_units
 from orchestrator.results.recorded_run import WorkloadDef
 
 
@@ -50,7 +51,8 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
         "path": str(path),
         "accelerator": matrix.resources.accelerator,
         "largest_bundle": {unit: units_needed(matrix)},
-        "servers": _servers(matrix, cases),
+        # Server launches: one per case, or one per topology and start in switch mode.
+        "servers": len(run_units(matrix, cases, cases)),
         "workloads": [
             {
                 "name": w.name,
@@ -79,13 +81,6 @@ def plan_matrix(path: str | Path, *, sets: Sequence[str] = ()) -> dict[str, Any]
         "notes": notes,
         "warnings": matrix_warnings(matrix),
     }
-
-
-def _servers(matrix: Matrix, cases: Sequence[Case]) -> int:
-    """Server launches: one per case, or one per topology and start in switch mode."""
-    if matrix.switch_mode:
-        return len({(c.topology_id, c.server) for c in cases})
-    return len(cases)
 
 
 def _ab_note(matrix: Matrix) -> str:

@@ -1,6 +1,7 @@
-"""orchestrator.execution.switch without vLLM: the block schedule, the switch server's argv and env,
-what one server measures (and re-measures on a resume), and the path flip over real HTTP
-against a small local stand-in of vLLM's /collective_rpc (the real one is exercised by
+"""Switch mode without vLLM: the block schedule, the switch server's argv and env and what one
+server measures (and re-measures on a resume), all orchestrator.plan.units'; the rows
+orchestrator.execution.switch makes of the server's, and the path flip over real HTTP against
+a small local stand-in of vLLM's /collective_rpc (the real one is exercised by
 test_switch_e2e.py)."""
 
 from __future__ import annotations
@@ -17,20 +18,19 @@ from orchestrator.client import tokens
 from orchestrator.client.workload import WorkloadParams, WorkloadResult, repeat_metrics
 from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
+from orchestrator.execution.case_run import CaseRun
 from orchestrator.execution.resume import left_to_run
 from orchestrator.execution.switch import (
     SET_PATH,
     STATE,
+    SwitchBlocks,
     SwitchError,
-    SwitchRun,
     collective_rpc,
     flip,
-    measured_units,
-    schedule,
-    server_case,
 )
 from orchestrator.plan.render import plan_matrix
-from orchestrator.results.rows import CaseResult
+from orchestrator.plan.units import RESTART, SWITCH, Unit, run_units, schedule, server_case
+from orchestrator.results.rows import AuditSummary, CaseResult
 from orchestrator.results.store import RunStore
 from orchestrator.results.stored_audit import AuditSummary
 
@@ -89,13 +89,17 @@ def test_the_switch_server_loads_the_extension_and_opens_the_dev_endpoint():
 def test_one_server_measures_every_variant_of_its_topology_and_start():
     m = _matrix("{mode: switch, servers: 2}")
     cases = expand(m)
-    units = measured_units(m, cases, cases)
-    assert [[c.case_id for c in u] for u in units] == [
+    units = run_units(m, cases, cases)
+    assert [[c.case_id for c in u.cases] for u in units] == [
         [f"m/tp2-dcp1-mtp{k}/{v}/s{s}" for v in ("staged", "fused")] for k in (0, 1) for s in (1, 2)
     ]
+    assert {u.kind for u in units} == {SWITCH}
+    assert units[0].server == server_case(units[0].cases, m)
+    assert units[0].blocks == tuple(schedule(["staged", "fused"], 8, "abba", "baseline"))
+    assert units[1].shown_as == "m/tp2-dcp1-mtp0/staged/s2"
     restarts = _matrix("{servers: 2}")
-    assert measured_units(restarts, expand(restarts), expand(restarts)) == [
-        [c] for c in expand(restarts)
+    assert run_units(restarts, expand(restarts), expand(restarts)) == [
+        Unit(RESTART, c, (c,)) for c in expand(restarts)
     ]
 
 
@@ -136,8 +140,8 @@ def test_resume_of_a_half_written_switch_server_measures_the_pair_again(tmp_path
     cases = expand(m)
     store = _store_with(tmp_path, m, {"m/tp2-dcp1-mtp0/staged/s1": "passed"})
     todo, _ = left_to_run(store, cases, retry_failed=False)
-    units = measured_units(m, todo, cases)
-    assert [[c.case_id for c in u] for u in units] == [
+    units = run_units(m, todo, cases)
+    assert [[c.case_id for c in u.cases] for u in units] == [
         ["m/tp2-dcp1-mtp0/staged/s1", "m/tp2-dcp1-mtp0/fused/s1"],
         ["m/tp2-dcp1-mtp1/staged/s1", "m/tp2-dcp1-mtp1/fused/s1"],
     ]
@@ -171,12 +175,13 @@ def _switch_rows(tmp_path: Path, mtp: int, fused_ids: list[int]) -> dict[str, Ca
     answered [1, 2, 3] and its fused blocks `fused_ids` (nothing launched)."""
     m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
     cases = expand(m)
-    (unit,) = [u for u in measured_units(m, cases, cases) if u[0].mtp == mtp]
-    run = SwitchRun(unit, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
+    (unit,) = [u for u in run_units(m, cases, cases) if u.server.mtp == mtp]
+    blocks = SwitchBlocks(unit, m)
+    run = CaseRun(unit, blocks, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
     for variant, ids in (("staged", [1, 2, 3]), ("fused", fused_ids)):
-        run.results[variant]["greedy"] = [_greedy(ids, 0), _greedy(ids, 1)]
-    server = run._result(AuditSummary(), {})
-    return {v: run._row(server, i, v) for i, v in enumerate(run.unit)}
+        blocks.results[variant]["greedy"] = [_greedy(ids, 0), _greedy(ids, 1)]
+    rows = blocks.rows(run, run.result(AuditSummary(), {}))
+    return {r.variant: r for r in rows}
 
 
 def test_a_switch_server_with_synthetic_acceptance_does_not_compare_tokens(tmp_path):
@@ -251,14 +256,14 @@ def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):
 
     m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
     cases = expand(m)
-    (unit,) = [u for u in measured_units(m, cases, cases) if u[0].mtp == 1]
-    run = SwitchRun(unit, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
+    (unit,) = [u for u in run_units(m, cases, cases) if u.server.mtp == 1]
+    blocks = SwitchBlocks(unit, m)
+    run = CaseRun(unit, blocks, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
     for variant in ("staged", "fused"):
-        run.results[variant]["greedy"] = [_greedy([1, 2, 3], 0), _greedy([1, 2, 3], 1)]
-    run.spec_decode["staged"]["greedy"] = [Moved(10, 10, 7, {0: 7}), Moved(30, 30, 18, {0: 18})]
-    run.spec_decode["fused"]["greedy"] = [Moved(20, 20, 14, {0: 14}), None]  # one not read
-    server = run._result(AuditSummary(), {})
-    staged, fused = (run._row(server, i, v) for i, v in enumerate(run.unit))
+        blocks.results[variant]["greedy"] = [_greedy([1, 2, 3], 0), _greedy([1, 2, 3], 1)]
+    blocks.spec_decode["staged"]["greedy"] = [Moved(10, 10, 7, {0: 7}), Moved(30, 30, 18, {0: 18})]
+    blocks.spec_decode["fused"]["greedy"] = [Moved(20, 20, 14, {0: 14}), None]  # one not read
+    staged, fused = blocks.rows(run, run.result(AuditSummary(), {}))
     seen = staged.workloads["greedy"].spec_decode
     assert seen is not None
     assert (seen.drafts, seen.accepted_tokens, seen.acceptance_rate) == (40, 25, 0.625)

@@ -12,7 +12,7 @@ from orchestrator.client import tokens
 from orchestrator.config.errors import MatrixError
 from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
-from orchestrator.execution.case_run import token_checks
+from orchestrator.execution.measure import token_checks
 from orchestrator.results.store import RunStore
 
 
