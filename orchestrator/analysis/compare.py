@@ -43,10 +43,11 @@ from orchestrator.analysis.stats import (
     change_interval,
 )
 from orchestrator.audit.severity import Severity
+from orchestrator.common.layout import case_slug
 from orchestrator.common.wording import plural
 from orchestrator.results.recorded_run import Run, legend
 from orchestrator.results.rows import CaseResult
-from orchestrator.results.store import RunStore, StoreError, case_slug
+from orchestrator.results.store import RunStore, StoreError
 from orchestrator.results.stored_audit import Finding
 
 DEFAULT_THRESHOLD_PCT = 3.0

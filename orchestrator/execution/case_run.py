@@ -52,13 +52,8 @@ from orchestrator.engines.vllm.server import (
 from orchestrator.engines.vllm.startup import read_startup
 from orchestrator.execution.progress import STOPPING
 from orchestrator.plan.units import Unit
-from orchestrator.results.rows import (
-    SCHEMA_VERSION,
-    AuditSummary,
-    CaseResult,
-    ProfileResult,
-    WorkloadSummary,
-)
+from orchestrator.results.profile_figures import ProfileResult
+from orchestrator.results.rows import SCHEMA_VERSION, CaseResult, WorkloadSummary
 from orchestrator.results.store import RunStore, write_json_atomic
 from orchestrator.results.stored_audit import AuditSummary
 

@@ -34,7 +34,8 @@ from orchestrator.engines.vllm.server import (
 )
 from orchestrator.execution.case_run import PROFILE_DIR, CaseFailed, CaseRun
 from orchestrator.plan.units import Unit
-from orchestrator.results.rows import CaseResult, ProfileResult, WorkloadSummary
+from orchestrator.results.profile_figures import ProfileResult
+from orchestrator.results.rows import CaseResult, WorkloadSummary
 from orchestrator.results.store import RunStore
 
 # A trace file is complete when every rank's is there and no size changed for this long (a

@@ -30,7 +30,6 @@ from orchestrator.common import probes, safe_io
 from orchestrator.common.layout import SERVER_LOG
 from orchestrator.common.redact import redact, redact_text, secret_args, secret_values
 from orchestrator.config.expand import Case, expand
-from orchestrator.config.schema import Matrix
 from orchestrator.config.policy import matrix_warnings
 from orchestrator.config.schema import Matrix
 from orchestrator.execution import interrupted, preflight

@@ -40,7 +40,8 @@ from typing import Any
 import httpx
 
 from orchestrator.client import tokens
-from orchestrator.client.workload import WorkloadResult, mean_of_repeats
+from orchestrator.client.metrics import mean_of_repeats
+from orchestrator.client.workload import WorkloadResult
 from orchestrator.config.schema import Matrix
 from orchestrator.engines.vllm import server_metrics
 from orchestrator.engines.vllm.server import auth_headers
@@ -53,7 +54,8 @@ from orchestrator.execution.measure import (
     token_checks,
 )
 from orchestrator.plan.units import DEV_MODE_ENV, Unit
-from orchestrator.results.rows import CaseResult, PathFlip, ProfileResult, SwitchRecord
+from orchestrator.results.profile_figures import ProfileResult
+from orchestrator.results.rows import CaseResult, PathFlip, SwitchRecord
 
 SET_PATH, STATE = "fusedq_set_path", "fusedq_state"
 RPC_PATH = "/collective_rpc"

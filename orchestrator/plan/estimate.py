@@ -21,13 +21,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from orchestrator.config.axes import WorkloadSpec
 from orchestrator.config.expand import Case
-from orchestrator.config.schema import (
-    WARMUP_OUTPUT_TOKENS,
-    WARMUP_PROMPT_TOKENS,
-    Matrix,
-    WorkloadSpec,
-)
+from orchestrator.config.schema import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS, Matrix
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator.common import safe_io
+from orchestrator.common.layout import MANIFEST
 from orchestrator.results import corrections
 from orchestrator.results.manifest import RunManifest
 from orchestrator.results.rows import CaseResult
-from orchestrator.results.store import MANIFEST, RunStore, StoreError
+from orchestrator.results.store import RunStore, StoreError
 
 OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (see reports.write_reports)
 # What every attempt's figures hold (runner._Attempt._finish writes them).

@@ -27,6 +27,7 @@ from orchestrator.cluster.launch import (
     fits_a_node,
 )
 from orchestrator.cluster.nodes import NODE_COMMANDS, _NodeAgent, completed, pick_reports
+from orchestrator.cluster.server_actor import ServerActor
 from orchestrator.config.schema import Matrix
 from orchestrator.execution.leftover_check import LeftoverError, handle_leftovers
 

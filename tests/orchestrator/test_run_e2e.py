@@ -121,8 +121,8 @@ def test_profile_phase_brings_every_rank_trace(smoke_run):
     directory, read into figures; at MTP 0 the query step of every layer of every step is
     found, as vLLM's staged bmm + cat or as the fused op, whichever the server's plugin said
     it runs."""
+    from orchestrator.common.layout import case_slug
     from orchestrator.results.recorded_run import Run
-    from orchestrator.results.store import case_slug
 
     run = Run.load(smoke_run["dir"])
     for r in run.ordered:

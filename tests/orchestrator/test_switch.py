@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import tokens
-from orchestrator.client.workload import WorkloadParams, WorkloadResult, repeat_metrics
+from orchestrator.client.metrics import repeat_metrics
+from orchestrator.client.workload import WorkloadParams, WorkloadResult
 from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
 from orchestrator.execution.case_run import CaseRun
@@ -30,7 +31,7 @@ from orchestrator.execution.switch import (
 )
 from orchestrator.plan.render import plan_matrix
 from orchestrator.plan.units import RESTART, SWITCH, Unit, run_units, schedule, server_case
-from orchestrator.results.rows import AuditSummary, CaseResult
+from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
 from orchestrator.results.stored_audit import AuditSummary
 
