@@ -47,7 +47,7 @@ class AuditSpec(Strict):
 
 
 class ProfileSpec(Strict):
-    """A profile phase per case (orchestrator.execution.case_run): after the measured workloads, so
+    """A profile phase per case (orchestrator.execution.measure): after the measured workloads, so
     it never disturbs them, the server's torch profiler records exactly `decode_steps` model
     steps of one request (a `prompt_tokens` prompt, `decode_steps` output tokens, alone on
     the server), and every rank's trace is brought into the case directory and read
@@ -74,7 +74,7 @@ SWITCH_EXTENSION = "fusedq.vllm_worker_ext.FusedqWorkerExtension"
 # interval at about +-0.3 % where servers differ by 0.2 % (docs/statistics.md).
 DEFAULT_AB_SERVERS = 4
 SWITCH_SERVER_VARIANT = "switch"  # the name a switch-mode server's own case directory carries
-# Flags a switch-mode server gets from the orchestrator (orchestrator.execution.switch): the
+# Flags a switch-mode server gets from the orchestrator (orchestrator.plan.units): the
 # extension that flips its path, and no prefix caching (the blocks of one pair send the same
 # prompts).
 SWITCH_FLAGS = ("--worker-extension-cls", "--enable-prefix-caching", "--no-enable-prefix-caching")
