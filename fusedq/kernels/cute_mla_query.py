@@ -44,6 +44,9 @@ annotations (``cute.Tensor``) in the module's globals, where the lazily imported
 not; evaluated at definition, inside the builder, they are objects it need not look up.
 """
 
+# long because one CuTe DSL kernel's whole life is here: its gates (DSL version, shapes,
+# q_scale), its variants, prewarm and launch, and the builder of the kernel itself.
+
 import functools
 import os
 import threading

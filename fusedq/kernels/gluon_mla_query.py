@@ -21,6 +21,9 @@ Gluon is an optional import (``triton.experimental.gluon``, Triton >= 3.5 era); 
 rejected at compile time.
 """
 
+# long because the three Gluon kernels, the operand table that picks one, and their offline
+# compile (which the PTX and SASS checks read) are one kernel family, read together.
+
 from __future__ import annotations
 
 from fusedq.kernels import common
