@@ -3,11 +3,11 @@
 A figure (a run's manifest, a ``fusedq-bench`` JSON, a GPU test record) names its code in two
 ways, because a tree copied to a GPU host often carries an old ``.git`` or none:
 
-- **fingerprints** of the product tree (``orchestrator`` + ``fusedq``) and of ``fusedq`` alone,
-  computed from the files that run. Python modules count by their syntax tree with docstrings
-  removed (comments and layout never reach it), so an edit to prose leaves a fingerprint as it
-  was and an edit to code changes it; the orchestrator's data files (fault catalogue, report
-  templates) count by their bytes.
+- **fingerprints** of the product tree (``orchestrator`` + ``fusedq`` + ``fusedq_bench``) and
+  of ``fusedq`` alone, computed from the files that run. Python modules count by their syntax
+  tree with docstrings removed (comments and layout never reach it), so an edit to prose leaves
+  a fingerprint as it was and an edit to code changes it; the orchestrator's data files (fault
+  catalogue, report templates) count by their bytes.
 - **the commit**: from git where the tree is a clean checkout; otherwise from the build-info
   stamp (``python -m fusedq.provenance stamp``, written by ``scripts/wheelhouse.py
   build`` too), which holds the commit, whether the tree was dirty, and the product
@@ -36,7 +36,11 @@ from typing import Any
 # fusedq's bench imports it as fusedq.provenance -- one home for both, and no import cycle.
 
 PACKAGES_ROOT = Path(__file__).resolve().parent.parent
-PRODUCT_PACKAGES = ("orchestrator", "fusedq")
+PRODUCT_PACKAGES = ("orchestrator", "fusedq", "fusedq_bench")
+# The kernel tree, the GPU test record's key (scripts/gpu_record.py): the fusedq package but
+# its vLLM integration (this subpackage, proved on GPUs by the GPU vLLM runs) and this module
+# (which names code, and computes nothing of the query).
+NOT_KERNEL_SUBPACKAGES = ("vllm",)
 # Inside the fusedq package so that it travels with a copied tree and inside the project's
 # wheel (package data); it is not git-ignored for the same reason, and must never
 # be committed (a test checks).
@@ -91,10 +95,12 @@ def code_digest(source: str, filename: str = "<source>") -> str:
     return hashlib.sha256(repr(_canonical(tree)).encode()).hexdigest()
 
 
-def package_fingerprint(package_dir: Path, exclude: tuple[str, ...] = ()) -> str:
+def package_fingerprint(
+    package_dir: Path, exclude_dirs: tuple[str, ...] = (), exclude_files: tuple[str, ...] = ()
+) -> str:
     """16 hex digits over a package's modules (path and code digest) and data files (path and
-    bytes): equal for two trees whose code is equal. ``exclude``: paths relative to the
-    package (``"vllm_plugin.py"``) left out."""
+    bytes): equal for two trees whose code is equal. ``exclude_dirs``: subpackages (``"vllm"``)
+    left out, whatever they hold; ``exclude_files``: modules at the package's top left out."""
     h = hashlib.sha256()
     files = sorted(
         p
@@ -102,7 +108,8 @@ def package_fingerprint(package_dir: Path, exclude: tuple[str, ...] = ()) -> str
         if p.is_file()
         and "__pycache__" not in p.parts
         and (p.suffix == ".py" or p.suffix in DATA_SUFFIXES)
-        and p.relative_to(package_dir).as_posix() not in exclude
+        and p.relative_to(package_dir).parts[0] not in exclude_dirs
+        and p.relative_to(package_dir).as_posix() not in exclude_files
     )
     for path in files:
         rel = path.relative_to(package_dir.parent).as_posix()
@@ -120,6 +127,16 @@ def fingerprints(root: Path = PACKAGES_ROOT) -> dict[str, str]:
     for name in PRODUCT_PACKAGES:
         h.update(f"{name}\0{package_fingerprint(root / name)}\n".encode())
     return {"product": h.hexdigest()[:16], "fusedq": package_fingerprint(root / "fusedq")}
+
+
+def kernel_tree_fingerprint(root: Path = PACKAGES_ROOT) -> str:
+    """The fusedq kernel tree's code fingerprint: every module that decides or computes the
+    query, without the subpackages of NOT_KERNEL_SUBPACKAGES or this module."""
+    return package_fingerprint(
+        root / "fusedq",
+        exclude_dirs=NOT_KERNEL_SUBPACKAGES,
+        exclude_files=(Path(__file__).name,),
+    )
 
 
 # --------------------------------------------------------------------------- commit

@@ -62,30 +62,15 @@ class RecordError(RuntimeError):
 # --------------------------------------------------------------------------- what counts
 
 
-# fusedq's modules that are not the kernel tree: the vLLM integration (proved on GPUs by the
-# GPU vLLM runs, docs/validation/) and the measuring and provenance tools. Their code is left
-# out of the record's key so that a fix there does not call for a new GPU test run; every
-# module that decides or computes the query (kernels/, selection, dispatch, api, capability,
-# reference, mxfp8, ops, limits) is in it.
-NOT_KERNEL_TREE = (
-    "vllm_plugin.py",
-    "vllm_hook.py",
-    "vllm_worker_ext.py",
-    "bench.py",
-    "bench_eager.py",
-    "bench_common.py",
-    "sass.py",
-    "provenance.py",
-)
-
-
 def fingerprint(root: Path = REPO) -> str:
-    """The fusedq kernel tree's code fingerprint (fusedq.provenance), the record's key."""
+    """The fusedq kernel tree's code fingerprint (fusedq.provenance.kernel_tree_fingerprint:
+    the package but its vLLM integration and the provenance module), the record's key; the
+    bench is a package of its own, outside it."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from fusedq.provenance import package_fingerprint
+    from fusedq.provenance import kernel_tree_fingerprint
 
-    return package_fingerprint(root / "fusedq", exclude=NOT_KERNEL_TREE)
+    return kernel_tree_fingerprint(root)
 
 
 def record_path(fp: str, records: Path = RECORDS) -> Path:
@@ -290,7 +275,7 @@ def run_bench(work: Path, heads: list[int], ms: list[int], samples: int) -> dict
     out = work / "bench_floors.json"
     args = ["--floors", "--samples", str(samples), "--heads", *map(str, heads),
             "--m", *map(str, ms), "--json", str(out)]  # fmt: skip
-    rc, wall = _run([sys.executable, "-m", "fusedq.bench", *args], work / "bench_floors.log")
+    rc, wall = _run([sys.executable, "-m", "fusedq_bench", *args], work / "bench_floors.log")
     if not out.is_file():
         raise RecordError(
             f"fusedq-bench wrote no JSON (exit {rc}); see {work / 'bench_floors.log'}"

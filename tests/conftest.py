@@ -3,7 +3,7 @@
 Without CUDA fusedq's kernels run in Triton's interpreter on CPU tensors. Triton picks the
 interpreter when ``@triton.jit`` decorates a function (it reads ``TRITON_INTERPRET`` from the
 environment at that moment), so it must be set before anything imports ``fusedq.kernels`` --
-and test modules of other directories (tests/benchmarks reads ``fusedq.bench``) are collected
+and test modules of other directories (tests/benchmarks reads ``fusedq_bench``) are collected
 before tests/fusedq's own conftest would run. This root conftest runs first.
 
 It also records each test's phases for scripts/test_times.py and, under pytest-xdist, lays

@@ -13,7 +13,7 @@ floors of the weights to the same interleaved set and prints each version over t
 them (the targets: 1.25 for MXFP8, 1.15 for BF16). For every (H, M): the weights (MXFP8,
 or vLLM's bf16 W_UK_T view with ``--weights bf16``), BF16 and E4M3 out, each version's kernel
 and Triton's (``backend="triton"``), captured in CUDA graphs over the layers fusedq-bench
-rotates past 2x L2 and replayed interleaved (fusedq.bench's timing). Every output is checked:
+rotates past 2x L2 and replayed interleaved (fusedq_bench.harness's timing). Every output is checked:
 the max |error| against the staged path, and for E4M3 the number of bytes that differ from it
 (one E4M3 step where bf16 rounding differs is within the tests' tolerance). The CuTe A/B
 figures in benchmarks/results/raw/h200/*-cute-ab-*.json were taken so; add a run's --json to
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 import fusedq
-from fusedq import bench
 from fusedq.dispatch import split_weight
 from fusedq.kernels import cute_mla_query
+from fusedq_bench import cli, harness, options
 
 
 def load(name: str, source: Path, workdir: Path):
@@ -81,7 +81,7 @@ def main() -> int:
     reason = cute_mla_query.unavailable_reason()
     if reason is not None:
         p.error(f"the CuTe kernel cannot run here: {reason}")
-    opts = bench.Options(samples=a.samples)
+    opts = options.Options(samples=a.samples)
     bf16_w = a.weights == "bf16"
     workdir = Path(tempfile.mkdtemp(prefix="cute_ab-"))
     mods = {name: load(name, f, workdir) for name, f in sources.items()}
@@ -89,12 +89,12 @@ def main() -> int:
     for h in a.heads:
         for m in a.m:
             t0 = time.time()
-            bf = bench.build_layers("bf16" if bf16_w else "mxfp8", h, m, opts)
-            e4 = bench.build_layers("e4m3" if bf16_w else "mxfp8-e4m3", h, m, opts)
+            bf = harness.build_layers("bf16" if bf16_w else "mxfp8", h, m, opts)
+            e4 = harness.build_layers("e4m3" if bf16_w else "mxfp8-e4m3", h, m, opts)
             n = len(bf.fused_w)
             steps = {
-                "bf16_triton": (bf, bench._fused_step(bf, backend="triton")),
-                "e4m3_triton": (e4, bench._fused_step(e4, backend="triton")),
+                "bf16_triton": (bf, harness.fused_step(bf, backend="triton")),
+                "e4m3_triton": (e4, harness.fused_step(e4, backend="triton")),
             }
             for name, mod in mods.items():
                 for tag, lay in (("bf16", bf), ("e4m3", e4)):
@@ -107,14 +107,14 @@ def main() -> int:
 
                     steps[f"{tag}_cute_{name}"] = (lay, step)
             if a.floors:
-                steps.update({k: (bf, s) for k, s in bench._floor_steps(bf).items()})
+                steps.update({k: (bf, s) for k, s in harness.floor_steps(bf).items()})
             graphs = {
-                k: bench._capture(bench._every_layer(lay, s)) for k, (lay, s) in steps.items()
+                k: harness.capture(harness.every_layer(lay, s)) for k, (lay, s) in steps.items()
             }
-            times = bench.time_graphs(graphs, opts.samples, opts.warmup)
-            floors = set(bench._floor_steps(bf)) if a.floors else set()
+            times = harness.time_graphs(graphs, opts.samples, opts.warmup)
+            floors = set(harness.floor_steps(bf)) if a.floors else set()
             errors = {
-                k: bench._graph_error(steps[k][0], g) for k, g in graphs.items() if k not in floors
+                k: harness.graph_error(steps[k][0], g) for k, g in graphs.items() if k not in floors
             }
             ref = fusedq.staged_mla_query(
                 e4.q_nope, e4.fused_w[-1], e4.q_pe, out_dtype=e4.out_dtype, q_scale=e4.q_scale
@@ -128,7 +128,7 @@ def main() -> int:
                     differ[k] = int((e4.out.view(torch.uint8) != ref.view(torch.uint8)).sum())
             line = []
             for k, t in times.items():
-                us = bench._median_us(t, n)
+                us = harness.median_us(t, n)
                 rows.append(
                     {"H": h, "M": m, "variant": k, "us": us, "err": errors.get(k),
                      "mismatch_bytes": differ.get(k)}
@@ -145,7 +145,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:
-            env = bench.environment(None)
+            env = cli.environment(None)
             json.dump({"rows": rows, "samples": a.samples, "environment": env}, f, indent=1)
     return 0
 

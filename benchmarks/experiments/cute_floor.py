@@ -13,7 +13,7 @@ same fence the register path has), then XORs the loaded words and stores one wor
 no dequantisation, no FMAs, no reduction. `--weights bf16` loads vLLM's bf16 W_UK_T view the
 same way (16-byte vectors of 8 weights). It runs in one interleaved set of CUDA-graph replays
 with the product's kernel (the CuTe call for MXFP8, `backend="auto"` for BF16) and
-fusedq-bench's read floors (fusedq.bench's timing, weights rotated past 2x L2). H200,
+fusedq-bench's read floors (fusedq_bench.harness's timing, weights rotated past 2x L2). H200,
 2026-12-01, with the kernel's former layout (96 threads of 4 rows x 16 fp8): 1.11-1.17x the
 read floor (MXFP8, M 1-2) and 1.08-1.15x (BF16, M 1 and 32), under the targets
 (docs/decisions/0014-floors-are-the-yardstick.md).
@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from fusedq import bench
 from fusedq.kernels import cute_mla_query as cm
 from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, SCALE_BLOCKS
+from fusedq_bench import cli, harness, options
 
 
 def threads(bf16: bool) -> int:
@@ -196,13 +196,13 @@ def main() -> None:
     if reason is not None:
         p.error(f"the CuTe kernel cannot run here: {reason}")
     samples = a.samples
-    opts = bench.Options(samples=samples)
+    opts = options.Options(samples=samples)
     rows = []
     for h in a.heads:
         for m in a.m:
             t0 = time.time()
             bf16 = a.weights == "bf16"
-            lay = bench.build_layers(a.weights, h, m, opts)
+            lay = harness.build_layers(a.weights, h, m, opts)
             n = len(lay.fused_w)
             w0 = lay.fused_w[0] if bf16 else lay.fused_w[0].values
             fn = build(h, cm.m_bucket(m), bf16, w0.stride(0) * w0.element_size() // 4)
@@ -216,12 +216,12 @@ def main() -> None:
                 launch(fn, lay.q_nope, lay.q_pe, values, scales, sink)
 
             # (BF16: the product's own kernel, "auto"; MXFP8: the CuTe kernel)
-            fused = bench._fused_step(lay, backend="auto" if bf16 else "cute")
+            fused = harness.fused_step(lay, backend="auto" if bf16 else "cute")
             steps = {"fused": fused, "cute_floor": floor}
-            steps.update(bench._floor_steps(lay))
-            graphs = {k: bench._capture(bench._every_layer(lay, s)) for k, s in steps.items()}
-            times = bench.time_graphs(graphs, opts.samples, opts.warmup)
-            us = {k: bench._median_us(v, n) for k, v in times.items()}
+            steps.update(harness.floor_steps(lay))
+            graphs = {k: harness.capture(harness.every_layer(lay, s)) for k, s in steps.items()}
+            times = harness.time_graphs(graphs, opts.samples, opts.warmup)
+            us = {k: harness.median_us(v, n) for k, v in times.items()}
             read = min(v for k, v in us.items() if k.startswith("read_w"))
             row = {
                 "H": h,
@@ -243,7 +243,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(
-                {"rows": rows, "samples": samples, "environment": bench.environment(None)},
+                {"rows": rows, "samples": samples, "environment": cli.environment(None)},
                 f,
                 indent=1,
             )

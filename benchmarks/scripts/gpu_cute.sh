@@ -53,7 +53,7 @@ step pytest_cute "$PY" -m pytest tests/fusedq/test_cute_mla_query.py -q -p no:ca
     --junitxml "$OUT/pytest_cute.xml"
 # No tl.dot grid (--sweep-block-n with no values): the Triton kernel's heuristic choices
 # `auto` and `dot`, and `cute`, each checked against the staged path after timing.
-step sweep_cute "$PY" -m fusedq.bench --sweep --sweep-cute --sweep-block-n --formats mxfp8 \
+step sweep_cute "$PY" -m fusedq_bench --sweep --sweep-cute --sweep-block-n --formats mxfp8 \
     --heads 8 11 16 --m 1 2 4 8 16 32 --samples "$SWEEP_SAMPLES" --json "$OUT/sweep_cute.json"
 
 finish

@@ -7,7 +7,7 @@
 #
 # Needs only what the H200 image has (torch 2.11, triton 3.6, pytest): the project runs from
 # the copied tree through PYTHONPATH, not installed, so the entry point is `python -m
-# fusedq.bench`. About 4 minutes in all: the GPU tests compile most kernel variants into
+# fusedq_bench`. About 4 minutes in all: the GPU tests compile most kernel variants into
 # Triton's cache, which the benchmarks then reuse. Every step runs even when one before it
 # failed; the exit status is non-zero when any failed. Knobs (environment):
 #   EAGER_CALLS (1000) and EAGER_REPEATS (5): back-to-back calls per run, runs per path;
@@ -33,10 +33,10 @@ step environment "$PY" -c "import torch, triton; print('torch', torch.__version_
 triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
 step pytest_gpu "$PY" -m pytest -m gpu tests/fusedq -q -p no:cacheprovider \
     --junitxml "$OUT/pytest_gpu.xml"
-# The eager host time per call, every path side by side (bench_eager's docstring says which).
-step eager "$PY" -m fusedq.bench --eager --heads 8 11 16 --m 1 4 32 \
+# The eager host time per call, every path side by side (fusedq_bench/eager.py's docstring says which).
+step eager "$PY" -m fusedq_bench --eager --heads 8 11 16 --m 1 4 32 \
     --calls "$EAGER_CALLS" --repeats "$EAGER_REPEATS" --json "$OUT/eager.json"
 # The targets: every H and M, every format, fused against the read-only floor.
-step floors "$PY" -m fusedq.bench --floors --samples "$FLOOR_SAMPLES" --json "$OUT/floors.json"
+step floors "$PY" -m fusedq_bench --floors --samples "$FLOOR_SAMPLES" --json "$OUT/floors.json"
 
 finish

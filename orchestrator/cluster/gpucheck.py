@@ -204,7 +204,12 @@ def run_gpu_check(opts: GpuCheckOptions) -> dict[str, Any]:
     base = _round_matrix(1, 1, opts.heads, _PORT_HOST)
     t0 = time.monotonic()
     with Launcher(
-        base, ray_address=opts.ray_address, log=opts.log, local_gpus=opts.local_gpus
+        base,
+        ray_address=opts.ray_address,
+        # The bundles run the driver's fusedq-bench too, a package of its own.
+        runtime_packages=("fusedq", "fusedq_bench", "orchestrator"),
+        log=opts.log,
+        local_gpus=opts.local_gpus,
     ) as launcher:
         result["cluster"] = launcher.cluster
         result["fusedq_fingerprint"] = launcher.driver_fingerprints.get("fusedq")

@@ -89,12 +89,12 @@ def run_gpu_tests(tests: str, timeout_s: float) -> dict[str, Any]:
 
 
 def run_bench(heads: Sequence[int], ms: Sequence[int], samples: int, commit: str | None) -> Any:
-    from fusedq import bench
+    from fusedq_bench import cli, options
 
-    opts = bench.Options(
+    opts = options.Options(
         heads=tuple(heads), ms=tuple(ms), formats=("bf16", "mxfp8"), samples=samples, commit=commit
     )
-    rows = bench.run(opts)["rows"]
+    rows = cli.run(opts)["rows"]
     keep = ("format", "H", "M", "fused_us", "staged_us", "copy_us", "fused_over_staged", "error")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 

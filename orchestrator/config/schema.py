@@ -69,7 +69,7 @@ class ProfileSpec(Strict):
 
 # The worker extension a switch-mode server loads (vLLM's --worker-extension-cls): fusedq's,
 # whose methods flip every worker between the staged and the fused decode query.
-SWITCH_EXTENSION = "fusedq.vllm_worker_ext.FusedqWorkerExtension"
+SWITCH_EXTENSION = "fusedq.vllm.worker_ext.FusedqWorkerExtension"
 # Server starts per variant when ab.servers is not given: 4 starts per variant put the 95 %
 # interval at about +-0.3 % where servers differ by 0.2 % (docs/statistics.md).
 DEFAULT_AB_SERVERS = 4

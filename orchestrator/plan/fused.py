@@ -1,6 +1,6 @@
 """Will a case's server run the fused query? What `orchestrator plan` says of each case.
 
-Head counts alone do not decide it. The fusedq vLLM plugin (fusedq/vllm_plugin.py) declines,
+Head counts alone do not decide it. The fusedq vLLM plugin (fusedq/vllm/) declines,
 per worker, where the kernel cannot run, and the server then serves vLLM's staged path:
 
 - ``FUSEDQ_MLA_QUERY=0``: the plugin is off (a staged variant, by choice);
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from orchestrator.common.fusedq_files import limits
 from orchestrator.config.expand import Case
 
-MODE_ENV = "FUSEDQ_MLA_QUERY"  # fusedq/vllm_plugin.py's switch: auto (unset), 0, 1
+MODE_ENV = "FUSEDQ_MLA_QUERY"  # fusedq/vllm/report.py's switch: auto (unset), 0, 1
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 

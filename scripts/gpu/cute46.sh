@@ -13,7 +13,7 @@
 # (default /tmp/chunks46); they are installed into $CUTE46_SITE (default /tmp/cute46). 4.6.0 is
 # a validated release since 2026-12-02 (the GPU record of caba774 ran under it). `vllm` passes
 # only if the fused server's kernel line names cute: the line names what the vLLM hook's calls
-# bind, so it fails while the hook calls backend="triton" (fusedq/vllm_hook.py, BACKEND).
+# bind, so it fails while the hook calls backend="triton" (fusedq/vllm/query.py, BACKEND).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -68,7 +68,7 @@ case "$part" in
         environment
         # The recipes and M where backend="auto" takes the CuTe kernel in graphs (MXFP8 M <= 4,
         # bf16 weights M <= 2), with the read-only floors beside them.
-        step bench_cute46 "$PY" -m fusedq.bench --floors --formats bf16 mxfp8 mxfp8-e4m3 \
+        step bench_cute46 "$PY" -m fusedq_bench --floors --formats bf16 mxfp8 mxfp8-e4m3 \
             --heads 8 11 16 --m 1 2 4 --samples 200 --json "$OUT/bench_cute46.json"
         ;;
     vllm)

@@ -5,7 +5,7 @@
 #   OUT=/some/dir scripts/gpu/switch_check.sh dense     (tiny-glm5: FLASH_ATTN_MLA)
 #   OUT=/some/dir scripts/gpu/switch_check.sh dsa       (tiny-glm5 with index_topk: FLASH_ATTN_MLA_SPARSE)
 #
-# Each kind serves its model once with fusedq.vllm_worker_ext.FusedqWorkerExtension and
+# Each kind serves its model once with fusedq.vllm.worker_ext.FusedqWorkerExtension and
 # VLLM_SERVER_DEV_MODE=1, starts fused (the plugin as always), then flips it staged -> fused
 # -> staged over POST /collective_rpc, re-capturing the CUDA graphs each time; after every flip
 # it takes the greedy tokens and a torch-profiler trace of two decode steps. About 2-3 minutes
@@ -34,11 +34,11 @@ export FUSEDQ_SWITCH_OUT="$OUT" VLLM_USE_FLASHINFER_SAMPLER=0
 source "$REPO/scripts/gpu/steps.sh"
 
 step environment "$PY" -c "
-import importlib.metadata as md, torch, vllm, fusedq.vllm_worker_ext
+import importlib.metadata as md, torch, vllm, fusedq.vllm.worker_ext
 plugins = {e.name: e.value for e in md.entry_points(group='vllm.general_plugins')}
-assert plugins.get('fusedq') == 'fusedq.vllm_plugin:register', f'fusedq is not an installed vLLM plugin: {plugins}'
+assert plugins.get('fusedq') == 'fusedq.vllm.plugin:register', f'fusedq is not an installed vLLM plugin: {plugins}'
 print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())
-print('fusedq from', fusedq.vllm_worker_ext.__file__)"
+print('fusedq from', fusedq.vllm.worker_ext.__file__)"
 for kind in "${KINDS[@]}"; do
     case "$kind" in
         dense | dsa) ;;

@@ -6,7 +6,7 @@ product carries no fault switch. Each drill is armed by its own variable; with n
 the plugin does nothing at all.
 
 ``FUSEDQ_FAULT_DRILL_OOB_AFTER=N``: every call of fusedq's decode query
-(``fusedq.vllm_hook.decode_query``, which fusedq's plugin calls in each layer of each MLA
+(``fusedq.vllm.query.decode_query``, which fusedq's plugin calls in each layer of each MLA
 decode step) is followed by a one-thread Triton kernel that counts the calls on the device
 and, from the N-th one on, writes an int32 to address 0 -- out of bounds of every
 allocation, so the GPU raises an illegal memory access (and the driver logs an Xid 31 MMU
@@ -70,9 +70,9 @@ def _launch(counter: Any, after: int) -> None:
 
 
 def _wrap_decode_query(after: int) -> None:
-    from fusedq import vllm_hook
+    from fusedq.vllm import query as hook_side
 
-    real = vllm_hook.decode_query
+    real = hook_side.decode_query
 
     @functools.wraps(real)
     def decode_query(*args: Any, **kwargs: Any):
@@ -82,7 +82,7 @@ def _wrap_decode_query(after: int) -> None:
             _launch(counter, after)
         return query
 
-    vllm_hook.decode_query = decode_query
+    hook_side.decode_query = decode_query
 
 
 def _wrap_worker(oob_after: int | None, kill_after: int | None, kill_rank: int) -> None:

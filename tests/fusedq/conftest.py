@@ -28,7 +28,7 @@ def device() -> torch.device:
 def mla():
     """vLLM's mla_attention module, restored to its unpatched state after the test."""
     module = pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
-    from fusedq import vllm_plugin as vp
+    from fusedq.vllm import backends, layer_plan, patch, releases, report, switch
 
     cls = module.MLAAttention
     saved = {
@@ -37,24 +37,17 @@ def mla():
     yield module
     for k, v in saved.items():
         setattr(cls, k, v)
-    if vp.PATCH_MARK in cls.__dict__:
-        delattr(cls, vp.PATCH_MARK)
-    module.__dict__.pop(vp.HOOK_NAME, None)
-    vp._installed.clear()
-    vp._first_use.clear()
-    vp._report.first = vp._report.refused = vp._report.kernels = None
-    vp._report.seen.clear()
-    vp._switch.path = "fused"
-    vp._switch.layers.clear()
-    vp._type_test.cache_clear()
-
-
-@pytest.fixture
-def vp():
-    """fusedq.vllm_plugin, imported when a test asks (collecting the tests imports no vLLM)."""
-    from fusedq import vllm_plugin
-
-    return vllm_plugin
+    if patch.PATCH_MARK in cls.__dict__:
+        delattr(cls, patch.PATCH_MARK)
+    module.__dict__.pop(patch.HOOK_NAME, None)
+    releases.installed.clear()
+    switch.first_use.clear()
+    r = report.worker_report
+    r.first = r.refused = r.kernels = None
+    r.seen.clear()
+    switch.path_switch.path = "fused"
+    layer_plan.set_up_layers.clear()
+    backends._type_test.cache_clear()
 
 
 # The recorded real-server runs test_vllm_plugin.py and test_vllm_worker_ext.py both read: each

@@ -8,63 +8,74 @@ import pytest
 from fusedq_cases import assert_matches
 
 import fusedq
-from fusedq import bench, bench_eager
+from fusedq_bench import (
+    bars,
+    cli,
+    common,
+    eager,
+    floors,
+    harness,
+    options,
+    replay,
+    sweep,
+    tables,
+)
 
 
 def test_abba_order_alternates_direction():
-    assert bench.abba_order(["a", "b", "c"], 3) == list("abccbaabc")
+    assert common.abba_order(["a", "b", "c"], 3) == list("abccbaabc")
 
 
 def test_layers_rotate_past_the_l2():
-    opts = bench.Options(l2_mb=60.0, l2_factor=2.0)
-    n = bench._layers(8 * 192 * 512 * 2, opts)
+    opts = options.Options(l2_mb=60.0, l2_factor=2.0)
+    n = options.layer_count(8 * 192 * 512 * 2, opts)
     assert n * 8 * 192 * 512 * 2 >= 120e6 and (n - 1) * 8 * 192 * 512 * 2 < 120e6
-    assert bench._layers(10**12, opts) == 2  # never fewer than two layers to rotate
+    assert options.layer_count(10**12, opts) == 2  # never fewer than two layers to rotate
 
 
 def test_arguments():
-    opts, path = bench.parse_args(["--chain", "--heads", "8", "16", "--m", "1", "--json", "x"])
+    opts, path = cli.parse_args(["--chain", "--heads", "8", "16", "--m", "1", "--json", "x"])
     assert opts.chain and opts.heads == (8, 16) and opts.ms == (1,) and path == "x"
-    assert not bench.parse_args([])[0].chain
+    assert not cli.parse_args([])[0].chain
 
 
 def test_sweep_cute_arguments(capsys):
-    assert bench.parse_args(["--sweep", "--sweep-cute"])[0].sweep_cute
-    assert not bench.parse_args(["--sweep"])[0].sweep_cute
+    assert cli.parse_args(["--sweep", "--sweep-cute"])[0].sweep_cute
+    assert not cli.parse_args(["--sweep"])[0].sweep_cute
     with pytest.raises(SystemExit):
-        bench.parse_args(["--sweep-cute"])
+        cli.parse_args(["--sweep-cute"])
     assert "pass --sweep too" in capsys.readouterr().err
 
 
 def test_sweep_e4m3_twins_every_e4m3_variant(capsys):
     """--sweep-e4m3 times each E4M3 variant again with each named epilogue; BF16 output has
     no quantisation to vary, and the flag alone is refused."""
-    opts = bench.parse_args(["--sweep", "--sweep-e4m3", "div", "noscale", "--sweep-block-n"])[0]
+    opts = cli.parse_args(["--sweep", "--sweep-e4m3", "div", "noscale", "--sweep-block-n"])[0]
     assert opts.sweep_e4m3 == ("div", "noscale")
-    e4m3 = bench.sweep_configs("e4m3", 8, 4, opts)
+    e4m3 = sweep.sweep_configs("e4m3", 8, 4, opts)
     plain = [n for n in e4m3 if not n.endswith(("_div", "_noscale"))]
     twins = [f"{n}_{e}" for n in plain for e in ("div", "noscale")]
     assert plain and sorted(e4m3) == sorted(plain + twins)
     assert all(e4m3[n].e4m3_epilogue == "mul" for n in plain)
     assert all(e4m3[f"{n}_{e}"].e4m3_epilogue == e for n in plain for e in ("div", "noscale"))
-    assert bench.sweep_configs("bf16", 8, 4, opts).keys() == set(plain)
+    assert sweep.sweep_configs("bf16", 8, 4, opts).keys() == set(plain)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--sweep-e4m3", "div"])
+        cli.parse_args(["--sweep-e4m3", "div"])
     assert "pass --sweep too" in capsys.readouterr().err
 
 
 def test_sweep_fence_twins_the_fenced_kernels_with_bf16_out(capsys):
     """--sweep-fence times each register-path (and, on a GPU, Gluon) variant of a BF16-out
     format again with the fence flipped; E4M3 out has no twin (its reciprocal is the fence)."""
-    opts = bench.parse_args(["--sweep", "--sweep-fence", "--sweep-block-n"])[0]
+    opts = cli.parse_args(["--sweep", "--sweep-fence", "--sweep-block-n"])[0]
     assert opts.sweep_fence
-    bf16 = bench.sweep_configs("bf16", 8, 1, opts)  # H = 8, M = 1: the register path
+    bf16 = sweep.sweep_configs("bf16", 8, 1, opts)  # H = 8, M = 1: the register path
     twins = [n for n in bf16 if n.endswith("_nofence")]
     assert twins and all(bf16[n].fma and not bf16[n].fence for n in twins)
     assert all(bf16[n.removesuffix("_nofence")].fence for n in twins)
-    assert not [n for n in bench.sweep_configs("e4m3", 8, 1, opts) if n.endswith("fence")]
+    assert not [n for n in sweep.sweep_configs("e4m3", 8, 1, opts) if n.endswith("fence")]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--sweep-fence"])
+        cli.parse_args(["--sweep-fence"])
     assert "pass --sweep too" in capsys.readouterr().err
 
 
@@ -88,8 +99,8 @@ def test_cute_variant_says_why_it_cannot_run(monkeypatch):
         capability, "cute_problem", lambda fmt, out, **k: seen.append(fmt) or "no DSL here"
     )
     lay = type("Lay", (), {"out_dtype": None})()
-    assert bench.cute_step(lay, "bf16") == (None, "no DSL here")
-    assert bench.cute_step(lay, "mxfp8-e4m3") == (None, "no DSL here")
+    assert harness.cute_step(lay, "bf16") == (None, "no DSL here")
+    assert harness.cute_step(lay, "mxfp8-e4m3") == (None, "no DSL here")
     assert seen == ["bf16", "mxfp8"]
 
 
@@ -97,8 +108,8 @@ def test_verdict_and_table_state_the_targets():
     """A row written before the bmm-only baseline existed still renders, with "-" there."""
     row = {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.0, "staged_us": 4.0, "copy_us": 2.0,
            "fused_over_staged": 0.5, "fused_over_copy": 1.0}  # fmt: skip
-    assert bench.verdict(row) == "MISS <=0.4x staged, ok <=1.3x copy"
-    table = bench.format_table([row, {"format": "mxfp8", "H": 8, "M": 1, "error": "a|b"}])
+    assert bars.verdict(row) == "MISS <=0.4x staged, ok <=1.3x copy"
+    table = tables.format_table([row, {"format": "mxfp8", "H": 8, "M": 1, "error": "a|b"}])
     assert "| bf16 | 8 | 1 | 2.00 | 4.00 | - | 2.00 | 0.50 | - | 1.00 | - |" in table
     assert "error: a\\|b" in table
 
@@ -113,19 +124,19 @@ def test_both_staged_baselines_side_by_side_and_the_served_one_named():
     for fmt, out_dtype in (("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
         row = {"format": fmt, "H": 16, "M": 4, "fused_us": 2.0, "staged_us": 5.0, "bmm_us": 2.5,
                "copy_us": 2.0, "fused_over_copy": 1.0}  # fmt: skip
-        bench.add_baseline_ratios(row, out_dtype)
+        replay.add_baseline_ratios(row, out_dtype)
         rows.append(row)
     bf16, e4m3 = rows
     assert bf16["fused_over_staged"] == 0.4 and bf16["fused_over_bmm"] == 0.8
     assert bf16["served_baseline"] == "bmm" and bf16["fused_over_served"] == 0.8
     assert e4m3["served_baseline"] == "bmm+cat" and e4m3["fused_over_served"] == 0.4
-    table = bench.format_table(rows)
+    table = tables.format_table(rows)
     assert "| fused µs | bmm+cat µs | bmm-only µs | copy µs | fused/bmm+cat | fused/bmm-only |" in (
         table
     )
     assert "| bf16 | 16 | 4 | 2.00 | 5.00 | 2.50 | 2.00 | 0.40 | 0.80 | 1.00 | bmm-only |" in table
     assert "| e4m3 | 16 | 4 | 2.00 | 5.00 | 2.50 | 2.00 | 0.40 | 0.80 | 1.00 | bmm+cat |" in table
-    assert "FLASH_ATTN_MLA" in bench.SERVED_NOTE
+    assert "FLASH_ATTN_MLA" in tables.SERVED_NOTE
 
 
 @pytest.mark.gpu
@@ -145,7 +156,7 @@ def test_concat_quant_kernel_is_the_reference_quantisation():
     q_scale = torch.tensor([Q_SCALE], device=device)
     ref = reference.staged(q_nope, w, None, q_pe, None, q_scale)
     got = reference.staged(
-        q_nope, w, None, q_pe, None, q_scale, concat_quant=bench.concat_quant_kernel
+        q_nope, w, None, q_pe, None, q_scale, concat_quant=harness.concat_quant_kernel
     )
     assert got.dtype == E4M3 and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
@@ -164,7 +175,7 @@ def test_floor_bars_judge_each_ratio_against_its_own_bar():
         {"format": "mxfp8", "H": 16, "M": 4, "error": "boom"},
         {"format": "mxfp8-e4m3", "H": 16, "M": 4, "fused_us": 2.8, "read_us": 2.0},  # no pair
     ]
-    b8, b16 = bench.floor_bars(rows)
+    b8, b16 = bars.floor_bars(rows)
     assert (b8["H"], b8["M"], b16["H"], b16["M"]) == (8, 1, 16, 4)
     assert b8["bf16_ok"] is True and b8["mxfp8_ok"] is False and b8["e4m3_ok"] is False
     assert b8["e4m3_over_bf16"] == pytest.approx(2.6 / 2.3)
@@ -172,26 +183,26 @@ def test_floor_bars_judge_each_ratio_against_its_own_bar():
     assert b16["bf16_ok"] is False and b16["e4m3_ok"] is True and b16["mxfp8_ok"] is None
     assert b16["mxfp8_e4m3_ok"] is None
     assert b8["bf16_store_over_read"] is None  # a run without the read+store floor
-    table = bench.format_floor_bars([b8, b16])
+    table = bars.format_floor_bars([b8, b16])
     assert "| 8 | 1 | 1.15 ok | 1.30 MISS | 1.13 MISS | 1.08 ok |" in table
     assert "| 16 | 4 | 1.25 MISS | - | 1.08 ok | - |" in table
     assert table.endswith("bars met: 3 of 6")
 
 
-def _floor_layers(device, n_bytes: int, layers: int = 2) -> bench.Layers:
+def _floor_layers(device, n_bytes: int, layers: int = 2) -> harness.Layers:
     import torch
 
     srcs = [
         torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, device=device) for _ in range(layers)
     ]
     sink = torch.full(
-        (n_bytes // 4 // min(bench.FLOOR_READ_WORDS) + bench.FLOOR_EMPTY_CTAS,),
+        (n_bytes // 4 // min(floors.FLOOR_READ_WORDS) + floors.FLOOR_EMPTY_CTAS,),
         -1,
         dtype=torch.int32,
         device=device,
     )
     out_words = torch.full((3 * 8 * 576 * 2 // 4,), -1, dtype=torch.int32, device=device)
-    return bench.Layers(
+    return harness.Layers(
         [], [None] * layers, srcs, [], None, None, None, None, None, n_bytes, sink, out_words
     )
 
@@ -203,14 +214,14 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
 
     n_bytes = 8 * 192 * 528  # the MXFP8 layer size at H=8: not a multiple of any tile
     lay = _floor_layers(device, n_bytes)
-    steps = bench._floor_steps(lay)
+    steps = harness.floor_steps(lay)
     assert set(steps) == (
-        {f"read_w{w}" for w in bench.FLOOR_READ_WORDS}
-        | {f"store_w{w}" for w in bench.FLOOR_STORE_WORDS}
+        {f"read_w{w}" for w in floors.FLOOR_READ_WORDS}
+        | {f"store_w{w}" for w in floors.FLOOR_STORE_WORDS}
         | {"empty"}
     )
     words = lay.copy_src[1].view(torch.int32).to(torch.int64)
-    for w in bench.FLOOR_READ_WORDS:
+    for w in floors.FLOOR_READ_WORDS:
         lay.floor_sink.fill_(-1)
         steps[f"read_w{w}"](1)
         ctas = -(-words.numel() // w)
@@ -219,7 +230,7 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
         want = ((want + 2**31) % 2**32 - 2**31).to(torch.int32)  # int32 wrap-around, as the kernel
         assert torch.equal(lay.floor_sink[:ctas].cpu(), want.cpu()), w
     # The read+store floor writes every output word, each CTA its share, holding its sum.
-    for w in bench.FLOOR_STORE_WORDS:
+    for w in floors.FLOOR_STORE_WORDS:
         lay.floor_out.fill_(-1)
         steps[f"store_w{w}"](1)
         ctas = -(-words.numel() // w)
@@ -231,8 +242,8 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
         assert torch.equal(lay.floor_out.cpu(), want.cpu()), w
     lay.floor_sink.fill_(-1)
     steps["empty"](0)
-    got = lay.floor_sink[: bench.FLOOR_EMPTY_CTAS].cpu()
-    assert torch.equal(got, torch.arange(bench.FLOOR_EMPTY_CTAS, dtype=torch.int32))
+    got = lay.floor_sink[: floors.FLOOR_EMPTY_CTAS].cpu()
+    assert torch.equal(got, torch.arange(floors.FLOOR_EMPTY_CTAS, dtype=torch.int32))
 
 
 def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
@@ -246,15 +257,15 @@ def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
     n_bytes = 8 * 192 * 528  # the MXFP8 layer size at H=8
     lay = _floor_layers(device, n_bytes)
     lay.q_nope = torch.empty(3, 8, 192, device=device)
-    tiles = -(-n_bytes // (4 * bench.FLOOR_SPLIT_WORDS * bench.FLOOR_SPLIT_K))
+    tiles = -(-n_bytes // (4 * floors.FLOOR_SPLIT_WORDS * floors.FLOOR_SPLIT_K))
     lay.floor_part = torch.zeros(tiles, dtype=torch.int32, device=device)
     lay.floor_count = torch.zeros(tiles, dtype=torch.int32, device=device)
-    monkeypatch.setattr(bench, "fused_block_n", lambda fmt, h, m: 32)  # 128 CTAs at H=8
+    monkeypatch.setattr(harness, "fused_block_n", lambda fmt, h, m: 32)  # 128 CTAs at H=8
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(8, 448, 512, generator=gen).to(torch.bfloat16).to(device)[:, :192]
     lay.fused_w = [fusedq.quantize_mxfp8(w)] * 2
-    steps = bench._grid_floor_steps(lay, "mxfp8")
-    tma = bench._tma_floor_kernel()[0] is not None  # a GPU with Gluon's TMA (sm_90+)
+    steps = harness.grid_floor_steps(lay, "mxfp8")
+    tma = floors.tma_floor_kernel()[0] is not None  # a GPU with Gluon's TMA (sm_90+)
     assert set(steps) == {"grid", "split_k", "view"} | ({"view_tma"} if tma else set())
     # "view": CTA (pid_n, h) sums its [192, 32] tile of the weight's bytes and its scales;
     # "view_tma" reads the same tiles by TMA bulk copies and must fold them to the same sums.
@@ -278,7 +289,7 @@ def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
     for _ in range(2):  # a second replay starts from the reset partials and counters
         lay.floor_out.fill_(-1)
         steps["split_k"](1)
-        group = bench.FLOOR_SPLIT_WORDS * bench.FLOOR_SPLIT_K
+        group = floors.FLOOR_SPLIT_WORDS * floors.FLOOR_SPLIT_K
         padded = torch.nn.functional.pad(words, (0, tiles * group - words.numel()))
         sums = wrapped(padded.view(tiles, group).sum(1))
         share = max(16, 1 << (-(-lay.floor_out.numel() // tiles) - 1).bit_length())
@@ -309,36 +320,36 @@ def test_fused_grid_ctas_follow_the_launch_config(monkeypatch, fmt, h, m, ctas):
         return select
 
     monkeypatch.setattr(selection, "select", selected("triton"))
-    assert bench.fused_grid_ctas(fmt, h, m) == ctas
+    assert floors.fused_grid_ctas(fmt, h, m) == ctas
     monkeypatch.setattr(selection, "select", selected("cute"))
-    assert bench.fused_grid_ctas("mxfp8", h, m) == h * 512 // 32
+    assert floors.fused_grid_ctas("mxfp8", h, m) == h * 512 // 32
 
 
 def test_floor_ratios_take_the_fastest_read():
     row = {"staged_us": 5.0, "fused_us": 2.5, "empty_us": 1.0}
-    row.update({f"read_w{w}_us": 2.2 + w / 1e4 for w in bench.FLOOR_READ_WORDS})
+    row.update({f"read_w{w}_us": 2.2 + w / 1e4 for w in floors.FLOOR_READ_WORDS})
     row["read_w2048_us"] = 2.0
     row["read_w2048_p10_us"] = 0.1  # quantiles are not candidates
-    bench.add_floor_ratios(row)
+    floors.add_floor_ratios(row)
     assert row["read_us"] == 2.0 and row["read_variant"] == "read_w2048"
     assert row["read_over_staged"] == 0.4 and row["empty_over_staged"] == 0.2
     assert row["fused_over_read"] == 1.25
     base = {"format": "bf16", "H": 8, "M": 1, "fused_us": 2.5, "staged_us": 5.0, "copy_us": 2.0,
             "fused_over_staged": 0.5, "fused_over_copy": 1.25}  # fmt: skip
-    table = bench.format_table([{**base, **row}, base]).splitlines()
+    table = tables.format_table([{**base, **row}, base]).splitlines()
     assert table[0].count("|") == table[1].count("|") == table[2].count("|") == 16
     assert "| 1.00 | 2.00 | 0.40 |" in table[2] and "| - | - | - |" in table[3]
-    assert bench.parse_args(["--floors"])[0].floors
+    assert cli.parse_args(["--floors"])[0].floors
     # The grid and split-K floors, as fractions of the read floor, and in the tables.
     row.update({"grid_us": 2.4, "split_k_us": 2.6})
-    bench.add_floor_ratios(row)
+    floors.add_floor_ratios(row)
     assert row["grid_over_read"] == pytest.approx(1.2)
     assert row["split_k_over_read"] == pytest.approx(1.3)
     assert row["fused_over_grid"] == pytest.approx(2.5 / 2.4)
-    assert "| 2.40 | 2.60 |" in bench.format_table([{**base, **row}])
-    (bar,) = bench.floor_bars([{**base, **row}])
+    assert "| 2.40 | 2.60 |" in tables.format_table([{**base, **row}])
+    (bar,) = bars.floor_bars([{**base, **row}])
     assert bar["bf16_grid_over_read"] == pytest.approx(1.2) and bar["mxfp8_grid_over_read"] is None
-    table = bench.format_floor_bars([bar])
+    table = bars.format_floor_bars([bar])
     assert "| BF16 grid/read | MXFP8 grid/read | BF16 split-K/read | MXFP8 split-K/read |" in table
     assert table.splitlines()[2].endswith("| 1.20 | - | 1.30 | - |")
 
@@ -346,10 +357,10 @@ def test_floor_ratios_take_the_fastest_read():
 @pytest.mark.gpu
 @pytest.mark.parametrize("chain", [False, True])
 def test_one_shape_is_measured_and_correct(chain):
-    opts = bench.Options(samples=20, warmup=2, chain=chain, l2_factor=0.1, floors=True)
-    row = bench.bench_shape("bf16", 8, 4, opts)
+    opts = options.Options(samples=20, warmup=2, chain=chain, l2_factor=0.1, floors=True)
+    row = replay.bench_shape("bf16", 8, 4, opts)
     assert row["fused_us"] > 0 and row["staged_us"] > 0
-    assert row["read_us"] == min(row[f"read_w{w}_us"] for w in bench.FLOOR_READ_WORDS)
+    assert row["read_us"] == min(row[f"read_w{w}_us"] for w in floors.FLOOR_READ_WORDS)
     if not chain:  # (chained figures are increments over the predecessors: no sign promised)
         assert row["empty_us"] > 0 and row["read_us"] > 0
         assert row["grid_us"] > 0 and row["split_k_us"] > 0 and row["store_us"] > 0
@@ -358,23 +369,23 @@ def test_one_shape_is_measured_and_correct(chain):
 
 
 def test_sweep_gluon_arguments():
-    opts, _ = bench.parse_args(
+    opts, _ = cli.parse_args(
         ["--sweep", "--sweep-gluon", "32:4", "64:8:32", "--sweep-gluon-operands", "direct"]
     )
     assert opts.sweep_gluon == ("32:4", "64:8:32") and opts.sweep_gluon_operands == ("direct",)
-    assert [bench.parse_gluon_spec(s) for s in opts.sweep_gluon] == [(32, 4), (64, 8, 32)]
-    assert bench.parse_args([])[0].sweep_gluon == ()
+    assert [sweep.parse_gluon_spec(s) for s in opts.sweep_gluon] == [(32, 4), (64, 8, 32)]
+    assert cli.parse_args([])[0].sweep_gluon == ()
 
 
 @pytest.mark.gpu
 def test_sweep_times_gluon_variants_beside_triton():
     """Gluon variants join the sweep's graph set and get their output checked; a tile of
     fewer rows than M is left out."""
-    opts = bench.Options(
+    opts = options.Options(
         samples=10, warmup=2, l2_factor=0.1, sweep=True, sweep_block_n=(),
         sweep_gluon=("32:4", "64:8:32", "32:4:16"),
     )  # fmt: skip
-    rows = {r["variant"]: r for r in bench.sweep_shape("mxfp8", 8, 17, opts)}
+    rows = {r["variant"]: r for r in sweep.sweep_shape("mxfp8", 8, 17, opts)}
     gluon = [
         f"gluon_{o}_bn{t}_m32" for o in ("convert", "smem", "direct") for t in ("32_w4", "64_w8")
     ]
@@ -389,12 +400,12 @@ def test_sweep_times_gluon_variants_beside_triton():
 
 
 def test_eager_arguments():
-    opts, path = bench.parse_args(
+    opts, path = cli.parse_args(
         ["--eager", "--calls", "100", "--repeats", "3", "--heads", "16", "--m", "1", "--json", "e"]
     )
     assert opts.eager and opts.eager_calls == 100 and opts.eager_repeats == 3
     assert opts.heads == (16,) and opts.ms == (1,) and path == "e"
-    defaults = bench.parse_args([])[0]
+    defaults = cli.parse_args([])[0]
     assert not defaults.eager and defaults.eager_calls == 2000 and defaults.eager_repeats == 5
 
 
@@ -410,26 +421,26 @@ def test_eager_arguments():
 )
 def test_eager_argument_errors_name_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as info:
-        bench.parse_args(argv)
+        cli.parse_args(argv)
     assert info.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_eager_row_takes_the_best_run_and_the_ratios():
-    per_call = {name: [30.0, 20.0, 25.0] for name in bench_eager.PATHS}
+    per_call = {name: [30.0, 20.0, 25.0] for name in eager.CALL_PATHS}
     per_call["public"] = [12.0, 11.0, 40.0]
     per_call["hook"] = [14.0, 13.0, 13.5]
-    row = bench_eager.eager_row("bf16", 16, 1, per_call)
+    row = eager.eager_row("bf16", 16, 1, per_call)
     assert row["public_us"] == 11.0 and row["public_median_us"] == 12.0
     assert row["staged_032_us"] == 20.0
     assert row["public_over_staged"] == 11.0 / 20.0 and row["hook_over_staged"] == 13.0 / 20.0
-    table = bench_eager.format_table(
+    table = eager.format_table(
         [row, {"format": "mxfp8", "H": 8, "M": 4, "error": "boom"}]
     ).splitlines()
     assert table[0].count("|") == table[1].count("|") == table[2].count("|")
     assert table[2].startswith("| bf16 | 16 | 1 | 11.0 | 20.0 | 13.0 |")
     assert table[2].endswith("| 0.55 | 0.65 |")
     assert "error: boom" in table[3]
-    assert "eager bf16 H=16 M=1 µs/call: public=11.0" in bench_eager.one_line(row)
+    assert "eager bf16 H=16 M=1 µs/call: public=11.0" in eager.one_line(row)
 
 
 def test_eager_refuses_without_cuda(capsys):
@@ -437,7 +448,7 @@ def test_eager_refuses_without_cuda(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")
-    assert bench.main(["--eager", "--heads", "8", "--m", "1"]) == bench.EXIT_USAGE
+    assert cli.main(["--eager", "--heads", "8", "--m", "1"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "interpreter" in err
 
@@ -461,25 +472,25 @@ def test_the_command_without_a_gpu_exits_2_with_one_line():
 
 @pytest.mark.gpu
 def test_eager_shape_is_measured_and_correct():
-    opts = bench.Options(eager=True, eager_calls=50, eager_repeats=2, warmup=3)
-    row = bench_eager.eager_shape("bf16", 16, 3, opts)
-    assert all(row[f"{p}_us"] > 0 for p in bench_eager.PATHS)
+    opts = options.Options(eager=True, eager_calls=50, eager_repeats=2, warmup=3)
+    row = eager.eager_shape("bf16", 16, 3, opts)
+    assert all(row[f"{p}_us"] > 0 for p in eager.CALL_PATHS)
     assert row["max_abs_err_vs_staged"] < 0.05
     assert row["public_over_staged"] > 0
 
 
-@pytest.mark.parametrize("fmt", bench.FORMATS)
+@pytest.mark.parametrize("fmt", common.FORMATS)
 def test_every_eager_path_computes_the_query(fmt, device):
     """Each timed closure does the work it is named for (here through the interpreter on
     CPU): the fused paths write the query of the fused weight, the two staged blocks agree
     bit for bit and (but for MXFP8, whose baseline is the unquantised BF16 weight) match it."""
     import torch
 
-    ops = bench_eager.eager_operands(fmt, 8, 1, 0.02, device)
-    paths = bench_eager.eager_paths(ops)
-    assert set(paths) == set(bench_eager.PATHS)
+    ops = eager.eager_operands(fmt, 8, 1, 0.02, device)
+    paths = eager.eager_paths(ops)
+    assert set(paths) == set(eager.CALL_PATHS)
     ref = fusedq.staged_mla_query(ops.q_nope, ops.fused_w, ops.q_pe)
-    weight_format = bench.RECIPES[fmt][0]
+    weight_format = common.RECIPES[fmt][0]
     staged = paths["staged_032"]()
     assert torch.equal(paths["staged_026"]().view(torch.uint8), staged.view(torch.uint8))
     if weight_format != "mxfp8":
@@ -501,7 +512,7 @@ def test_bench_imports_without_the_orchestrator():
 
     code = (
         "import sys; sys.modules['pydantic'] = None; sys.modules['orchestrator'] = None; "
-        "import fusedq.bench, fusedq.bench_eager"
+        "import fusedq_bench.cli, fusedq_bench.eager, fusedq_bench.sass"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -512,9 +523,9 @@ def test_floor_bars_show_the_read_store_floor_where_measured():
         {"format": "bf16", "H": 16, "M": 32, "fused_us": 3.6, "read_us": 2.5, "store_us": 3.0},
         {"format": "mxfp8", "H": 16, "M": 32, "fused_us": 3.4, "read_us": 2.0},
     ]
-    (b,) = bench.floor_bars(rows)
+    (b,) = bars.floor_bars(rows)
     assert b["bf16_store_over_read"] == pytest.approx(1.2) and b["mxfp8_store_over_read"] is None
-    table = bench.format_floor_bars([b])
+    table = bars.format_floor_bars([b])
     assert "| H | M | BF16 fused/read (≤1.15) | MXFP8 fused/read (≤1.25) |" in table
     assert "| BF16 read+store/read | MXFP8 read+store/read |" in table
     assert "| 16 | 32 | 1.44 MISS | 1.70 MISS | - | - | 1.20 | - |" in table
@@ -527,19 +538,19 @@ def test_tma_weight_rows_address_the_strided_view():
 
     full = torch.arange(8 * 448 * 512, dtype=torch.int32).view(8, 448, 512)
     view = full[:, :192]
-    mat, rows_per_head = bench.tma_weight_rows(view)
+    mat, rows_per_head = floors.tma_weight_rows(view)
     assert rows_per_head == 448 and mat.shape == (7 * 448 + 192, 512)
     for h, k in ((0, 0), (3, 191), (7, 5)):
         assert torch.equal(mat[h * 448 + k], view[h, k])
-    assert bench.tma_weight_rows(full[:, :192].contiguous())[1] == 192
+    assert floors.tma_weight_rows(full[:, :192].contiguous())[1] == 192
     with pytest.raises(ValueError, match="not rows of one"):
-        bench.tma_weight_rows(full.transpose(1, 2)[:, :192])
+        floors.tma_weight_rows(full.transpose(1, 2)[:, :192])
 
 
 def test_tma_floor_is_gpu_only_and_says_why():
     import torch
 
-    kernel, why = bench._tma_floor_kernel()
+    kernel, why = floors.tma_floor_kernel()
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the reason is for machines without one")
     assert kernel is None and "CUDA GPU" in why
@@ -555,13 +566,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
-from fusedq import bench
-kernel = bench._define_tma_floor_kernel()
+from fusedq_bench import floors
+kernel = floors._define_tma_floor_kernel()
 out = {}
 for fmt, dtype, gdtype, scales in (("bf16", torch.int16, gl.int16, False),
                                    ("mxfp8", torch.uint8, gl.uint8, True)):
     for bn in (32, 64):
-        mat, _ = bench.tma_weight_rows(torch.zeros(8, 448, 512, dtype=dtype)[:, :192])
+        mat, _ = floors.tma_weight_rows(torch.zeros(8, 448, 512, dtype=dtype)[:, :192])
         shared = gl.NVMMASharedLayout.get_default_for([64, bn], gdtype)
         desc = TensorDescriptor.from_tensor(mat, [64, bn], shared)
         sig = {"w_desc": mangle_type(desc), "s_ptr": "*u8", "sink_ptr": "*i32",

@@ -27,9 +27,9 @@ from fusedq_cases import (
 )
 
 import fusedq
-from fusedq import sass
 from fusedq.dispatch import split_weight
 from fusedq.kernels import cute_mla_query as cute
+from fusedq_bench import sass
 
 HEADS = (8, 11, 16)
 MS = (1, 2, 3, 4, 8, 16, 31, 32)
@@ -408,7 +408,7 @@ KNOWN_EARLY_BF16W_E4M3_M1 = 1
 
 @pytest.mark.parametrize("h,bucket,out_fp8,bf16_weights", _product_variants())
 def test_sass_issues_every_load_before_waiting_on_any(h, bucket, out_fp8, bf16_weights, tmp_path):
-    # What ptxas makes of that PTX (fusedq/sass.py), in every variant the
+    # What ptxas makes of that PTX (fusedq_bench/sass.py), in every variant the
     # product runs (M <= CUTE_MAX_M): no wait on a global load's data before the last global
     # load is issued. The 1-row E4M3 variant failed this while q_scale's reciprocal sat next
     # to the loads (ptxas waited for q_scale before the weight loads); the

@@ -1,4 +1,4 @@
-"""The one-round-trip property in sm_90 SASS (fusedq/sass.py says why PTX is
+"""The one-round-trip property in sm_90 SASS (fusedq_bench/sass.py says why PTX is
 not enough): the scoreboard reader on hand-made SASS, then the product's Gluon and
 register-path kernels, compiled offline with the installed Triton and its bundled ptxas (no
 GPU), with and without the scheduling fence. The CuTe kernel's variants are checked in
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fusedq import sass
 from fusedq.kernels import gluon_mla_query
+from fusedq_bench import sass
 
 ROOT = Path(__file__).resolve().parents[2]
 

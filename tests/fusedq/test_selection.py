@@ -179,20 +179,20 @@ def _per_m(line: str) -> dict[int, str]:
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, E4M3], ids=["bf16-out", "e4m3-out"])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 def test_the_vllm_hooks_kernels_line_names_what_its_calls_bind(monkeypatch, fmt, out_dtype):
-    """The server log's kernels line is the hook's (its calls pass ``vllm_hook.BACKEND``), not
+    """The server log's kernels line is the hook's (its calls pass ``query.BACKEND``), not
     ``backend="auto"``'s: on an H200 the auto line named CuTe at M=1-2 while the profile of
     the server's CUDA graphs found the Gluon kernel in every query step."""
-    from fusedq import vllm_hook
+    from fusedq.vllm import query
 
     device = _fake_gpu(monkeypatch, dsl=True, gluon=True)
     weights = _weights(fmt)
     ms = range(1, MAX_M + 1)
     for h in QUALIFIED_HEADS:
         kw = dict(weight_format=fmt, out_dtype=out_dtype, device=device, pdl=False)
-        line = vllm_hook.kernel_summary(h, ms, **kw)
+        line = query.kernel_summary(h, ms, **kw)
         named = _per_m(line)
         for m in ms:
-            _, name, _ = _dispatched(h, m, weights[h], out_dtype, False, vllm_hook.BACKEND)
+            _, name, _ = _dispatched(h, m, weights[h], out_dtype, False, query.BACKEND)
             assert named[m] == name, (h, m, line)
         # Where auto would take CuTe, the line says the hook does not.
         assert ("cute" in fusedq.kernel_summary(h, ms, **kw)) == ("[CuTe: not in vLLM" in line)

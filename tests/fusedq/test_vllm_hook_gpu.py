@@ -18,8 +18,8 @@ import torch
 from fusedq_cases import E4M3, Q_SCALE, assert_matches, poison, staged_decode_query
 
 import fusedq
-from fusedq import vllm_plugin
-from fusedq.vllm_hook import decode_query, mxfp8_w_uk_t
+from fusedq.vllm import hook, layer_plan
+from fusedq.vllm.query import decode_query, mxfp8_w_uk_t
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,7 +140,7 @@ def stand_in_layer(h: int, w_uk_t: torch.Tensor, *, fp8: bool) -> types.SimpleNa
         impl=types.SimpleNamespace(supports_quant_query_input=fp8),
         layer_name=f"model.layers.0.h{h}",
     )
-    layer.__dict__[vllm_plugin.PLAN_ATTR] = vllm_plugin.LayerPlan(h, "bf16", None)
+    layer.__dict__[layer_plan.PLAN_ATTR] = layer_plan.LayerPlan(h, "bf16", None)
     return layer
 
 
@@ -167,7 +167,7 @@ def test_cuda_graph_capture_after_prewarm_replays_mutated_inputs(h, fp8):
         q_nope, q_pe = vllm_views(q_static[:m])
         with torch.cuda.graph(graph, pool=pool):
             # The call the patched forward_impl makes (fp8_attention=fp8, no DCP q-replicate).
-            query = vllm_plugin.decode_query_hook(layer, q_nope, q_pe, False, fp8)
+            query = hook.decode_query_hook(layer, q_nope, q_pe, False, fp8)
         assert query is not None and query.dtype == out_dtype
         graphs[m] = (graph, query)
 

@@ -38,8 +38,18 @@ from tiny_vllm import (
 )
 
 import fusedq
-from fusedq import vllm_hook
-from fusedq.vllm_hook import decode_query, mxfp8_w_uk_t
+from fusedq.vllm import (
+    backends,
+    hook,
+    layer_plan,
+    patch,
+    plugin,
+    query,
+    releases,
+    report,
+    switch,
+)
+from fusedq.vllm.query import decode_query, mxfp8_w_uk_t
 
 P, R, L, V = 192, 64, 512, 128
 
@@ -127,7 +137,7 @@ def test_split_query_hands_a_pair_of_views_of_the_fused_output(h, m, device):
     w_uk_t = vllm_w_uk_t(kv_b_proj_weight(h, gen).to(device), h)
     q_nope, q_pe = vllm_q(m, h, gen, device)
     out = decode_query(q_nope, w_uk_t, q_pe)
-    ql_nope, q_rope = vllm_hook.split_query(out)
+    ql_nope, q_rope = query.split_query(out)
     assert ql_nope.shape == (m, h, L) and q_rope.shape == (m, h, R)
     assert ql_nope.data_ptr() == out.data_ptr()
     assert q_rope.data_ptr() == out.data_ptr() + L * out.element_size()
@@ -141,17 +151,17 @@ def test_split_query_hands_a_pair_of_views_of_the_fused_output(h, m, device):
 
 def test_prewarm_values_keep_only_fused_capture_sizes(device):
     sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 512]
-    assert vllm_hook.prewarm_values(sizes, 8, "bf16", torch.bfloat16, device) == [
+    assert query.prewarm_values(sizes, 8, "bf16", torch.bfloat16, device) == [
         1, 2, 4, 8, 16, 24, 32,
     ]  # fmt: skip
-    assert vllm_hook.prewarm_values(sizes, 4, "bf16", torch.bfloat16, device) == []
+    assert query.prewarm_values(sizes, 4, "bf16", torch.bfloat16, device) == []
 
 
 def test_plugin_and_hook_import_without_vllm():
     """The GPU tests drive these modules on a machine without vLLM: importing them (and
     reading the hook) must not import vLLM; only register() does."""
     code = (
-        "import sys, fusedq.vllm_plugin, fusedq.vllm_hook; "
+        "import sys, fusedq.vllm.plugin, fusedq.vllm.worker_ext; "
         "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -221,53 +231,53 @@ def test_mxfp8_w_uk_t_rejects_kernel_layouts(mutate, match):
 # --- the guard and the patched forward_impl (needs vLLM, not a server) ---------------------
 
 
-def test_guard_accepts_the_installed_vllm(mla, vp):
-    patch = vp.check_vllm()
-    assert patch.cls is mla.MLAAttention
-    assert mla.MLAAttention.forward_impl is patch.forward_impl.__wrapped__, "check only"
-    assert vp.HOOK_NAME not in mla.__dict__
+def test_guard_accepts_the_installed_vllm(mla):
+    found = patch.check_vllm()
+    assert found.cls is mla.MLAAttention
+    assert mla.MLAAttention.forward_impl is found.forward_impl.__wrapped__, "check only"
+    assert patch.HOOK_NAME not in mla.__dict__
 
 
-def test_guard_rejects_other_versions(mla, vp, monkeypatch):
+def test_guard_rejects_other_versions(mla, monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.40.1")
     with pytest.raises(ValueError, match=r"vLLM 0\.40\.1 is outside the supported range"):
-        vp.check_vllm()
+        patch.check_vllm()
 
 
-def test_guard_rejects_a_changed_query_block(mla, vp, monkeypatch):
-    span = re.escape(installed_release(vp).span())
-    rows = tuple(dataclasses.replace(r, blocks={"x": "0" * 64}) for r in vp.RELEASES)
-    monkeypatch.setattr(vp, "RELEASES", rows)
+def test_guard_rejects_a_changed_query_block(mla, monkeypatch):
+    span = re.escape(installed_release().span())
+    rows = tuple(dataclasses.replace(r, blocks={"x": "0" * 64}) for r in releases.RELEASES)
+    monkeypatch.setattr(releases, "RELEASES", rows)
     with pytest.raises(ValueError, match=rf"query block .* differs .* vLLM {span}"):
-        vp.check_vllm()
+        patch.check_vllm()
 
 
-def test_releases_are_rows_that_do_not_overlap(vp):
-    spans = sorted(r.versions for r in vp.RELEASES)
+def test_releases_are_rows_that_do_not_overlap():
+    spans = sorted(r.versions for r in releases.RELEASES)
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
-    assert vp.release_for((0, 26, 0)).name == "0.26"
-    assert vp.release_for((0, 33, 1)).name == "0.32"
-    assert vp.release_for((0, 27, 0)) is None
+    assert releases.release_for((0, 26, 0)).name == "0.26"
+    assert releases.release_for((0, 33, 1)).name == "0.32"
+    assert releases.release_for((0, 27, 0)) is None
 
 
-def installed_release(vp):
+def installed_release():
     """The RELEASES row of the vLLM installed here (0.32 on CPU CI, 0.26 on the H200)."""
-    row = vp.release_for(vp._vllm_version()[1])
+    row = releases.release_for(patch._vllm_version()[1])
     assert row is not None, "these tests run against a supported vLLM"
     return row
 
 
-def test_guard_picks_the_row_by_version(mla, vp, monkeypatch):
+def test_guard_picks_the_row_by_version(mla, monkeypatch):
     """The installed source under the other release's row fails on that row's own anchors."""
     import vllm
 
-    other = "0.32.0" if installed_release(vp).name == "0.26" else "0.26.0"
+    other = "0.32.0" if installed_release().name == "0.26" else "0.26.0"
     anchor = {"0.32.0": r"dcp_manager\.query_gather", "0.26.0": r"get_dcp_group\(\)\.all_gather"}
     monkeypatch.setattr(vllm, "__version__", other)
     with pytest.raises(ValueError, match=anchor[other]):
-        vp.check_vllm()
+        patch.check_vllm()
 
 
 # vLLM 0.26.0's forward_impl (tests/fusedq/fixtures/README.md): 0.32's module cannot import
@@ -276,30 +286,30 @@ def test_guard_picks_the_row_by_version(mla, vp, monkeypatch):
 FORWARD_IMPL_026 = Path(__file__).parent / "fixtures/vllm-0.26.0-mla_attention-forward_impl.py.txt"
 
 
-def forward_impl_026(mla, vp, *, hooked: bool):
+def forward_impl_026(mla, *, hooked: bool):
     import textwrap
 
     source = textwrap.dedent(FORWARD_IMPL_026.read_text())
-    release = vp.release_for((0, 26))
+    release = releases.release_for((0, 26))
     if hooked:
-        return vp.compile_patched(source, release, mla.__dict__, filename="<0.26 patched>")
+        return patch.compile_patched(source, release, mla.__dict__, filename="<0.26 patched>")
     namespace: dict = {}
     exec(compile(source, "<0.26>", "exec"), mla.__dict__, namespace)
     return namespace["forward_impl"]
 
 
-def test_release_026_block_is_known_and_gets_the_hook(mla, vp):
+def test_release_026_block_is_known_and_gets_the_hook(mla):
     import textwrap
 
     source = textwrap.dedent(FORWARD_IMPL_026.read_text())
-    patched = vp.transform_forward_impl(source, vp.release_for((0, 26)))
+    patched = patch.transform_forward_impl(source, releases.release_for((0, 26)))
     # 0.26 replicates no query for DCP: the hook is told so by a constant, not a local.
-    assert f"mqa_q = {vp.HOOK_NAME}(self, mqa_q_nope, mqa_q_pe, False, fp8_attention)" in (
+    assert f"mqa_q = {patch.HOOK_NAME}(self, mqa_q_nope, mqa_q_pe, False, fp8_attention)" in (
         patched.source
     )
-    forward_impl_026(mla, vp, hooked=True)  # hash and locals hold
+    forward_impl_026(mla, hooked=True)  # hash and locals hold
     with pytest.raises(ValueError, match=r"dcp_manager\.query_gather"):
-        vp.transform_forward_impl(source, vp.release_for((0, 32)))
+        patch.transform_forward_impl(source, releases.release_for((0, 32)))
 
 
 @pytest.mark.parametrize(
@@ -317,62 +327,62 @@ def test_release_026_block_is_known_and_gets_the_hook(mla, vp):
         ),
     ],
 )
-def test_transform_names_the_missing_expectation(mla, vp, edit, match):
+def test_transform_names_the_missing_expectation(mla, edit, match):
     import inspect
     import textwrap
 
     source = textwrap.dedent(inspect.getsource(mla.MLAAttention.forward_impl))
-    release = installed_release(vp)
-    vp.transform_forward_impl(source, release)  # the unedited source transforms
+    release = installed_release()
+    patch.transform_forward_impl(source, release)  # the unedited source transforms
     with pytest.raises(ValueError, match=match):
-        vp.transform_forward_impl(edit(source), release)
+        patch.transform_forward_impl(edit(source), release)
 
 
-def test_register_mode_0_touches_nothing(mla, vp, monkeypatch, caplog):
-    monkeypatch.setenv(vp.ENV, "0")
+def test_register_mode_0_touches_nothing(mla, monkeypatch, caplog):
+    monkeypatch.setenv(report.MODE_ENV, "0")
     before = mla.MLAAttention.forward_impl
-    vp.register()
+    plugin.register()
     assert mla.MLAAttention.forward_impl is before
     assert "fusedq" not in caplog.text
 
 
 @pytest.mark.parametrize("value", ["auto", "", "AUTO"])
-def test_register_patches_once(mla, vp, monkeypatch, value):
-    monkeypatch.setenv(vp.ENV, value)
+def test_register_patches_once(mla, monkeypatch, value):
+    monkeypatch.setenv(report.MODE_ENV, value)
     original = mla.MLAAttention.forward_impl
-    vp.register()
+    plugin.register()
     patched = mla.MLAAttention.forward_impl
     assert patched is not original and patched.__wrapped__ is original
-    assert mla.__dict__[vp.HOOK_NAME] is vp.decode_query_hook
-    vp.register()  # vLLM may call it again in the same process
+    assert mla.__dict__[patch.HOOK_NAME] is hook.decode_query_hook
+    plugin.register()  # vLLM may call it again in the same process
     assert mla.MLAAttention.forward_impl is patched
 
 
-def test_register_guard_failure_logs_and_leaves_vllm_untouched(mla, vp, monkeypatch, caplog):
+def test_register_guard_failure_logs_and_leaves_vllm_untouched(mla, monkeypatch, caplog):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    monkeypatch.delenv(vp.ENV, raising=False)
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
     before = dict(mla.MLAAttention.__dict__)
-    vp.register()
+    plugin.register()
     assert dict(mla.MLAAttention.__dict__) == before
-    assert vp.HOOK_NAME not in mla.__dict__
+    assert patch.HOOK_NAME not in mla.__dict__
     assert "fusedq: fused MLA query disabled: vLLM 0.99.0 is outside" in caplog.text
 
 
-def test_register_required_mode_fails_on_guard(mla, vp, monkeypatch):
+def test_register_required_mode_fails_on_guard(mla, monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    monkeypatch.setenv(vp.ENV, "1")
-    with pytest.raises(vp.FusedqRequiredError, match=r"FUSEDQ_MLA_QUERY=1 .* 0\.99\.0"):
-        vp.register()
+    monkeypatch.setenv(report.MODE_ENV, "1")
+    with pytest.raises(report.FusedqRequiredError, match=r"FUSEDQ_MLA_QUERY=1 .* 0\.99\.0"):
+        plugin.register()
 
 
-def test_register_rejects_unknown_mode(mla, vp, monkeypatch, caplog):
-    monkeypatch.setenv(vp.ENV, "yes")
+def test_register_rejects_unknown_mode(mla, monkeypatch, caplog):
+    monkeypatch.setenv(report.MODE_ENV, "yes")
     before = mla.MLAAttention.forward_impl
-    vp.register()
+    plugin.register()
     assert mla.MLAAttention.forward_impl is before
     assert "disabled: FUSEDQ_MLA_QUERY='yes' is not one of auto, 0, 1" in caplog.text
 
@@ -392,8 +402,8 @@ def stand_in_impl(cls: type, **attrs) -> object:
 def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator) -> StandInLayer:
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    # TRITON_MLA (a BACKENDS row for 0.26 and 0.32, importable on CPU): its class, with the
-    # decode kernel replaced on the instance by a recorder of the query it is handed.
+    # TRITON_MLA (an ATTENTION_BACKENDS row for 0.26 and 0.32, importable on CPU): its class,
+    # with the decode kernel replaced on the instance by a recorder of the query it is handed.
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
     seen: list[torch.Tensor] = []
@@ -437,7 +447,7 @@ def run_forward_impl(forward_impl, layer, m: int, gen: torch.Generator) -> torch
     return layer.seen[-1]
 
 
-def assert_hands_on_the_staged_query(mla, vp, patched, staged, h, m, fp8, *, amx=True):
+def assert_hands_on_the_staged_query(mla, patched, staged, h, m, fp8, *, amx=True):
     """Run both forward_impls on one planned stand-in layer: the query forward_mqa receives
     from the patched one equals the staged one's; M > 32 takes vLLM's own block (bit-equal)."""
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -446,9 +456,9 @@ def assert_hands_on_the_staged_query(mla, vp, patched, staged, h, m, fp8, *, amx
         layer = stand_in_layer(mla, h, fp8=fp8, gen=torch.Generator().manual_seed(0))
         if not amx:
             del layer.is_amx_bmm_enabled  # a release without the AMX branch must not need it
-        plan, note = vp.plan_layer(layer)
+        plan, note = layer_plan.plan_layer(layer)
         assert plan is not None, note
-        layer.__dict__[vp.PLAN_ATTR] = plan
+        layer.__dict__[layer_plan.PLAN_ATTR] = plan
         got = run_forward_impl(patched, layer, m, torch.Generator().manual_seed(m))
         ref = run_forward_impl(staged, layer, m, torch.Generator().manual_seed(m))
     assert got.dtype == (E4M3 if fp8 else torch.bfloat16) and got.shape == (m, h, L + R)
@@ -462,44 +472,44 @@ def assert_hands_on_the_staged_query(mla, vp, patched, staged, h, m, fp8, *, amx
         assert got.is_contiguous()
         assert_matches(got, bf16, "bf16", layer._q_scale)
         assert_matches(ref, bf16, "bf16", layer._q_scale)
-        assert vp._first_use.is_set()
+        assert switch.first_use.is_set()
     else:
         assert got.is_contiguous()
         assert_matches(got, ref, "bf16")
-        assert vp._first_use.is_set()
+        assert switch.first_use.is_set()
 
 
 @pytest.mark.parametrize("h,m,fp8", [(8, 2, False), (16, 5, True), (8, 33, False)])
-def test_patched_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
+def test_patched_forward_impl_hands_the_backend_the_staged_query(mla, h, m, fp8):
     """The installed vLLM's forward_impl, recompiled with the hook."""
-    patch = vp.check_vllm()
-    vp.apply(patch)
-    original = patch.forward_impl.__wrapped__
-    assert_hands_on_the_staged_query(mla, vp, patch.forward_impl, original, h, m, fp8)
+    found = patch.check_vllm()
+    patch.apply(found)
+    original = found.forward_impl.__wrapped__
+    assert_hands_on_the_staged_query(mla, found.forward_impl, original, h, m, fp8)
 
 
 @pytest.mark.parametrize("h,m,fp8", [(16, 3, False), (8, 1, True), (11, 33, False)])
-def test_patched_026_forward_impl_hands_the_backend_the_staged_query(mla, vp, h, m, fp8):
+def test_patched_026_forward_impl_hands_the_backend_the_staged_query(mla, h, m, fp8):
     """vLLM 0.26's forward_impl (its (N, B, L) bmm buffer + transpose), recompiled likewise."""
-    patched = forward_impl_026(mla, vp, hooked=True)
-    staged = forward_impl_026(mla, vp, hooked=False)
-    vp._installed["release"] = vp.release_for((0, 26))
-    mla.__dict__[vp.HOOK_NAME] = vp.decode_query_hook  # what apply() installs
-    assert_hands_on_the_staged_query(mla, vp, patched, staged, h, m, fp8, amx=False)
+    patched = forward_impl_026(mla, hooked=True)
+    staged = forward_impl_026(mla, hooked=False)
+    releases.installed["release"] = releases.release_for((0, 26))
+    mla.__dict__[patch.HOOK_NAME] = hook.decode_query_hook  # what apply() installs
+    assert_hands_on_the_staged_query(mla, patched, staged, h, m, fp8, amx=False)
 
 
-def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
+def test_setup_layer_logs_one_line_per_process(mla, monkeypatch, caplog):
     import logging
 
-    monkeypatch.delenv(vp.ENV, raising=False)
-    vp.apply(vp.check_vllm())
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    patch.apply(patch.check_vllm())
     caplog.set_level(logging.INFO, logger="vllm.fusedq")
     gen = torch.Generator().manual_seed(0)
     for i in range(3):
         layer = stand_in_layer(mla, 8, fp8=False, gen=gen)
         layer.layer_name = f"model.layers.{i}.self_attn.attn"
-        vp.setup_layer(layer)
-        assert layer.__dict__[vp.PLAN_ATTR] is not None
+        layer_plan.setup_layer(layer)
+        assert layer.__dict__[layer_plan.PLAN_ATTR] is not None
     lines = [r.getMessage() for r in caplog.records if "fused MLA query enabled" in r.getMessage()]
     assert lines == [
         "fusedq: fused MLA query enabled (heads=8, format=bf16, query=tensor, prewarmed M=none "
@@ -509,24 +519,24 @@ def test_setup_layer_logs_one_line_per_process(mla, vp, monkeypatch, caplog):
     kernels = [r.getMessage() for r in caplog.records if "fusedq: kernels" in r.getMessage()]
     assert kernels == [
         "fusedq: kernels (heads=8, format=bf16): "
-        + fusedq.kernel_summary(8, vp.DECODE_MS, device=layer.W_UK_T.device)
+        + fusedq.kernel_summary(8, layer_plan.DECODE_MS, device=layer.W_UK_T.device)
     ]
     assert kernels[0].endswith("; M=2-32 tl.dot") and "M=1" in kernels[0]
 
 
-def test_setup_layer_tells_a_differing_layer_once(mla, vp, monkeypatch, caplog):
+def test_setup_layer_tells_a_differing_layer_once(mla, monkeypatch, caplog):
     """Two qualified layers and two that are not (say, a draft model's): one enabled line,
     one line for the differing outcome, never a second "disabled:" line."""
     import logging
 
-    monkeypatch.delenv(vp.ENV, raising=False)
-    vp.apply(vp.check_vllm())
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    patch.apply(patch.check_vllm())
     caplog.set_level(logging.INFO, logger="vllm.fusedq")
     gen = torch.Generator().manual_seed(0)
     for i, heads in enumerate((8, 8, 4, 4)):
         layer = stand_in_layer(mla, 8, fp8=False, gen=gen)
         layer.num_heads, layer.layer_name = heads, f"model.layers.{i}.self_attn.attn"
-        vp.setup_layer(layer)
+        layer_plan.setup_layer(layer)
     messages = [r.getMessage() for r in caplog.records if r.name == "vllm.fusedq"]
     assert len([m for m in messages if "fused MLA query enabled" in m]) == 1
     assert not [m for m in messages if "fused MLA query disabled" in m]
@@ -543,49 +553,49 @@ def test_setup_layer_tells_a_differing_layer_once(mla, vp, monkeypatch, caplog):
         ({"is_aiter_triton_fp8_bmm_enabled": True}, "aiter"),
     ],
 )
-def test_setup_layer_falls_back_and_says_why(mla, vp, monkeypatch, caplog, attrs, reason):
-    monkeypatch.delenv(vp.ENV, raising=False)
-    vp.apply(vp.check_vllm())
+def test_setup_layer_falls_back_and_says_why(mla, monkeypatch, caplog, attrs, reason):
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    patch.apply(patch.check_vllm())
     layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
     for k, v in attrs.items():
         setattr(layer, k, v)
-    vp.setup_layer(layer)
-    assert layer.__dict__[vp.PLAN_ATTR] is None
+    layer_plan.setup_layer(layer)
+    assert layer.__dict__[layer_plan.PLAN_ATTR] is None
     assert re.search(
         rf"fusedq: fused MLA query disabled: layer {layer.layer_name}: .*{reason}", caplog.text
     )
-    monkeypatch.setenv(vp.ENV, "1")
-    with pytest.raises(vp.FusedqRequiredError, match=reason):
-        vp.setup_layer(layer)
+    monkeypatch.setenv(report.MODE_ENV, "1")
+    with pytest.raises(report.FusedqRequiredError, match=reason):
+        layer_plan.setup_layer(layer)
 
 
-def test_plan_refuses_a_layer_without_the_attributes_it_reads(mla, vp):
-    vp.apply(vp.check_vllm())
+def test_plan_refuses_a_layer_without_the_attributes_it_reads(mla):
+    patch.apply(patch.check_vllm())
     layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
     del layer._q_scale
-    plan, reason = vp.plan_layer(layer)
+    plan, reason = layer_plan.plan_layer(layer)
     assert plan is None and "lacks the attributes ['_q_scale']" in reason
 
 
 @pytest.mark.parametrize("required", [False, True], ids=["auto", "required"])
-def test_hook_failure_falls_back_in_auto_mode_and_raises_when_required(mla, vp, required):
+def test_hook_failure_falls_back_in_auto_mode_and_raises_when_required(mla, required):
     h = 8
     gen = torch.Generator().manual_seed(0)
     layer = stand_in_layer(mla, h, fp8=False, gen=gen)
-    layer.__dict__[vp.PLAN_ATTR] = vp.LayerPlan(h, "bf16", None, required=required)
+    layer.__dict__[layer_plan.PLAN_ATTR] = layer_plan.LayerPlan(h, "bf16", None, required=required)
     layer.W_UK_T = layer.W_UK_T.float()  # a weight fusedq rejects (ValueError naming it)
     q_nope, q_pe = vllm_q(2, h, gen)
     if required:
         with pytest.raises(ValueError, match="weight"):
-            vp.decode_query_hook(layer, q_nope, q_pe, False, False)
+            hook.decode_query_hook(layer, q_nope, q_pe, False, False)
     else:
-        assert vp.decode_query_hook(layer, q_nope, q_pe, False, False) is None
-        assert layer.__dict__[vp.PLAN_ATTR] is None, "the layer stays on vLLM's path"
+        assert hook.decode_query_hook(layer, q_nope, q_pe, False, False) is None
+        assert layer.__dict__[layer_plan.PLAN_ATTR] is None, "the layer stays on vLLM's path"
 
 
-# --- the backends' query forms (BACKENDS) and the pair hand-off ------------------------------
+# --- the backends' query forms (ATTENTION_BACKENDS) and the pair hand-off -------------------
 
-# vLLM 0.26.0's forward_mqa of every 0.26 BACKENDS row (tests/fusedq/fixtures/README.md).
+# vLLM 0.26.0's forward_mqa of every 0.26 ATTENTION_BACKENDS row (tests/fusedq/fixtures/README.md).
 FORWARD_MQA_026 = Path(__file__).parent / "fixtures/vllm-0.26.0-mla-backends-forward_mqa.py.txt"
 
 
@@ -613,33 +623,33 @@ def installed_forward_mqa(impl: str) -> str | None:
     return None
 
 
-def type_test(vp, source: str) -> str | None:
+def type_test(source: str) -> str | None:
     """The plan's reading of a forward_mqa: its first line that some query form reads."""
-    known = {line for form in vp.QUERY_FORMS.values() for line in form.reads}
+    known = {line for form in backends.QUERY_FORMS.values() for line in form.reads}
     return next((ln.strip() for ln in source.splitlines() if ln.strip() in known), None)
 
 
-def test_backend_rows_match_0_26_sources(vp):
+def test_backend_rows_match_0_26_sources():
     sources = forward_mqa_026()
-    assert sources.keys() == {b.impl for b in vp.BACKENDS if "0.26" in b.releases}
-    for row in vp.BACKENDS:
+    assert sources.keys() == {b.impl for b in backends.ATTENTION_BACKENDS if "0.26" in b.releases}
+    for row in backends.ATTENTION_BACKENDS:
         if "0.26" in row.releases:
-            assert type_test(vp, sources[row.impl]) in vp.QUERY_FORMS[row.form].reads, row
+            assert type_test(sources[row.impl]) in backends.QUERY_FORMS[row.form].reads, row
     # The one pair-only backend raises on a tensor: the start-up failure seen on the H200.
-    pair_only = {b.impl for b in vp.BACKENDS if vp.QUERY_FORMS[b.form].split}
+    pair_only = {b.impl for b in backends.ATTENTION_BACKENDS if backends.QUERY_FORMS[b.form].split}
     assert pair_only == {"FlashAttnMLASparseImpl"}
     assert "expects split (q_nope, q_rope) input" in sources["FlashAttnMLASparseImpl"]
 
 
-def test_backend_rows_match_the_installed_vllm(vp):
+def test_backend_rows_match_the_installed_vllm():
     pytest.importorskip("vllm")
-    release = installed_release(vp)
-    rows = [b for b in vp.BACKENDS if release.name in b.releases]
+    release = installed_release()
+    rows = [b for b in backends.ATTENTION_BACKENDS if release.name in b.releases]
     assert rows
     for row in rows:
         source = installed_forward_mqa(row.impl)
         assert source is not None, f"{row.impl} has no forward_mqa in vLLM {release.name}"
-        assert type_test(vp, source) in vp.QUERY_FORMS[row.form].reads, row
+        assert type_test(source) in backends.QUERY_FORMS[row.form].reads, row
 
 
 def impl_class(name: str, forward_mqa: str, namespace: dict) -> type:
@@ -671,7 +681,7 @@ class FlashAttention3:
         return (out, None) if kwargs.get("return_softmax_lse") else out
 
 
-def fa_backend_026(mla, vp, name: str, h: int, m: int) -> tuple[StandInLayer, FlashAttention3]:
+def fa_backend_026(mla, name: str, h: int, m: int) -> tuple[StandInLayer, FlashAttention3]:
     """A planned stand-in layer whose impl is ``name`` (FlashAttnMLAImpl or
     FlashAttnMLASparseImpl) with 0.26.0's forward_mqa, FlashAttention stood in."""
     fa = FlashAttention3()
@@ -693,11 +703,11 @@ def fa_backend_026(mla, vp, name: str, h: int, m: int) -> tuple[StandInLayer, Fl
         head_size=L + R, scale=0.1, kv_cache_dtype="auto", need_to_return_lse_for_decode=False,
         topk_indices_buffer=torch.zeros(64, 8, dtype=torch.int32),
     )  # fmt: skip
-    vp._installed["release"] = vp.release_for((0, 26))
-    mla.__dict__[vp.HOOK_NAME] = vp.decode_query_hook  # what apply() installs
-    plan, note = vp.plan_layer(layer)
+    releases.installed["release"] = releases.release_for((0, 26))
+    mla.__dict__[patch.HOOK_NAME] = hook.decode_query_hook  # what apply() installs
+    plan, note = layer_plan.plan_layer(layer)
     assert plan is not None, note
-    layer.__dict__[vp.PLAN_ATTR] = plan
+    layer.__dict__[layer_plan.PLAN_ATTR] = plan
     return layer, fa
 
 
@@ -726,35 +736,37 @@ def run_fa_forward_impl(forward_impl, layer, m: int, fa: FlashAttention3) -> dic
     [("FlashAttnMLASparseImpl", 16, 3, "pair"), ("FlashAttnMLAImpl", 8, 2, "tensor")],
     ids=["FLASH_ATTN_MLA_SPARSE", "FLASH_ATTN_MLA"],
 )
-def test_fa_backends_get_views_of_the_fused_query(mla, vp, name, h, m, form):
+def test_fa_backends_get_views_of_the_fused_query(mla, name, h, m, form):
     """0.26.0's forward_impl and forward_mqa (their source text): the sparse backend is handed
     the pair of views, the dense one the tensor, which it splits into the same views; either
     way FlashAttention reads q_rope and q_nope out of the one fused [M, H, 576] buffer, no
     copy between, with the staged path's values."""
-    layer, fa = fa_backend_026(mla, vp, name, h, m)
-    assert layer.__dict__[vp.PLAN_ATTR].form.name == form
-    staged = run_fa_forward_impl(forward_impl_026(mla, vp, hooked=False), layer, m, fa)
-    fused = run_fa_forward_impl(forward_impl_026(mla, vp, hooked=True), layer, m, fa)
+    layer, fa = fa_backend_026(mla, name, h, m)
+    assert layer.__dict__[layer_plan.PLAN_ATTR].form.name == form
+    staged = run_fa_forward_impl(forward_impl_026(mla, hooked=False), layer, m, fa)
+    fused = run_fa_forward_impl(forward_impl_026(mla, hooked=True), layer, m, fa)
     q_v, q = fused["q_v"], fused["q"]
     assert q.data_ptr() == q_v.data_ptr() + L * q_v.element_size(), "views of one buffer"
     assert q_v.stride() == q.stride() == (h * (L + R), L + R, 1)
     assert_matches(torch.cat((q_v, q), -1), torch.cat((staged["q_v"], staged["q"]), -1), "bf16")
-    assert vp._first_use.is_set()
+    assert switch.first_use.is_set()
 
 
-def test_sparse_backend_handed_a_tensor_fails_as_seen_on_the_h200(mla, vp):
-    """Without the pair form (the plugin before BACKENDS), 0.26's FLASH_ATTN_MLA_SPARSE
+def test_sparse_backend_handed_a_tensor_fails_as_seen_on_the_h200(mla):
+    """Without the pair form (the plugin before ATTENTION_BACKENDS), 0.26's FLASH_ATTN_MLA_SPARSE
     refuses the fused tensor at the first decode step: the H200 start-up failure."""
-    layer, fa = fa_backend_026(mla, vp, "FlashAttnMLASparseImpl", 8, 1)
-    plan = layer.__dict__[vp.PLAN_ATTR]
-    layer.__dict__[vp.PLAN_ATTR] = dataclasses.replace(plan, form=vp.QUERY_FORMS["tensor"])
+    layer, fa = fa_backend_026(mla, "FlashAttnMLASparseImpl", 8, 1)
+    plan = layer.__dict__[layer_plan.PLAN_ATTR]
+    layer.__dict__[layer_plan.PLAN_ATTR] = dataclasses.replace(
+        plan, form=backends.QUERY_FORMS["tensor"]
+    )
     with pytest.raises(NotImplementedError, match=r"expects split \(q_nope, q_rope\) input"):
-        run_fa_forward_impl(forward_impl_026(mla, vp, hooked=True), layer, 1, fa)
+        run_fa_forward_impl(forward_impl_026(mla, hooked=True), layer, 1, fa)
 
 
-def test_plan_refuses_a_backend_it_does_not_know(mla, vp, monkeypatch, caplog):
-    monkeypatch.delenv(vp.ENV, raising=False)
-    vp.apply(vp.check_vllm())
+def test_plan_refuses_a_backend_it_does_not_know(mla, monkeypatch, caplog):
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    patch.apply(patch.check_vllm())
     layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
     mystery = impl_class(
         "MysteryMLAImpl",
@@ -762,9 +774,9 @@ def test_plan_refuses_a_backend_it_does_not_know(mla, vp, monkeypatch, caplog):
         {},
     )
     layer.impl = stand_in_impl(mystery, is_sparse=False, dcp_world_size=1)
-    vp.setup_layer(layer)
-    assert layer.__dict__[vp.PLAN_ATTR] is None
-    release = installed_release(vp).name
+    layer_plan.setup_layer(layer)
+    assert layer.__dict__[layer_plan.PLAN_ATTR] is None
+    release = installed_release().name
     assert (
         f"fusedq: fused MLA query disabled: layer {layer.layer_name}: MysteryMLAImpl takes the "
         "decode query as MysteryMLAImpl.forward_mqa reads it, which this plugin does not know "
@@ -774,10 +786,10 @@ def test_plan_refuses_a_backend_it_does_not_know(mla, vp, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("change", ["type test", "fp8 pair"])
-def test_plan_refuses_a_known_backend_whose_query_form_it_does_not_know(mla, vp, change):
+def test_plan_refuses_a_known_backend_whose_query_form_it_does_not_know(mla, change):
     """A row's class whose forward_mqa no longer reads the query as the row says, and a
     pair-only backend with an FP8 query (vLLM would hand it one tensor), are refused."""
-    vp.apply(vp.check_vllm())
+    patch.apply(patch.check_vllm())
     layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
     if change == "fp8 pair":
         layer.kv_cache_dtype = "fp8"  # with supports_quant_query_input: an FP8 query
@@ -787,8 +799,8 @@ def test_plan_refuses_a_known_backend_whose_query_form_it_does_not_know(mla, vp,
         impl_class(name, sparse, {}), is_sparse=True, dcp_world_size=1,
         supports_quant_query_input=True,
     )  # fmt: skip
-    vp._installed["release"] = vp.release_for((0, 26))
-    plan, reason = vp.plan_layer(layer)
+    releases.installed["release"] = releases.release_for((0, 26))
+    plan, reason = layer_plan.plan_layer(layer)
     assert plan is None
     if change == "type test":
         assert reason == (
@@ -806,52 +818,52 @@ def test_plan_refuses_a_known_backend_whose_query_form_it_does_not_know(mla, vp,
 # --- the decode path switch ------------------------------------------------------------------
 
 
-def test_set_path_switches_what_the_hook_returns(mla, vp, monkeypatch, caplog):
+def test_set_path_switches_what_the_hook_returns(mla, monkeypatch, caplog):
     import logging
 
-    monkeypatch.delenv(vp.ENV, raising=False)
-    vp.apply(vp.check_vllm())
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    patch.apply(patch.check_vllm())
     caplog.set_level(logging.INFO, logger="vllm.fusedq")
     gen = torch.Generator().manual_seed(0)
     layers = []
     for i in range(2):
         layer = stand_in_layer(mla, 8, fp8=False, gen=gen)
         layer.layer_name = f"model.layers.{i}.self_attn.attn"
-        vp.setup_layer(layer)
+        layer_plan.setup_layer(layer)
         layers.append(layer)
-    assert vp.planned_layers() == layers and vp.current_path() == "fused"
+    assert switch.planned_layers() == layers and switch.current_path() == "fused"
     q_nope, q_pe = vllm_q(2, 8, gen)
 
     def step() -> list:
-        return [vp.decode_query_hook(layer, q_nope, q_pe, False, False) for layer in layers]
+        return [hook.decode_query_hook(layer, q_nope, q_pe, False, False) for layer in layers]
 
     def lines(needle: str) -> int:
         return sum(needle in r.getMessage() for r in caplog.records)
 
     assert all(isinstance(q, torch.Tensor) for q in step())
-    assert vp.set_path("staged") is True
+    assert switch.set_path("staged") is True
     assert step() == [None, None] and step() == [None, None]
     assert lines("fusedq: first staged MLA decode query since the switch (layer ") == 1
     assert lines("fusedq: decode path switched to staged (2 layers)") == 1
-    assert vp.set_path("staged") is False
-    assert vp.set_path("fused") is True
+    assert switch.set_path("staged") is False
+    assert switch.set_path("fused") is True
     assert all(isinstance(q, torch.Tensor) for q in step())
     assert lines("fusedq: first fused MLA decode query") == 2  # once per switch to it
     with pytest.raises(ValueError, match="decode path 'eager' is not one of staged, fused"):
-        vp.set_path("eager")
+        switch.set_path("eager")
 
 
-def test_set_path_refuses_where_the_plugin_is_not_active(mla, vp, monkeypatch):
-    monkeypatch.delenv(vp.ENV, raising=False)
-    with pytest.raises(vp.FusedqInactiveError, match="did not patch vLLM"):
-        vp.set_path("staged")
-    vp.apply(vp.check_vllm())
+def test_set_path_refuses_where_the_plugin_is_not_active(mla, monkeypatch):
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    with pytest.raises(switch.FusedqInactiveError, match="did not patch vLLM"):
+        switch.set_path("staged")
+    patch.apply(patch.check_vllm())
     layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(0))
     layer.num_heads = 4
-    vp.setup_layer(layer)
-    with pytest.raises(vp.FusedqInactiveError, match=r"disabled: layer .*num_heads=4"):
-        vp.set_path("staged")
-    assert vp.current_path() == "fused"
+    layer_plan.setup_layer(layer)
+    with pytest.raises(switch.FusedqInactiveError, match=r"disabled: layer .*num_heads=4"):
+        switch.set_path("staged")
+    assert switch.current_path() == "fused"
 
 
 # --- end to end: real vllm serve on the tiny model (CPU; tiny_vllm.py) ----------------------
@@ -983,21 +995,21 @@ class FakeLinear:
 
 
 @pytest.mark.parametrize("watched", [True, False], ids=["snapshot", "no-snapshot"])
-def test_mxfp8_kv_b_proj_survives_kernel_post_processing(mla, vp, watched):
+def test_mxfp8_kv_b_proj_survives_kernel_post_processing(mla, watched):
     """With the watch installed (as the patched __init__ does), the plan gets the
     checkpoint-layout MXFP8 W_UK even after the kernel re-laid kv_b_proj out; without it,
     the plan falls back to bf16 W_UK and says why."""
     h = 8
     gen = torch.Generator().manual_seed(4)
     values, scales = mxfp8_kv_b_proj(h, gen)
-    vp.apply(vp.check_vllm())
+    patch.apply(patch.check_vllm())
     layer = stand_in_layer(mla, h, fp8=False, gen=gen)
     layer.kv_b_proj = FakeLinear(values.clone(), scales.clone())
     if watched:
-        vp.watch_kv_b_proj(layer)
+        layer_plan.watch_kv_b_proj(layer)
     layer.kv_b_proj.quant_method.process_weights_after_loading(layer.kv_b_proj)  # vLLM's loop 1
     assert layer.kv_b_proj.weight_scale.shape != scales.shape
-    plan, note = vp.plan_layer(layer)
+    plan, note = layer_plan.plan_layer(layer)
     assert plan is not None
     if watched:
         assert plan.weight_format == "mxfp8" and not note

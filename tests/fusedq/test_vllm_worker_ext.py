@@ -32,8 +32,8 @@ from tiny_vllm import (
     vllm_server,
 )
 
-from fusedq import vllm_worker_ext
-from fusedq.vllm_worker_ext import FusedqWorkerExtension
+from fusedq.vllm import layer_plan, patch, report, switch, worker_ext
+from fusedq.vllm.worker_ext import FusedqWorkerExtension
 
 
 def eager_worker(**runner) -> types.SimpleNamespace:
@@ -61,21 +61,21 @@ def graph_worker(**runner) -> types.SimpleNamespace:
     return worker
 
 
-def set_up_layers(mla, vp, heads: int = 8, n: int = 2) -> list:
-    vp.apply(vp.check_vllm())
+def set_up_layers(mla, heads: int = 8, n: int = 2) -> list:
+    patch.apply(patch.check_vllm())
     layers = []
     for i in range(n):
         layer = stand_in_layer(mla, 8, fp8=False, gen=torch.Generator().manual_seed(i))
         layer.num_heads, layer.layer_name = heads, f"model.layers.{i}.self_attn.attn"
-        vp.setup_layer(layer)
+        layer_plan.setup_layer(layer)
         layers.append(layer)
     return layers
 
 
-def test_set_path_on_an_eager_worker(mla, vp, monkeypatch):
-    monkeypatch.delenv(vp.ENV, raising=False)
-    layers = set_up_layers(mla, vp)  # held, as vLLM's model holds them
-    assert vp.planned_layers() == layers
+def test_set_path_on_an_eager_worker(mla, monkeypatch):
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    layers = set_up_layers(mla)  # held, as vLLM's model holds them
+    assert switch.planned_layers() == layers
     worker = eager_worker()
     state = FusedqWorkerExtension.fusedq_state(worker)
     assert state["line"].startswith(ENABLED) and state["kernels"]
@@ -91,29 +91,29 @@ def test_set_path_on_an_eager_worker(mla, vp, monkeypatch):
     assert (got["path"], got["recaptured"]) == ("staged", False)
     with pytest.raises(ValueError, match="decode path 'eager' is not one of staged, fused"):
         FusedqWorkerExtension.fusedq_set_path(worker, "eager")
-    assert vp.current_path() == "staged"
+    assert switch.current_path() == "staged"
 
 
-def test_set_path_refuses_where_the_plugin_is_not_active(mla, vp, monkeypatch):
-    monkeypatch.delenv(vp.ENV, raising=False)
-    layers = set_up_layers(mla, vp, heads=4)
-    assert layers and not vp.planned_layers()
+def test_set_path_refuses_where_the_plugin_is_not_active(mla, monkeypatch):
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    layers = set_up_layers(mla, heads=4)
+    assert layers and not switch.planned_layers()
     worker = eager_worker()
-    with pytest.raises(vp.FusedqInactiveError, match=r"not active: .*num_heads=4 is not"):
+    with pytest.raises(switch.FusedqInactiveError, match=r"not active: .*num_heads=4 is not"):
         FusedqWorkerExtension.fusedq_set_path(worker, "staged")
     state = FusedqWorkerExtension.fusedq_state(worker)
     assert (state["path"], state["active"], state["layers"]) == ("staged", False, 0)
     assert state["line"].startswith(DISABLED) and "num_heads=4" in state["reason"]
 
 
-def test_set_path_recaptures_graphs_after_switching(mla, vp, monkeypatch):
+def test_set_path_recaptures_graphs_after_switching(mla, monkeypatch):
     """Where graphs were captured, each change of path re-captures them once, after the
     switch (so capture runs the new path); no change captures nothing."""
-    monkeypatch.delenv(vp.ENV, raising=False)
-    layers = set_up_layers(mla, vp)  # held, as vLLM's model holds them
-    assert vp.planned_layers() == layers
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    layers = set_up_layers(mla)  # held, as vLLM's model holds them
+    assert switch.planned_layers() == layers
     captured: list[str] = []
-    monkeypatch.setattr(vllm_worker_ext, "recapture", lambda w: captured.append(vp.current_path()))
+    monkeypatch.setattr(worker_ext, "recapture", lambda w: captured.append(switch.current_path()))
     worker = graph_worker(cudagraph_dispatcher=object(), capture_model=lambda: None)
     got = FusedqWorkerExtension.fusedq_set_path(worker, "staged")
     assert (got["path"], got["recaptured"], captured) == ("staged", True, ["staged"])
@@ -123,33 +123,33 @@ def test_set_path_recaptures_graphs_after_switching(mla, vp, monkeypatch):
     assert FusedqWorkerExtension.fusedq_state(worker)["graphs"] == "FULL_AND_PIECEWISE"
 
 
-def test_failed_recapture_restores_the_previous_path(mla, vp, monkeypatch):
-    monkeypatch.delenv(vp.ENV, raising=False)
-    layers = set_up_layers(mla, vp)  # held, as vLLM's model holds them
-    assert vp.planned_layers() == layers
+def test_failed_recapture_restores_the_previous_path(mla, monkeypatch):
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    layers = set_up_layers(mla)  # held, as vLLM's model holds them
+    assert switch.planned_layers() == layers
     captured: list[str] = []
 
     def recapture(worker) -> None:
-        captured.append(vp.current_path())
+        captured.append(switch.current_path())
         if len(captured) == 1:
             raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(vllm_worker_ext, "recapture", recapture)
+    monkeypatch.setattr(worker_ext, "recapture", recapture)
     worker = graph_worker(cudagraph_dispatcher=object(), capture_model=lambda: None)
     with pytest.raises(RuntimeError, match="out of memory"):
         FusedqWorkerExtension.fusedq_set_path(worker, "staged")
-    assert captured == ["staged", "fused"] and vp.current_path() == "fused"
+    assert captured == ["staged", "fused"] and switch.current_path() == "fused"
 
 
-def test_set_path_refuses_a_runner_it_cannot_recapture(mla, vp, monkeypatch):
+def test_set_path_refuses_a_runner_it_cannot_recapture(mla, monkeypatch):
     """vLLM's V2 GPU runner keeps its own graph manager: refused before anything switches."""
-    monkeypatch.delenv(vp.ENV, raising=False)
-    layers = set_up_layers(mla, vp)  # held, as vLLM's model holds them
-    assert vp.planned_layers() == layers
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    layers = set_up_layers(mla)  # held, as vLLM's model holds them
+    assert switch.planned_layers() == layers
     worker = graph_worker(cudagraph_manager=object(), capture_model=lambda: None)
     with pytest.raises(NotImplementedError, match="only vLLM's V1 GPU model runner"):
         FusedqWorkerExtension.fusedq_set_path(worker, "staged")
-    assert vp.current_path() == "fused"
+    assert switch.current_path() == "fused"
 
 
 # --- end to end: a real server flipped over /collective_rpc ---------------------------------

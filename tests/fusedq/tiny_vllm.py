@@ -214,7 +214,7 @@ def assert_greedy_agree(
         )
 
 
-EXTENSION = ("--worker-extension-cls", "fusedq.vllm_worker_ext.FusedqWorkerExtension")
+EXTENSION = ("--worker-extension-cls", "fusedq.vllm.worker_ext.FusedqWorkerExtension")
 SWITCHED = "fusedq: decode path switched to "
 FIRST_STAGED = "fusedq: first staged MLA decode query since the switch"
 

@@ -70,7 +70,7 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 def test_the_drill_plugin_does_nothing_unless_armed():
     done = _python(
-        "import fusedq.vllm_hook as h; from vllm.v1.worker import gpu_worker as g\n"
+        "import fusedq.vllm.query as h; from vllm.v1.worker import gpu_worker as g\n"
         "before = (h.decode_query, g.Worker.execute_model, g.Worker.compile_or_warm_up_model)\n"
         "import fusedq_fault_drill as d; d.register()\n"
         "after = (h.decode_query, g.Worker.execute_model, g.Worker.compile_or_warm_up_model)\n"
@@ -83,7 +83,7 @@ def test_the_drill_plugin_does_nothing_unless_armed():
 
 def test_the_armed_drill_plugin_wraps_the_decode_query_and_the_worker():
     done = _python(
-        "import fusedq.vllm_hook as h; from vllm.v1.worker import gpu_worker as g\n"
+        "import fusedq.vllm.query as h; from vllm.v1.worker import gpu_worker as g\n"
         "names = ('execute_model', 'compile_or_warm_up_model')\n"
         "before = [h.decode_query, *(getattr(g.Worker, n) for n in names)]\n"
         "import fusedq_fault_drill as d; d.register(); d.register()\n"

@@ -211,7 +211,7 @@ def test_run_directory_holds_everything(smoke_run):
         assert r["server"]["node_ip"] == "127.0.0.1"
         # ...and vLLM found the plugin through the dist-info shipped beside it, not the venv.
         assert "py_modules_files" in r["server"]["fusedq_metadata_from"]
-        assert "fusedq=fusedq.vllm_plugin:register" in r["server"]["vllm_plugins"]
+        assert "fusedq=fusedq.vllm.plugin:register" in r["server"]["vllm_plugins"]
         # The fused servers' every worker logged the enabled line and a fused decode step.
         expectations = r["audit"]["searched"]["expectations"]
         assert len(expectations) == (2 if r["variant"] == "fused" else 0), expectations

@@ -79,7 +79,7 @@ def test_the_switch_server_loads_the_extension_and_opens_the_dev_endpoint():
     assert server.args == (
         "--max-num-seqs=4",
         "--worker-extension-cls",
-        "fusedq.vllm_worker_ext.FusedqWorkerExtension",
+        "fusedq.vllm.worker_ext.FusedqWorkerExtension",
         "--no-enable-prefix-caching",
     )
     assert server.env_dict == {"FUSEDQ_MLA_QUERY": "1", "VLLM_SERVER_DEV_MODE": "1"}

@@ -1,13 +1,13 @@
 """vLLM worker extension: switch a running server's MLA decode query between staged and fused.
 
-    vllm serve MODEL --worker-extension-cls fusedq.vllm_worker_ext.FusedqWorkerExtension
+    vllm serve MODEL --worker-extension-cls fusedq.vllm.worker_ext.FusedqWorkerExtension
     # with VLLM_SERVER_DEV_MODE=1, vLLM's dev endpoint calls a method on every worker:
     POST /collective_rpc {"method": "fusedq_set_path", "args": ["staged"]}
     POST /collective_rpc {"method": "fusedq_state"}
 
 vLLM mixes this class into its worker class in every worker process; ``collective_rpc`` runs a
 method on each worker between engine steps and answers ``{"results": [<one per worker>]}``.
-The plugin (``fusedq.vllm_plugin``) must be active: it set the layers up at start-up, and its
+The plugin (``fusedq.vllm.plugin``) must be active: it set the layers up at start-up, and its
 process-global switch is what the decode hook reads.
 
 Flipping the switch is all an eager server needs. Where vLLM captured CUDA graphs (0.26's
@@ -21,13 +21,11 @@ first. docs/vllm-plugin.md gives the contract and what was validated where.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import time
 
-from fusedq import vllm_plugin
-
-logger = logging.getLogger("vllm.fusedq")
+from fusedq.vllm import layer_plan, report, switch
+from fusedq.vllm.report import logger
 
 
 def graph_note(worker) -> tuple[bool, str]:
@@ -117,27 +115,27 @@ class FusedqWorkerExtension:
         """
         start = time.perf_counter()
         graphs, note = graph_note(self)
-        previous = vllm_plugin.current_path()
-        changed = vllm_plugin.set_path(path)
+        previous = switch.current_path()
+        changed = switch.set_path(path)
         recaptured = False
         if changed and graphs:
             try:
                 recapture(self)
             except Exception:
                 logger.exception("fusedq: CUDA graph re-capture for the %s path failed", path)
-                vllm_plugin.set_path(previous)
+                switch.set_path(previous)
                 recapture(self)
                 raise
             recaptured = True
         seconds = time.perf_counter() - start
-        layers = len(vllm_plugin.planned_layers())
+        layers = len(switch.planned_layers())
         if changed:
             logger.info(
                 "fusedq: decode path %s on this worker (%d layers, %s) in %.2f s",
                 path, layers, f"{note} graphs re-captured" if recaptured else note, seconds,
             )  # fmt: skip
         return {
-            "path": vllm_plugin.current_path(),
+            "path": switch.current_path(),
             "recaptured": recaptured,
             "seconds": round(seconds, 3),
             "layers": layers,
@@ -148,20 +146,20 @@ class FusedqWorkerExtension:
         ``layers`` (served by the fused op), ``query`` (the forms handed to the backends),
         ``graphs``, the enabled/disabled ``line`` and the ``kernels`` line logged at start-up,
         ``reason`` (why inactive, else None) and ``pid``."""
-        layers = vllm_plugin.planned_layers()
+        layers = switch.planned_layers()
         try:
             _, graphs = graph_note(self)
         except NotImplementedError as exc:
             graphs = str(exc)
-        forms = sorted({layer.__dict__[vllm_plugin.PLAN_ATTR].form.name for layer in layers})
+        forms = sorted({layer.__dict__[layer_plan.PLAN_ATTR].form.name for layer in layers})
         return {
-            "path": vllm_plugin.current_path() if layers else "staged",
+            "path": switch.current_path() if layers else "staged",
             "active": bool(layers),
             "layers": len(layers),
             "query": forms,
             "graphs": graphs,
-            "line": vllm_plugin.report_line(),
-            "kernels": vllm_plugin.kernels_line(),
-            "reason": None if layers else vllm_plugin.inactive_reason(),
+            "line": report.report_line(),
+            "kernels": report.kernels_line(),
+            "reason": None if layers else switch.inactive_reason(),
             "pid": os.getpid(),
         }

@@ -22,7 +22,7 @@ both words of each instruction as hex comments.
 
 From a shell (Triton's bundled ptxas and cuobjdump, no GPU needed)::
 
-    python -m fusedq.sass KERNEL.ptx|KERNEL.cubin|KERNEL.sass [--arch sm_90a]
+    python -m fusedq_bench.sass KERNEL.ptx|KERNEL.cubin|KERNEL.sass [--arch sm_90a]
 
 prints each early wait and exits 1 if there is one, 0 if none, 2 for a file it cannot read.
 The PTX of a Triton kernel is in its cache entry (``~/.triton/cache``), the CuTe DSL's with
@@ -149,7 +149,7 @@ def ptx_sass(ptx: Path, arch: str = "sm_90a") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m fusedq.sass",
+        prog="python -m fusedq_bench.sass",
         description="List the waits on a global load's data before a kernel's last global load.",
     )
     ap.add_argument("kernel", type=Path, help="a .ptx, .cubin, or cuobjdump -sass text (.sass)")
@@ -165,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             sass = path.read_text()
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else exc
-        print(f"fusedq.sass: {path}: {detail}", file=sys.stderr)
+        print(f"fusedq_bench.sass: {path}: {detail}", file=sys.stderr)
         return 2
     instructions = parse(sass)
     if not instructions:
         print(
-            f"fusedq.sass: {path}: no SASS instructions with control words found", file=sys.stderr
+            f"fusedq_bench.sass: {path}: no SASS instructions with control words found",
+            file=sys.stderr,
         )
         return 2
     waits = early_waits(instructions)

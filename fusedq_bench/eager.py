@@ -8,7 +8,7 @@ sliced ``q``:
 
 - ``public``: ``fusedq.mla_query_projection`` allocating ``out`` (as the vLLM hook calls it);
 - ``public_out``: the same with a preallocated ``out`` (adds the per-call overlap check);
-- ``hook``: ``vllm_hook.decode_query`` — exactly what replaces vLLM's staged block;
+- ``hook``: ``fusedq.vllm.query.decode_query`` — exactly what replaces vLLM's staged block;
 - ``custom_op``: ``torch.ops.fusedq.mla_query_projection`` (the dispatcher + the plan);
 - ``bare``: ``kernels.triton_launch.launch`` (no validation, no plan: the config, the key
   and Triton's JIT launch on every call);
@@ -34,10 +34,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from fusedq.bench_common import RECIPES, abba_order, md_table, out_dtype_of
 from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH, V_HEAD
+from fusedq_bench.common import RECIPES, abba_order, md_table, out_dtype_of
 
-PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
+CALL_PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
 # The fused paths compared with the staged block, and the staged variant each is divided by.
 RATIOS = {
     "public_over_staged": ("public", "staged_032"),
@@ -97,7 +97,7 @@ def eager_paths(ops: EagerOperands) -> dict[str, Callable[[], object]]:
     from fusedq.kernels import triton_launch
     from fusedq.reference import quantize_e4m3
     from fusedq.selection import launch_config
-    from fusedq.vllm_hook import decode_query
+    from fusedq.vllm.query import decode_query
 
     values, scales = split_weight(ops.fused_w)
     q_nope, q_nope_t, q_pe, w = ops.q_nope, ops.q_nope_t, ops.q_pe, ops.staged_w
@@ -225,19 +225,19 @@ def run(opts) -> list[dict]:
 def one_line(row: dict) -> str:
     if "error" in row:
         return f"eager {row['format']} H={row['H']} M={row['M']}: FAILED {row['error']}"
-    paths = " ".join(f"{p}={row[f'{p}_us']:.1f}" for p in PATHS if f"{p}_us" in row)
+    paths = " ".join(f"{p}={row[f'{p}_us']:.1f}" for p in CALL_PATHS if f"{p}_us" in row)
     return f"eager {row['format']} H={row['H']} M={row['M']} µs/call: {paths}"
 
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table: best µs per call of every path, and fused/staged."""
-    header = ["format", "H", "M", *(f"{p} µs" for p in PATHS), "public/staged", "hook/staged"]
+    header = ["format", "H", "M", *(f"{p} µs" for p in CALL_PATHS), "public/staged", "hook/staged"]
     body = []
     for r in rows:
         if "error" in r:
             body.append([r["format"], r["H"], r["M"], f"error: {r['error']}"])
             continue
-        cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in PATHS]
+        cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in CALL_PATHS]
         ratios = [f"{r[k]:.2f}" if k in r else "-" for k in RATIOS]
         body.append([r["format"], r["H"], r["M"], *cells, *ratios])
     return md_table(header, body)

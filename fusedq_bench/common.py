@@ -1,6 +1,6 @@
-"""What fusedq-bench's two measurements (CUDA-graph replay in ``bench``, host time per call in
-``bench_eager``) share: the recipes it names, the ABBA order, the Markdown table it prints,
-and where a figure was measured (the checkout's commit, nvidia-smi's answer).
+"""What fusedq-bench's two measurements (CUDA-graph replay in ``harness``, host time per call
+in ``eager``) share: the recipes it names, the ABBA order, the Markdown table it prints, and
+where a figure was measured (the checkout's commit, nvidia-smi's answer).
 
 Standard library only, and nothing of the orchestrator: fusedq runs on GPU hosts without it.
 """
