@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -93,23 +93,16 @@ class EveryWorkloadOnce:
     def read_traces(self, run: CaseRun) -> None:
         """Each rank's figures (orchestrator.analysis.trace), from the traces now in the run's
         case directory; a trace that cannot be read fails the case, naming the file."""
-        from orchestrator.analysis.trace import TraceError, find_rank_traces, read_trace
+        from orchestrator.analysis.trace import find_rank_traces
 
         profile = run.profile
         assert profile is not None
-        with run.timed("trace_read_s"):
-            try:
-                traces = [read_trace(p) for p in find_rank_traces(run.dir / PROFILE_DIR)]
-            except TraceError as exc:
-                profile.error = str(exc)
-                run.fail(f"profile: {exc}")
-                return
-        for t in traces:
-            # Relative to the case directory: the run directory may move.
-            t.file = str(Path(t.file).relative_to(run.dir))
-        profile.traces = traces
-        if len(traces) < run.case.tp:
-            profile.error = f"{len(traces)} of {run.case.tp} rank traces came home"
+        if not read_profile_traces(
+            run, profile, find_rank_traces(run.dir / PROFILE_DIR), "profile"
+        ):
+            return
+        if len(profile.traces) < run.case.tp:
+            profile.error = f"{len(profile.traces)} of {run.case.tp} rank traces came home"
             run.fail(f"profile: {profile.error}")
 
     def same_tokens(self, run: CaseRun) -> dict[str, dict[str, Any]]:
@@ -324,3 +317,24 @@ def _query_layers(case: Case, model_path: str) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return layers + case.mtp
+
+
+def read_profile_traces(
+    run: CaseRun, profile: ProfileResult, paths: Iterable[Path], what: str
+) -> bool:
+    """The figures of the traces at ``paths`` (orchestrator.analysis.trace) into ``profile``,
+    each file named relative to the case directory (the run directory may move). A trace that
+    cannot be read fails the case, naming the file after ``what``: False then."""
+    from orchestrator.analysis.trace import TraceError, read_trace
+
+    with run.timed("trace_read_s"):
+        try:
+            traces = [read_trace(p) for p in paths]
+        except TraceError as exc:
+            profile.error = str(exc)
+            run.fail(f"{what}: {exc}")
+            return False
+    for t in traces:
+        t.file = str(Path(t.file).relative_to(run.dir))
+    profile.traces = traces
+    return True

@@ -34,7 +34,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -48,6 +47,7 @@ from orchestrator.engines.vllm.server import auth_headers
 from orchestrator.execution.case_run import CaseFailed, CaseRun
 from orchestrator.execution.measure import (
     configured_acceptance,
+    read_profile_traces,
     run_measured,
     spec_decode_counters,
     take_profile,
@@ -223,19 +223,10 @@ class SwitchBlocks:
     def read_traces(self, run: CaseRun) -> None:
         """Each path's traces into its own row's profile; a trace that cannot be read fails
         the server, naming the file."""
-        from orchestrator.analysis.trace import TraceError, read_trace
-
         for variant, (profile, found) in self.profiles.items():
-            with run.timed("trace_read_s"):
-                try:
-                    traces = [read_trace(run.dir / name) for name in sorted(found)]
-                except TraceError as exc:
-                    profile.error = str(exc)
-                    run.fail(f"profile of {variant}: {exc}")
-                    return
-            for t in traces:
-                t.file = str(Path(t.file).relative_to(run.dir))
-            profile.traces = traces
+            paths = [run.dir / name for name in sorted(found)]
+            if not read_profile_traces(run, profile, paths, f"profile of {variant}"):
+                return
 
     def same_tokens(self, run: CaseRun) -> dict[str, dict[str, Any]]:
         """None of the server's own row, which measured no workload of its own: each
