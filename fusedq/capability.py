@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from fusedq.limits import MAX_M, QUALIFIED_HEADS
+from fusedq.contract import MAX_M, QUALIFIED_HEADS
 
 WEIGHT_FORMATS = ("bf16", "mxfp8")
 OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from fusedq.capability import OUT_DTYPES, cute_problem
+from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
 from fusedq.kernels import fast_launch
 from fusedq.kernels.triton_launch import DEFAULT_PDL
-from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
 from fusedq.mxfp8 import SCALE_BLOCKS, MXFP8Weight
 from fusedq.reference import staged
 from fusedq.selection import select

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedq.limits import E4M3_MAX, KV_LORA, MX_BLOCK, QK_NOPE, SCALE_BLOCKS
+from fusedq.contract import E4M3_MAX, KV_LORA, MX_BLOCK, QK_NOPE, SCALE_BLOCKS
 
 # E8M0 encodes 2^(byte - 127); 0xFF is NaN and must never reach a kernel.
 E8M0_BIAS = 127

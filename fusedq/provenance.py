@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Stdlib only and no import from either package: the orchestrator loads this file on its own
-# (orchestrator/common/fusedq_files.py) so that `orchestrator plan` never imports torch, and
-# fusedq's bench imports it as fusedq.provenance -- one home for both, and no import cycle.
+# Stdlib only and no import from either package: the orchestrator imports it (fusedq's
+# __init__ is lazy) and `orchestrator plan` still never imports torch; fusedq's bench imports
+# it too -- one home for both, and no import cycle.
 
 PACKAGES_ROOT = Path(__file__).resolve().parent.parent
 PRODUCT_PACKAGES = ("orchestrator", "fusedq", "fusedq_bench")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from fusedq.limits import E4M3_MAX, KV_LORA, QUERY_WIDTH
+from fusedq.contract import E4M3_MAX, KV_LORA, QUERY_WIDTH
 from fusedq.mxfp8 import dequantize_parts
 
 # The forms of vLLM's staged decode query, each a baseline of fusedq-bench.

@@ -28,11 +28,13 @@ import torch
 import triton
 
 from fusedq import capability
+from fusedq.contract import KV_LORA, QUALIFIED_HEADS
 from fusedq.kernels import common, gluon_mla_query, triton_mla_query
 from fusedq.kernels.triton_launch import DEFAULT_NUM_WARPS, DEFAULT_PDL, LaunchConfig
-from fusedq.limits import KV_LORA
 
-PATHS = ("cute", "triton", "staged")
+# What a problem can run: the CuTe DSL kernel, the Triton family (register, Gluon, tl.dot
+# kernels), or the staged ops (no fused kernel).
+KERNEL_FAMILIES = ("cute", "triton", "staged")
 
 # The largest M the CuTe kernel runs, per weight format: up to there it measured faster than
 # the Triton kernels in CUDA graphs, above it falls behind (its FMAs do not scale with M);
@@ -98,10 +100,10 @@ TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
     ("bf16", False, 32): {8: (32, 4, _THREE_K), 11: (64, 4, _THREE_K), 16: (64, 4, _THREE_K)},
     ("bf16", True, 16): {8: (32, 8, _THREE_K), 11: (32, 8, _THREE_K), 16: (32, 8, _THREE_K)},
     ("bf16", True, 32): {8: (32, 8, _ONE_K), 11: (64, 8, _ONE_K), 16: (64, 8, _ONE_K)},
-    ("mxfp8", False, 16): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
-    ("mxfp8", False, 32): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
-    ("mxfp8", True, 16): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
-    ("mxfp8", True, 32): {h: (32, 4, _ONE_K) for h in (8, 11, 16)},
+    ("mxfp8", False, 16): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
+    ("mxfp8", False, 32): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
+    ("mxfp8", True, 16): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
+    ("mxfp8", True, 32): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
 }
 # A head count TUNED does not list: 32-wide N tiles give heads*16 CTAs (128 at H=8), enough to
 # cover the H200's 132 SMs once.
@@ -166,7 +168,7 @@ def triton_kernel_name(config: LaunchConfig) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """One problem's kernel: ``path`` (one of PATHS), ``why`` (what decided it) and
+    """One problem's kernel: ``path`` (one of KERNEL_FAMILIES), ``why`` (what decided it) and
     ``config``, the Triton-family launch: what runs under ``"triton"``, and under ``"cute"``
     what eager calls and operands the CuTe kernel cannot take run (``None`` for ``"staged"``)."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from fusedq.limits import (
+from fusedq.contract import (
     QK_NOPE,
     QK_ROPE,
     QUERY_WIDTH,

@@ -34,7 +34,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH, V_HEAD
+from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH, V_HEAD
 from fusedq_bench.common import RECIPES, abba_order, md_table, out_dtype_of
 
 CALL_PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
@@ -93,6 +93,7 @@ def eager_paths(ops: EagerOperands) -> dict[str, Callable[[], object]]:
     import torch
 
     import fusedq
+    import fusedq.ops
     from fusedq.dispatch import split_weight
     from fusedq.kernels import triton_launch
     from fusedq.reference import quantize_e4m3

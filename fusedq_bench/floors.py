@@ -8,7 +8,7 @@ and kernels that take apart where the rest of the fused kernel's time goes (``st
 
 from __future__ import annotations
 
-from fusedq.limits import (
+from fusedq.contract import (
     KV_LORA,
 )
 from fusedq_bench.common import (

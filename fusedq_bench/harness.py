@@ -7,8 +7,7 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 
-from fusedq.kernels.common import BLOCK_K
-from fusedq.limits import (
+from fusedq.contract import (
     E4M3_MAX,
     KV_LORA,
     MX_BLOCK,
@@ -17,6 +16,7 @@ from fusedq.limits import (
     QUERY_WIDTH,
     V_HEAD,
 )
+from fusedq.kernels.common import BLOCK_K
 from fusedq_bench.common import (
     RECIPES,
     abba_order,

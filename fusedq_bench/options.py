@@ -6,11 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fusedq.contract import DECODE_M_BUCKETS, QUALIFIED_HEADS
 from fusedq.kernels.common import BLOCK_K
 from fusedq.kernels.triton_mla_query import SINGLE_BLOCK_K
-from fusedq.limits import (
-    QUALIFIED_HEADS,
-)
 from fusedq_bench.common import (
     FORMATS,
 )
@@ -22,7 +20,7 @@ DEFAULT_L2_MB = 60.0
 @dataclasses.dataclass(frozen=True)
 class Options:
     heads: tuple[int, ...] = QUALIFIED_HEADS
-    ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    ms: tuple[int, ...] = DECODE_M_BUCKETS
     formats: tuple[str, ...] = FORMATS
     samples: int = 1000
     warmup: int = 20

@@ -42,14 +42,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the tree a GPU host was given, installed or not
+    sys.path.insert(0, str(REPO))
+
+from fusedq.contract import QUALIFIED_HEADS  # noqa: E402 (after the path above)
+
 RECORDS = REPO / "tests" / "fusedq" / "gpu_records"
 COMMAND = "python scripts/gpu_record.py"
 SCHEMA = 1
 # Hopper: the kernels' target (Gluon/TMA and the CuTe DSL kernel are sm_90 code).
 CAPABILITY = (9, 0)
 TESTS = ["-m", "gpu", "tests/fusedq"]
-# A short floors run: every recipe, the three qualified head counts, one M per kernel regime.
-BENCH_HEADS = (8, 11, 16)
+# A short floors run: every recipe, the qualified head counts, one M per kernel regime.
+BENCH_HEADS = QUALIFIED_HEADS
 BENCH_M = (1, 2, 4, 32)
 BENCH_SAMPLES = 200
 VERSIONS = ("torch", "triton", "nvidia-cutlass-dsl", "cuda-python", "cuda-bindings")
@@ -66,8 +71,6 @@ def fingerprint(root: Path = REPO) -> str:
     """The fusedq kernel tree's code fingerprint (fusedq.provenance.kernel_tree_fingerprint:
     the package but its vLLM integration and the provenance module), the record's key; the
     bench is a package of its own, outside it."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from fusedq.provenance import kernel_tree_fingerprint
 
     return kernel_tree_fingerprint(root)

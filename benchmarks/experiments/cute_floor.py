@@ -27,8 +27,8 @@ import time
 
 import torch
 
+from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE, SCALE_BLOCKS
 from fusedq.kernels import cute_mla_query as cm
-from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, SCALE_BLOCKS
 from fusedq_bench import cli, harness, options
 
 

@@ -40,6 +40,14 @@ from typing import Any
 
 import torch  # noqa: F401 (the rebound launch path's)
 
+from fusedq.contract import (  # QUERY_WIDTH and V_HEAD: the rebound launch path's
+    KV_LORA,
+    QK_NOPE,
+    QK_ROPE,
+    QUERY_WIDTH,  # noqa: F401
+    SCALE_BLOCKS,
+    V_HEAD,  # noqa: F401
+)
 from fusedq.kernels import cute_mla_query as _base
 from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch path's
     BLOCK_N,
@@ -52,14 +60,6 @@ from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch
     m_bucket,  # noqa: F401
     unavailable_reason,  # noqa: F401
     variant_key,  # noqa: F401
-)
-from fusedq.limits import (  # QUERY_WIDTH and V_HEAD: the rebound launch path's
-    KV_LORA,
-    QK_NOPE,
-    QK_ROPE,
-    QUERY_WIDTH,  # noqa: F401
-    SCALE_BLOCKS,
-    V_HEAD,  # noqa: F401
 )
 
 _KNOBS = set(__name__.split("_"))

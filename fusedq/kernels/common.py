@@ -2,7 +2,7 @@
 output modes and weight-layout codes the kernels branch on, K's chunking, the JIT
 specialisation options, and whether Triton runs its interpreter.
 
-The kernel modules import this module and ``fusedq.limits``, never each other.
+The kernel modules import this module and ``fusedq.contract``, never each other.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import triton
 
-from fusedq.limits import QK_NOPE
+from fusedq.contract import QK_NOPE
 
 # The OUT_FP8 constexpr (``LaunchConfig.e4m3_epilogue`` picks the E4M3 ones): BF16 output;
 # E4M3 quantised as vLLM's static FP8 quant does it (``x * (1 / q_scale)``: its CUDA op

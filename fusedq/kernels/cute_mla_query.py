@@ -55,7 +55,8 @@ from typing import Any
 
 import torch
 
-from fusedq.limits import (
+from fusedq.contract import (
+    DECODE_M_BUCKETS,
     E4M3_MAX,
     KV_LORA,
     MX_BLOCK,
@@ -86,8 +87,9 @@ ROWS_PER_THREAD = 4
 THREADS = QK_NOPE // ROWS_PER_THREAD * COL_GROUPS
 WARP = 32
 WARPS = THREADS // WARP
-# Token rows are compiled in power-of-two buckets; rows past M are computed, not stored.
-M_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Token rows are compiled in power-of-two buckets, the decode batches a server prewarms; rows
+# past M are computed, not stored.
+M_BUCKETS = DECODE_M_BUCKETS
 MAX_M = M_BUCKETS[-1]
 # E8M0 byte 0 is 2^-127, a float32 subnormal: its bit pattern, not byte << 23.
 E8M0_ZERO_BITS = 0x00400000

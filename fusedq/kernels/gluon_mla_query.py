@@ -26,8 +26,8 @@ rejected at compile time.
 
 from __future__ import annotations
 
+from fusedq.contract import E4M3_MAX, KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE
 from fusedq.kernels import common
-from fusedq.limits import E4M3_MAX, KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE
 
 try:
     from triton.experimental import gluon

@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
 from fusedq.kernels import common, gluon_mla_query, triton_mla_query
 from fusedq.kernels.common import (
     ALIGN_BYTES,
@@ -25,7 +26,6 @@ from fusedq.kernels.common import (
     W_UNIT_K,
     W_UNIT_N,
 )
-from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
 
 # Four warps map a [16|32, 32] accumulator onto mma.sync without idle warps at M<=16.
 DEFAULT_NUM_WARPS = 4

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusedq.contract import E4M3_MAX, MX_BLOCK, QK_NOPE
 from fusedq.kernels.common import JIT_OPTIONS, OUT_E4M3, OUT_E4M3_DIV, OUT_E4M3_NOSCALE
-from fusedq.limits import E4M3_MAX, MX_BLOCK, QK_NOPE
 
 try:  # programmatic dependent launch (griddepcontrol); Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -7,9 +7,10 @@ import weakref
 
 import torch
 
+from fusedq.contract import DECODE_M_BUCKETS, GEOMETRIES
 from fusedq.vllm import releases
 from fusedq.vllm.backends import QUERY_FORMS, QueryForm, query_form
-from fusedq.vllm.releases import GEOMETRY, Release
+from fusedq.vllm.releases import Release
 from fusedq.vllm.report import (
     MODE_ENV,
     FusedqRequiredError,
@@ -36,6 +37,9 @@ LAYER_ATTRS = (
     "layer_name",
     "_q_scale",
 )
+
+# (qk_nope, qk_rope, kv_lora) of the geometries the fused op serves (fusedq.contract).
+SERVED_GEOMETRIES = tuple((g.qk_nope, g.qk_rope, g.kv_lora) for g in GEOMETRIES)
 
 PLAN_ATTR = "_fusedq_plan"
 SNAPSHOT_ATTR = "_fusedq_mxfp8_w_uk"
@@ -179,8 +183,9 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     if not isinstance(release, Release):
         return None, "fusedq did not patch MLAAttention in this process"
     dims = (layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank)
-    if dims != GEOMETRY:
-        return None, f"(qk_nope, qk_rope, kv_lora)={dims}, fused op needs {GEOMETRY}"
+    if dims not in SERVED_GEOMETRIES:
+        served = " or ".join(map(str, SERVED_GEOMETRIES))
+        return None, f"(qk_nope, qk_rope, kv_lora)={dims}, fused op needs {served}"
     w_uk_t = getattr(layer, "W_UK_T", None)
     if not isinstance(w_uk_t, torch.Tensor):
         return None, "layer has no W_UK_T"
@@ -245,7 +250,7 @@ def prewarm_layer(layer, plan: LayerPlan) -> tuple[str, list[int]]:
 
 
 # The M values a kernels line describes where nothing was prewarmed (no CUDA graphs).
-DECODE_MS = (1, 2, 4, 8, 16, 32)
+DECODE_MS = DECODE_M_BUCKETS
 
 
 def _log_kernels(layer, plan: LayerPlan, prewarmed_ms: list[int], pdl: bool) -> None:

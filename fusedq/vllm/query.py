@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 import fusedq
-from fusedq.limits import KV_LORA, MX_BLOCK, QK_NOPE
+from fusedq.contract import KV_LORA, MX_BLOCK, QK_NOPE
 from fusedq.mxfp8 import MXFP8Weight
 
 Weight = torch.Tensor | MXFP8Weight

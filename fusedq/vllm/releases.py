@@ -10,11 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from keyword import iskeyword
 
-from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE
-
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
-# (qk_nope, qk_rope, kv_lora) a layer must have for the fused op to serve it.
-GEOMETRY = (QK_NOPE, QK_ROPE, KV_LORA)
 # The query-side block of MLAAttention.forward_impl this plugin nests under its fallback:
 # from the first line to the last (inclusive), dedented. Both lines are the same in every
 # release read so far; what sits around the block differs (see RELEASES).

@@ -7,10 +7,7 @@ import logging
 import os
 import threading
 
-# The plugin's switch (a server's environment): unset or "auto" uses the fused query where it
-# qualifies, "0" leaves vLLM untouched, "1" makes a layer that cannot use it a start-up error.
-MODE_ENV = "FUSEDQ_MLA_QUERY"
-MODES = ("auto", "0", "1")
+from fusedq.contract import DISABLED_LINE, ENABLED_LINE, MODE_ENV, MODES
 
 logger = logging.getLogger("vllm.fusedq")  # under vLLM's logger: its handler and format
 
@@ -63,13 +60,13 @@ def enabled_line(num_heads: int, fmt: str, prewarmed: str, pdl: bool, query: str
     # import): a run's server log then says which launch mode a measurement ran under. query
     # is the QUERY_FORMS name the backend is handed (a tensor, or the pair of views).
     return (
-        f"fusedq: fused MLA query enabled (heads={num_heads}, format={fmt}, query={query}, "
+        f"{ENABLED_LINE} (heads={num_heads}, format={fmt}, query={query}, "
         f"prewarmed M={prewarmed}, pdl={'on' if pdl else 'off'})"
     )
 
 
 def disabled_line(reason: str) -> str:
-    return f"fusedq: fused MLA query disabled: {reason}"
+    return f"{DISABLED_LINE}: {reason}"
 
 
 def report_line() -> str | None:

@@ -6,12 +6,10 @@ from __future__ import annotations
 import os
 import threading
 
+from fusedq.contract import DECODE_PATHS
 from fusedq.vllm import releases
 from fusedq.vllm.layer_plan import PLAN_ATTR, prewarm_layer, set_up_layers
 from fusedq.vllm.report import MODE_ENV, disabled_line, logger, worker_report
-
-# The decode paths a server's workers switch between: vLLM's own block, or the fused op.
-DECODE_PATHS = ("staged", "fused")
 
 
 class FusedqInactiveError(RuntimeError):

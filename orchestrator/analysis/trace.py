@@ -21,7 +21,7 @@ The query-step rule. A decode layer runs, on one stream (or CPU thread), its pro
 query step, then the decode attention. The attention kernel is the anchor: between one
 attention and the next lies one layer's work. In that window the query step is
 
-- fused: the fusedq kernel (names from fusedq/limits.py: its Triton kernels, its custom op);
+- fused: the fusedq kernel (names from fusedq/contract.py: its Triton kernels, its custom op);
 - staged, when no fused event is in the window: the last GEMM before the attention (W_UK_T's
   ``bmm``; the projections' GEMMs come earlier) plus the concat events after it (``cat``, or
   the concat-quant kernel for an FP8 query). A backend that takes the query as a (nope, pe)
@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusedq import contract
 from orchestrator.common import safe_io
-from orchestrator.common.fusedq_files import limits
 from orchestrator.common.safe_io import MAX_JSON_DEPTH
 from orchestrator.results.profile_figures import KernelTotal, QueryStep, TraceFigures
 
@@ -125,8 +125,8 @@ class QueryRule:
     fused: re.Pattern[str] = field(
         default_factory=lambda: _any(
             # Not \b: the CuTe symbol has the name between underscores.
-            *(rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])" for n in limits.KERNEL_NAMES),
-            re.escape(limits.OP_NAME),
+            *(rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])" for n in contract.KERNEL_NAMES),
+            re.escape(contract.OP_NAME),
         )
     )
     attention: re.Pattern[str] = field(default_factory=lambda: _any(*ATTENTION_NAMES))

@@ -33,8 +33,8 @@ from typing import Any
 
 import yaml
 
+from fusedq import contract
 from orchestrator.cluster.gpucheck_worker import MARKER
-from orchestrator.common.fusedq_files import limits
 from orchestrator.common.mdtable import md_table
 
 DEFAULT_TPS = (1, 2, 4, 8)
@@ -71,7 +71,7 @@ def bench_heads(tp: int, heads: int) -> tuple[list[int], str | None]:
     TP6 and TP4 of 64 heads); a smaller bundle benchmarks the TP8 and TP4 shapes instead (the
     smallest and the largest qualified: 11 is TP6's padded count, between them).
     """
-    qualified = limits.QUALIFIED_HEADS
+    qualified = contract.QUALIFIED_HEADS
     per_rank = -(-heads // tp)
     if per_rank in qualified:
         return [per_rank], None
@@ -461,7 +461,7 @@ def _dcp_cell(dcp: dict[str, Any] | None) -> str:
     )
     return (
         f"{'equal' if dcp['ok'] else 'MISMATCH'} ({dcp['world']} ranks, "
-        f"[{dcp['M']}, {dcp['H_local'] * dcp['world']}, {limits.QUERY_WIDTH}], max |Δ| {worst:.3g})"
+        f"[{dcp['M']}, {dcp['H_local'] * dcp['world']}, {contract.QUERY_WIDTH}], max |Δ| {worst:.3g})"
     )
 
 

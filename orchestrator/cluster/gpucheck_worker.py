@@ -28,12 +28,12 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from orchestrator.common.fusedq_files import limits
+from fusedq import contract
 from orchestrator.common.probes import gpu_bus_ids
 
 MARKER = "GPUCHECK-RESULT "
 # vLLM's MLA decode shapes: 192 nope + 64 rope dims in, 512 latent + 64 rope out.
-P, R, L = limits.QK_NOPE, limits.QK_ROPE, limits.KV_LORA
+P, R, L = contract.QK_NOPE, contract.QK_ROPE, contract.KV_LORA
 
 
 def device_report() -> dict[str, Any]:

@@ -95,7 +95,7 @@ def gpu_bus_ids(runner: Runner | None = None) -> dict[str, str]:
 def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
     """Commit and dirtiness of the checkout the orchestrator (and the fusedq it ships) runs from
     (one home: fusedq/provenance.py, read without importing torch)."""
-    from orchestrator.common.fusedq_files import provenance
+    from fusedq import provenance
 
     return provenance.git_commit(root)
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator.common.fusedq_files import limits
+from fusedq import contract
 from orchestrator.common.layout import case_slug
 from orchestrator.config.axes import ModelSpec, VariantSpec
 from orchestrator.config.schema import Matrix
@@ -66,7 +66,7 @@ class Case:
             "mtp": self.mtp,
             "variant": self.variant.name,
             "heads_per_rank": self.heads_per_rank,
-            "fusedq_qualified_heads": self.heads_per_rank in limits.QUALIFIED_HEADS,
+            "fusedq_qualified_heads": self.heads_per_rank in contract.QUALIFIED_HEADS,
             "args": list(self.args),
             "env": dict(self.env),
             **({"mtp_acceptance": self.mtp_acceptance} if self.mtp_acceptance is not None else {}),

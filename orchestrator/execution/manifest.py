@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fusedq import provenance
 from orchestrator.common import probes
-from orchestrator.common.fusedq_files import provenance
 from orchestrator.common.redact import redact_argv
 from orchestrator.config.expand import Case
 from orchestrator.config.schema import Matrix

@@ -58,6 +58,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fusedq import contract
 from orchestrator.models import tinymodel
 
 # Bump when the files written change in a way the spec hash does not capture.
@@ -73,10 +74,12 @@ GLM5: dict[str, Any] = {
     "num_attention_heads": 64,
     "num_key_value_heads": 64,
     "q_lora_rank": 2048,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 192,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 256,
+    # The MLA widths: fusedq's geometry row for GLM-5 (the published values, checked by the
+    # fixture's test).
+    "kv_lora_rank": contract.GLM5.kv_lora,
+    "qk_nope_head_dim": contract.GLM5.qk_nope,
+    "qk_rope_head_dim": contract.GLM5.qk_rope,
+    "v_head_dim": contract.GLM5.v_head,
     "intermediate_size": 12288,
     "moe_intermediate_size": 2048,
     "n_routed_experts": 256,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.common.fusedq_files import limits
+from fusedq import contract
 
 # Bump when the files written change in a way the config hash does not capture, so old
 # caches are not reused.
@@ -52,9 +52,9 @@ ARCH: dict[str, Any] = {
     "num_key_value_heads": 8,
     "q_lora_rank": 128,
     # The fused query's geometry: these models exist to serve it.
-    "kv_lora_rank": limits.KV_LORA,
-    "qk_rope_head_dim": limits.QK_ROPE,
-    "qk_nope_head_dim": limits.QK_NOPE,
+    "kv_lora_rank": contract.KV_LORA,
+    "qk_rope_head_dim": contract.QK_ROPE,
+    "qk_nope_head_dim": contract.QK_NOPE,
     "v_head_dim": 128,
     # Dense MLP in every layer (first_k_dense_replace past the MTP layer's index): the
     # attention path is what the project measures, and dense keeps the CPU build on its

@@ -4,7 +4,7 @@ Head counts alone do not decide it. The fusedq vLLM plugin (fusedq/vllm/) declin
 per worker, where the kernel cannot run, and the server then serves vLLM's staged path:
 
 - ``FUSEDQ_MLA_QUERY=0``: the plugin is off (a staged variant, by choice);
-- a head count per rank outside fusedq's qualified ones (fusedq/limits.py); with
+- a head count per rank outside fusedq's qualified ones (fusedq/contract.py); with
   ``FUSEDQ_MLA_QUERY=1`` (required) the server refuses to start instead;
 - on CPU, a worker without ``TRITON_INTERPRET=1``: CPU tensors run the kernel only in
   Triton's interpreter. The variable comes from the case's env, else the environment the
@@ -20,10 +20,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from orchestrator.common.fusedq_files import limits
+from fusedq import contract
 from orchestrator.config.expand import Case
 
-MODE_ENV = "FUSEDQ_MLA_QUERY"  # fusedq/vllm/report.py's switch: auto (unset), 0, 1
+MODE_ENV = contract.MODE_ENV  # the plugin's switch: auto (unset), 0, 1
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 
@@ -43,8 +43,8 @@ def fused_plan(case: Case, accelerator: str, environ: Mapping[str, str] = os.env
     if mode == "0":
         return FusedPlan(False, f"staged: {MODE_ENV}=0")
     heads = case.heads_per_rank
-    if heads not in limits.QUALIFIED_HEADS:
-        qualified = ", ".join(map(str, limits.QUALIFIED_HEADS))
+    if heads not in contract.QUALIFIED_HEADS:
+        qualified = ", ".join(map(str, contract.QUALIFIED_HEADS))
         why = f"staged: {heads} heads per rank (qualified: {qualified})"
         if mode == "1":
             why = f"fails: {MODE_ENV}=1 and {heads} heads per rank (qualified: {qualified})"

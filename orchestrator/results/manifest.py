@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from orchestrator.common.fusedq_files import provenance as _provenance
+from fusedq import provenance as _provenance
 from orchestrator.results.record import Record
 
 __all__ = ["RunManifest"]

@@ -203,7 +203,7 @@ def test_a_profiled_call_is_named_in_the_trace_once(device):
     # that used to record it. Found by the profile phase's CPU e2e test.
     from torch.profiler import ProfilerActivity, profile
 
-    from fusedq.limits import OP_NAME
+    from fusedq.contract import OP_NAME
 
     gen = torch.Generator().manual_seed(11)
     w = make_weight(8, "vllm", device, gen)

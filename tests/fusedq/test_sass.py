@@ -91,7 +91,7 @@ from triton.compiler import ASTSource
 from fusedq.kernels import common
 from fusedq.kernels import gluon_mla_query as g
 from fusedq.kernels import triton_mla_query as t
-from fusedq.limits import KV_LORA, QK_NOPE, QK_ROPE
+from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE
 from fusedq.selection import launch_config
 out, done = Path(sys.argv[1]), {}
 fence = json.loads(sys.argv[2])  # None: each variant's own (LaunchConfig.fence)

@@ -32,6 +32,7 @@ from tiny_vllm import (
     vllm_server,
 )
 
+from fusedq import contract
 from fusedq.vllm import layer_plan, patch, report, switch, worker_ext
 from fusedq.vllm.worker_ext import FusedqWorkerExtension
 
@@ -150,6 +151,14 @@ def test_set_path_refuses_a_runner_it_cannot_recapture(mla, monkeypatch):
     with pytest.raises(NotImplementedError, match="only vLLM's V1 GPU model runner"):
         FusedqWorkerExtension.fusedq_set_path(worker, "staged")
     assert switch.current_path() == "fused"
+
+
+def test_the_rpc_names_the_orchestrator_calls_are_the_extensions_methods():
+    """The orchestrator calls the methods by their names in fusedq.contract; a rename on
+    either side would fail every switch-mode run at its first flip."""
+    for name in (contract.RPC_SET_PATH, contract.RPC_STATE):
+        assert callable(getattr(FusedqWorkerExtension, name, None)), name
+    assert switch.DECODE_PATHS == contract.DECODE_PATHS
 
 
 # --- end to end: a real server flipped over /collective_rpc ---------------------------------

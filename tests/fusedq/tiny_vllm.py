@@ -23,6 +23,8 @@ from pathlib import Path
 import lanes
 import torch
 
+from fusedq import contract
+
 PROMPT = [5, 17, 99, 123, 7, 300, 42, 8, 1000, 64, 11, 512]
 MAX_TOKENS = 16
 # Greedy tokens must match the staged run exactly; when bf16 rounding (fp32 accumulation
@@ -30,8 +32,8 @@ MAX_TOKENS = 16
 # diverge, so the fallback check is on the first divergent step's chosen-token logprobs:
 # both runs' top-1 logprobs there must agree within this many nats (a tie, not a bug).
 LOGPROB_TOL = 0.02
-ENABLED = "fusedq: fused MLA query enabled ("
-DISABLED = "fusedq: fused MLA query disabled: "
+ENABLED = f"{contract.ENABLED_LINE} ("
+DISABLED = f"{contract.DISABLED_LINE}: "
 FIRST_USE = "fusedq: first fused MLA decode query"
 # A test's set-up may start two servers (25-50 s each on a 2-core machine, minutes when it is
 # busy or half as fast) and decode in Triton's interpreter (~0.1-1 s a layer and step).

@@ -137,7 +137,7 @@ def test_the_orchestrators_subpackages_form_no_cycle() -> None:
 
 
 def test_fusedq_has_no_import_cycle() -> None:
-    """Its kernel modules import fusedq.kernels.common and fusedq.limits, never each other;
+    """Its kernel modules import fusedq.kernels.common and fusedq.contract, never each other;
     neither fusedq nor its bench has a cycle, module by module or through subpackages."""
     graph = import_graph(FUSEDQ)
     assert "fusedq.kernels.gluon_mla_query" in graph
@@ -150,7 +150,7 @@ def test_fusedq_has_no_import_cycle() -> None:
     kernels = {"triton_mla_query", "gluon_mla_query", "cute_mla_query"}
     for kernel in kernels:
         deps = {d.rpartition(".")[2] for d in graph[f"fusedq.kernels.{kernel}"]}
-        assert deps <= {"common", "limits"}, (kernel, deps)
+        assert deps <= {"common", "contract"}, (kernel, deps)
 
 
 def test_no_import_cycle_across_fusedq_and_the_orchestrator() -> None:
@@ -350,3 +350,45 @@ def test_each_step_imports_only_the_steps_before_it() -> None:
         and LAYERS.index(dep.split(".")[1]) > LAYERS.index(node.split(".")[1])
     ]
     assert upward == []
+
+
+# What fusedq.contract may import: it is read where torch is absent or too slow to load.
+CONTRACT_IMPORTS = {"__future__", "dataclasses"}
+
+
+def _top_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else (node.module or "").partition(".")[0])
+    return names
+
+
+def test_fusedq_contract_imports_only_the_standard_library() -> None:
+    assert _top_imports(FUSEDQ / "contract.py") <= CONTRACT_IMPORTS
+
+
+def test_fusedq_contract_loads_without_torch() -> None:
+    """In a fresh interpreter, ``import fusedq.contract`` (through fusedq's lazy __init__)
+    and the orchestrator's planning path leave torch and Triton unloaded."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, fusedq.contract, fusedq.provenance, orchestrator.cli, "
+        "orchestrator.plan.render, orchestrator.config.expand\n"
+        "print(sorted(m for m in ('torch', 'triton', 'vllm') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_import_check_sees_a_torch_import(tmp_path: Path) -> None:
+    module = tmp_path / "contract.py"
+    module.write_text("from __future__ import annotations\ndef f():\n    import torch\n")
+    assert "torch" in _top_imports(module)

@@ -225,7 +225,7 @@ def test_fusedq_names_are_the_real_ones():
     """The names the rule matches are those of the kernels and op fusedq really has."""
     pytest.importorskip("triton")
     import fusedq.ops  # noqa: F401  (registers the custom ops)
-    from fusedq import limits
+    from fusedq import contract
     from fusedq.kernels import gluon_mla_query as g
     from fusedq.kernels import triton_mla_query as k
 
@@ -233,16 +233,16 @@ def test_fusedq_names_are_the_real_ones():
     if g.AVAILABLE:
         names |= {g.kernel_for_operands(op).fn.__name__ for op in g.OPERANDS}
     else:  # (a Triton without Gluon: the names stay in the list for traces from elsewhere)
-        names |= {n for n in limits.KERNEL_NAMES if "gluon" in n}
+        names |= {n for n in contract.KERNEL_NAMES if "gluon" in n}
     # The CuTe DSL kernel (nvidia-cutlass-dsl is optional): its @cute.kernel function
     source = Path(k.__file__).with_name("cute_mla_query.py").read_text()
     cute = re.findall(r"@cute\.kernel\s+def (\w+)\(", source)
     assert len(cute) == 1
     names.add(cute[0])
-    assert names == set(limits.KERNEL_NAMES)
+    assert names == set(contract.KERNEL_NAMES)
     import torch
 
-    ns, name = limits.OP_NAME.split("::")
+    ns, name = contract.OP_NAME.split("::")
     assert hasattr(getattr(torch.ops, ns), name)
 
 

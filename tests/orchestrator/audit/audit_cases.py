@@ -7,13 +7,14 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from fusedq import contract
 from orchestrator import audit
 from orchestrator.audit import AuditResult, audit_logs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "audit"
 REPO = Path(__file__).resolve().parents[3]
 PREFILTERS = ["python", "grep"] if audit.grep_binary() else ["python"]
-FUSEDQ = "fusedq: fused MLA query enabled"
+FUSEDQ = contract.ENABLED_LINE
 
 
 def _corpus(name: str) -> list[str]:
