@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from orchestrator.common import layout
+
 if TYPE_CHECKING:
     from orchestrator.execution.runner import RunSummary
 
@@ -161,7 +163,7 @@ def _print_interrupted(exc: KeyboardInterrupt) -> None:
     if not isinstance(exc, RunInterrupted):
         typer.echo("orchestrator: interrupted", err=True)
         return
-    if exc.run_dir is not None and (exc.run_dir / "manifest.json").is_file():
+    if exc.run_dir is not None and (exc.run_dir / layout.MANIFEST).is_file():
         _print_summary(exc.run_dir)
     for line in exc.lines():
         typer.echo(f"orchestrator: {line}", err=True)
@@ -171,7 +173,7 @@ def _print_outcome(summary: RunSummary) -> None:
     """Where the run went, what it skipped, its closing table, and each failed case's reason."""
     from orchestrator.common.mdtable import plain_text
 
-    report = summary.run_dir / "report.md"
+    report = summary.run_dir / layout.REPORT_MD
     typer.echo(f"run directory: {summary.run_dir}")
     typer.echo(f"report: {report}")
     if summary.skipped:
@@ -311,7 +313,7 @@ def report(
         write_reports(store)
     except StoreError as exc:
         raise _fail(str(exc)) from None
-    typer.echo((store.root / "report.md").read_text())
+    typer.echo((store.root / layout.REPORT_MD).read_text())
 
 
 def _warn_torn(store: Any) -> None:

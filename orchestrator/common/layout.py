@@ -3,7 +3,8 @@
 Stdlib only: the audit reads run directories too, and must not load pydantic (which
 orchestrator.results.store, the owner of the directory, does).
 
-    manifest.json, results.jsonl, orchestrator.log
+    manifest.json, results.jsonl, orchestrator.log, overhead.json, corrections.json
+    report.md, report.json, report.html, junit.xml
     cases/<slug>/server.log, audit.json, requests-<workload>.jsonl, interrupted.json
 """
 
@@ -13,6 +14,13 @@ import re
 
 MANIFEST = "manifest.json"
 RESULTS = "results.jsonl"
+RUN_LOG = "orchestrator.log"  # the run's own log (orchestrator.execution.runner)
+OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (reports.write_reports)
+CORRECTIONS = "corrections.json"  # figures found wrong after the run (results.corrections)
+REPORT_MD = "report.md"
+REPORT_JSON = "report.json"
+REPORT_HTML = "report.html"
+JUNIT = "junit.xml"
 CASES = "cases"
 SERVER_LOG = "server.log"
 AUDIT_RECORD = "audit.json"

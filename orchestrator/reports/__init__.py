@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.results.recorded_run import OVERHEAD, Overhead, Run
+from orchestrator.common.layout import OVERHEAD, REPORT_JSON, REPORT_MD
+from orchestrator.results.recorded_run import Overhead, Run
 from orchestrator.results.store import RunStore, write_json_atomic, write_text_atomic
 
 
@@ -47,8 +48,8 @@ def write_reports(
             figures = Overhead(overhead)
         write_json_atomic(saved, figures.to_dict())
     run = Run.load(store)
-    write_text_atomic(store.root / "report.md", render_markdown(run))
-    write_json_atomic(store.root / "report.json", render_json(run))
+    write_text_atomic(store.root / REPORT_MD, render_markdown(run))
+    write_json_atomic(store.root / REPORT_JSON, render_json(run))
     write_html(run)
     write_junit(run)
     return run

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from markupsafe import Markup
 
+from orchestrator.common.layout import REPORT_HTML
 from orchestrator.reports.measures import STATS_NOTE, bursty
 from orchestrator.reports.run import (
     LATENCY_NOTE,
@@ -50,7 +51,6 @@ from orchestrator.results.store import write_text_atomic
 if TYPE_CHECKING:
     from orchestrator.analysis.compare import Comparison
 
-HTML_NAME = "report.html"
 
 # Tableau 10: distinguishable for the common colour-vision deficiencies and in greyscale print.
 PALETTE = (
@@ -497,6 +497,6 @@ def write_html(
     comparison: Comparison | None = None,
 ) -> Path:
     """(Re)write report.html in the run directory and return its path."""
-    path = run.root / HTML_NAME
+    path = run.root / REPORT_HTML
     write_text_atomic(path, render_html(run, history, comparison))
     return path

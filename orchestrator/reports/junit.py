@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.common.layout import JUNIT
 from orchestrator.reports.measures import LATENCIES, fmt_ms, fmt_n, stat, totals
 from orchestrator.results.recorded_run import Run, WorkloadDef, workload_defs
 from orchestrator.results.rows import CaseResult
@@ -28,7 +29,6 @@ from orchestrator.results.stored_audit import Finding
 if TYPE_CHECKING:
     from orchestrator.analysis.compare import Comparison
 
-JUNIT_NAME = "junit.xml"
 # Dashboards show the message attribute in one line; the full text is in the element body.
 MAX_MESSAGE_CHARS = 300
 
@@ -172,6 +172,6 @@ def render_junit(run: Run, comparison: Comparison | None = None) -> str:
 
 def write_junit(run: Run, comparison: Comparison | None = None) -> Path:
     """(Re)write junit.xml in the run directory and return its path."""
-    path = run.root / JUNIT_NAME
+    path = run.root / JUNIT
     write_text_atomic(path, render_junit(run, comparison))
     return path

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from orchestrator.common.layout import CORRECTIONS
 from orchestrator.common.mdtable import md_code, md_table, md_text, plain_text
 from orchestrator.common.wording import plural
 from orchestrator.reports.measures import STATS_NOTE, bursty
@@ -26,7 +27,7 @@ from orchestrator.reports.run import (
 )
 from orchestrator.reports.serving import acceptance_section, startup_section
 from orchestrator.reports.summary import latency_table, totals_table
-from orchestrator.results.corrections import CORRECTIONS, Correction
+from orchestrator.results.corrections import Correction
 from orchestrator.results.recorded_run import Run, workload_defs
 
 # Findings listed in report.md; the rest are in each case's audit.json.

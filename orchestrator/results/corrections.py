@@ -21,8 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator.common import safe_io
-
-CORRECTIONS = "corrections.json"
+from orchestrator.common.layout import CORRECTIONS
 
 
 class CorrectionsError(ValueError):

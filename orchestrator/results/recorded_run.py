@@ -19,13 +19,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator.common import safe_io
-from orchestrator.common.layout import MANIFEST
+from orchestrator.common.layout import MANIFEST, OVERHEAD
 from orchestrator.results import corrections
 from orchestrator.results.manifest import RunManifest
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore, StoreError
 
-OVERHEAD = "overhead.json"  # each attempt's wall and overhead figures (see reports.write_reports)
 # What every attempt's figures hold (runner._Attempt._finish writes them).
 OVERHEAD_FIGURES = ("wall_s", "startup_and_measured_s", "overhead_s", "overhead_pct")
 
