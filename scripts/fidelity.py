@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator.analysis.stats import Interval, t_interval  # noqa: E402
 from orchestrator.client.workload import WorkloadParams, run_workload  # noqa: E402
+from orchestrator.common.net import free_port  # noqa: E402
 from orchestrator.engines.vllm import server as eng  # noqa: E402
 
 EXIT = {"PASS": 0, "FAIL": 1, "inconclusive": 3}
@@ -179,7 +180,7 @@ def main() -> int:
     url = a.base_url
     try:
         if url is None:
-            port = eng.free_port("127.0.0.1")
+            port = free_port("127.0.0.1")
             argv = eng.serve_argv(
                 model,
                 tp=1,

@@ -1,8 +1,9 @@
 """Ray placement of servers: one placement group and one server actor per case.
 
 The actor (orchestrator.cluster.server_actor) runs on the node Ray chose, inside the bundle's
-GPUs (Ray sets CUDA_VISIBLE_DEVICES for it), starts `vllm serve` there as its own process
-group, and keeps the server's log. fusedq travels to every worker through the Ray runtime
+GPUs (Ray sets CUDA_VISIBLE_DEVICES for it), starts the server there as its own process
+group (through the matrix's engine, orchestrator.engines: `vllm serve`), and keeps the
+server's log. fusedq travels to every worker through the Ray runtime
 environment (`py_modules`, orchestrator.cluster.ship), so the server runs the driver's fusedq;
 the actor reports a fingerprint of the copy it sees, and the driver checks it against its own.
 
@@ -34,8 +35,11 @@ from orchestrator.cluster.leftovers import NODE_ENV
 from orchestrator.cluster.server_actor import ServerActor
 from orchestrator.cluster.ship import new_stage, package_dir, tree_fingerprint, write_dist_info
 from orchestrator.common import processes, safe_io
+from orchestrator.common.net import is_loopback
+from orchestrator.common.processes import describe_exit
 from orchestrator.config.expand import Case
 from orchestrator.config.schema import Matrix
+from orchestrator.engines import engine_for
 
 # Ray's default object store takes 30% of RAM; the orchestrator moves only small dicts through it,
 # and every GiB it holds is a GiB a CPU vLLM server cannot have.
@@ -60,8 +64,6 @@ def ray_address_for(matrix: Matrix, explicit: str | None = None) -> str | None:
 
 
 def _loopback_address(address: str) -> bool:
-    from orchestrator.engines.vllm.server import is_loopback
-
     host = address.rpartition(":")[0] if ":" in address else address
     return is_loopback(host.strip("[]"))
 
@@ -107,6 +109,8 @@ class Launcher:
         local_gpus: int | None = None,
     ) -> None:
         self.matrix = matrix
+        # What the servers are (orchestrator.engines); each server actor gets a copy.
+        self.engine = engine_for(matrix.engine.kind)
         # GPUs a local Ray declares (None: Ray counts them). Declaring some on a machine without
         # any lets placement and CUDA_VISIBLE_DEVICES bookkeeping be tested on CPU.
         self.local_gpus = local_gpus
@@ -273,7 +277,7 @@ class Launcher:
             "num_cpus": bundle.get("CPU", 0.0) if "GPU" not in bundle else 1.0,
             "num_gpus": bundle.get("GPU", 0.0),
         }
-        actor = self._actor_cls.options(**opts).remote()
+        actor = self._actor_cls.options(**opts).remote(self.engine)
         handle = ServerHandle(case=case, actor=actor, placement_group=pg)
         self.handles.append(handle)
         try:
@@ -310,8 +314,6 @@ class Launcher:
 
     def bind_host(self, handle: ServerHandle) -> str:
         """The address the server binds: the matrix's host, with `node` resolved."""
-        from orchestrator.engines.vllm.server import is_loopback
-
         host = self.matrix.host
         if host == NODE_HOST:
             return handle.info["node_ip"]
@@ -328,16 +330,14 @@ class Launcher:
         self, handle: ServerHandle, argv_for_port: Any, env: Mapping[str, str], log_path: Path
     ) -> None:
         """Pick a free port on the node, build argv for it (`argv_for_port(port, host)`),
-        start `vllm serve` there; on another node, in a case directory of that node's own."""
-        from orchestrator.engines.vllm.server import host_ip_env, run_dir_env
-
+        start the server there; on another node, in a case directory of that node's own."""
         ray = self._ray
         host = self.bind_host(handle)
         env = dict(env)
         env[NODE_ENV] = handle.info["node_id"]
         if self.matrix.host == NODE_HOST:
             # What serve_env does for an address named in the matrix (the matrix's env wins).
-            env.update({k: v for k, v in host_ip_env(host).items() if k not in env})
+            env.update({k: v for k, v in self.engine.host_env(host).items() if k not in env})
         rebase = None
         node_log = Path(log_path)
         if self.is_remote(handle):
@@ -348,7 +348,7 @@ class Launcher:
             own = ray.get(handle.actor.case_dir.remote(f"orch-case-{digest[:12]}"), timeout=60)
             node_log = Path(own) / Path(log_path).name
             # The run-directory variables serve_env set (those the matrix set itself stay).
-            rebase = [k for k, v in run_dir_env(run_dir).items() if env.get(k) == v]
+            rebase = [k for k, v in self.engine.run_dir_env(run_dir).items() if env.get(k) == v]
             handle.mirror = Path(log_path)
             handle.mirrored = 0
             handle.info["node_case_dir"] = own
@@ -416,8 +416,6 @@ class Launcher:
 
     def describe_end(self, handle: ServerHandle | None) -> str:
         """How a server that stopped serving ended: its exit, or the loss of its node."""
-        from orchestrator.engines.vllm.server import describe_exit
-
         if handle is None:
             return "server process exited"
         code = self.exit_code(handle)
@@ -537,8 +535,6 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_local_ip(ip: str) -> bool:
-    from orchestrator.engines.vllm.server import is_loopback
-
     if is_loopback(ip):
         return True
     try:

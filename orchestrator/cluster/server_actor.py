@@ -1,4 +1,4 @@
-"""The server actor: lives on the node Ray chose and owns one `vllm serve` process group.
+"""The server actor: lives on the node Ray chose and owns one server's process group.
 
 Wrapped by `ray.remote` in `orchestrator.cluster.launch.Launcher`, which places it inside a
 case's bundle (Ray sets CUDA_VISIBLE_DEVICES for it). Ray loads the class by reference on
@@ -21,20 +21,24 @@ from typing import Any
 
 from orchestrator.cluster.ship import probe_server_view
 from orchestrator.common import safe_io
+from orchestrator.common.net import free_port
 from orchestrator.config.policy import RAY_WORKER_ENV
+from orchestrator.engines import Engine
 
 # One read of a log or file from a node's actor.
 _CHUNK = 1 << 20
 
 
 class ServerActor:
-    """Lives on the chosen node; owns one `vllm serve` process group. (Wrapped by ray.remote.)"""
+    """Lives on the chosen node; owns one server's process group, which `engine` (a pickled
+    copy of the run's, orchestrator.engines) starts and stops. (Wrapped by ray.remote.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.proc: Any = None
         self.log_path: Path | None = None
         self.own_dir: Path | None = None
-        self.stand_ins: list[Path] = []  # a short TMPDIR beside it (run_dir_env)
+        self.stand_ins: list[Path] = []  # a short TMPDIR beside it (Engine.run_dir_env)
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -54,8 +58,6 @@ class ServerActor:
         return probe_server_view()
 
     def free_port(self, host: str) -> int:
-        from orchestrator.engines.vllm.server import free_port
-
         return free_port(host)
 
     def missing_paths(self, paths: list[str]) -> list[str]:
@@ -75,8 +77,6 @@ class ServerActor:
         log_path: str,
         rebase: list[str] | None = None,
     ) -> int:
-        from orchestrator.engines.vllm.server import run_dir_env, start_server
-
         # The actor's own environment carries what Ray set up (CUDA_VISIBLE_DEVICES for the
         # bundle's GPUs, PYTHONPATH for py_modules); the case adds to it, never replaces those.
         env = {**os.environ, **env_overrides}
@@ -93,7 +93,7 @@ class ServerActor:
         if rebase:
             # Caches and temp files in this node's case directory, as the driver's would be in
             # its own (worked out here: a short TMPDIR stand-in depends on this node's /tmp).
-            own = run_dir_env(self.log_path.parent)
+            own = self.engine.run_dir_env(self.log_path.parent)
             env.update({key: own[key] for key in rebase})
             self.stand_ins = [
                 Path(own[k])
@@ -101,7 +101,7 @@ class ServerActor:
                 if not Path(own[k]).is_relative_to(self.log_path.parent)
             ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = start_server(argv, env, self.log_path)
+        self.proc = self.engine.start(argv, env, self.log_path)
         return self.proc.pid
 
     def poll(self) -> int | None:
@@ -116,12 +116,10 @@ class ServerActor:
     def files(self) -> list[str]:
         """Files the server left in its case directory here (a profiler's traces, say), as
         paths relative to it: not its log, and nothing of its caches and temp directory."""
-        from orchestrator.engines.vllm.server import run_dir_env
-
         if self.log_path is None or not self.log_path.parent.is_dir():
             return []
         root = self.log_path.parent
-        skip = {Path(d) for d in run_dir_env(root).values()}
+        skip = {Path(d) for d in self.engine.run_dir_env(root).values()}
         found = []
         for dirpath, dirnames, filenames in os.walk(root):
             here = Path(dirpath)
@@ -156,11 +154,9 @@ class ServerActor:
                 shutil.rmtree(d, ignore_errors=True)
 
     def stop(self, grace_s: float) -> int | None:
-        from orchestrator.engines.vllm.server import stop_server
-
         if self.proc is None:
             return None
-        return stop_server(self.proc, grace_s=grace_s)
+        return self.engine.stop(self.proc, grace_s=grace_s)
 
     def read_log(self, offset: int, max_bytes: int = _CHUNK) -> bytes:
         if self.log_path is None or not self.log_path.exists():

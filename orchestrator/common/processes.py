@@ -1,4 +1,5 @@
-"""Process control: is a process (or a process group) alive, signal it, stop it for good.
+"""Process control: is a process (or a process group) alive, signal it, stop it for good,
+say how it ended.
 
 Servers and the processes of crashed runs are stopped the same way (``stop``): SIGTERM, then
 SIGCONT so a stopped process can act on it, a grace period, then SIGKILL and a short wait for
@@ -70,6 +71,18 @@ def descendants(pid: int) -> list[int]:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def describe_exit(code: int | None) -> str:
+    """`exited with code 3`, `killed by SIGKILL`, or `exited` when the code is unknown."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def wait_until(done: Callable[[], bool], timeout_s: float, poll_s: float) -> bool:

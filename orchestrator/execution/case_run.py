@@ -6,8 +6,8 @@
 server case; what it measures once ready, and which rows it makes of its own, is the unit's
 ``Measuring`` (orchestrator.execution.measure's for a case of its own,
 orchestrator.execution.switch's for a switch server). Each step is a call into the module
-that owns it (launch for Ray, engines.vllm for the server, workload for the client, audit for
-the logs); this class sequences them, keeps their time, and turns what went wrong into the
+that owns it (launch for Ray, the matrix's engine for the server: orchestrator.engines,
+workload for the client, audit for the logs); this class sequences them, keeps their time, and turns what went wrong into the
 case's reason, leading with the root cause the audit found.
 """
 
@@ -31,6 +31,7 @@ from orchestrator.client.workload import (
     run_workload,
 )
 from orchestrator.cluster.leftovers import run_env
+from orchestrator.common.processes import describe_exit
 from orchestrator.common.redact import redact, redact_argv, redact_file
 from orchestrator.config.expand import Case
 from orchestrator.config.schema import (
@@ -38,18 +39,7 @@ from orchestrator.config.schema import (
     WARMUP_PROMPT_TOKENS,
     Matrix,
 )
-from orchestrator.engines.vllm import compile_cache
-from orchestrator.engines.vllm.server import (
-    ServerStartError,
-    api_key,
-    describe_exit,
-    is_port_clash,
-    log_tail,
-    serve_argv,
-    serve_env,
-    wait_ready,
-)
-from orchestrator.engines.vllm.startup import read_startup
+from orchestrator.engines import ServerStartError, engine_for, log_tail
 from orchestrator.execution.progress import STOPPING
 from orchestrator.plan.units import Unit
 from orchestrator.results.profile_figures import ProfileResult
@@ -144,6 +134,7 @@ class CaseRun:
     ) -> None:
         self.case, self.shown_as, self.measuring = unit.server, unit.shown_as, measuring
         self.matrix, self.launcher, self.store = matrix, launcher, store
+        self.engine = engine_for(matrix.engine.kind)
         self.log, self.progress, self.secrets = log, progress, secrets
         self.dir = store.case_dir(self.case.slug)
         self.server_log = self.dir / "server.log"
@@ -159,9 +150,8 @@ class CaseRun:
         self.exited_early: int | None = None  # the server's exit code if it went before the stop
         self.stop_line = 0  # the first log line written after the stop began
         self.short_tmp: Path | None = None  # a TMPDIR stand-in of ours to remove afterwards
-        # Start-up: when the process was started and /v1/models answered (epoch seconds),
-        # and the shared compile-cache folder it was given
-        # (orchestrator.engines.vllm.compile_cache).
+        # Start-up: when the process was started and the engine said it serves (epoch
+        # seconds), and the shared compile-cache folder it was given (Engine.shared_compile_cache).
         self.spawned_at: float | None = None
         self.ready_at: float | None = None
         self.compile_cache_dir: str | None = None
@@ -246,14 +236,16 @@ class CaseRun:
     def _bring_up(self) -> tuple[str, int, str | None]:
         """Place, start and warm up the case's server: (model path, vocabulary size, API key)."""
         model_path = _model_path(self.case, self.log)
-        env = serve_env({}, host=self.matrix.host, run_dir=self.dir, extra=self.case.env_dict)
+        env = self.engine.serve_env(
+            host=self.matrix.host, run_dir=self.dir, extra=self.case.env_dict
+        )
         if "TMPDIR" not in self.case.env_dict and not Path(env["TMPDIR"]).is_relative_to(self.dir):
             # serve_env gave this deep case directory a short TMPDIR stand-in (vLLM's IPC
             # socket paths are capped at 107 bytes); it is ours to remove after the case.
             self.short_tmp = Path(env["TMPDIR"])
         # The mark a later run finds a leftover of this one by (orchestrator.cluster.leftovers).
         env.update(run_env(self.store.run_id, self.case_id))
-        key = api_key(self.case.args, env)
+        key = self.engine.api_key(self.case.args, env)
         self._start(model_path, env, key, self._shared_cache_env(model_path))
         vocab = _vocab_size(model_path)
         if self.matrix.warmup_requests:
@@ -262,46 +254,36 @@ class CaseRun:
 
     def _shared_cache_env(self, model_path: str) -> dict[str, str]:
         """The compile-cache variables of this configuration's shared folder (none where the
-        matrix keeps caches per case, or sets them itself), its model-class inspections
-        linked to those of every configuration: orchestrator.engines.vllm.compile_cache."""
+        matrix keeps caches per case, or sets them itself): Engine.shared_compile_cache."""
         if self.matrix.engine.compile_cache != "shared":
             return {}
         fingerprint = getattr(self.launcher, "driver_fingerprints", {}).get("fusedq")
-        shared = compile_cache.shared_env(self.case, model_path, fingerprint)
-        if shared:
-            self.compile_cache_dir = str(
-                compile_cache.shared_dir(self.case, model_path, fingerprint)
-            )
-        if "VLLM_CACHE_ROOT" in shared:
-            compile_cache.share_model_info(Path(shared["VLLM_CACHE_ROOT"]))
+        shared, folder = self.engine.shared_compile_cache(self.case, model_path, fingerprint)
+        if folder is not None:
+            self.compile_cache_dir = str(folder)
         return shared
 
     def _start(
         self, model_path: str, env: dict[str, str], key: str | None, shared: dict[str, str]
     ) -> None:
         """Place the case and start its server until it is ready; a port lost to another
-        process before vLLM bound it costs a retry on a new port (PORT_ATTEMPTS in all).
+        process before the server bound it costs a retry on a new port (PORT_ATTEMPTS in all).
         `shared` (compile caches) applies on the driver's node only: the folder is the
         driver's, and elsewhere the launcher keeps caches in that node's case directory."""
         case, launcher = self.case, self.launcher
 
         def argv_for(port: int, host: str) -> list[str]:
-            return serve_argv(
+            return self.engine.serve_argv(
+                case,
                 model_path,
-                tp=case.tp,
-                dcp=case.dcp,
-                mtp=case.mtp,
                 host=host,
                 port=port,
-                served_name=case.model.served_name or case.model.label,
-                extra_args=list(case.args),
-                vllm_bin=_absolute_if_path(self.matrix.engine.vllm_bin),
+                executable=_absolute_if_path(self.matrix.engine.vllm_bin),
                 # The case directory of the node the server runs on (launcher.start has
                 # placed it before it asks for the argv).
                 profiler_dir=str(Path(self.handle.info["case_dir"]) / PROFILE_DIR)
                 if self.matrix.profile is not None
                 else None,
-                mtp_acceptance=case.mtp_acceptance,
             )
 
         clashes: list[int] = []
@@ -330,7 +312,7 @@ class CaseRun:
                         f"port {handle.info['port']}"
                     )
                     self.show("starting", server_log=self.server_log)
-                    waited = wait_ready(
+                    waited = self.engine.wait_ready(
                         handle.base_url,
                         timeout_s=self.matrix.timeouts.ready_s,
                         alive=lambda h=handle: launcher.alive(h),
@@ -340,7 +322,7 @@ class CaseRun:
                     )
                     self.ready_at = time.time()
             except ServerStartError as exc:
-                if attempt == PORT_ATTEMPTS or not is_port_clash(exc.log_tail):
+                if attempt == PORT_ATTEMPTS or not self.engine.is_port_clash(exc.log_tail):
                     raise
                 clashes.append(handle.info["port"])
                 self.log(
@@ -387,11 +369,12 @@ class CaseRun:
         self.warmup = {"requests": self.matrix.warmup_requests, "errors": warm.to_dict()["errors"]}
 
     def _startup(self) -> dict[str, Any] | None:
-        """The server's start-up phases from its log (orchestrator.engines.vllm.startup), once it
-        stopped."""
+        """The server's start-up phases from its log (Engine.read_startup), once it stopped."""
         if self.spawned_at is None:
             return None
-        record = read_startup(self.server_log, spawned_at=self.spawned_at, ready_at=self.ready_at)
+        record = self.engine.read_startup(
+            self.server_log, spawned_at=self.spawned_at, ready_at=self.ready_at
+        )
         if record is not None and self.compile_cache_dir is not None:
             record["compile_cache_dir"] = self.compile_cache_dir
         return record

@@ -42,7 +42,7 @@ def manifest(
         "sets": list(sets),
         "only": list(only),
         "cases": [c.to_dict() for c in cases],
-        "versions": probes.versions(_engine_version()),
+        "versions": probes.versions(_engine_version(matrix)),
         "git": probes.git_commit(),
         # The commit and fingerprints of the code that runs, even where `git` above is a
         # copied tree's stale HEAD or absent (fusedq.provenance).
@@ -54,12 +54,13 @@ def manifest(
     }
 
 
-def _engine_version() -> str:
-    """vLLM's version for the manifest, asked of its own metadata: a missing vLLM is
-    recorded, and the first case fails naming it."""
-    from orchestrator.engines.vllm.server import probe_version
+def _engine_version(matrix: Matrix) -> str:
+    """The matrix's engine's version for the manifest, asked of its own metadata
+    (Engine.probe_version): a missing engine is recorded, and the first case fails naming
+    it."""
+    from orchestrator.engines import engine_for
 
     try:
-        return probe_version()
+        return engine_for(matrix.engine.kind).probe_version()
     except Exception as exc:
         return f"unavailable: {exc}"

@@ -26,12 +26,8 @@ from orchestrator.client.workload import (
 from orchestrator.config.axes import WorkloadSpec
 from orchestrator.config.expand import Case
 from orchestrator.config.schema import Matrix
-from orchestrator.engines.vllm import server_metrics
-from orchestrator.engines.vllm.server import (
-    auth_headers,
-    profile_request,
-    synthetic_acceptance_rates,
-)
+from orchestrator.engines import spec_decode
+from orchestrator.engines.spec_decode import SpecDecodeCounters
 from orchestrator.execution.case_run import PROFILE_DIR, CaseFailed, CaseRun
 from orchestrator.plan.units import Unit
 from orchestrator.results.profile_figures import ProfileResult
@@ -74,14 +70,14 @@ class EveryWorkloadOnce:
         )
 
     def _spec_decode_seen(
-        self, run: CaseRun, before: server_metrics.SpecDecodeCounters | None, key: str | None
+        self, run: CaseRun, before: SpecDecodeCounters | None, key: str | None
     ) -> dict[str, Any] | None:
         """The acceptance a workload saw: the counters' change since `before` (as `vllm bench
         serve` reports it), with the synthetic rates configured where there are some."""
         if before is None:
             return None
-        seen = server_metrics.acceptance(
-            before, spec_decode_counters(run, key), configured=configured_acceptance(run.case)
+        seen = spec_decode.acceptance(
+            before, spec_decode_counters(run, key), configured=configured_acceptance(run)
         )
         if seen is not None:
             run.log(
@@ -156,18 +152,19 @@ def run_measured(
             raise
 
 
-def spec_decode_counters(run: CaseRun, key: str | None) -> server_metrics.SpecDecodeCounters | None:
+def spec_decode_counters(run: CaseRun, key: str | None) -> SpecDecodeCounters | None:
     """The server's speculative-decoding counters now (MTP cases only)."""
     if run.case.mtp == 0:
         return None
-    return server_metrics.read_spec_decode(run.handle.base_url, headers=auth_headers(key))
+    return run.engine.spec_decode_counters(run.handle.base_url, api_key=key)
 
 
-def configured_acceptance(case: Case) -> list[float] | None:
-    """vLLM's synthetic per-position acceptance rates the case's server was given."""
+def configured_acceptance(run: CaseRun) -> list[float] | None:
+    """The synthetic per-position acceptance rates `run`'s server was given by its engine."""
+    case = run.case
     if case.mtp_acceptance is None:
         return None
-    return synthetic_acceptance_rates(case.mtp, case.mtp_acceptance)
+    return run.engine.acceptance_rates(case.mtp, case.mtp_acceptance)
 
 
 def take_profile(
@@ -191,7 +188,7 @@ def take_profile(
     base_url = run.handle.base_url
     with run.timed("profile_s"):
         try:
-            profile_request(base_url, "start", timeout_s=timeout, api_key=key)
+            run.engine.profile_request(base_url, "start", timeout_s=timeout, api_key=key)
             profiled = run_workload(
                 base_url,
                 run.case.model.served_name or run.case.model.label,
@@ -208,7 +205,7 @@ def take_profile(
                 deadline=run.t0 + matrix.timeouts.case_s,
                 api_key=key,
             )
-            profile_request(base_url, "stop", timeout_s=timeout, api_key=key)
+            run.engine.profile_request(base_url, "stop", timeout_s=timeout, api_key=key)
         except RuntimeError as exc:
             raise CaseFailed(f"profile: {exc}") from None
         summary = profiled.to_dict()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from orchestrator.common.redact import redact_text
-from orchestrator.engines.vllm.logline import HEADER_RE, LABEL_RE, strip_ansi
+from orchestrator.engines import Engine
 from orchestrator.plan.estimate import Eta, human_s
 from orchestrator.results.rows import CaseResult
 
@@ -40,9 +40,10 @@ STOPPING = (
 )
 
 
-def last_log_line(path: Path, secrets: tuple[str, ...] = ()) -> str | None:
-    """The last non-empty line of a server log, without vLLM's prefix (a WARNING or ERROR
-    keeps its level), redacted and shortened; None when there is none yet.
+def last_log_line(path: Path, engine: Engine, secrets: tuple[str, ...] = ()) -> str | None:
+    """The last non-empty line of a server log, as `engine` quotes it (Engine.log_message:
+    vLLM's without its prefix, a WARNING or ERROR keeping its level), redacted and shortened;
+    None when there is none yet.
 
     Only the tail is read, so calling it four times a second on a log of any size is cheap.
     The log is raw while the server runs (it is redacted once the server stops), hence the
@@ -58,15 +59,9 @@ def last_log_line(path: Path, secrets: tuple[str, ...] = ()) -> str | None:
     # tqdm bars redraw with \r: the last segment of a line is what a terminal would show.
     for raw in reversed(tail.splitlines()):
         shown = [seg for seg in raw.split("\r") if seg.strip()]
-        line = strip_ansi(shown[-1] if shown else "").strip()
-        if not line:
+        line = engine.log_message(shown[-1]) if shown else None
+        if line is None:
             continue
-        label = LABEL_RE.match(line)
-        body = line[label.end() :] if label else line
-        m = HEADER_RE.match(body)
-        if m:
-            level = "" if m.group("level") in ("DEBUG", "INFO") else f"{m.group('level')} "
-            line = level + body[m.end() :]
         line = redact_text(line, secrets)
         return line if len(line) <= _LOG_LINE_CHARS else line[: _LOG_LINE_CHARS - 1] + "…"
     return None
@@ -76,8 +71,9 @@ class ProgressView:
     """The run's live status; the runner calls begin/update/finish, nothing here blocks it.
 
     The run's clock starts when the view is made (before Ray starts, which is part of the
-    run). `stream` (default stderr), `tty` (default: whether the stream is one) and `clock`
-    (default time.monotonic) are there for tests; `secrets` are scrubbed from quoted log lines.
+    run). `engine` quotes the lines of a starting server's log (last_log_line). `stream`
+    (default stderr), `tty` (default: whether the stream is one) and `clock` (default
+    time.monotonic) are there for tests; `secrets` are scrubbed from quoted log lines.
     """
 
     def __init__(
@@ -85,6 +81,7 @@ class ProgressView:
         total: int,
         done: int = 0,
         *,
+        engine: Engine,
         enabled: bool = True,
         stream: TextIO | None = None,
         tty: bool | None = None,
@@ -99,6 +96,7 @@ class ProgressView:
         self.tty = self.stream.isatty() if tty is None else tty
         self.clock = clock
         self.secrets = secrets
+        self.engine = engine
         self.eta: Eta | None = None
         self.current: str | None = None
         self.phase = ""
@@ -253,7 +251,7 @@ class ProgressView:
     def _log_part(self) -> str:
         if self.phase != "starting" or self.server_log is None:
             return ""
-        line = last_log_line(self.server_log, self.secrets)
+        line = last_log_line(self.server_log, self.engine, self.secrets)
         return f"server: {line}" if line else ""
 
     def status_line(self) -> str:

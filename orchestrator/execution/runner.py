@@ -259,6 +259,7 @@ class _Attempt:
 
     def _run(self) -> RunSummary:
         from orchestrator.cluster.launch import Launcher, ray_address_for
+        from orchestrator.engines import engine_for
         from orchestrator.execution.progress import ProgressView
 
         # On a cluster every node is scanned once Ray is joined (below); here, this machine.
@@ -271,7 +272,10 @@ class _Attempt:
                 self.store.unlock()
             raise
         view = ProgressView(
-            total=len(self.selected), enabled=self.options.progress, secrets=self.secrets
+            total=len(self.selected),
+            engine=engine_for(self.matrix.engine.kind),
+            enabled=self.options.progress,
+            secrets=self.secrets,
         )
         try:
             with (

@@ -3,13 +3,13 @@
 Instead of a server per variant and start, one `vllm serve` per topology (and ``ab.servers``
 start) serves every variant, alternating blocks of the workloads between their decode paths:
 no server-to-server noise between the blocks, and one start-up instead of 2N. The server
-loads a worker extension (vLLM's ``--worker-extension-cls``, ``ab.extension``: fusedq's
-``FusedqWorkerExtension`` by default) and runs with ``VLLM_SERVER_DEV_MODE=1``, which opens
-vLLM's dev endpoint ``POST /collective_rpc``. Before each block the orchestrator asks every
-worker to run ``fusedq_set_path(path)`` (the worker re-captures its CUDA graphs) and reads
-each worker's answer, ``{"path", "recaptured", "seconds", "layers"}``; then
-``fusedq_state()``. A block is measured only once every worker has reported the path asked
-for; the flip's time is recorded.
+loads a worker extension (``ab.extension``: fusedq's ``FusedqWorkerExtension`` by default)
+through which the engine reaches every worker (Engine.switch_server; vLLM's dev endpoint
+``POST /collective_rpc``: orchestrator.engines.vllm.rpc). Before each block the orchestrator
+asks every worker to take the block's path (Engine.set_path: the worker re-captures its CUDA
+graphs) and reads each worker's answer, ``{"path", "recaptured", "seconds", "layers"}``; then
+every worker's state (Engine.path_state). A block is measured only once every worker has
+reported the path asked for; the flip's time is recorded.
 
 The blocks follow ``ab.order``: ABBA (A B B A A B B A ..., which cancels a linear drift of
 the server over the run) or alternate (A B A B ...), starting with ``ab.first``. The k-th
@@ -33,17 +33,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 from typing import Any
-
-import httpx
 
 from orchestrator.client import tokens
 from orchestrator.client.metrics import mean_of_repeats
 from orchestrator.client.workload import WorkloadResult
 from orchestrator.config.schema import Matrix
-from orchestrator.engines.vllm import server_metrics
-from orchestrator.engines.vllm.server import auth_headers
+from orchestrator.engines import Engine, WorkerAnswers, WorkerCallError, spec_decode
+from orchestrator.engines.spec_decode import SpecDecodeCounters
 from orchestrator.execution.case_run import CaseFailed, CaseRun
 from orchestrator.execution.measure import (
     configured_acceptance,
@@ -53,78 +50,52 @@ from orchestrator.execution.measure import (
     take_profile,
     token_checks,
 )
-from orchestrator.plan.units import DEV_MODE_ENV, Unit
+from orchestrator.plan.units import Unit
 from orchestrator.results.profile_figures import ProfileResult
 from orchestrator.results.rows import CaseResult, PathFlip, SwitchRecord
-
-SET_PATH, STATE = "fusedq_set_path", "fusedq_state"
-RPC_PATH = "/collective_rpc"
 
 
 class SwitchError(CaseFailed):
     """A path flip that failed or was not confirmed by every worker: the case fails."""
 
 
-def collective_rpc(
-    base_url: str,
-    method: str,
-    args: Sequence[str] = (),
-    *,
-    timeout_s: float,
-    api_key: str | None = None,
-) -> list[Any]:
-    """POST /collective_rpc: `method` run on every worker; each worker's answer, in rank
-    order. SwitchError naming the endpoint and the answer when it is not a list of results."""
-    url = base_url.rstrip("/") + RPC_PATH
-    try:
-        with httpx.Client(timeout=timeout_s, trust_env=False, headers=auth_headers(api_key)) as c:
-            reply = c.post(url, json={"method": method, "args": list(args)})
-    except httpx.HTTPError as exc:
-        raise SwitchError(f"POST {url} {method}: {type(exc).__name__}: {exc}") from None
-    if reply.status_code != 200:
-        hint = {
-            404: f" (no dev endpoint: the server needs {DEV_MODE_ENV[0]}=1)",
-            500: " (the server log says why: does the worker extension define it?)",
-        }.get(reply.status_code, "")
-        raise SwitchError(
-            f"POST {url} {method}: HTTP {reply.status_code}{hint}: {reply.text[:300]}"
-        )
-    try:
-        results = reply.json()["results"]
-    except (ValueError, KeyError, TypeError):
-        results = None
-    if not isinstance(results, list):
-        raise SwitchError(f"POST {url} {method}: not a list of results: {reply.text[:300]}")
-    return results
-
-
-def check_workers(method: str, path: str, results: Sequence[Any], workers: int) -> None:
+def check_workers(done: WorkerAnswers, path: str, workers: int) -> None:
     """Every one of the server's `workers` must report `path`; SwitchError names the first
     that does not, and what it said."""
-    if len(results) != workers:
-        raise SwitchError(f"{method}: {len(results)} worker(s) answered; the server has {workers}")
-    for rank, answer in enumerate(results):
+    call, answers = done.call, done.answers
+    if len(answers) != workers:
+        raise SwitchError(f"{call}: {len(answers)} worker(s) answered; the server has {workers}")
+    for rank, answer in enumerate(answers):
         if not isinstance(answer, dict) or answer.get("path") != path:
-            raise SwitchError(f"{method}({path!r}): worker {rank} reported {answer!r}")
+            raise SwitchError(f"{call}({path!r}): worker {rank} reported {answer!r}")
 
 
 def flip(
-    base_url: str, path: str, *, workers: int, block: int, timeout_s: float, api_key: str | None
+    engine: Engine,
+    base_url: str,
+    path: str,
+    *,
+    workers: int,
+    block: int,
+    timeout_s: float,
+    api_key: str | None,
 ) -> PathFlip:
-    """Set every worker's decode path and confirm it twice: the flip's answers, then the
-    workers' state."""
+    """Set every worker's decode path through `engine` and confirm it twice: the flip's
+    answers, then the workers' state. SwitchError when a call fails or a worker says
+    otherwise."""
     t0 = time.monotonic()
-    answers = collective_rpc(base_url, SET_PATH, [path], timeout_s=timeout_s, api_key=api_key)
-    seconds = time.monotonic() - t0
-    check_workers(SET_PATH, path, answers, workers)
-    state = collective_rpc(base_url, STATE, timeout_s=timeout_s, api_key=api_key)
-    check_workers(STATE, path, state, workers)
-    return PathFlip(block=block, path=path, seconds=round(seconds, 3), workers=answers)
+    try:
+        done = engine.set_path(base_url, path, timeout_s=timeout_s, api_key=api_key)
+        seconds = time.monotonic() - t0
+        check_workers(done, path, workers)
+        state = engine.path_state(base_url, timeout_s=timeout_s, api_key=api_key)
+        check_workers(state, path, workers)
+    except WorkerCallError as exc:
+        raise SwitchError(str(exc)) from None
+    return PathFlip(block=block, path=path, seconds=round(seconds, 3), workers=done.answers)
 
 
-def block_figures(
-    result: WorkloadResult, moved: server_metrics.SpecDecodeCounters | None = None
-) -> str:
+def block_figures(result: WorkloadResult, moved: SpecDecodeCounters | None = None) -> str:
     """One block's figures for the run log: its repeats' mean output tok/s and TPOT p50, its
     errors, and the MTP acceptance its workload saw (where the counters were read)."""
     mean = mean_of_repeats(result.repeats)
@@ -156,7 +127,7 @@ class SwitchBlocks:
         self.flips: dict[str, list[PathFlip]] = {n: [] for n in self.by_variant}
         self.profiles: dict[str, tuple[ProfileResult, dict[str, int]]] = {}
         # MTP servers: what the spec-decode counters moved in each block, by variant, workload.
-        self.spec_decode: dict[str, dict[str, list[server_metrics.SpecDecodeCounters | None]]] = {
+        self.spec_decode: dict[str, dict[str, list[SpecDecodeCounters | None]]] = {
             n: {} for n in self.by_variant
         }
 
@@ -166,6 +137,7 @@ class SwitchBlocks:
         run.show(f"flip to {path}")
         with run.timed(f"{variant}:flip_s"):
             done = flip(
+                run.engine,
                 run.handle.base_url,
                 path,
                 workers=run.case.tp,
@@ -202,7 +174,7 @@ class SwitchBlocks:
                 moved = None
                 if before is not None:
                     # Read around the workload alone: the warm-up after a flip is not in it.
-                    moved = server_metrics.difference(before, spec_decode_counters(run, key))
+                    moved = spec_decode.difference(before, spec_decode_counters(run, key))
                     self.spec_decode[variant].setdefault(wl.name, []).append(moved)
                 # The rows are made once every block has run: a run stopped before that
                 # still has each finished block's figures in its log.
@@ -256,12 +228,12 @@ class SwitchBlocks:
 
     def _acceptance_seen(self, run: CaseRun, variant: str, workload: str) -> dict[str, Any] | None:
         """The MTP acceptance a variant's blocks of a workload saw: their counters' moves
-        summed (server_metrics.summarize), and each block's own rate."""
+        summed (spec_decode.summarize), and each block's own rate."""
         moves = self.spec_decode[variant].get(workload)
         if not moves:
             return None
-        seen = server_metrics.summarize(
-            server_metrics.total(moves), configured=configured_acceptance(self.unit.server)
+        seen = spec_decode.summarize(
+            spec_decode.total(moves), configured=configured_acceptance(run)
         )
         if seen is None:
             return None

@@ -18,11 +18,9 @@ from typing import Literal
 
 from orchestrator.config.expand import Case
 from orchestrator.config.schema import SWITCH_SERVER_VARIANT, Matrix
+from orchestrator.engines import engine_for
 
 RESTART, SWITCH = "restart", "switch"
-# The environment variable that opens vLLM's dev endpoint, POST /collective_rpc, through
-# which a switch server's decode path is flipped.
-DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "1")
 
 
 @dataclass(frozen=True)
@@ -81,15 +79,15 @@ def schedule(variants: Sequence[str], blocks: int, order: str, first: str) -> li
 
 def server_case(unit: Sequence[Case], matrix: Matrix) -> Case:
     """The one server of `unit` (the variants of one topology and start): the `serve_as`
-    variant's args and env, plus the extension, the dev endpoint and no prefix caching."""
+    variant's args and env, plus what the engine's switch server needs
+    (Engine.switch_server: the extension, the endpoint that flips paths, no prefix caching)."""
     ab = matrix.ab
     assert ab is not None
     by_name = {c.variant.name: c for c in unit}
     baseline = matrix.baseline_variant.name
     name = ab.serve_as or next(n for n in by_name if n != baseline)
     chosen = by_name[name]
-    args = (*chosen.args, "--worker-extension-cls", ab.extension, "--no-enable-prefix-caching")
-    env = dict(chosen.env)
-    env[DEV_MODE_ENV[0]] = DEV_MODE_ENV[1]
+    engine = engine_for(matrix.engine.kind)
+    args, env = engine.switch_server(chosen.args, dict(chosen.env), ab.extension)
     variant = chosen.variant.model_copy(update={"name": SWITCH_SERVER_VARIANT})
     return dataclasses.replace(chosen, variant=variant, args=args, env=tuple(sorted(env.items())))

@@ -122,7 +122,7 @@ class Latency(Record):
 
 class SpecDecode(Record):
     """The speculative decoding a workload saw, from the server's /metrics counters read
-    before and after it (orchestrator.engines.vllm.server_metrics)."""
+    before and after it (orchestrator.engines.spec_decode)."""
 
     drafts: int = 0
     draft_tokens: int = 0

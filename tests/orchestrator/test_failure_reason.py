@@ -17,7 +17,7 @@ from pathlib import Path
 import markupsafe
 
 from orchestrator.audit import Finding, audit_logs, mark_root_cause
-from orchestrator.engines.vllm.server import log_tail
+from orchestrator.engines import log_tail
 from orchestrator.execution.case_run import REASON_TAIL_LINES, failure_reason
 from orchestrator.reports.html import render_html
 from orchestrator.reports.junit import render_junit

@@ -32,7 +32,7 @@ from orch_cli import REPO, marked_processes, run_cli
 
 from orchestrator.audit import audit_logs
 from orchestrator.cluster.leftovers import RUN_ENV
-from orchestrator.engines.vllm.server import log_tail
+from orchestrator.engines import log_tail
 from orchestrator.execution.case_run import failure_reason
 
 DRILL_SRC = REPO / "tests" / "fault_drill"

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import workload as wl
+from orchestrator.common.net import free_port
+from orchestrator.common.processes import describe_exit
 from orchestrator.engines.vllm import server as eng
 
 
@@ -109,10 +111,10 @@ def test_api_key_from_args_and_env() -> None:
 
 
 def test_exit_descriptions() -> None:
-    assert eng.describe_exit(3) == "exited with code 3"
-    assert eng.describe_exit(-9) == "killed by SIGKILL"
-    assert eng.describe_exit(-200) == "killed by signal 200"
-    assert eng.describe_exit(None) == "exited"
+    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(-200) == "killed by signal 200"
+    assert describe_exit(None) == "exited"
     assert eng.is_port_clash("OSError: [Errno 98] Address already in use")
     assert not eng.is_port_clash("OSError: [Errno 13] Permission denied")
 
@@ -144,7 +146,7 @@ def test_wait_ready_names_the_signal_that_killed_the_server(tmp_path: Path) -> N
 def test_a_death_faster_than_the_watch_is_still_a_death() -> None:
     """A killed server refuses connections at once: every request fails before the first
     poll, and the workload must still end as a death, not as a measurement with errors."""
-    port = eng.free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     p = wl.WorkloadParams("w", 1, 1, requests=2)
     with pytest.raises(wl.ServerDiedError, match="server died during workload 'w'") as e:
         wl.run_workload(f"http://127.0.0.1:{port}", "m", p, vocab_size=2048, alive=lambda: False)

@@ -29,6 +29,7 @@ from orchestrator.cluster.launch import (
 from orchestrator.cluster.nodes import NODE_COMMANDS, _NodeAgent, completed, pick_reports
 from orchestrator.cluster.server_actor import ServerActor
 from orchestrator.config.schema import Matrix
+from orchestrator.engines import engine_for
 from orchestrator.execution.leftover_check import LeftoverError, handle_leftovers
 
 DEAD_DRIVER = f"{socket.gethostname()}:{os.getpid()}:0"
@@ -195,7 +196,7 @@ def test_a_remote_servers_log_and_files_come_back_and_its_directory_goes(
     run_case.mkdir(parents=True)
     lau, h = _launcher(NODE_HOST)
     lau._ray = SimpleNamespace(get=lambda answer, timeout: answer)
-    actor = ServerActor()
+    actor = ServerActor(engine_for("vllm"))
     h.actor = _direct(actor)
     h.info.update(node_id="other", node_ip="127.0.0.3")  # bindable here
     server = (
@@ -247,7 +248,7 @@ def test_a_matrix_pythonpath_comes_after_the_one_ray_gives_the_actor(
     # A worker extension's module reaches the server through the matrix's env; the fusedq
     # Ray ships to the actor must still win.
     monkeypatch.setenv("PYTHONPATH", "/ray/py_modules")
-    actor = ServerActor()
+    actor = ServerActor(engine_for("vllm"))
     log = tmp_path / "c" / "server.log"
     show = [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"]
     actor.start(show, {"PYTHONPATH": "/ext"}, str(log))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from orchestrator.engines import engine_for
 from orchestrator.execution.progress import (
     PLAIN_EVERY_S,
     PLAIN_MAX_EVERY_S,
@@ -17,6 +18,8 @@ from orchestrator.execution.progress import (
     last_log_line,
 )
 from orchestrator.results.rows import CaseResult
+
+VLLM = engine_for("vllm")
 
 CASES = ["tiny-mla/tp1-dcp1-mtp0/default", "tiny-mla/tp2-dcp1-mtp0/default"]
 SERVER_LOG = (
@@ -38,22 +41,22 @@ class Clock:
 
 
 def _view(clock: Clock, out: io.StringIO, **kw) -> ProgressView:
-    v = ProgressView(len(CASES), stream=out, tty=False, clock=clock, **kw)
+    v = ProgressView(len(CASES), engine=VLLM, stream=out, tty=False, clock=clock, **kw)
     v.expect(CASES, {CASES[0]: 100.0, CASES[1]: 200.0}, done=0)
     return v
 
 
 def test_last_log_line_strips_vllm_prefix_ansi_and_secrets(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    assert last_log_line(log) is None  # not written yet
+    assert last_log_line(log, VLLM) is None  # not written yet
     log.write_text(SERVER_LOG)
-    line = last_log_line(log, secrets=("sekrit",))
+    line = last_log_line(log, VLLM, secrets=("sekrit",))
     assert line == "WARNING no AMX, HF_TOKEN=*** serving ***"
     log.write_text(SERVER_LOG.splitlines()[1] + "\n")
-    assert last_log_line(log) == "Loading weights took 0.51 seconds"  # INFO loses its level
+    assert last_log_line(log, VLLM) == "Loading weights took 0.51 seconds"  # INFO loses its level
     # A tqdm bar redraws with carriage returns: the last drawing is the line.
     log.write_text("Loading shards:   0% 0/4\rLoading shards:  50% 2/4\r" + "x" * 300 + "\n")
-    line = last_log_line(log)
+    line = last_log_line(log, VLLM)
     assert line is not None and len(line) == 120 and line.endswith("…")
 
 
@@ -184,7 +187,7 @@ def test_terminal_block(tmp_path: Path, phase: str) -> None:
 def test_terminal_mode_prints_case_lines_above_the_live_block() -> None:
     """With a terminal, rich's Live runs for real (a thread redrawing into the stream)."""
     out = io.StringIO()
-    v = ProgressView(len(CASES), stream=out, tty=True)
+    v = ProgressView(len(CASES), engine=VLLM, stream=out, tty=True)
     v.expect(CASES, {c: 60.0 for c in CASES}, done=0)
     v.start()
     try:

@@ -9,15 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.engines.vllm.server_metrics import (
+from orchestrator.engines.spec_decode import (
     SpecDecodeCounters,
     acceptance,
     difference,
-    parse_spec_decode,
-    read_spec_decode,
     summarize,
     total,
 )
+from orchestrator.engines.vllm.server_metrics import parse_spec_decode, read_spec_decode
 
 
 def exposition(drafts: float, tokens: float, accepted: float, per_pos: list[float]) -> str:

@@ -19,21 +19,19 @@ from orchestrator.client.metrics import repeat_metrics
 from orchestrator.client.workload import WorkloadParams, WorkloadResult
 from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
+from orchestrator.engines import WorkerCallError, engine_for
+from orchestrator.engines.spec_decode import SpecDecodeCounters as Moved
+from orchestrator.engines.vllm.rpc import SET_PATH, STATE
 from orchestrator.execution.case_run import CaseRun
 from orchestrator.execution.resume import left_to_run
-from orchestrator.execution.switch import (
-    SET_PATH,
-    STATE,
-    SwitchBlocks,
-    SwitchError,
-    collective_rpc,
-    flip,
-)
+from orchestrator.execution.switch import SwitchBlocks, SwitchError, flip
 from orchestrator.plan.render import plan_matrix
 from orchestrator.plan.units import RESTART, SWITCH, Unit, run_units, schedule, server_case
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
 from orchestrator.results.stored_audit import AuditSummary
+
+VLLM = engine_for("vllm")
 
 MATRIX = """\
 name: sw
@@ -253,8 +251,6 @@ def test_plan_notes_the_tokens_a_switch_server_does_not_compare(tmp_path):
 def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):
     """Each variant's row sums what the server's counters moved around its own blocks of a
     workload, and keeps each block's rate."""
-    from orchestrator.engines.vllm.server_metrics import SpecDecodeCounters as Moved
-
     m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
     cases = expand(m)
     (unit,) = [u for u in run_units(m, cases, cases) if u.server.mtp == 1]
@@ -275,7 +271,6 @@ def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):
 
 def test_each_block_says_its_figures_in_the_log():
     """What a run stopped before its rows keeps: each finished block's line in the run log."""
-    from orchestrator.engines.vllm.server_metrics import SpecDecodeCounters as Moved
     from orchestrator.execution.switch import block_figures
 
     # Two requests of 3 tokens, each from 0 to 0.3 s, first token at 0.1 s: 6 tokens in
@@ -340,7 +335,7 @@ def rpc() -> Iterator[tuple[str, dict]]:
 
 def test_a_flip_asks_every_worker_and_confirms_the_state(rpc):
     url, state = rpc
-    done = flip(url, "fused", workers=2, block=3, timeout_s=5, api_key="k3y")
+    done = flip(VLLM, url, "fused", workers=2, block=3, timeout_s=5, api_key="k3y")
     assert done.path == "fused" and done.block == 3 and done.seconds >= 0
     assert done.workers == [{"path": "fused", "recaptured": True, "seconds": 1.9, "layers": 78}] * 2
     assert done.worker_seconds == 1.9
@@ -364,9 +359,16 @@ def test_a_flip_not_confirmed_by_every_worker_fails(rpc, mode, message):
     url, state = rpc
     state["mode"] = mode
     with pytest.raises(SwitchError, match=message):
-        flip(url, "fused", workers=2, block=1, timeout_s=5, api_key=None)
+        flip(VLLM, url, "fused", workers=2, block=1, timeout_s=5, api_key=None)
 
 
 def test_an_unreachable_server_is_named():
-    with pytest.raises(SwitchError, match=r"POST http://127.0.0.1:9/collective_rpc fusedq_state"):
-        collective_rpc("http://127.0.0.1:9", STATE, timeout_s=2)
+    with pytest.raises(
+        WorkerCallError, match=r"POST http://127.0.0.1:9/collective_rpc fusedq_state"
+    ):
+        VLLM.path_state("http://127.0.0.1:9", timeout_s=2)
+    # The flip that meets it fails the server's case, with the engine's words.
+    with pytest.raises(
+        SwitchError, match=r"POST http://127.0.0.1:9/collective_rpc fusedq_set_path"
+    ):
+        flip(VLLM, "http://127.0.0.1:9", "fused", workers=1, block=1, timeout_s=2, api_key=None)

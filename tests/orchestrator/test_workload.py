@@ -281,7 +281,7 @@ def test_first_repeat_numbers_the_repeats_and_picks_their_prompts(
 
 
 def test_connection_refused_is_recorded() -> None:
-    from orchestrator.engines.vllm.server import free_port
+    from orchestrator.common.net import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     d = wl.run_workload(url, "m", wl.WorkloadParams("w", 1, 1), vocab_size=2048).to_dict()
@@ -309,7 +309,7 @@ def test_failed_requests_wait_for_a_dying_server_to_be_seen() -> None:
     # A killed server refuses connections before its pid polls as gone: requests that failed
     # are not a measurement while the watch may still turn. Here alive() turns 0.5 s after
     # the (refused) requests are over, and the workload still ends in ServerDiedError.
-    from orchestrator.engines.vllm.server import free_port
+    from orchestrator.common.net import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     calls: list[float] = []
@@ -340,13 +340,14 @@ def test_failed_requests_wait_for_a_dying_server_to_be_seen() -> None:
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any]]:
     pytest.importorskip("vllm", reason="vLLM not installed")
+    from orchestrator.common.net import free_port
     from orchestrator.engines.vllm import server as eng
     from orchestrator.engines.vllm.compile_cache import inductor_dir, share_model_info
     from orchestrator.models.tinymodel import build_tiny_model
 
     model = str(build_tiny_model())
     run_dir = tmp_path_factory.mktemp("server")
-    port = eng.free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     argv = eng.serve_argv(
         model,
         tp=1,

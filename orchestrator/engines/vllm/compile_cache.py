@@ -137,3 +137,16 @@ def share_model_info(vllm_cache_root: Path, root: Path | None = None) -> Path | 
         with contextlib.suppress(FileExistsError):
             link.symlink_to(shared.absolute(), target_is_directory=True)
     return link if link.is_symlink() else None
+
+
+def prepare_shared(
+    case: Case, model_path: str, fusedq_fingerprint: str | None, root: Path | None = None
+) -> tuple[dict[str, str], Path | None]:
+    """`shared_env` for `case`'s server, its model-class inspections already linked to every
+    configuration's (`share_model_info`), and its configuration's folder (None where the
+    matrix's env sets every cache variable itself)."""
+    shared = shared_env(case, model_path, fusedq_fingerprint, root)
+    folder = shared_dir(case, model_path, fusedq_fingerprint, root) if shared else None
+    if "VLLM_CACHE_ROOT" in shared:
+        share_model_info(Path(shared["VLLM_CACHE_ROOT"]), root)
+    return shared, folder

@@ -5,7 +5,7 @@
 
 One home for the two readers of server logs: the audit's scanner (which attributes a
 finding to its process and tells a traceback frame from its exception line) and the live
-view (which shows the last line without its prefix). Standard library only: the audit
+view (which shows the last line without its prefix: `message`). Standard library only: the audit
 imports it and must stay light.
 """
 
@@ -33,3 +33,18 @@ HEADER_RE = re.compile(
 
 def strip_ansi(text: str) -> str:
     return ANSI_RE.sub("", text) if "\x1b" in text else text
+
+
+def message(line: str) -> str | None:
+    """`line` as the live view quotes it: no colour codes, no process label, no header but a
+    WARNING's or worse's level; None where only colour codes and blanks were there."""
+    line = strip_ansi(line).strip()
+    if not line:
+        return None
+    label = LABEL_RE.match(line)
+    body = line[label.end() :] if label else line
+    m = HEADER_RE.match(body)
+    if m:
+        level = "" if m.group("level") in ("DEBUG", "INFO") else f"{m.group('level')} "
+        line = level + body[m.end() :]
+    return line

@@ -1,7 +1,8 @@
 """vLLM engine adapter: `vllm serve` argv and environment, readiness, version, start and stop.
 
-Everything here is plain subprocess/HTTP work; nothing imports vllm or torch, so this
-module is cheap to import on the CLI path and inside Ray actors alike.
+Everything here is plain subprocess/HTTP work; nothing imports vllm or torch, and httpx only
+once a server is called, so this module is cheap to import on the CLI path and inside Ray
+actors alike. orchestrator.engines.vllm.engine offers it through the engine interface.
 """
 
 from __future__ import annotations
@@ -13,18 +14,22 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from orchestrator.common import processes, safe_io
+from orchestrator.common.net import is_ip, is_loopback
+from orchestrator.common.processes import describe_exit
 from orchestrator.config.owned_flags import ALWAYS_OWNED, PROFILE_OWNED, owned_flag
+from orchestrator.engines.base import ServerStartError, log_tail
+
+if TYPE_CHECKING:
+    import httpx
 
 # Only owned when the caller names the served model (the others: orchestrator.config.owned_flags).
 _SERVED_NAME_FLAG = "--served-model-name"
@@ -51,23 +56,8 @@ _MAX_TMPDIR_LEN = 60
 _STAND_IN_PREFIX = "orch-"
 _POLL_S = 0.25  # between readiness probes
 _PROBE_TIMEOUT_S = 0.4  # per HTTP probe: keeps alive() checks at least every 0.5 s
-_LOG_TAIL_LINES = 25
 # What Python prints when the server's socket bind loses the race for its port (errno 98).
 _PORT_CLASH = "Address already in use"
-
-
-class ServerStartError(RuntimeError):
-    """The server did not become ready; `reason` says why, `log_tail` shows its last lines."""
-
-    def __init__(self, reason: str, log_tail: str = "") -> None:
-        self.reason = reason
-        self.log_tail = log_tail
-        msg = (
-            reason
-            if not log_tail
-            else f"{reason}\n--- last lines of the server log ---\n{log_tail}"
-        )
-        super().__init__(msg)
 
 
 def default_vllm_command() -> list[str]:
@@ -234,6 +224,8 @@ def profile_request(
     before it returns; the caller still checks the files (a remote node's disk, a slow gzip).
     Raises RuntimeError naming the endpoint and the answer when it is not a 200.
     """
+    import httpx  # not at import (module docstring)
+
     url = base_url.rstrip("/") + PROFILE_ENDPOINTS[what]
     t0 = time.monotonic()
     try:
@@ -249,15 +241,6 @@ def profile_request(
         )
         raise RuntimeError(f"POST {url}: HTTP {reply.status_code}{hint}: {reply.text[:200]}")
     return time.monotonic() - t0
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve_env(
@@ -294,7 +277,7 @@ def host_ip_env(host: str) -> dict[str, str]:
     for every interface (0.0.0.0) or a name."""
     if is_loopback(host):
         return {"VLLM_HOST_IP": "127.0.0.1" if host == "localhost" else host}
-    if _is_ip(host) and not ipaddress.ip_address(host).is_unspecified:
+    if is_ip(host) and not ipaddress.ip_address(host).is_unspecified:
         return {"VLLM_HOST_IP": host}
     return {}
 
@@ -323,14 +306,6 @@ def compile_cache_env(base: Path) -> dict[str, str]:
     return {key: str(base / sub) for key, sub in _RUN_DIR_ENV.items() if key != "TMPDIR"}
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def api_key(args: Sequence[str], env: Mapping[str, str]) -> str | None:
     """A key a server started with these args and env accepts (`--api-key`, which vLLM
     lets win over `VLLM_API_KEY`; it takes one or more keys, any of them works), or None
@@ -351,35 +326,9 @@ def auth_headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def describe_exit(code: int | None) -> str:
-    """`exited with code 3`, `killed by SIGKILL`, or `exited` when the code is unknown."""
-    if code is None:
-        return "exited"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 def is_port_clash(log_tail: str) -> bool:
     """Whether a start-up failure was the server losing its port to another process."""
     return _PORT_CLASH in log_tail
-
-
-def log_tail(log_path: Path | None, lines: int = _LOG_TAIL_LINES) -> str:
-    """The last `lines` lines of a log (read from its last 64 KiB; "" if unreadable)."""
-    if log_path is None:
-        return ""
-    try:
-        with Path(log_path).open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def wait_ready(
@@ -398,6 +347,8 @@ def wait_ready(
     names the exit code in the error. `api_key` is sent to `/v1/models`, which a server
     started with `--api-key` guards.
     """
+    import httpx  # not at import (module docstring)
+
     base = base_url.rstrip("/")
     t0 = time.monotonic()
     deadline = t0 + timeout_s
@@ -422,6 +373,8 @@ def wait_ready(
 
 
 def _ready(client: httpx.Client, base: str) -> bool:
+    import httpx  # imported by wait_ready already; here for its error class
+
     try:
         if client.get(f"{base}/health").status_code != 200:
             return False
@@ -522,12 +475,3 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
 
     processes.stop(send, alive, grace_s, after_kill=reap)
     return proc.returncode
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` right now (the OS picks it; a race with other binders is
-    possible but rare, and a clash shows up as a start failure naming the port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from orch_cli import user_environ
 
+from orchestrator.common.net import free_port
 from orchestrator.engines.vllm import server as eng
 from orchestrator.engines.vllm.compile_cache import share_model_info
 
@@ -288,7 +289,7 @@ def test_env_extra_wins(tmp_path: Path) -> None:
 def test_free_port_is_bindable() -> None:
     import socket
 
-    port = eng.free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
@@ -349,14 +350,14 @@ def test_wait_ready_returns_when_routes_answer(fake_server: str) -> None:
 def test_wait_ready_times_out(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     log.write_text("line one\nlast words\n")
-    url = f"http://127.0.0.1:{eng.free_port('127.0.0.1')}"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(eng.ServerStartError, match=r"timed out after 1 s") as info:
         eng.wait_ready(url, timeout_s=1, alive=lambda: True, log_path=log)
     assert "last words" in info.value.log_tail
 
 
 def test_wait_ready_notices_death_at_once() -> None:
-    url = f"http://127.0.0.1:{eng.free_port('127.0.0.1')}"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     calls = []
 
     def alive() -> bool:
@@ -442,7 +443,7 @@ def tiny_model() -> str:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_real_server_serves_and_stops_clean(tiny_model: str, tmp_path: Path) -> None:
-    port = eng.free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     argv = eng.serve_argv(
         tiny_model,
         tp=1,
@@ -493,7 +494,7 @@ def test_real_server_serves_and_stops_clean(tiny_model: str, tmp_path: Path) -> 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_bad_model_path_fails_fast_with_reason(tiny_model: str, tmp_path: Path) -> None:
-    port = eng.free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     argv = eng.serve_argv(
         str(tmp_path / "no-such-model"),
         tp=1,
