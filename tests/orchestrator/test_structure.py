@@ -392,3 +392,42 @@ def test_the_import_check_sees_a_torch_import(tmp_path: Path) -> None:
     module = tmp_path / "contract.py"
     module.write_text("from __future__ import annotations\ndef f():\n    import torch\n")
     assert "torch" in _top_imports(module)
+
+
+# The steps that drive a server reach its engine only through orchestrator.engines (the
+# registry and the interface): a second engine is a package beside engines/vllm/ and a row.
+ENGINE_BLIND = ("plan", "cluster", "execution")
+
+
+def _engine_reachers(graph: dict[str, set[str]], engine: str = "vllm") -> list[str]:
+    """The ENGINE_BLIND steps' imports of one engine's package, anywhere in a module."""
+    package = f"orchestrator.engines.{engine}"
+    return [
+        f"{module} -> {dep}"
+        for module, deps in sorted(graph.items())
+        if module.split(".")[1:2] and module.split(".")[1] in ENGINE_BLIND
+        for dep in sorted(deps)
+        if dep == package or dep.startswith(f"{package}.")
+    ]
+
+
+def test_the_steps_that_drive_servers_reach_engines_only_through_the_registry() -> None:
+    graph = import_graph()
+    assert "orchestrator.engines" in graph["orchestrator.execution.case_run"]  # the seam is used
+    assert _engine_reachers(graph) == []
+
+
+def test_the_engine_check_finds_a_step_that_reaches_past_the_registry(tmp_path: Path) -> None:
+    pkg = tmp_path / "orchestrator"
+    for sub in ("engines/vllm", "cluster", "execution"):
+        (pkg / sub).mkdir(parents=True)
+    for init in ("", "engines", "engines/vllm", "cluster", "execution"):
+        (pkg / init / "__init__.py").write_text("")
+    (pkg / "engines" / "vllm" / "server.py").write_text("")
+    (pkg / "cluster" / "actor.py").write_text(
+        "def f():\n    from orchestrator.engines.vllm.server import start\n"
+    )
+    (pkg / "execution" / "run.py").write_text("from orchestrator.engines import engine_for\n")
+    assert _engine_reachers(import_graph(pkg)) == [
+        "orchestrator.cluster.actor -> orchestrator.engines.vllm.server"
+    ]
