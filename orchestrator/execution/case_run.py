@@ -31,6 +31,7 @@ from orchestrator.client.workload import (
     run_workload,
 )
 from orchestrator.cluster.leftovers import run_env
+from orchestrator.common.layout import AUDIT_RECORD, SERVER_LOG
 from orchestrator.common.processes import describe_exit
 from orchestrator.common.redact import redact, redact_argv, redact_file
 from orchestrator.config.expand import Case
@@ -137,7 +138,7 @@ class CaseRun:
         self.engine = engine_for(matrix.engine.kind)
         self.log, self.progress, self.secrets = log, progress, secrets
         self.dir = store.case_dir(self.case.slug)
-        self.server_log = self.dir / "server.log"
+        self.server_log = self.dir / SERVER_LOG
         self.timings: dict[str, float] = {}
         self.server: dict[str, Any] | None = None  # node facts, argv, port, exit code
         self.warmup: dict[str, int] | None = None
@@ -420,7 +421,7 @@ class CaseRun:
         )
         self.timings["audit_s"] = time.monotonic() - t0
         record = redact(result.to_dict(), self.secrets)
-        write_json_atomic(self.dir / "audit.json", record)
+        write_json_atomic(self.dir / AUDIT_RECORD, record)
         audit = AuditSummary.model_validate(record)
         root_cause = audit.root_cause
         if self.status == "failed":

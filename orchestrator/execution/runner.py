@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator.common import probes, safe_io
-from orchestrator.common.layout import SERVER_LOG
+from orchestrator.common.layout import RUN_LOG, SERVER_LOG
 from orchestrator.common.redact import redact, redact_text, secret_args, secret_values
 from orchestrator.config.expand import Case, expand
 from orchestrator.config.policy import matrix_warnings
@@ -323,7 +323,7 @@ class _Attempt:
             saved = self.store.manifest()
             saved["resumes"] = [*saved.get("resumes", []), this_attempt()]
             self.store.write_manifest(saved, self.secrets)
-        self._log = _Log(self.store.root / "orchestrator.log", echo=False, secrets=self.secrets)
+        self._log = _Log(self.store.root / RUN_LOG, echo=False, secrets=self.secrets)
         for line in self._pending:
             self.log(line)
 

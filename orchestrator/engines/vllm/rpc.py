@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fusedq import contract
 from orchestrator.engines.base import WorkerAnswers, WorkerCallError
 from orchestrator.engines.vllm.server import auth_headers
 
-# The worker extension's methods (fusedq.vllm.worker_ext.FusedqWorkerExtension).
-SET_PATH, STATE = "fusedq_set_path", "fusedq_state"
+# The worker extension's methods (fusedq.vllm.worker_ext.FusedqWorkerExtension), by the names
+# fusedq's contract gives them.
+SET_PATH, STATE = contract.RPC_SET_PATH, contract.RPC_STATE
 RPC_PATH = "/collective_rpc"
 # The environment variable that opens vLLM's dev endpoint, RPC_PATH.
 DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "1")
