@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-import fusedq
+from fusedq import api, capability, selection
 from fusedq.contract import KV_LORA, MX_BLOCK, QK_NOPE
 from fusedq.mxfp8 import MXFP8Weight
 
@@ -52,7 +52,7 @@ def qualifies(num_heads: int, m: int, fmt: str, out_dtype: torch.dtype, device) 
     key = (num_heads, m, fmt, out_dtype, torch.device(device))
     hit = _qualifies.get(key)
     if hit is None:
-        hit = fusedq.can_implement(
+        hit = capability.can_implement(
             num_heads, m, weight_format=fmt, out_dtype=out_dtype, device=key[-1]
         )
         with _qualifies_lock:
@@ -95,7 +95,7 @@ def decode_query(
         return None
     # Without `out` the op allocates a contiguous token-major [B, N, 576], which backends and
     # DCP's all-gather take as is (and fresh memory needs no per-call overlap check).
-    return fusedq.mla_query_projection(
+    return api.mla_query_projection(
         q_nope.transpose(0, 1),
         weight,
         q_pe,
@@ -134,7 +134,7 @@ def kernel_summary(
         else:
             runs.append((name, [m]))
     if not cute:  # what auto runs is what the hook runs: the package's own wording
-        return fusedq.kernel_summary(
+        return selection.kernel_summary(
             num_heads, ms, weight_format=weight_format, out_dtype=out_dtype, device=device,
             pdl=pdl,
         )  # fmt: skip
