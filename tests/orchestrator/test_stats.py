@@ -1,5 +1,7 @@
-"""orchestrator.analysis.stats: Student's t, the interval of a change between two runs' repeats and
-where an interval lies against a bar (pure logic)."""
+"""orchestrator.analysis.stats: Student's t, the interval of a change between two runs' repeats,
+Fieller's and the paired interval of a ratio, Holm's adjustment, the change 80 % power finds,
+and where an interval lies against a bar (pure logic). Known answers come from closed forms
+(Student's t at 1 and 2 df has one) or printed tables, not from the code under test."""
 
 from __future__ import annotations
 
@@ -14,11 +16,24 @@ from orchestrator.analysis.stats import (
     RepeatSample,
     RunFigure,
     change_interval,
+    fitted_slope,
+    holm,
+    paired_ratio_interval,
     ratio_interval,
     t_cdf,
     t_interval,
     t_quantile,
 )
+
+
+def t2(p: float) -> float:
+    """Student's t quantile at 2 df in closed form: (2p - 1) sqrt(2 / (4p(1 - p)))."""
+    return (2 * p - 1) * math.sqrt(2 / (4 * p * (1 - p)))
+
+
+def t1(p: float) -> float:
+    """Student's t quantile at 1 df (the Cauchy): tan(pi (p - 1/2))."""
+    return math.tan(math.pi * (p - 0.5))
 
 
 @pytest.mark.parametrize(
@@ -115,7 +130,9 @@ def test_change_interval_of_identical_and_of_spread_repeats():
     assert iv.low == pytest.approx(100 * ((9000 - root) / a - 1))
     assert iv.high == pytest.approx(100 * ((9000 + root) / a - 1))
     assert iv.method == f"Fieller, {df:.1f} df"
-    assert change_interval(same, same) == change_interval(same, same)  # no seed, no state
+    # Identical runs: the ratio is known exactly, and nothing speaks against "no change".
+    iv = change_interval(same, same)
+    assert (iv.estimate, iv.low, iv.high, iv.p_value) == (0.0, 0.0, 0.0, 1.0)
     # Two repeats 20 % apart at t(1) = 12.7: the base's mean cannot be told from 0, and
     # Fieller's set is unbounded; the gate reads that as too few samples.
     assert change_interval([RepeatSample(80.0), RepeatSample(120.0)], same) is None
@@ -203,3 +220,87 @@ def test_fieller_degenerate_unbounded_and_bad_input():
     with pytest.raises(ValueError, match="2 or more values"):
         MeanEstimate.of([1.0])
     assert MeanEstimate.of([99.0, 101.0]).relative_sd == pytest.approx(math.sqrt(2) / 100)
+
+
+def test_fieller_p_value_says_what_the_interval_says():
+    # The p-value of a ratio of 1 with the interval's df: 1 lies outside the 95 % interval
+    # exactly when p < 0.05, and on its edge p is 0.05 (confidence 1 - p puts 1 on a bound).
+    base = MeanEstimate.of([116.99, 116.86, 117.05, 116.80])
+    for shift in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
+        cand = MeanEstimate.of([v + shift for v in (116.95, 116.90, 117.08, 116.77)])
+        iv = ratio_interval(base, cand)
+        assert (iv.p_value < 0.05) == (iv.low > 0 or iv.high < 0), shift
+        if 0 < iv.p_value < 1:
+            edge = ratio_interval(base, cand, confidence=1 - iv.p_value)
+            assert min(abs(edge.low), abs(edge.high)) == pytest.approx(0.0, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- paired
+
+
+def test_paired_interval_by_hand_on_three_rounds():
+    # Rounds (base, candidate): the log ratios are worked out here, the t quantile from its
+    # closed form at 2 df (4.302653), nothing from the code under test.
+    base, cand = [100.0, 101.0, 99.5], [100.5, 101.3, 100.2]
+    d = [math.log(c / b) for b, c in zip(base, cand, strict=True)]
+    mean = sum(d) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
+    half = t2(0.975) * sd / math.sqrt(3)
+    iv = paired_ratio_interval(base, cand)
+    assert iv.method == "paired t on log ratios, 2 df" and iv.df == 2
+    assert iv.estimate == pytest.approx(100 * math.expm1(mean), rel=1e-12)
+    assert iv.low == pytest.approx(100 * math.expm1(mean - half), rel=1e-9)
+    assert iv.high == pytest.approx(100 * math.expm1(mean + half), rel=1e-9)
+    # Written out: log ratios 0.0049875, 0.0029659, 0.0070105; mean 0.0049880, sd 0.0020223;
+    # half-width 4.302653 x 0.0020223 / sqrt(3) = 0.0050236: +0.5000 % (-0.0036 % … +1.0062 %).
+    assert (iv.estimate, iv.low, iv.high) == pytest.approx((0.5000, -0.0036, 1.0062), abs=1e-4)
+    # Student's t at 2 df: P(|T| > t) = 1 - t / sqrt(2 + t²).
+    t = mean / (sd / math.sqrt(3))
+    assert iv.p_value == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-6)
+
+
+def test_pairing_sees_through_what_a_round_shares():
+    # The server drifts 1 % from round to round; the candidate is 0.5 % faster in every
+    # round. Unpaired, the drift swamps the change; paired, the rounds agree exactly.
+    base = [100.0, 101.0, 102.0, 103.0]
+    cand = [b * 1.005 for b in base]
+    iv = paired_ratio_interval(base, cand)
+    assert (iv.estimate, iv.low, iv.high, iv.p_value) == pytest.approx((0.5, 0.5, 0.5, 0.0))
+    unpaired = ratio_interval(MeanEstimate.of(base), MeanEstimate.of(cand))
+    assert unpaired.low < 0 < unpaired.high
+    assert paired_ratio_interval([100.0], [101.0]) is None
+    with pytest.raises(ValueError, match="equal counts"):
+        paired_ratio_interval([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive figures"):
+        paired_ratio_interval([1.0, 0.0], [1.0, 1.0])
+
+
+def test_the_change_80_percent_power_finds():
+    # At 2 df: (t(0.975) + t(0.8)) / t(0.975) = (4.302653 + 1.060660) / 4.302653 = 1.2465
+    # times the half-width; at large df it tends to (1.960 + 0.842) / 1.960 = 1.4294.
+    iv = Interval(0.3, -0.2, 0.8, 0.95, "x", df=2)
+    assert iv.detectable() == pytest.approx((t2(0.975) + t2(0.8)) / t2(0.975) * 0.5, rel=1e-6)
+    assert iv.detectable() == pytest.approx(0.5 * 1.24651, abs=1e-5)
+    wide = Interval(0.3, -0.2, 0.8, 0.95, "x", df=1e6)
+    assert wide.detectable() == pytest.approx(0.5 * (1.959964 + 0.841621) / 1.959964, rel=1e-5)
+    assert Interval(0.3, -0.2, 0.8, 0.95, "x").detectable() is None  # no df: not a t interval
+
+
+def test_holm_by_hand():
+    # Sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06
+    # (never below the one before); back in the order given.
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert holm([0.02]) == [0.02] and holm([]) == []
+
+
+def test_fitted_slope_by_hand():
+    # y on x = 0, 1, 2: y = 1, 3, 2. Slope 0.5, residuals -0.5, 1, -0.5: s² = 1.5 / 1,
+    # se = sqrt(1.5 / 2), t(0.975, 1 df) = tan(0.475 pi) = 12.7062.
+    fit = fitted_slope([0.0, 1.0, 2.0], [1.0, 3.0, 2.0])
+    half = t1(0.975) * math.sqrt(1.5 / 2)
+    assert (fit.estimate, fit.low, fit.high, fit.df) == pytest.approx(
+        (0.5, 0.5 - half, 0.5 + half, 1)
+    )
+    assert fitted_slope([0.0, 1.0], [1.0, 2.0]) is None  # nothing left to judge the fit by
+    assert fitted_slope([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # no spread in x
