@@ -4,6 +4,7 @@
     # with VLLM_SERVER_DEV_MODE=1, vLLM's dev endpoint calls a method on every worker:
     POST /collective_rpc {"method": "fusedq_set_path", "args": ["staged"]}
     POST /collective_rpc {"method": "fusedq_state"}
+    POST /collective_rpc {"method": "fusedq_seed", "args": ["3"]}
 
 vLLM mixes this class into its worker class in every worker process; ``collective_rpc`` runs a
 method on each worker between engine steps and answers ``{"results": [<one per worker>]}``.
@@ -140,6 +141,22 @@ class FusedqWorkerExtension:
             "seconds": round(seconds, 3),
             "layers": layers,
         }
+
+    def fusedq_seed(self, seed: int | str) -> dict[str, object]:
+        """Seed this worker's random streams (torch's CPU generator and every CUDA device's)
+        with ``seed``: ``{"seed": <int>, "path": <the active path>}``.
+
+        vLLM's synthetic MTP acceptance (``rejection_sample_method: synthetic``) draws its
+        uniforms from the device's default generator, so without a seed the two paths of a
+        switch-mode A/B round draw at whatever points the stream has reached. The orchestrator
+        seeds every worker with the round's seed before each block; the workers of one server
+        get the same seed, as vLLM seeds them alike at start-up.
+        """
+        import torch
+
+        value = int(seed)
+        torch.manual_seed(value)  # every device's default generator, CUDA's included
+        return {"seed": value, "path": switch.current_path()}
 
     def fusedq_state(self) -> dict[str, object]:
         """This worker's decode path and what the plugin set up: ``path``, ``active``,

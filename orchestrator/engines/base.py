@@ -197,6 +197,12 @@ class Engine(Protocol):
     ) -> WorkerAnswers:
         """Every worker's decode path now."""
 
+    def seed_workers(
+        self, base_url: str, seed: int, *, timeout_s: float, api_key: str | None = None
+    ) -> WorkerAnswers:
+        """Seed every worker's random streams with `seed` (synthetic MTP acceptance draws from
+        them); their answers."""
+
     # -- 5. stopped --------------------------------------------------------------------------
     def stop(self, proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
         """Stop the server's process group (SIGTERM, `grace_s`, SIGKILL); its exit code."""

@@ -11,8 +11,11 @@ graphs) and reads each worker's answer, ``{"path", "recaptured", "seconds", "lay
 every worker's state (Engine.path_state). A block is measured only once every worker has
 reported the path asked for; the flip's time is recorded.
 
-The blocks follow ``ab.order``: ABBA (A B B A A B B A ..., which cancels a linear drift of
-the server over the run) or alternate (A B A B ...), starting with ``ab.first``. The k-th
+The blocks follow ``ab.order`` (orchestrator.plan.units.schedule): abba (rounds ABBA BAAB ...,
+each variant's blocks at the same mean position, which cancels a linear drift of the server
+over the run) or alternate (A B A B ...), starting with ``ab.first``. Under synthetic MTP
+acceptance every worker's random streams are seeded with the round's seed before each block
+(``fusedq_seed``), so both blocks of a round draw the same acceptance. The k-th
 block of each variant sends the same prompts (so ``same_tokens`` compares them request by
 request), which is why the server runs without prefix caching: the second block of a round
 would otherwise find the first's prompts cached.
@@ -95,6 +98,30 @@ def flip(
     return PathFlip(block=block, path=path, seconds=round(seconds, 3), workers=done.answers)
 
 
+def reseed(
+    engine: Engine,
+    base_url: str,
+    seed: int,
+    *,
+    workers: int,
+    timeout_s: float,
+    api_key: str | None,
+) -> None:
+    """Seed every worker's random streams with `seed` through `engine` (vLLM's synthetic
+    acceptance draws from them); SwitchError unless each of the server's `workers` answers
+    with that seed."""
+    try:
+        done = engine.seed_workers(base_url, seed, timeout_s=timeout_s, api_key=api_key)
+    except WorkerCallError as exc:
+        raise SwitchError(str(exc)) from None
+    if len(done.answers) != workers or any(
+        not isinstance(a, dict) or a.get("seed") != seed for a in done.answers
+    ):
+        raise SwitchError(
+            f"{done.call}({seed}): the server's {workers} worker(s) answered {done.answers!r}"
+        )
+
+
 def block_figures(result: WorkloadResult, moved: SpecDecodeCounters | None = None) -> str:
     """One block's figures for the run log: its repeats' mean output tok/s and TPOT p50, its
     errors, and the MTP acceptance its workload saw (where the counters were read)."""
@@ -130,6 +157,11 @@ class SwitchBlocks:
         self.spec_decode: dict[str, dict[str, list[SpecDecodeCounters | None]]] = {
             n: {} for n in self.by_variant
         }
+        # Synthetic acceptance: the seed each variant's blocks started from (the round's).
+        synthetic = unit.server.mtp_acceptance is not None
+        self.seeds: dict[str, list[int]] | None = (
+            {n: [] for n in self.by_variant} if synthetic else None
+        )
 
     # -- measuring ---------------------------------------------------------------------------
     def _flip(self, run: CaseRun, variant: str, block: int, key: str | None) -> None:
@@ -148,6 +180,18 @@ class SwitchBlocks:
         self.flips[variant].append(done)
         run.log(f"{run.case_id}: block {block}: {path} on every worker in {done.seconds:.2f} s")
 
+    def _reseed(self, run: CaseRun, variant: str, seed: int, key: str | None) -> None:
+        # After the warm-up, so the measured workloads are what draws from the seed.
+        reseed(
+            run.engine,
+            run.handle.base_url,
+            seed,
+            workers=run.case.tp,
+            timeout_s=self.matrix.timeouts.request_s,
+            api_key=key,
+        )
+        self.seeds[variant].append(seed)  # type: ignore[index]
+
     def measure(self, run: CaseRun, model_path: str, vocab: int, key: str | None) -> None:
         """Every block in order, each after its flip (and a warm-up), then each path's
         profile."""
@@ -158,6 +202,8 @@ class SwitchBlocks:
                 # As after start-up: the first requests on a path just re-captured may pay
                 # one-time costs that are not the path's speed.
                 run.warm_up(vocab, key)
+            if self.seeds is not None:
+                self._reseed(run, variant, self.matrix.seed + rounds[variant], key)
             for wl in self.matrix.workloads:
                 before = spec_decode_counters(run, key)
                 result = run_measured(
@@ -266,6 +312,7 @@ class SwitchBlocks:
             blocks=[i for i, v in enumerate(self.blocks, 1) if v == variant],
             schedule=self.blocks,
             flips=self.flips[variant],
+            seeds=self.seeds[variant] if self.seeds is not None else [],
         ).model_dump(mode="json")
         profile = self.profiles.get(variant)
         if profile is not None:

@@ -250,6 +250,9 @@ class SwitchRecord(Record):
     blocks: list[int] = Field(default_factory=list)  # schedule positions of this row's blocks
     schedule: list[str] = Field(default_factory=list)  # the server's whole schedule, by variant
     flips: list[PathFlip] = Field(default_factory=list)  # flips into this row's path
+    # Synthetic MTP acceptance: the random seed each of this row's blocks started from (its
+    # round's; empty where the server was not reseeded).
+    seeds: list[int] = Field(default_factory=list)
 
 
 class Startup(Record):

@@ -95,6 +95,22 @@ def test_set_path_on_an_eager_worker(mla, monkeypatch):
     assert switch.current_path() == "staged"
 
 
+def test_seed_restarts_the_workers_random_stream():
+    """fusedq_seed: what vLLM's synthetic MTP acceptance draws next is fixed by the seed (the
+    default generator; on a GPU every device's, which torch.manual_seed seeds too)."""
+    worker = eager_worker()
+    assert FusedqWorkerExtension.fusedq_seed(worker, "5") == {
+        "seed": 5,
+        "path": switch.current_path(),
+    }
+    first = torch.rand(4, dtype=torch.float64)
+    torch.rand(3)  # the stream moves on
+    FusedqWorkerExtension.fusedq_seed(worker, 5)
+    assert torch.equal(torch.rand(4, dtype=torch.float64), first)
+    FusedqWorkerExtension.fusedq_seed(worker, 6)
+    assert not torch.equal(torch.rand(4, dtype=torch.float64), first)
+
+
 def test_set_path_refuses_where_the_plugin_is_not_active(mla, monkeypatch):
     monkeypatch.delenv(report.MODE_ENV, raising=False)
     layers = set_up_layers(mla, heads=4)

@@ -75,6 +75,7 @@ class VllmEngine:
     profile_request = staticmethod(server.profile_request)
     set_path = staticmethod(rpc.set_path)
     path_state = staticmethod(rpc.path_state)
+    seed_workers = staticmethod(rpc.seed_workers)
 
     # -- 5. stopped --------------------------------------------------------------------------
     stop = staticmethod(server.stop_server)

@@ -5,8 +5,9 @@ A switch server loads a worker extension (vLLM's ``--worker-extension-cls``, the
 ``VLLM_SERVER_DEV_MODE=1``, which opens vLLM's dev endpoint ``POST /collective_rpc``: a method
 of the extension run on every worker, each worker's answer in rank order. ``fusedq_set_path``
 (the worker re-captures its CUDA graphs) answers ``{"path", "recaptured", "seconds",
-"layers"}``; ``fusedq_state`` the path it runs. What the answers must say is the
-orchestrator's to check (orchestrator.execution.switch).
+"layers"}``; ``fusedq_state`` the path it runs; ``fusedq_seed`` seeds the worker's random
+streams (synthetic MTP acceptance draws from them) and answers ``{"seed", "path"}``. What the
+answers must say is the orchestrator's to check (orchestrator.execution.switch).
 
 Only httpx (imported when a server is called) and the standard library.
 """
@@ -23,6 +24,9 @@ from orchestrator.engines.vllm.server import auth_headers
 # The worker extension's methods (fusedq.vllm.worker_ext.FusedqWorkerExtension), by the names
 # fusedq's contract gives them.
 SET_PATH, STATE = contract.RPC_SET_PATH, contract.RPC_STATE
+# fusedq_seed: the extension's third method, not in fusedq.contract yet (the contract is part
+# of the kernel tree, whose every change needs a new GPU record).
+SEED = "fusedq_seed"
 RPC_PATH = "/collective_rpc"
 # The environment variable that opens vLLM's dev endpoint, RPC_PATH.
 DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "1")
@@ -87,3 +91,12 @@ def path_state(base_url: str, *, timeout_s: float, api_key: str | None = None) -
     return WorkerAnswers(
         STATE, collective_rpc(base_url, STATE, timeout_s=timeout_s, api_key=api_key)
     )
+
+
+def seed_workers(
+    base_url: str, seed: int, *, timeout_s: float, api_key: str | None = None
+) -> WorkerAnswers:
+    """Every worker's answer to SEED(`seed`), sent as text (the dev endpoint's args are
+    JSON; the extension takes either)."""
+    answers = collective_rpc(base_url, SEED, [str(seed)], timeout_s=timeout_s, api_key=api_key)
+    return WorkerAnswers(SEED, answers)
