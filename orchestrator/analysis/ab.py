@@ -4,15 +4,22 @@ how sure are we?
 One H200 (2026-12-02, a GLM-5-width stand-in) showed where the noise lives: one server's
 repeats agree to 0.04 %, two servers of one configuration differ by 0.1-0.35 %, as much as
 the effect under test. So the samples are taken at the level where the variance is (Kalibera
-& Jones, "Rigorous benchmarking in reasonable time", 2013): each **server start** is one
-unit, its figure the mean over its repeats; or, on a switch-mode server that serves every
-variant (orchestrator.execution.switch), each **block** of the workloads between two path flips. Per
-topology, workload and metric this module gives each variant's mean of unit figures and
-their spread, the candidate/baseline ratio with Fieller's 95 % interval
-(orchestrator.analysis.stats.ratio_interval) and the verdict read from it; and, where the run has a
-paired profile, the evidence chain: the profile's per-layer saving x layers beside the
-measured TPOT change. `compare` (and so `nightly`) gates on the same units through
-`server_groups` and `unit_values`.
+& Jones, "Rigorous benchmarking in reasonable time", 2013):
+
+- restarts mode: each **server start** is one unit, its figure the mean over its repeats;
+  the units of two variants are independent, and the candidate/baseline ratio of their means
+  gets Fieller's 95 % interval (orchestrator.analysis.stats.ratio_interval);
+- switch mode: one server serves every variant in **rounds** (orchestrator.analysis.paired),
+  each round one pair; the change is the mean log ratio over rounds with Student's t interval
+  (stats.paired_ratio_interval), at equal MTP acceptance where the acceptance is synthetic.
+
+Per topology and candidate one figure is **primary** (``ab.primary``, default ctx0 output
+tok/s), judged at 95 %; every other figure is **secondary**, judged with Holm's correction
+over the topology's secondary figures, so that nine figures do not make nine chances of a
+false verdict. Each interval also states the change its units would find with 80 % power.
+Where the run has a paired profile, orchestrator.analysis.evidence sets the profile's
+per-layer saving x layers beside the measured TPOT change. `compare` (and so `nightly`)
+gates on the units through `server_groups` and `unit_values`.
 
 Only the run directory is read (orchestrator.results.recorded_run.Run). docs/statistics.md is the
 user's page.
@@ -20,23 +27,37 @@ user's page.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.analysis.paired import (
+    DECODE_SHARE,
+    PAIRED_SERVERS,
+    PER_TOKEN,
+    ROUNDS,
+    Adjustment,
+    acceptance_adjustment,
+)
 from orchestrator.analysis.stats import (
     CONFIDENCE,
+    POWER,
     TOO_FEW,
     Interval,
     MeanEstimate,
+    holm,
+    paired_ratio_interval,
     ratio_interval,
 )
+from orchestrator.config.schema import DEFAULT_PRIMARY_METRIC, primary_workload
 from orchestrator.results.recorded_run import Run
 from orchestrator.results.rows import CaseResult, Repeat, WorkloadSummary
 
 SERVERS, BLOCKS = "server starts", "blocks"
 FASTER, SLOWER = "faster", "slower"
+PRIMARY, SECONDARY = "primary", "secondary"
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,7 @@ class Metric:
     higher_is_better: bool
     of_server: Callable[[WorkloadSummary], float | None]
     of_block: Callable[[Repeat], float | None]
+    moves_as: str  # how it moves with MTP acceptance (orchestrator.analysis.paired)
 
 
 def _tpot(q: str) -> tuple[Callable[[WorkloadSummary], Any], Callable[[Repeat], Any]]:
@@ -73,22 +95,29 @@ AB_METRICS = (
         True,
         lambda w: w.mean_of("aggregate_tok_s"),
         lambda r: r.aggregate_tok_s,
+        DECODE_SHARE,
     ),
-    Metric("tpot_p50_ms", "TPOT p50", "ms", False, *_tpot("p50")),
-    Metric("tpot_mean_ms", "TPOT mean", "ms", False, *_tpot("mean")),
+    Metric("tpot_p50_ms", "TPOT p50", "ms", False, *_tpot("p50"), PER_TOKEN),
+    Metric("tpot_mean_ms", "TPOT mean", "ms", False, *_tpot("mean"), PER_TOKEN),
 )
 
 
-def verdict(interval: Interval | None, higher_is_better: bool) -> str:
+def verdict(interval: Interval | None, higher_is_better: bool, holm_p: float | None = None) -> str:
     """`faster` or `slower` when the whole 95 % interval of the change lies on one side of
-    0, else ``no change detectable at ±h%`` (h: the interval's half-width, the smallest
-    change these units could have shown); TOO_FEW without an interval."""
+    0 (and, for a secondary figure, its Holm-adjusted p-value `holm_p` is below 5 %), else
+    ``no change detectable at ±h%`` (h: the interval's half-width; a true change of h is
+    found only about half the time, `Interval.detectable` says what 80 % power finds);
+    TOO_FEW without an interval."""
     if interval is None:
         return TOO_FEW
-    if interval.low > 0.0 or interval.high < 0.0:
+    past = interval.low > 0.0 or interval.high < 0.0
+    if past and (holm_p is None or holm_p < 1.0 - interval.confidence):
         up = interval.low > 0.0
         return FASTER if up == higher_is_better else SLOWER
-    return f"no change detectable at ±{interval.half_width:.2f}%"
+    text = f"no change detectable at ±{interval.half_width:.2f}%"
+    if past and holm_p is not None:
+        text += f" after Holm (p {interval.p_value:.3f}, adjusted {holm_p:.3f})"
+    return text
 
 
 # --------------------------------------------------------------------------- units
@@ -168,17 +197,39 @@ class ABResult:
     unit: str
     baseline: VariantFigure
     candidate: VariantFigure
-    interval: Interval | None
+    interval: Interval | None  # Fieller's over server starts, or the paired one over pairs
     why: str = ""  # why there is no interval
+    pairs: tuple[tuple[float, float], ...] = ()  # paired units: (baseline, candidate) each
+    adjustment: Adjustment | None = None  # MTP: the acceptance each path saw, and the change
+    role: str = PRIMARY
+    holm_p: float | None = None  # a secondary figure's Holm-adjusted p-value
+
+    @property
+    def judged(self) -> Interval | None:
+        """The interval the verdict reads: at equal MTP acceptance where the figure was
+        adjusted for it, else `interval`."""
+        adjusted = self.adjustment.interval if self.adjustment is not None else None
+        return adjusted if adjusted is not None else self.interval
 
     @property
     def verdict(self) -> str:
-        return verdict(self.interval, self.metric.higher_is_better)
+        holm_p = self.holm_p if self.role == SECONDARY else None
+        return verdict(self.judged, self.metric.higher_is_better, holm_p)
 
     @property
     def ratio(self) -> float | None:
+        """The judged change as a ratio (Fieller's: of the means; paired: the geometric mean
+        of the pairs' ratios); the ratio of the means where there is no interval."""
+        iv = self.judged
+        if iv is not None:
+            return 1.0 + iv.estimate / 100.0
         b, c = self.baseline.mean, self.candidate.mean
         return None if not b or c is None else c / b
+
+    @property
+    def detectable(self) -> float | None:
+        """The change (%) the judged interval's units find with 80 % power."""
+        return None if self.judged is None else self.judged.detectable(POWER)
 
     def to_dict(self) -> dict[str, Any]:
         def side(f: VariantFigure) -> dict[str, Any]:
@@ -191,7 +242,7 @@ class ABResult:
                 "values": list(f.values),
             }
 
-        iv = self.interval
+        iv, plain = self.judged, self.interval
         return {
             "topology_id": self.topology_id,
             "workload": self.workload,
@@ -199,28 +250,83 @@ class ABResult:
             "metric": self.metric.key,
             "higher_is_better": self.metric.higher_is_better,
             "unit": self.unit,
+            "role": self.role,
             "baseline": side(self.baseline),
             "candidate": side(self.candidate),
+            "pairs": [list(p) for p in self.pairs] if self.pairs else None,
             "ratio": self.ratio,
             "change_pct": None if iv is None else iv.estimate,
             "interval_pct": None if iv is None else [iv.low, iv.high],
             "half_width_pct": None if iv is None else iv.half_width,
+            "detectable_pct": self.detectable,
+            "power": POWER,
             "confidence": CONFIDENCE,
             "method": None if iv is None else iv.method,
+            "p_value": None if iv is None else iv.p_value,
+            "holm_p": self.holm_p,
             "verdict": self.verdict,
             "why": self.why or None,
+            "unadjusted": None
+            if plain is None or plain is iv
+            else {
+                "change_pct": plain.estimate,
+                "interval_pct": [plain.low, plain.high],
+                "method": plain.method,
+                "p_value": plain.p_value,
+            },
+            "acceptance": None if self.adjustment is None else self.adjustment.to_dict(),
         }
+
+
+Side = tuple[str, Sequence[CaseResult]]  # a variant and its rows of one topology
+
+
+def paired_units(
+    base: Sequence[CaseResult], cand: Sequence[CaseResult], workload: str, metric: Metric
+) -> tuple[str, list[tuple[int, float, float]]]:
+    """Switch mode's pairs of one figure, each (index, baseline, candidate): the rounds of
+    one server (index: the round, from 0), or the server starts that served both variants
+    (index: the start), each variant's figure the mean of its blocks there. A pair without
+    both figures, or with a failed row, is left out."""
+
+    def ok(rows: Sequence[CaseResult]) -> list[CaseResult]:
+        return [r for r in rows if r.passed and workload in r.workloads]
+
+    b_rows, c_rows = ok(base), ok(cand)
+    if len(base) == 1 and len(cand) == 1:
+        if not b_rows or not c_rows:
+            return ROUNDS, []
+        b_blocks = [metric.of_block(x) for x in b_rows[0].workloads[workload].repeats]
+        c_blocks = [metric.of_block(x) for x in c_rows[0].workloads[workload].repeats]
+        return ROUNDS, [
+            (k, float(b), float(c))
+            for k, (b, c) in enumerate(zip(b_blocks, c_blocks, strict=False))
+            if b is not None and c is not None
+        ]
+    c_by = {r.ab_server: r for r in c_rows}
+    out = []
+    for r in b_rows:
+        other = c_by.get(r.ab_server)
+        if other is None:
+            continue
+        b, c = metric.of_server(r.workloads[workload]), metric.of_server(other.workloads[workload])
+        if b is not None and c is not None:
+            out.append((r.ab_server or 0, float(b), float(c)))
+    return PAIRED_SERVERS, out
 
 
 def judge_units(
     topology_id: str,
     workload: tuple[str, str],
     metric: Metric,
-    base: tuple[str, Sequence[CaseResult]],
-    cand: tuple[str, Sequence[CaseResult]],
+    base: Side,
+    cand: Side,
+    *,
+    paired_by: bool = False,
 ) -> ABResult:
     """The A/B of one figure: `workload` is (name, report column), `base` and `cand` are
-    (variant, its rows of this topology)."""
+    (variant, its rows of this topology); `paired_by`: the rows are switch mode's, whose
+    variants share servers and so pair (else the units are independent server starts)."""
     unit, b_values = unit_values(base[1], workload[0], metric)
     _, c_values = unit_values(cand[1], workload[0], metric)
 
@@ -229,6 +335,8 @@ def judge_units(
         return VariantFigure(variant, tuple(values), expected)
 
     b, c = figure(base[0], base[1], b_values), figure(cand[0], cand[1], c_values)
+    if paired_by:
+        return _judge_pairs(topology_id, workload, metric, base, cand, (b, c))
     interval, why = None, ""
     if b.estimate is None or c.estimate is None:
         short = b if b.estimate is None else c
@@ -242,12 +350,72 @@ def judge_units(
     return ABResult(topology_id, *workload, metric, unit, b, c, interval, why)
 
 
+def _judge_pairs(
+    topology_id: str,
+    workload: tuple[str, str],
+    metric: Metric,
+    base: Side,
+    cand: Side,
+    figures: tuple[VariantFigure, VariantFigure],
+) -> ABResult:
+    unit, pairs = paired_units(base[1], cand[1], workload[0], metric)
+    found = tuple((b, c) for _, b, c in pairs)
+    interval, why, adjustment = None, "", None
+    if len(pairs) < 2:
+        why = f"{len(pairs)} {unit} with both variants measured; 2 or more are needed"
+    elif min(v for p in found for v in p) <= 0:
+        why = "a unit measured 0"
+    else:
+        interval = paired_ratio_interval([p[0] for p in found], [p[1] for p in found])
+        if unit == ROUNDS:
+            b_row, c_row = base[1][0], cand[1][0]
+            adjustment = acceptance_adjustment(
+                pairs,
+                b_row.workloads[workload[0]],
+                c_row.workloads[workload[0]],
+                b_row.mtp,
+                metric.moves_as,
+            )
+    return ABResult(
+        topology_id, *workload, metric, unit, *figures, interval, why, found, adjustment
+    )
+
+
+def primary_of(run: Run) -> tuple[str | None, str]:
+    """The primary figure (workload name, metric key) of the run's A/B: the matrix's
+    ``ab.primary``, else ctx0's (or the first workload's) output tok/s."""
+    spec = (run.manifest.ab or {}).get("primary") or {}
+    names = [name for name, _ in run.columns]
+    return primary_workload(spec.get("workload"), names), spec.get("metric", DEFAULT_PRIMARY_METRIC)
+
+
+def with_roles(results: Sequence[ABResult], primary: tuple[str | None, str]) -> list[ABResult]:
+    """`results` of one topology and candidate with their roles: the primary figure, and the
+    secondary ones with their Holm-adjusted p-values (over those that have a p-value)."""
+    roles = [PRIMARY if (r.workload, r.metric.key) == primary else SECONDARY for r in results]
+    tested = [
+        i
+        for i, (r, role) in enumerate(zip(results, roles, strict=True))
+        if role == SECONDARY and r.judged is not None and r.judged.p_value is not None
+    ]
+    adjusted = dict(
+        zip(tested, holm([results[i].judged.p_value for i in tested]), strict=True)  # type: ignore[union-attr,misc]
+    )
+    return [
+        dataclasses.replace(r, role=role, holm_p=adjusted.get(i))
+        for i, (r, role) in enumerate(zip(results, roles, strict=True))
+    ]
+
+
 def ab_results(run: Run) -> list[ABResult]:
     """Every A/B figure of the run: per topology, candidate variant, workload and metric."""
-    if run.manifest.ab is None or len(run.variants) < 2:
+    ab = run.manifest.ab
+    if ab is None or len(run.variants) < 2:
         return []
     groups = server_groups(run.ordered)
     base = run.variants[0]
+    switch = ab.get("mode", "restarts") == "switch"
+    primary = primary_of(run)
     topologies = list(dict.fromkeys(t for t, _ in groups))
     out = []
     for topo in topologies:
@@ -256,51 +424,17 @@ def ab_results(run: Run) -> list[ABResult]:
         for cand in run.variants[1:]:
             if (topo, cand) not in groups:
                 continue
-            for workload in run.columns:
-                for metric in AB_METRICS:
-                    out.append(
-                        judge_units(
-                            topo,
-                            workload,
-                            metric,
-                            (base, groups[(topo, base)]),
-                            (cand, groups[(topo, cand)]),
-                        )
-                    )
+            family = [
+                judge_units(
+                    topo,
+                    workload,
+                    metric,
+                    (base, groups[(topo, base)]),
+                    (cand, groups[(topo, cand)]),
+                    paired_by=switch,
+                )
+                for workload in run.columns
+                for metric in AB_METRICS
+            ]
+            out += with_roles(family, primary)
     return out
-
-
-def design(run: Run) -> str:
-    """How the units were taken, as a sentence for the reports (empty outside an A/B)."""
-    ab = run.manifest.ab
-    if ab is None:
-        return ""
-    variants = run.variants
-    if ab.get("mode", "restarts") == "restarts":
-        servers = {len(rows) for rows in server_groups(run.ordered).values()}
-        count = "/".join(str(n) for n in sorted(servers)) or "?"
-        order = " ".join([*variants, *variants, "…"])
-        return (
-            f"Sampling unit: server starts, {count} per variant and topology, served round by "
-            f"round ({order}); a start's output tok/s is the mean over its repeats, its TPOT "
-            "over all its requests. 95% interval: Fieller's, of the ratio of the variants' "
-            "means over server starts (docs/statistics.md)."
-        )
-    rows = [r for r in run.ordered if r.switch is not None]
-    schedule = rows[0].switch.schedule if rows else []
-    flips = [f.seconds for r in rows for f in r.switch.flips if f.seconds is not None]
-    timing = (
-        f"; a flip took {statistics.median(flips):.2f} s (median; longest {max(flips):.2f} s)"
-        if flips
-        else ""
-    )
-    servers = max((r.ab_server or 1 for r in rows), default=1)
-    unit = "blocks" if servers == 1 else "server starts (each the mean of its blocks)"
-    preview = " ".join(schedule[: 2 * len(variants) + 2]) + (" …" if schedule else "")
-    return (
-        f"Sampling unit: {unit}: {ab.get('blocks')} blocks per variant on each of "
-        f"{servers} server(s) per topology, which serve every variant and flip the decode path "
-        f"between blocks ({preview}) through {ab.get('extension')}; every worker confirmed "
-        f"the path before each block{timing}. 95% interval: Fieller's, of the ratio of the "
-        "variants' means (docs/statistics.md)."
-    )

@@ -196,6 +196,12 @@ def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
     names = [v.name for v in m.variants]
     if len(names) < 2:
         raise MatrixError(source, "ab", "needs two or more variants: a baseline and a candidate")
+    workloads = [w.name for w in m.workloads]
+    if ab.primary.workload is not None and ab.primary.workload not in workloads:
+        raise MatrixError(
+            source, f"ab.primary.workload={ab.primary.workload!r}",
+            f"names no workload of this matrix; the workloads are {workloads}",
+        )  # fmt: skip
     if ab.mode == "restarts":
         if ab.server_count < 2:
             raise MatrixError(
@@ -216,6 +222,7 @@ def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
     for key in ([ab.serve_as] if ab.serve_as else []) + list(ab.paths):
         if key not in names:
             raise MatrixError(source, "ab", f"names variant {key!r}; the variants are {names}")
+    _check_balance(ab.blocks, ab.order, source)
     for i, w in enumerate(m.workloads):
         if w.repeats != 1:
             raise MatrixError(
@@ -231,6 +238,24 @@ def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
                 f"case {c.case_id!r} passes {flag.split('=', 1)[0]}; a switch-mode server gets "
                 "it from the orchestrator (ab.extension, and no prefix caching)",
             )  # fmt: skip
+
+
+def _check_balance(blocks: int, order: str, source: str) -> None:
+    """Order abba promises that every variant's blocks sit at the same mean position on the
+    server's schedule, so a drift linear in time lands on each alike. The positions 1..vb
+    of v variants' b blocks sum to vb(vb + 1)/2, and rounds (one block of each variant)
+    mirrored in pairs give each variant the same share only over an even number of rounds;
+    for two variants no order at all can balance an odd b (each would need b(2b + 1)/2, not
+    a whole number). An odd count is refused rather than rounded up: the run does what the
+    matrix says."""
+    if order != "abba" or blocks % 2 == 0:
+        return
+    raise MatrixError(
+        source, f"ab.blocks={blocks}",
+        "cannot be drift-balanced with order abba: each variant's blocks must sit at the same "
+        f"mean position, which needs an even number of blocks per variant; use {blocks - 1} "
+        f"or {blocks + 1} (or order: alternate, which is not drift-balanced)",
+    )  # fmt: skip
 
 
 def _profiler_flag(arg: str) -> bool:

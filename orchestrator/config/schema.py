@@ -6,6 +6,7 @@ its server's case directory and the flags its server gets from the orchestrator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -80,6 +81,36 @@ SWITCH_SERVER_VARIANT = "switch"  # the name a switch-mode server's own case dir
 SWITCH_FLAGS = ("--worker-extension-cls", "--enable-prefix-caching", "--no-enable-prefix-caching")
 
 
+# The figures an A/B judges, by the keys report.json names them (orchestrator.analysis.ab's
+# AB_METRICS reads each one; a test holds the two lists equal).
+ABMetricKey = Literal["output_tok_s", "tpot_p50_ms", "tpot_mean_ms"]
+# The primary figure when the matrix names none: decode speed at one-token prompts, the
+# workload the fused query's saving is largest in and the one every shipped A/B runs.
+DEFAULT_PRIMARY_WORKLOAD, DEFAULT_PRIMARY_METRIC = "ctx0", "output_tok_s"
+
+
+class ABPrimary(Strict):
+    """The one figure per topology an A/B is judged on at 95 %; every other figure of the
+    topology is secondary and judged with Holm's correction (docs/statistics.md)."""
+
+    workload: str | None = Field(
+        None,
+        description=f"The primary figure's workload (its name; default {DEFAULT_PRIMARY_WORKLOAD}"
+        " where the matrix has one, else its first workload).",
+    )
+    metric: ABMetricKey = Field(DEFAULT_PRIMARY_METRIC, description="The primary figure.")
+
+
+def primary_workload(named: str | None, workloads: Sequence[str]) -> str | None:
+    """The primary figure's workload: the one named, else ctx0 where there is one, else the
+    first (None for a matrix without workloads)."""
+    if named is not None:
+        return named
+    if DEFAULT_PRIMARY_WORKLOAD in workloads:
+        return DEFAULT_PRIMARY_WORKLOAD
+    return workloads[0] if workloads else None
+
+
 class ABSpec(Strict):
     """An A/B of the variants that can resolve a fraction of a percent (orchestrator.analysis.ab).
 
@@ -87,8 +118,9 @@ class ABSpec(Strict):
     (A B A B ..., never A A B B); every server start is a case and the interval is over
     server starts. ``switch``: per topology `servers` servers (default 1) that each serve
     every variant, flipping the decode path between blocks of the workloads through the
-    worker extension (orchestrator.execution.switch); the interval is over blocks (over servers when
-    there are two or more)."""
+    worker extension (orchestrator.execution.switch); each round (one block of each variant)
+    is a pair, and the interval is over rounds (over servers, each a pair, when there are two
+    or more)."""
 
     mode: Literal["restarts", "switch"] = "restarts"
     servers: int | None = Field(
@@ -99,12 +131,17 @@ class ABSpec(Strict):
         f"{DEFAULT_AB_SERVERS}, at least 2), or switch servers per topology (switch, default 1).",
     )
     blocks: int = Field(
-        8, ge=2, le=1000, description="switch: blocks of the workloads per variant and server."
+        8,
+        ge=2,
+        le=1000,
+        description="switch: blocks of the workloads per variant and server (one round of "
+        "one block per variant each); even under order abba.",
     )
     order: Literal["abba", "alternate"] = Field(
         "abba",
-        description="switch: ABBA (A B B A A B B A ..., cancels a linear drift) or alternate "
-        "(A B A B ...).",
+        description="switch: abba (rounds in and against the variants' order, ABBA BAAB ...: "
+        "each variant's blocks at the same mean position, which cancels a linear drift) or "
+        "alternate (A B A B ...: not drift-balanced).",
     )
     first: Literal["baseline", "candidate"] = Field(
         "baseline", description="switch: the path of each server's first block."
@@ -123,6 +160,10 @@ class ABSpec(Strict):
         default_factory=dict,
         description="switch: variant -> the path fusedq_set_path is asked for (default: the "
         "variant's name).",
+    )
+    primary: ABPrimary = Field(
+        default_factory=ABPrimary,
+        description="The figure each topology is judged on (the others are secondary).",
     )
 
     @property

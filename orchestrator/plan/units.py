@@ -67,13 +67,18 @@ def run_units(matrix: Matrix, todo: Sequence[Case], cases: Sequence[Case]) -> li
 
 def schedule(variants: Sequence[str], blocks: int, order: str, first: str) -> list[str]:
     """The server's blocks in order, by variant (`variants` baseline first): `blocks` rounds
-    of one block per variant; ABBA reverses every other round."""
+    of one block per variant. ``abba`` runs round k in the variants' order or against it as
+    the Thue-Morse sequence says (parity of k's binary ones: A B, B A, B A, A B, B A, ...),
+    so every two rounds mirror each other and each variant's blocks sit at the same mean
+    position over any even number of rounds (a linear drift cancels; over a multiple of four
+    a quadratic one too). ``alternate`` keeps the order every round: not drift-balanced."""
     names = list(variants)
     if first == "candidate":
         names = names[1:] + names[:1]
     out: list[str] = []
     for k in range(blocks):
-        out += names if order == "alternate" or k % 2 == 0 else names[::-1]
+        mirrored = order == "abba" and bin(k).count("1") % 2 == 1
+        out += names[::-1] if mirrored else names
     return out
 
 

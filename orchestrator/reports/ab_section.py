@@ -1,6 +1,9 @@
 """The A/B section every report shows: per candidate variant, one table of its figures against
-the baseline's (orchestrator.analysis.ab), the sentence saying how the units were taken, and the
-evidence chain (orchestrator.analysis.evidence).
+the baseline's (orchestrator.analysis.ab), each figure's role (primary or secondary), its
+interval and the change its units would find with 80 % power; for an MTP topology the
+acceptance each path saw and the change at equal acceptance; the sentences saying how the
+units were taken and judged (orchestrator.analysis.ab_design), and the evidence chain
+(orchestrator.analysis.evidence).
 
 The table is built once here as plain strings; report.md, report.html and the closing table
 of `orchestrator run` lay it out, report.json takes `ab_json`.
@@ -12,11 +15,24 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.analysis.ab import ABResult, ab_results, design
+from orchestrator.analysis.ab import SECONDARY, ABResult, ab_results, primary_of
+from orchestrator.analysis.ab_design import design
 from orchestrator.analysis.evidence import Evidence, evidence_chain
 from orchestrator.results.recorded_run import Run
 
 TITLE = "A/B: {cand} vs {base}, 95% interval over {unit}"
+ACCEPTANCE_TITLE = "MTP acceptance: {cand} vs {base}, the change at equal acceptance"
+ACCEPTANCE_HEADER = [
+    "Topology",
+    "Workload",
+    "Metric",
+    "acceptance {base}",
+    "acceptance {cand}",
+    "elasticity",
+    "as measured",
+    "at equal acceptance",
+    "fitted elasticity",
+]
 
 
 @dataclass
@@ -33,6 +49,7 @@ class ABSection:
     design: str
     tables: list[ABTable]
     evidence: list[str]
+    acceptance: list[ABTable] = field(default_factory=list)
 
 
 def _digits(r: ABResult) -> int:
@@ -40,19 +57,69 @@ def _digits(r: ABResult) -> int:
     return 2 if r.metric.unit == "tok/s" else 3
 
 
+def _label(r: ABResult) -> str:
+    m = r.metric
+    return m.label if m.unit in m.label else f"{m.label} ({m.unit})"
+
+
+def _role(r: ABResult) -> str:
+    if r.role == SECONDARY and r.holm_p is not None:
+        return f"secondary (Holm p {r.holm_p:.3f})"
+    return r.role
+
+
+def _power(r: ABResult) -> str:
+    """``±0.22% / 0.28%``: the half-width, and the change 80 % power finds."""
+    iv = r.judged
+    if iv is None:
+        return "-"
+    found = r.detectable
+    return f"±{iv.half_width:.2f}%" + ("" if found is None else f" / {found:.2f}%")
+
+
 def _row(r: ABResult) -> list[str]:
-    iv = r.interval
+    iv = r.judged
+    adjusted = iv is not None and iv is not r.interval
+    verdict = r.verdict if iv is not None or not r.why else f"{r.verdict} ({r.why})"
     return [
         r.topology_id,
         r.workload,
-        r.metric.label
-        if r.metric.unit in r.metric.label
-        else f"{r.metric.label} ({r.metric.unit})",
+        _label(r),
+        _role(r),
         r.baseline.text(_digits(r)),
         r.candidate.text(_digits(r)),
         "-" if r.ratio is None else f"{r.ratio:.4f}",
         "-" if iv is None else iv.bounds(),
-        r.verdict if iv is not None or not r.why else f"{r.verdict} ({r.why})",
+        _power(r),
+        f"{verdict} (at equal MTP acceptance)" if adjusted else verdict,
+    ]
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.3f}"
+
+
+def _acceptance_row(r: ABResult) -> list[str]:
+    a = r.adjustment
+    assert a is not None
+    plain, fit = r.interval, a.fitted
+    measured = "-" if plain is None else f"{plain.estimate:+.2f}% ({plain.bounds()})"
+    at_equal = (
+        a.why or "-"
+        if a.interval is None
+        else f"{a.interval.estimate:+.2f}% ({a.interval.bounds()})"
+    )
+    fitted = "-" if fit is None else f"{fit.estimate:.2f} ({fit.low:.2f} … {fit.high:.2f})"
+    return [
+        r.topology_id,
+        r.workload,
+        _label(r),
+        _rate(a.baseline_rate),
+        _rate(a.candidate_rate),
+        "-" if a.elasticity is None else f"{a.elasticity:.2f}",
+        measured,
+        at_equal,
+        fitted,
     ]
 
 
@@ -62,16 +129,31 @@ def ab_section(run: Run) -> ABSection | None:
     if not results:
         return None
     tables: dict[str, ABTable] = {}
+    accepted: dict[str, ABTable] = {}
     for r in results:
         base, cand = r.baseline.variant, r.candidate.variant
         table = tables.get(cand)
         if table is None:
             title = TITLE.format(cand=cand, base=base, unit=r.unit)
-            header = ["Topology", "Workload", "Metric", base, cand, f"{cand}/{base}"]
-            table = tables[cand] = ABTable(title, [*header, "95% interval", "Verdict"])
+            header = ["Topology", "Workload", "Metric", "Role", base, cand, f"{cand}/{base}"]
+            table = tables[cand] = ABTable(
+                title, [*header, "95% interval", "±h / 80% power", "Verdict"]
+            )
         table.body.append(_row(r))
+        if r.adjustment is not None:
+            if cand not in accepted:
+                accepted[cand] = ABTable(
+                    ACCEPTANCE_TITLE.format(cand=cand, base=base),
+                    [h.format(base=base, cand=cand) for h in ACCEPTANCE_HEADER],
+                )
+            accepted[cand].body.append(_acceptance_row(r))
     chain: list[Evidence] = evidence_chain(run, results)
-    return ABSection(design(run), list(tables.values()), [e.sentence() for e in chain])
+    return ABSection(
+        design(run),
+        list(tables.values()),
+        [e.sentence() for e in chain],
+        list(accepted.values()),
+    )
 
 
 def ab_json(run: Run) -> dict[str, Any] | None:
@@ -79,9 +161,11 @@ def ab_json(run: Run) -> dict[str, Any] | None:
     results = ab_results(run)
     if not results:
         return None
+    workload, metric = primary_of(run)
     return {
         "design": design(run),
         "matrix": run.manifest.ab,
+        "primary": {"workload": workload, "metric": metric},
         "results": [r.to_dict() for r in results],
         "evidence": [e.to_dict() for e in evidence_chain(run, results)],
     }
@@ -93,11 +177,11 @@ def render_ab_terminal(run: Run, width: int) -> str:
     if section is None:
         return ""
     out: list[str] = []
-    for t in section.tables:
+    for t in section.tables + section.acceptance:
         widths = [max(len(x) for x in col) for col in zip(t.header, *t.body, strict=True)]
 
         def fmt(cells: list[str], widths: list[int] = widths) -> str:
-            text = {0, 1, 2, len(cells) - 1}
+            text = {0, 1, 2, 3, len(cells) - 1}
             parts = [
                 c.ljust(w) if i in text else c.rjust(w)
                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))

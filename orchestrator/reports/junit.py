@@ -97,10 +97,11 @@ def _ab_properties(run: Run) -> list[tuple[str, str]]:
     out = []
     for r in ab_results(run):
         key = f"ab.{r.topology_id}.{r.workload}.{r.metric.key}.{r.candidate.variant}"
-        bounds = "no interval" if r.interval is None else f"95% interval {r.interval.bounds()}"
+        iv = r.judged
+        bounds = "no interval" if iv is None else f"95% interval {iv.bounds()}"
         ratio = "-" if r.ratio is None else f"{r.ratio:.4f}"
         value = f"{r.candidate.variant}/{r.baseline.variant} {ratio}, {bounds} over {r.unit}"
-        out.append((key, f"{value}: {r.verdict}"))
+        out.append((key, f"{value} ({r.role}): {r.verdict}"))
     return out
 
 

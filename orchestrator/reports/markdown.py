@@ -136,6 +136,8 @@ def _ab_section(run: Run) -> list[str]:
     out: list[str] = []
     for t in section.tables:
         out += [f"## {t.title}", "", md_table(t.header, t.body), ""]
+    for t in section.acceptance:
+        out += [f"### {t.title}", "", md_table(t.header, t.body), ""]
     out += [section.design, ""]
     if section.evidence:
         out += ["Evidence chain (the paired decode profile against the measured TPOT):", ""]

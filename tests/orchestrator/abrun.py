@@ -12,6 +12,7 @@ from typing import Any
 
 from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
+from orchestrator.plan.units import run_units
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import RunStore
 
@@ -87,6 +88,12 @@ def write_run(
             "versions": {"vllm": "0.26.0"},
         }
     )
+    # A switch server's schedule as the planner makes it (the rows record it).
+    planned = {
+        c.case_id: unit.blocks
+        for unit in (run_units(m, cases, cases) if m.switch_mode else [])
+        for c in unit.cases
+    }
     for c in cases:
         if c.case_id not in figures:
             continue
@@ -96,8 +103,14 @@ def write_run(
             "workloads": {"ctx0": _server(figures[c.case_id])},
             "timings": {"total_s": 60.0},
         }
-        if m.ab is not None and m.ab.mode == "switch":
-            row["switch"] = {"server_case": f"{c.topology_id}/switch/s1", "path": c.variant.name}
+        if m.switch_mode:
+            plan = list(planned[c.case_id])
+            row["switch"] = {
+                "server_case": f"{c.topology_id}/switch/s1",
+                "path": c.variant.name,
+                "schedule": plan,
+                "blocks": [i for i, v in enumerate(plan, 1) if v == c.variant.name],
+            }
         row.update((edit or {}).get(c.case_id, {}))
         store.append_result(CaseResult.model_validate(row))
     return store.root

@@ -5,15 +5,28 @@ section of every report, on recorded A/B run directories (abrun.py)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import typing
 import xml.etree.ElementTree as ET
 
 import abrun
 import pytest
 
-from orchestrator.analysis.ab import BLOCKS, FASTER, SERVERS, SLOWER, ab_results, verdict
+from orchestrator.analysis.ab import (
+    AB_METRICS,
+    FASTER,
+    PRIMARY,
+    SECONDARY,
+    SERVERS,
+    SLOWER,
+    ab_results,
+    verdict,
+)
 from orchestrator.analysis.evidence import BMM_ALONE, BMM_CAT, evidence_chain
+from orchestrator.analysis.paired import ROUNDS
 from orchestrator.analysis.stats import TOO_FEW, Interval, MeanEstimate, ratio_interval
+from orchestrator.config.schema import ABMetricKey
 from orchestrator.reports import write_reports
 from orchestrator.reports.summary import render_summary
 from orchestrator.results.recorded_run import Run
@@ -54,8 +67,23 @@ def test_the_verdict_rule(low, high, higher_is_better, expected):
     assert verdict(_iv(low, high), higher_is_better) == expected
 
 
+def test_the_matrix_names_the_figures_the_ab_judges():
+    # ab.primary.metric is checked against the schema's list; the analysis reads AB_METRICS.
+    assert tuple(m.key for m in AB_METRICS) == typing.get_args(ABMetricKey)
+
+
 def test_no_interval_is_too_few_samples():
     assert verdict(None, True) == TOO_FEW
+
+
+def test_a_secondary_figure_needs_its_holm_adjusted_p_value():
+    iv = Interval(0.52, 0.31, 0.73, 0.95, "test", df=4, p_value=0.03)
+    assert verdict(iv, True, holm_p=0.049) == FASTER
+    assert verdict(iv, True, holm_p=0.08) == (
+        "no change detectable at ±0.21% after Holm (p 0.030, adjusted 0.080)"
+    )
+    across = Interval(0.11, -0.10, 0.32, 0.95, "test", df=4, p_value=0.3)
+    assert verdict(across, True, holm_p=0.6) == "no change detectable at ±0.21%"
 
 
 def _results(tmp_path, figures, **kw):
@@ -106,12 +134,54 @@ def test_one_server_start_of_a_variant_is_too_few(tmp_path):
     assert tok.why == "fused: 1 server starts measured; 2 or more are needed"
 
 
-def test_switch_mode_is_judged_over_blocks(tmp_path):
-    results = _results(tmp_path, abrun.switch(STAGED, FUSED), matrix=abrun.SWITCH)
+# A switch server's four rounds (schedule A B B A B A A B): the server's speed moves by up to
+# 1.2 % from round to round, as much as both variants' blocks overlap; within a round fused
+# is 0.4 % faster (± 0.03 %). Output tok/s, TPOT p50 and mean of each block.
+LEVELS = (1.000, 1.012, 0.994, 1.006)
+NOISE = ((0.0003, -0.0001), (-0.0002, 0.0003), (0.0001, -0.0003), (-0.0003, 0.0002))
+
+
+def _block(level: float, gain: float, noise: float) -> tuple[float, float, float]:
+    speed = level * gain * (1 + noise)
+    return (117.0 * speed, 8.53 / speed, 8.54 / speed)
+
+
+SWITCH_STAGED = [_block(lv, 1.0, n[0]) for lv, n in zip(LEVELS, NOISE, strict=True)]
+SWITCH_FUSED = [_block(lv, 1.004, n[1]) for lv, n in zip(LEVELS, NOISE, strict=True)]
+T3_975 = 3.182446  # Student's t, 3 df, two-sided 95 % (printed tables)
+
+
+def test_switch_mode_pairs_the_blocks_of_each_round(tmp_path):
+    results = _results(tmp_path, abrun.switch(SWITCH_STAGED, SWITCH_FUSED), matrix=abrun.SWITCH)
     tok = results[0]
-    assert tok.unit == BLOCKS
-    assert tok.baseline.values == tuple(u[0] for u in STAGED)
-    assert tok.verdict == FASTER
+    assert tok.unit == ROUNDS
+    staged, fused = [u[0] for u in SWITCH_STAGED], [u[0] for u in SWITCH_FUSED]
+    assert tok.baseline.values == tuple(staged) and tok.pairs == tuple(
+        zip(staged, fused, strict=True)
+    )
+    # Unpaired, the rounds' levels swamp the change: the blocks overlap, no verdict.
+    unpaired = ratio_interval(MeanEstimate.of(staged), MeanEstimate.of(fused))
+    assert min(fused) < max(staged) and unpaired.low < 0 < unpaired.high
+    # Paired, by hand: the mean log ratio over the 4 rounds and t at 3 df.
+    d = [math.log(f / s) for s, f in zip(staged, fused, strict=True)]
+    mean, sd = statistics.fmean(d), statistics.stdev(d)
+    half = T3_975 * sd / 2
+    assert (tok.interval.estimate, tok.interval.low, tok.interval.high) == pytest.approx(
+        tuple(100 * math.expm1(x) for x in (mean, mean - half, mean + half)), abs=1e-5
+    )
+    assert tok.ratio == pytest.approx(math.exp(mean))
+    assert tok.interval.low > 0.3 and tok.interval.high < 0.5 and tok.verdict == FASTER
+    assert tok.role == PRIMARY and tok.adjustment is None  # MTP 0: no acceptance to adjust for
+    for tpot in results[1:]:
+        assert tpot.interval.high < 0 and tpot.role == SECONDARY
+
+
+def test_a_switch_round_without_both_blocks_is_no_pair(tmp_path):
+    edit = {"glm5-h16/tp1-dcp1-mtp0/fused/s1": {"status": "failed", "reason": "boom"}}
+    figures = abrun.switch(SWITCH_STAGED, SWITCH_FUSED)
+    tok = _results(tmp_path, figures, matrix=abrun.SWITCH, edit=edit)[0]
+    assert tok.interval is None and tok.verdict == TOO_FEW
+    assert tok.why == "0 rounds with both variants measured; 2 or more are needed"
 
 
 def test_a_run_without_ab_has_no_ab_results(tmp_path):
@@ -186,22 +256,149 @@ def test_every_report_carries_the_ab(tmp_path):
     run = write_reports(RunStore(root))
     md = (root / "report.md").read_text()
     assert "## A/B: fused vs staged, 95% interval over server starts" in md
-    assert "| glm5-h16/tp1-dcp1-mtp0 | ctx0 | output tok/s | 116.92 (sd" in md
+    assert "| glm5-h16/tp1-dcp1-mtp0 | ctx0 | output tok/s | primary | 116.92 (sd" in md
+    assert "| 95% interval | ±h / 80% power | Verdict |" in md
+    tok = ab_results(run)[0]
+    assert f"| ±{tok.interval.half_width:.2f}% / {tok.detectable:.2f}% | faster |" in md
     assert "Sampling unit: server starts, 4 per variant and topology" in md
+    assert "Primary figure: ctx0 output tok/s, judged at 95%; every other figure is" in md
     assert "they agree within the interval" in md
     assert "## Paired variants" not in md  # the one-server deltas are superseded
     data = json.loads((root / "report.json").read_text())
     assert [r["verdict"] for r in data["ab"]["results"]] == [FASTER, FASTER, FASTER]
+    assert [r["role"] for r in data["ab"]["results"]] == [PRIMARY, SECONDARY, SECONDARY]
     assert data["ab"]["results"][0]["unit"] == SERVERS
+    assert data["ab"]["primary"] == {"workload": "ctx0", "metric": "output_tok_s"}
+    assert data["ab"]["results"][0]["detectable_pct"] == pytest.approx(tok.detectable)
     assert data["ab"]["evidence"][0]["agrees"] is True
     props = {
         p.get("name"): p.get("value")
         for p in ET.parse(root / "junit.xml").getroot().iter("property")
     }
     key = "ab.glm5-h16/tp1-dcp1-mtp0.ctx0.output_tok_s.fused"
-    assert props[key].startswith("fused/staged 1.00") and props[key].endswith(": faster")
+    assert props[key].startswith("fused/staged 1.00") and props[key].endswith("(primary): faster")
     html = (root / "report.html").read_text()
     assert "A/B: fused vs staged, 95% interval over server starts" in html
     closing = render_summary(run)
     assert "A/B: fused vs staged, 95% interval over server starts" in closing
     assert "Evidence: glm5-h16/tp1-dcp1-mtp0 ctx0, TPOT mean" in closing
+
+
+# --------------------------------------------------------------------------- primary, Holm
+
+
+def test_one_figure_is_primary_and_the_others_are_holm_corrected(tmp_path):
+    results = _results(tmp_path, abrun.restarts(STAGED, FUSED))
+    assert [r.role for r in results] == [PRIMARY, SECONDARY, SECONDARY]
+    tok, p50, mean = results
+    assert tok.holm_p is None
+    # Holm over the two secondary figures: the smaller p doubled, the larger kept (or raised
+    # to the first), each capped at 1.
+    low, high = sorted([p50.interval.p_value, mean.interval.p_value])
+    adjusted = sorted([p50.holm_p, mean.holm_p])
+    assert adjusted == pytest.approx([min(1, 2 * low), max(min(1, 2 * low), high)])
+
+
+def test_the_matrix_names_its_primary_figure(tmp_path):
+    matrix = abrun.RESTARTS.replace(
+        "ab: {servers: 4}", "ab: {servers: 4, primary: {workload: ctx0, metric: tpot_mean_ms}}"
+    )
+    results = _results(tmp_path, abrun.restarts(STAGED, FUSED), matrix=matrix)
+    assert [(r.metric.key, r.role) for r in results] == [
+        ("output_tok_s", SECONDARY),
+        ("tpot_p50_ms", SECONDARY),
+        ("tpot_mean_ms", PRIMARY),
+    ]
+
+
+def test_the_report_prints_the_order_that_ran_and_its_drift_balance(tmp_path):
+    from orchestrator.analysis.ab_design import design
+
+    figures = abrun.switch(SWITCH_STAGED, SWITCH_FUSED)
+    run = Run.load(abrun.write_run(tmp_path / "abba", figures, matrix=abrun.SWITCH))
+    text = design(run)
+    assert "Order that ran: ABBA BAAB (A staged, B fused): drift-balanced" in text
+    assert "per round, the log of fused/staged; Student's t interval" in text
+    alternate = abrun.SWITCH.replace("blocks: 4}", "blocks: 4, order: alternate}")
+    run = Run.load(abrun.write_run(tmp_path / "alt", figures, matrix=alternate))
+    assert (
+        "Order that ran: ABAB ABAB (A staged, B fused): NOT drift-balanced: fused's blocks sit "
+        "1.00 of a block later on average than staged's" in design(run)
+    )
+
+
+# --------------------------------------------------------------------------- MTP acceptance
+
+
+def _mtp_block(tok: float, rate: float, share: float) -> dict:
+    """One block of an MTP workload: its figures, and TTFT / end-to-end latency so that the
+    block spent `share` of its time decoding."""
+    return {
+        "aggregate_tok_s": tok,
+        "tpot_ms": {"p50": 1000 / tok, "mean": 1000 / tok},
+        "ttft_ms": {"mean": 100 * (1 - share)},
+        "e2el_ms": {"mean": 100.0},
+        "_rate": rate,
+    }
+
+
+def _mtp_run(tmp_path, synthetic: bool = True) -> list:
+    """A switch server at MTP 1 whose blocks drew acceptance 0.64-0.74: each block's tok/s is
+    the path's speed x the acceptance length (1 + rate), scaled by the decode share 0.9; fused
+    is 0.5 % faster at equal acceptance."""
+    matrix = abrun.SWITCH.replace("num_heads: 16}]", "num_heads: 16, has_mtp: true}]").replace(
+        "topologies: [{tp: 1}]", "topologies: [{tp: 1, mtp: [1]}]"
+    )
+    rates = {"staged": (0.70, 0.74, 0.66, 0.72), "fused": (0.68, 0.64, 0.73, 0.70)}
+    gain = {"staged": 1.0, "fused": 1.005}
+    edit = {}
+    for variant in ("staged", "fused"):
+        blocks = [
+            _mtp_block(100 * gain[variant] * (1 + r) ** 0.9 * (1 + n), r, 0.9)
+            for r, n in zip(rates[variant], (0.0002, -0.0002, 0.0001, -0.0001), strict=True)
+        ]
+        repeats = [{"repeat": i, **{k: v for k, v in b.items() if k != "_rate"}}
+                   for i, b in enumerate(blocks, 1)]  # fmt: skip
+        spec = {"drafts": 100, "draft_tokens": 100, "accepted_tokens": 70,
+                "acceptance_rate": 0.7, "block_rates": [b["_rate"] for b in blocks],
+                "configured_rates": [0.7] if synthetic else None}  # fmt: skip
+        mean = {"aggregate_tok_s": statistics.fmean(b["aggregate_tok_s"] for b in blocks)}
+        workload = {"name": "ctx0", "repeats": repeats, "mean": mean, "spec_decode": spec}
+        edit[f"glm5-h16/tp1-dcp1-mtp1/{variant}/s1"] = {"workloads": {"ctx0": workload}}
+    figures = {case: [(1.0, 1.0, 1.0)] for case in edit}
+    return _results(tmp_path, figures, matrix=matrix, edit=edit), rates
+
+
+def test_mtp_figures_are_judged_at_equal_synthetic_acceptance(tmp_path):
+    results, rates = _mtp_run(tmp_path)
+    tok = results[0]
+    a = tok.adjustment
+    assert a.synthetic and a.elasticity == pytest.approx(0.9)
+    assert a.baseline_rate == pytest.approx(statistics.fmean(rates["staged"]))
+    assert a.candidate_rate == pytest.approx(statistics.fmean(rates["fused"]))
+    # By hand: each round's log ratio less 0.9 x log(L_fused / L_staged), t at 3 df.
+    staged, fused = ([b for b, _ in tok.pairs], [c for _, c in tok.pairs])
+    d = [
+        math.log(c / b) - 0.9 * math.log((1 + rf) / (1 + rs))
+        for b, c, rs, rf in zip(staged, fused, rates["staged"], rates["fused"], strict=True)
+    ]
+    mean, half = statistics.fmean(d), T3_975 * statistics.stdev(d) / 2
+    assert (a.interval.estimate, a.interval.low, a.interval.high) == pytest.approx(
+        tuple(100 * math.expm1(x) for x in (mean, mean - half, mean + half)), abs=1e-6
+    )
+    assert tok.judged is a.interval and tok.ratio == pytest.approx(math.exp(mean))
+    assert a.interval.low > 0.4 and a.interval.high < 0.6 and tok.verdict == FASTER
+    # As measured, the acceptance the blocks drew hides the change.
+    assert tok.interval.low < 0 < tok.interval.high
+    # The rounds' own fit of the elasticity finds the 0.9 they were made with.
+    assert a.fitted.low < 0.9 < a.fitted.high
+    # TPOT moves as 1 / L (elasticity -1), whatever the decode share.
+    assert results[1].adjustment.elasticity == -1.0
+
+
+def test_real_acceptance_is_reported_not_adjusted(tmp_path):
+    results, _ = _mtp_run(tmp_path, synthetic=False)
+    tok = results[0]
+    assert tok.adjustment.interval is None and tok.judged is tok.interval
+    assert tok.adjustment.why == "acceptance not synthetic: the path may change it, so it is kept"
+    assert tok.adjustment.baseline_rate == pytest.approx(0.705)

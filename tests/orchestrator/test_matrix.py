@@ -459,6 +459,17 @@ def test_restarts_serve_each_variant_round_by_round():
     assert _parse(_ab({"mode": "switch"})).ab.server_count == 1
 
 
+def test_ab_block_counts_and_the_primary_figure_that_are_accepted():
+    # Any even count is balanced under abba; alternate promises no balance, so takes any.
+    for blocks in (2, 4, 6, 1000):
+        assert _parse(_ab({"mode": "switch", "blocks": blocks})).ab.blocks == blocks
+    assert _parse(_ab({"mode": "switch", "blocks": 3, "order": "alternate"})).ab.blocks == 3
+    primary = _parse(_ab({"primary": {"workload": "ctx0", "metric": "tpot_mean_ms"}})).ab.primary
+    assert (primary.workload, primary.metric) == ("ctx0", "tpot_mean_ms")
+    default = _parse(_ab({})).ab.primary
+    assert (default.workload, default.metric) == (None, "output_tok_s")
+
+
 @pytest.mark.parametrize(
     ("ab", "changes", "expected"),
     [
@@ -489,6 +500,22 @@ def test_restarts_serve_each_variant_round_by_round():
         ),
         ({"mode": "switch", "extension": "NoModule"}, {}, "ab.extension='NoModule'"),
         ({"mode": "flip"}, {}, "ab.mode='flip'"),
+        (
+            {"mode": "switch", "blocks": 3},
+            {},
+            "m.yaml: ab.blocks=3 cannot be drift-balanced with order abba: each variant's blocks "
+            "must sit at the same mean position, which needs an even number of blocks per "
+            "variant; use 2 or 4 (or order: alternate, which is not drift-balanced)",
+        ),
+        ({"mode": "switch", "blocks": 7, "order": "abba"}, {}, "ab.blocks=7 cannot be"),
+        (
+            {"primary": {"workload": "ctx9"}},
+            {},
+            "m.yaml: ab.primary.workload='ctx9' names no workload of this matrix; the workloads "
+            "are ['ctx0']",
+        ),
+        ({"primary": {"metric": "tok_s"}}, {}, "ab.primary.metric='tok_s'"),
+        ({"primary": {"workload": "ctx0", "rank": 1}}, {}, "ab.primary.rank"),
     ],
 )
 def test_ab_rules_name_the_field(ab, changes, expected):

@@ -6,14 +6,17 @@ test_switch_e2e.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
+import types
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from orchestrator.analysis.paired import drift_offset, order_text
 from orchestrator.client import tokens
 from orchestrator.client.metrics import repeat_metrics
 from orchestrator.client.workload import WorkloadParams, WorkloadResult
@@ -21,10 +24,10 @@ from orchestrator.config.expand import expand
 from orchestrator.config.load import parse_matrix
 from orchestrator.engines import WorkerCallError, engine_for
 from orchestrator.engines.spec_decode import SpecDecodeCounters as Moved
-from orchestrator.engines.vllm.rpc import SET_PATH, STATE
+from orchestrator.engines.vllm.rpc import SEED, SET_PATH, STATE
 from orchestrator.execution.case_run import CaseRun
 from orchestrator.execution.resume import left_to_run
-from orchestrator.execution.switch import SwitchBlocks, SwitchError, flip
+from orchestrator.execution.switch import SwitchBlocks, SwitchError, flip, reseed
 from orchestrator.plan.render import plan_matrix
 from orchestrator.plan.units import RESTART, SWITCH, Unit, run_units, schedule, server_case
 from orchestrator.results.rows import CaseResult
@@ -48,23 +51,68 @@ def _matrix(ab: str):
     return parse_matrix(MATRIX + f"ab: {ab}\n", "sw.yaml")
 
 
-@pytest.mark.parametrize(
-    ("order", "first", "expected"),
-    [
-        ("abba", "baseline", "A B B A A B"),
-        ("alternate", "baseline", "A B A B A B"),
-        ("abba", "candidate", "B A A B B A"),
-        ("alternate", "candidate", "B A B A B A"),
-    ],
-)
-def test_schedule_is_balanced(order, first, expected):
-    assert " ".join(schedule(["A", "B"], 3, order, first)) == expected
+def _position_sums(plan: list[str]) -> dict[str, int]:
+    sums: dict[str, int] = {}
+    for i, v in enumerate(plan, 1):
+        sums[v] = sums.get(v, 0) + i
+    return sums
 
 
-def test_schedule_of_three_variants_gives_each_its_blocks():
-    plan = schedule(["A", "B", "C"], 4, "abba", "baseline")
-    assert plan == list("ABCCBAABCCBA")
-    assert all(plan.count(v) == 4 for v in "ABC")
+@pytest.mark.parametrize("blocks", range(1, 9))
+@pytest.mark.parametrize("first", ["baseline", "candidate"])
+def test_abba_balances_every_even_block_count_and_no_order_balances_an_odd_one(blocks, first):
+    plan = schedule(["A", "B"], blocks, "abba", first)
+    # Rounds: each pair of positions holds one block of each variant.
+    assert all(sorted(plan[i : i + 2]) == ["A", "B"] for i in range(0, len(plan), 2))
+    sums = _position_sums(plan)
+    if blocks % 2 == 0:
+        assert sums["A"] == sums["B"]  # equal mean position: a linear drift cancels
+    else:
+        # No arrangement of b blocks of each variant can balance: checked exhaustively.
+        total = blocks * (2 * blocks + 1)
+        assert not any(
+            2 * sum(c) == total for c in itertools.combinations(range(1, 2 * blocks + 1), blocks)
+        )
+        assert abs(sums["A"] - sums["B"]) == 1  # the nearest to balance there is
+
+
+def test_abba_rounds_follow_thue_morse():
+    # Round k mirrors when k has an odd number of binary ones: A B, B A, B A, A B, B A, A B,
+    # A B, B A. Over four rounds the sums of squared positions agree too (quadratic drift).
+    plan = schedule(["A", "B"], 8, "abba", "baseline")
+    assert "".join(plan) == "ABBABAABBAABABBA"
+    four = schedule(["A", "B"], 4, "abba", "baseline")
+    squares = {v: sum(i * i for i, x in enumerate(four, 1) if x == v) for v in "AB"}
+    assert squares["A"] == squares["B"]
+    assert "".join(schedule(["A", "B"], 4, "abba", "candidate")) == "BAABABBA"
+
+
+@pytest.mark.parametrize("blocks", range(1, 9))
+def test_alternate_is_never_balanced(blocks):
+    plan = schedule(["A", "B"], blocks, "alternate", "baseline")
+    assert "".join(plan) == "AB" * blocks
+    sums = _position_sums(plan)
+    assert sums["B"] - sums["A"] == blocks  # B one block later in every round
+
+
+@pytest.mark.parametrize("blocks", [2, 4, 6, 8])
+def test_three_variants_are_balanced_pair_by_pair(blocks):
+    plan = schedule(["A", "B", "C"], blocks, "abba", "baseline")
+    assert all(plan.count(v) == blocks for v in "ABC")
+    assert all(sorted(plan[i : i + 3]) == list("ABC") for i in range(0, len(plan), 3))
+    assert len(set(_position_sums(plan).values())) == 1
+    if blocks == 4:
+        assert plan == list("ABCCBACBAABC")
+
+
+def test_the_drift_a_recorded_order_leaves_in_the_change():
+    # Three ABBA rounds (the committed H200 runs): staged at 1, 4, 5, fused at 2, 3, 6.
+    ran = ["staged", "fused", "fused", "staged", "staged", "fused"]
+    assert drift_offset(ran, "staged", "fused") == pytest.approx(1 / 3)
+    assert drift_offset(ran[:4], "staged", "fused") == 0
+    assert drift_offset(ran, "staged", "other") is None
+    assert order_text(ran, ["staged", "fused"]) == "ABBA AB (A staged, B fused)"
+    assert order_text(ran[2:], ["staged", "fused"]) == "BAAB (A staged, B fused)"
 
 
 def test_the_switch_server_loads_the_extension_and_opens_the_dev_endpoint():
@@ -306,7 +354,12 @@ class _Rpc(BaseHTTPRequestHandler):
         if mode == "lies" and body["method"] == STATE:
             answer = {"path": "staged"}
         workers = state["workers"] - (1 if mode == "short" else 0)
-        self._send(200, {"results": [dict(answer) for _ in range(workers)]})
+        answers = [dict(answer) for _ in range(workers)]
+        if body["method"] == SEED:  # fusedq's extension takes the seed as a string
+            answers = [{"seed": int(body["args"][0]), "path": state["path"]}] * workers
+            if mode == "lies":
+                answers[-1] = {"seed": 0, "path": state["path"]}
+        self._send(200, {"results": answers})
 
     def _send(self, code: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
@@ -372,3 +425,39 @@ def test_an_unreachable_server_is_named():
         SwitchError, match=r"POST http://127.0.0.1:9/collective_rpc fusedq_set_path"
     ):
         flip(VLLM, "http://127.0.0.1:9", "fused", workers=1, block=1, timeout_s=2, api_key=None)
+
+
+def test_a_reseed_asks_every_worker_and_checks_each_answer(rpc):
+    url, state = rpc
+    reseed(VLLM, url, 7, workers=2, timeout_s=5, api_key=None)
+    assert state["calls"][-1][:2] == ("/collective_rpc", {"method": SEED, "args": ["7"]})
+    for mode, workers in (("lies", 2), ("short", 2), ("ok", 3)):
+        state["mode"] = mode
+        with pytest.raises(SwitchError, match=r"fusedq_seed\(7\): the server's \d worker"):
+            reseed(VLLM, url, 7, workers=workers, timeout_s=5, api_key=None)
+
+
+def test_only_a_server_with_synthetic_acceptance_is_reseeded_and_its_rows_say_so(tmp_path, rpc):
+    """Synthetic acceptance draws from the workers' random streams: each block starts from its
+    round's seed (matrix seed + round), and each row records the seeds of its blocks."""
+    url, state = rpc
+    m = parse_matrix(SAME_TOKENS + "seed: 40\nab: {mode: switch, blocks: 2}\n", "sw.yaml")
+    cases = expand(m)
+    units = {u.server.mtp: u for u in run_units(m, cases, cases)}
+    assert SwitchBlocks(units[0], m).seeds is None
+    blocks = SwitchBlocks(units[1], m)
+    assert blocks.seeds == {"staged": [], "fused": []}
+    run = CaseRun(units[1], blocks, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
+    for variant in ("staged", "fused"):
+        blocks.results[variant]["greedy"] = [_greedy([1, 2, 3], 0), _greedy([1, 2, 3], 1)]
+    # The server as _reseed sees it: its engine, its URL (the endpoint's stand-in) and its
+    # two workers.
+    server = types.SimpleNamespace(
+        engine=VLLM, handle=types.SimpleNamespace(base_url=url), case=types.SimpleNamespace(tp=2)
+    )
+    for seed in (40, 41):
+        for variant in ("staged", "fused"):
+            blocks._reseed(server, variant, seed, None)
+    assert [b["args"] for _, b, _ in state["calls"]] == [["40"], ["40"], ["41"], ["41"]]
+    staged, fused = blocks.rows(run, run.result(AuditSummary(), {}))
+    assert staged.switch.seeds == fused.switch.seeds == [40, 41]

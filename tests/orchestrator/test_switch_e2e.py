@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 HERE = Path(__file__).resolve().parent
 TOPOLOGY = "tiny-mla/tp1-dcp1-mtp0"
-BLOCKS = 3
+BLOCKS = 4
 MATRIX = f"""\
 name: switch-e2e
 models: [{{label: tiny-mla, path: "builtin:tiny-mla", num_heads: 8}}]
@@ -57,15 +57,16 @@ def switch_run(tmp_path_factory):
     return {"out": out, "root": root, "rows": {r["variant"]: r for r in rows}, "all": rows}
 
 
-def test_one_server_serves_both_variants_in_abba_blocks(switch_run):
+def test_one_server_serves_both_variants_in_balanced_rounds(switch_run):
     out, rows = switch_run["out"], switch_run["rows"]
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr[-4000:]}"
     assert [r["case_id"] for r in switch_run["all"]] == [
         f"{TOPOLOGY}/staged/s1",
         f"{TOPOLOGY}/fused/s1",
     ]
-    plan = ["staged", "fused", "fused", "staged", "staged", "fused"]
-    for variant, blocks in (("staged", [1, 4, 5]), ("fused", [2, 3, 6])):
+    # Rounds ABBA BAAB: each path's blocks at mean position 4.5.
+    plan = ["staged", "fused", "fused", "staged", "fused", "staged", "staged", "fused"]
+    for variant, blocks in (("staged", [1, 4, 6, 7]), ("fused", [2, 3, 5, 8])):
         row = rows[variant]
         assert row["status"] == "passed", row.get("reason")
         sw = row["switch"]
@@ -73,12 +74,13 @@ def test_one_server_serves_both_variants_in_abba_blocks(switch_run):
         assert sw["schedule"] == plan and sw["blocks"] == blocks and sw["path"] == variant
         # A flip before each block and one before the path's profile; every worker (TP1: one)
         # answered from inside vLLM with the loaded model's two MLA layers.
-        assert [f["block"] for f in sw["flips"]] == [*blocks, 7 if variant == "staged" else 8]
+        assert [f["block"] for f in sw["flips"]] == [*blocks, 9 if variant == "staged" else 10]
+        assert sw["seeds"] == []  # no synthetic acceptance on CPU: nothing to reseed
         for f in sw["flips"]:
             [worker] = f["workers"]
             assert worker["path"] == variant and worker["layers"] == 2 and worker["rank"] == 0
         ctx0 = row["workloads"]["ctx0"]
-        assert [r["repeat"] for r in ctx0["repeats"]] == [1, 2, 3]
+        assert [r["repeat"] for r in ctx0["repeats"]] == [1, 2, 3, 4]
         assert ctx0["errors"] == 0 and all(r["aggregate_tok_s"] > 0 for r in ctx0["repeats"])
     # Block k of each path sent the same prompts: greedy tokens compare request by request.
     assert rows["fused"]["same_tokens"]["ctx0"]["verdict"] == "identical"
@@ -108,7 +110,7 @@ def test_the_server_ran_once_with_the_extension_and_its_time_counts_once(switch_
         slug = f"tiny-mla__tp1-dcp1-mtp0__{variant}__s1"
         assert not (root / "cases" / slug / "server.log").exists()
         records = (root / "cases" / slug / "requests-ctx0.jsonl").read_text().splitlines()
-        assert sorted({json.loads(r)["repeat"] for r in records}) == [0, 1, 2]
+        assert sorted({json.loads(r)["repeat"] for r in records}) == [0, 1, 2, 3]
 
 
 def test_each_path_is_profiled_on_the_same_server(switch_run):
@@ -123,18 +125,20 @@ def test_each_path_is_profiled_on_the_same_server(switch_run):
     assert files["staged"] != files["fused"]
 
 
-def test_every_report_states_the_ab_over_blocks(switch_run):
+def test_every_report_states_the_ab_over_rounds(switch_run):
     root, out = switch_run["root"], switch_run["out"]
     md = (root / "report.md").read_text()
-    assert "## A/B: fused vs staged, 95% interval over blocks" in md
-    assert "Sampling unit: blocks: 3 blocks per variant on each of 1 server(s)" in md
+    assert "## A/B: fused vs staged, 95% interval over rounds" in md
+    assert "Sampling unit: rounds: 4 rounds of one block per variant on each of 1 server(s)" in md
     assert "through switch_extension.PathSwitchExtension; every worker confirmed" in md
+    assert "Order that ran: ABBA BAAB (A staged, B fused): drift-balanced" in md
     # The CPU build's staged step is aten::bmm then aten::cat.
     assert "staged baseline in vLLM 0.32" in md and "bmm + cat" in md
     data = json.loads((root / "report.json").read_text())
-    assert {r["unit"] for r in data["ab"]["results"]} == {"blocks"}
-    assert [len(r["baseline"]["values"]) for r in data["ab"]["results"]] == [BLOCKS] * 3
-    assert "A/B: fused vs staged, 95% interval over blocks" in out.stdout
+    assert {r["unit"] for r in data["ab"]["results"]} == {"rounds"}
+    assert [len(r["pairs"]) for r in data["ab"]["results"]] == [BLOCKS] * 3
+    assert [r["role"] for r in data["ab"]["results"]] == ["primary", "secondary", "secondary"]
+    assert "A/B: fused vs staged, 95% interval over rounds" in out.stdout
     again = run_cli("compare", str(root), str(root), timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"| {TOPOLOGY}/fused | ctx0 |" in again.stdout
