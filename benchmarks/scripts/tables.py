@@ -9,7 +9,9 @@ markers. Nothing between them is typed by hand: add a run with ``ingest.py``, th
 
 "Now" tables take the latest run of their kind in the file's (append, i.e. time) order.
 ``ab-runs`` reads the run folders instead: every ``docs/validation/*/*/report.json`` with
-end-to-end A/B results, the matrix as run from the report or its ``manifest.json``.
+end-to-end A/B results, the matrix as run from the report or its ``manifest.json``;
+``ab-rejudged`` those reports beside the verdicts they first gave
+(``docs/validation/ab-first-verdicts.jsonl``, ab_verdicts.py).
 Exit 2 names a file and line with an unknown table or an unclosed region.
 """
 
@@ -590,13 +592,30 @@ def ab_runs(rows: list[Row], doc: Path, root: Path | None = None) -> str:
             f"Every end-to-end A/B run in {_link(_rel(index), doc, '`docs/validation/`')}, "
             "oldest first: one row per run, topology and workload, from each run folder's "
             "`report.json` (models and workloads as run from its `manifest.json`). fused/staged: "
-            "ratio of mean output tok/s, with its 95 % interval; the same-token workload is the "
+            "the report's output tok/s ratio with its 95 % interval (over server starts the ratio "
+            "of their means; over a switch server's rounds the geometric mean of the rounds' "
+            "ratios, at equal MTP acceptance where it was synthetic: docs/statistics.md); the "
+            "TPOT verdict is a secondary figure's, Holm-corrected; the same-token workload is the "
             "token check (tokens column), not a speed row; (dirty): the run's tree had "
             "uncommitted changes.",
             "",
             _table(AB_HEADER, lines),
         ]
     )
+
+
+def ab_rejudged(rows: list[Row], doc: Path) -> str:
+    """The committed A/B verdicts that changed with the paired analysis, old -> new
+    (benchmarks/scripts/ab_verdicts.py, a sibling script)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_ab_verdicts", Path(__file__).with_name("ab_verdicts.py")
+    )
+    assert spec is not None and spec.loader is not None
+    verdicts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verdicts)
+    return f"{verdicts.summary()}\n\n{verdicts.table(doc)}"
 
 
 TABLES: dict[str, Callable[[list[Row], Path], str]] = {
@@ -607,6 +626,7 @@ TABLES: dict[str, Callable[[list[Row], Path], str]] = {
     "vllm-now": vllm_now,
     "vllm-all": vllm_all,
     "ab-runs": ab_runs,
+    "ab-rejudged": ab_rejudged,
 }
 
 

@@ -7,9 +7,12 @@ and the validation runs under docs/validation are the results a reader may rebui
 how a figure is derived must not silently change what a committed run says. Where the
 committed report.json (rendered by the code of its day) exists, the re-rendered one must
 give every case the same status, reason, audit verdict, same-token verdicts, tok/s (each
-repeat), spread and latency quantiles (TTFT, TPOT, ITL), and the same paired deltas and
-audit summary. Every run's figures must also be the means of its results.jsonl rows, and
-report.md must show them.
+repeat), spread and latency quantiles (TTFT, TPOT, ITL), the same paired deltas and audit
+summary, and the same A/B section. The A/B runs' reports were re-rendered on 2026-12-06, when
+a switch-mode A/B began to pair its rounds (the verdicts they first gave are kept in
+docs/validation/ab-first-verdicts.jsonl; test_committed_ab.py recomputes both from the rows).
+Every run's figures must also be the means of its results.jsonl rows, and report.md must
+show them.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def _differences(old: object, new: object, where: str) -> list[str]:
 
 
 CASE_FIGURES = ("status", "reason", "errors", "audit_verdict", "same_tokens", "workloads")
-RUN_FIGURES = ("cases_total", "cases_finished", "cases_failed", "paired", "audit_summary")
+RUN_FIGURES = ("cases_total", "cases_finished", "cases_failed", "paired", "audit_summary", "ab")
 WITH_REPORT = [r for r in RUNS if (r / "report.json").is_file()]
 
 
