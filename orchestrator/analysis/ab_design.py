@@ -46,12 +46,13 @@ def _switch_units(run: Run) -> str:
         if servers == 1
         else ("server starts, paired (each variant's figure the mean of its blocks)", "server")
     )
-    base, cands = run.variants[0], "/".join(run.variants[1:])
+    base, cands = run.variants[0], run.variants[1:]
+    ratio = f"{cands[0]}/{base}" if len(cands) == 1 else f"each candidate/{base}"
     return (
         f"Sampling unit: {unit}: {ab.get('blocks')} rounds of one block per variant on each "
         f"of {servers} server(s) per topology, which serve every variant and flip the decode "
         f"path between blocks through {ab.get('extension')}; every worker confirmed the path "
-        f"before each block{timing}. The change: per {pair}, the log of {cands}/{base}; "
+        f"before each block{timing}. The change: per {pair}, the log of {ratio}; "
         f"Student's t interval of their mean ({pair}s - 1 df), back-transformed to a ratio."
     )
 
@@ -82,7 +83,7 @@ def _judging(run: Run) -> str:
     label = next((m.label for m in AB_METRICS if m.key == key), key)
     return (
         f"Primary figure: {workload} {label}, judged at 95%; every other figure is "
-        "secondary, judged with Holm's correction over its topology's secondary figures. "
-        f"'{100 * POWER:g}% power': the change its units would find {100 * POWER:g}% of the "
-        "time (docs/statistics.md)."
+        "secondary, judged with Holm's correction over the secondary figures of its topology "
+        f"and candidate. '{100 * POWER:g}% power': the change its units would find "
+        f"{100 * POWER:g}% of the time (docs/statistics.md)."
     )

@@ -24,7 +24,7 @@ from orchestrator.analysis.ab import (
     verdict,
 )
 from orchestrator.analysis.evidence import BMM_ALONE, BMM_CAT, evidence_chain
-from orchestrator.analysis.paired import ROUNDS
+from orchestrator.analysis.paired import PAIRED_SERVERS, ROUNDS
 from orchestrator.analysis.stats import TOO_FEW, Interval, MeanEstimate, ratio_interval
 from orchestrator.config.schema import ABMetricKey
 from orchestrator.reports import write_reports
@@ -174,6 +174,30 @@ def test_switch_mode_pairs_the_blocks_of_each_round(tmp_path):
     assert tok.role == PRIMARY and tok.adjustment is None  # MTP 0: no acceptance to adjust for
     for tpot in results[1:]:
         assert tpot.interval.high < 0 and tpot.role == SECONDARY
+
+
+def test_two_switch_servers_are_two_pairs(tmp_path):
+    # Each server serves both variants: its blocks' mean per variant is one pair.
+    matrix = abrun.SWITCH.replace("blocks: 4}", "blocks: 2, servers: 2}")
+    figures = {}
+    for s, units in ((1, (0, 2)), (2, (1, 3))):
+        figures[f"glm5-h16/tp1-dcp1-mtp0/staged/s{s}"] = [SWITCH_STAGED[u] for u in units]
+        figures[f"glm5-h16/tp1-dcp1-mtp0/fused/s{s}"] = [SWITCH_FUSED[u] for u in units]
+    run = Run.load(abrun.write_run(tmp_path, figures, matrix=matrix))
+    tok = ab_results(run)[0]
+    assert tok.unit == PAIRED_SERVERS
+    means = {
+        v: [statistics.fmean(u[0] for u in figures[f"glm5-h16/tp1-dcp1-mtp0/{v}/s{s}"])
+            for s in (1, 2)]
+        for v in ("staged", "fused")
+    }  # fmt: skip
+    assert tok.pairs == tuple(zip(means["staged"], means["fused"], strict=True))
+    d = [math.log(f / b) for b, f in tok.pairs]
+    half = 12.706205 * statistics.stdev(d) / math.sqrt(2)  # t at 1 df: tan(0.475 pi)
+    mean = statistics.fmean(d)
+    assert (tok.interval.low, tok.interval.high) == pytest.approx(
+        (100 * math.expm1(mean - half), 100 * math.expm1(mean + half)), abs=1e-4
+    )
 
 
 def test_a_switch_round_without_both_blocks_is_no_pair(tmp_path):

@@ -53,6 +53,8 @@ def switch_run(tmp_path_factory):
         "--quiet", timeout=1200,
     )  # fmt: skip
     root = logs / "sw"
+    if not (root / "results.jsonl").is_file():  # say why, not only that a file is missing
+        pytest.fail(f"the run wrote no rows (exit {out.returncode}):\n{out.stderr[-4000:]}")
     rows = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()]
     return {"out": out, "root": root, "rows": {r["variant"]: r for r in rows}, "all": rows}
 
