@@ -94,7 +94,7 @@ def _ab_note(matrix: Matrix) -> str:
     return (
         f"A/B switch: {ab.server_count} server(s) per topology serve every variant, "
         f"{ab.blocks} blocks each ({ab.order}), flipping the path through {ab.extension}; "
-        "the 95% interval is over blocks (docs/statistics.md)"
+        "the 95% interval is over rounds, each a pair of blocks (docs/statistics.md)"
     )
 
 
