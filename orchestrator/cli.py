@@ -260,9 +260,10 @@ def trace_summary(
     the file that is missing or not a trace."""
     import json
 
-    from orchestrator.analysis.trace import TraceError, read_trace, short_name
+    from orchestrator.analysis.kernel_names import short_name
+    from orchestrator.analysis.trace import TraceError, read_trace
     from orchestrator.common.mdtable import md_table
-    from orchestrator.reports.profile import mean_rows, trace_rows
+    from orchestrator.reports.profile import family_rows, mean_rows, trace_rows
 
     try:
         figures = [read_trace(p, top=top) for p in traces]
@@ -277,6 +278,9 @@ def trace_summary(
     for f in figures:
         typer.echo(f"## {f.file}\n")
         typer.echo(md_table(["Figure", "Value"], trace_rows(f, steps)) + "\n")
+        header, body = family_rows(f, steps)
+        if body:
+            typer.echo(md_table(header, body) + "\n")
         # Template instances run to 1,000 characters: shortened here, whole in --json.
         body = [[short_name(k.name), f"{k.count:,}", f"{k.total_us:,.3f}"] for k in f.top]
         typer.echo(md_table(["Top kernels" if f.domain == "kernel" else "Top CPU ops",

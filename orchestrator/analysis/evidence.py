@@ -1,11 +1,20 @@
-"""The evidence chain: the paired profile's per-layer saving x the query steps of a model
-step, beside the TPOT change the A/B measured, and whether the two agree within its interval.
+"""The evidence chain: what the paired profile says one model step gained on the GPU, beside
+the TPOT change the A/B measured, and whether the two agree.
 
-It is the seeds' chain (a kernel table, then a trace, then an end-to-end figure): on the
-H200 (2026-12-02) the fused query saved 3.27 -> 2.74 µs per layer in vLLM 0.26's decode
-step, and 78 layers of a GLM-5-width stand-in make ~42 µs a step, where the TPOT moved by
-~45 µs. A chain that holds says the end-to-end change is the kernel's; one that does not
-says something else moved (the path flip, the host, a graph re-capture).
+It is the seeds' chain (a kernel table, then a trace, then an end-to-end figure). The profile's
+figure is the whole step's: every kernel family's change per model step, summed
+(orchestrator.analysis.step_compare), with its own interval over the traced steps; the query
+step alone (its per-layer saving x the query steps of a model step) is stated beside it.
+Judging on the query step alone misses what else the path moved: on a dense 78-layer
+stand-in (H200, 2026-12-03) the TPOT moved by -72.5 µs against the query step's -49.3 µs,
+because FlashAttention's kernels also ran faster on the fused path's query layout, and the
+whole step's GPU time moved by -74 µs. A chain that holds says the end-to-end change is the
+GPU's; one that does not says something else moved (the host, a graph re-capture).
+
+The two agree when their difference lies within the two intervals' half-widths added in
+quadrature (each on the side facing the other figure); a profile without step figures (a
+row written before they were stored, whose traces are gone) is judged, as before, by its
+query-step figure lying within the measured interval.
 
 Which staged baseline the served vLLM runs is read from the baseline's own traces, never
 assumed: a staged query step of one GEMM is a backend that takes the query as a (nope, pe)
@@ -16,12 +25,16 @@ chain must be the one against that same baseline.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.analysis.ab import AB_METRICS, ABResult, server_groups
+from orchestrator.analysis.stats import Interval
+from orchestrator.analysis.step_compare import StepComparison, compare_steps, row_steps
+from orchestrator.results.profile_figures import StepWork
 from orchestrator.results.recorded_run import Run
 from orchestrator.results.rows import CaseResult
 
@@ -76,16 +89,27 @@ class Evidence:
     candidate: QueryProfile
     mtp: int
     vllm: str | None
+    steps: StepComparison | None = None  # the whole step by kernel family, where traced
 
     @property
     def saving_per_layer_us(self) -> float:
         return self.candidate.per_layer_us - self.baseline.per_layer_us
 
     @property
-    def predicted_us(self) -> float | None:
-        """The change per model step the profile predicts: per layer x query steps."""
+    def query_us(self) -> float | None:
+        """The query step's change per model step: per layer x query steps."""
         layers = self.baseline.layers
         return None if layers is None else self.saving_per_layer_us * layers
+
+    @property
+    def predicted_us(self) -> float | None:
+        """The change per model step the profile predicts: the whole step's (the sum of the
+        families' changes) where the step figures exist, else the query step's."""
+        return self.steps.total.delta_us if self.steps is not None else self.query_us
+
+    @property
+    def judged_on(self) -> str:
+        return "whole step" if self.steps is not None else "query step"
 
     @property
     def measured_us(self) -> tuple[float, float, float] | None:
@@ -97,13 +121,15 @@ class Evidence:
 
     @property
     def agrees(self) -> bool | None:
-        """Whether the prediction lies within the measured interval; None where they cannot
-        be compared (no interval, no layer count, or MTP: a step then emits more than one
-        token and the TPOT is per token)."""
+        """Whether the prediction and the measured change differ by no more than their
+        intervals allow (the module docstring); None where they cannot be compared (no
+        interval, no prediction, or MTP: a step then emits more than one token and the TPOT
+        is per token)."""
         measured, predicted = self.measured_us, self.predicted_us
         if measured is None or predicted is None or self.mtp:
             return None
-        return measured[1] <= predicted <= measured[2]
+        iv = self.steps.total.change if self.steps is not None else None
+        return agree(measured, predicted, iv)
 
     def baseline_text(self) -> str:
         form = self.baseline.staged_form or "not read (the baseline's trace shows no staged step)"
@@ -113,14 +139,6 @@ class Evidence:
     def sentence(self) -> str:
         r = self.result
         head = f"{r.topology_id} {r.workload}, {r.metric.label}"
-        b, c = self.baseline, self.candidate
-        profile = (
-            f"query step {b.per_layer_us:.3f} → {c.per_layer_us:.3f} µs per layer "
-            f"({self.saving_per_layer_us:+.3f} µs)"
-        )
-        predicted = self.predicted_us
-        if predicted is not None:
-            profile += f" × {b.layers} query steps = {predicted:+.1f} µs per model step"
         measured = self.measured_us
         if measured is None:
             told = f"measured: no interval ({r.why or r.verdict})"
@@ -136,9 +154,39 @@ class Evidence:
             )
         elif self.agrees is None:
             end = "not compared"
+        elif self.steps is not None:
+            end = (
+                "they agree within the intervals (judged on the whole step)"
+                if self.agrees
+                else "they do NOT agree (judged on the whole step)"
+            )
         else:
             end = "they agree within the interval" if self.agrees else "they do NOT agree"
-        return f"{head}: {told}; the paired profile: {profile}; {self.baseline_text()}; {end}."
+        return (
+            f"{head}: {told}; the paired profile: {self.profile_text()}; "
+            f"{self.baseline_text()}; {end}."
+        )
+
+    def profile_text(self) -> str:
+        """The query step's change, then the whole step's by kernel family where traced."""
+        b, c = self.baseline, self.candidate
+        out = (
+            f"query step {b.per_layer_us:.3f} → {c.per_layer_us:.3f} µs per layer "
+            f"({self.saving_per_layer_us:+.3f} µs)"
+        )
+        if self.query_us is not None:
+            out += f" × {b.layers} query steps = {self.query_us:+.1f} µs per model step"
+        steps = self.steps
+        if steps is not None:
+            total = steps.total
+            iv = total.change
+            bounds = "" if iv is None else f" (95% interval {iv.low:+.1f} … {iv.high:+.1f})"
+            out += (
+                f"; the whole step on the GPU, every kernel family summed: {total.delta_us:+.1f} "
+                f"µs per model step{bounds} over {steps.steps} traced steps, "
+                f"{steps.changed_text()}"
+            )
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         measured = self.measured_us
@@ -150,7 +198,10 @@ class Evidence:
             "candidate_per_layer_us": self.candidate.per_layer_us,
             "saving_per_layer_us": self.saving_per_layer_us,
             "query_steps": self.baseline.layers,
+            "query_step_us_per_step": self.query_us,
             "predicted_us_per_step": self.predicted_us,
+            "judged_on": self.judged_on,
+            "steps": None if self.steps is None else self.steps.to_dict(),
             "measured_us_per_token": None if measured is None else measured[0],
             "measured_interval_us": None if measured is None else list(measured[1:]),
             "agrees": self.agrees,
@@ -158,6 +209,20 @@ class Evidence:
             "vllm": self.vllm,
             "sentence": self.sentence(),
         }
+
+
+def agree(measured: tuple[float, float, float], predicted: float, profile: Interval | None) -> bool:
+    """Whether the measured change (estimate, low, high) and the profile's prediction (with
+    its interval, where it has one) differ by no more than the two intervals' half-widths on
+    the sides that face each other, added in quadrature. Without a profile interval: whether
+    the prediction lies within the measured interval."""
+    estimate, low, high = measured
+    below = predicted < estimate
+    measured_half = estimate - low if below else high - estimate
+    profile_half = (
+        0.0 if profile is None else profile.high - predicted if below else predicted - profile.low
+    )
+    return abs(estimate - predicted) <= math.hypot(measured_half, profile_half)
 
 
 def evidence_chain(run: Run, results: Sequence[ABResult]) -> list[Evidence]:
@@ -169,9 +234,17 @@ def evidence_chain(run: Run, results: Sequence[ABResult]) -> list[Evidence]:
     for r in results:
         if r.metric != CHAIN_METRIC or run.manifest.concurrency(r.workload) != 1:
             continue
-        base = query_profile(groups.get((r.topology_id, r.baseline.variant), []))
-        cand = query_profile(groups.get((r.topology_id, r.candidate.variant), []))
+        base_rows = groups.get((r.topology_id, r.baseline.variant), [])
+        cand_rows = groups.get((r.topology_id, r.candidate.variant), [])
+        base, cand = query_profile(base_rows), query_profile(cand_rows)
         if base is None or cand is None:
             continue
-        out.append(Evidence(r, base, cand, mtp.get(r.topology_id, 0), run.manifest.version("vllm")))
+        steps = compare_steps(_steps(base_rows, run), _steps(cand_rows, run))
+        vllm = run.manifest.version("vllm")
+        out.append(Evidence(r, base, cand, mtp.get(r.topology_id, 0), vllm, steps))
     return out
+
+
+def _steps(rows: Sequence[CaseResult], run: Run) -> list[list[StepWork]]:
+    """Every trace's model steps of a variant's passed, profiled rows (all its servers)."""
+    return [t for r in rows if r.passed for t in row_steps(r, run.root)]

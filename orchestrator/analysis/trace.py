@@ -12,7 +12,9 @@ What one trace (one rank) gives (``read_trace`` -> ``results.TraceFigures``):
 - runtime/driver call counts by name and in the groups the seeds compare (``CALL_GROUPS``:
   stream waits, event records, graph launches, synchronizing calls);
 - the model steps vLLM annotated (``execute_context_N(..)_generation_M(..)`` with tokens);
-- the decode query step of every layer (``QueryRule``, below).
+- the decode query step of every layer (``QueryRule``, below);
+- each model step's device work (kernels, copies, memsets) by kernel family, the query step's
+  events as their own family (orchestrator.analysis.step_work, kernel_names).
 
 A trace without kernel events (vLLM's CPU build) has CPU ops as its device work: the same
 figures are computed over ``cpu_op`` events, and ``domain`` says which it was.
@@ -27,8 +29,8 @@ attention and the next lies one layer's work. In that window the query step is
   the concat-quant kernel for an FP8 query). A backend that takes the query as a (nope, pe)
   pair launches no concat, and the step is the GEMM alone.
 
-Names are matched as classes (GEMM, concat, attention), not one spelling: cuBLAS's nvjet and
-xmma GEMMs, CUTLASS and ``aten::bmm``; ``CatArrayBatchedCopy``, inductor's ``fused_cat``,
+Names are matched as classes (GEMM, concat, attention: orchestrator.analysis.kernel_names), not
+one spelling: cuBLAS's nvjet and xmma GEMMs, CUTLASS and ``aten::bmm``; ``CatArrayBatchedCopy``, inductor's ``fused_cat``,
 ``aten::cat``; FlashAttention, FlashMLA, Triton MLA and the CPU build's ``mla_decode``. It is
 proved on traces whose answer is known (tests/orchestrator/test_trace.py: synthetic traces,
 and the CPU build's real staged and fused traces, where every layer of every step must be
@@ -50,7 +52,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fusedq import contract
+from orchestrator.analysis.kernel_names import (
+    ATTENTION_NAMES,
+    CONCAT_NAMES,
+    FUSED_NAMES,
+    GEMM_NAMES,
+    any_of,
+)
+from orchestrator.analysis.step_work import busy, step_work
 from orchestrator.common import safe_io
 from orchestrator.common.safe_io import MAX_JSON_DEPTH
 from orchestrator.results.profile_figures import KernelTotal, QueryStep, TraceFigures
@@ -62,6 +71,9 @@ RANK_TRACE = re.compile(r"^dp\d+_pp\d+_tp\d+_dcp\d+_ep\d+_rank(\d+)\..*\.pt\.tra
 TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz", ".json", ".json.gz")
 RUNTIME_CATS = frozenset({"cuda_runtime", "cuda_driver", "runtime", "driver"})
 WORK_CATS = {"kernel": frozenset({"kernel"}), "cpu_op": frozenset({"cpu_op"})}
+# CUPTI's records of device copies and memsets: device work that is no kernel event (a CUDA
+# graph's memcpy node may run as either: orchestrator.analysis.step_work).
+COPY_CATS = frozenset({"gpu_memcpy", "gpu_memset"})
 # The calls the seeds compare between staged and fused: a change to the decode query must not
 # add hot-path synchronisation. Runtime and driver spellings both count.
 CALL_GROUPS: dict[str, frozenset[str]] = {
@@ -95,43 +107,16 @@ LAUNCH_WALK = 256
 GEMM, CONCAT, ATTENTION, FUSED, OTHER = "gemm", "concat", "attention", "fused", "other"
 
 
-# Decode attention: FlashAttention (FA2 flash_fwd*, FA3 FlashAttnFwdSm90 and its combine),
-# FlashMLA, CUTLASS MLA (fmha), Triton MLA, the CPU build's _C::mla_decode_kvcache.
-ATTENTION_NAMES = (
-    r"flash_?fwd", r"flashattn", r"flash_attn", r"flashmla", r"flash_mla", r"fmha",
-    r"mla_decode", r"_fwd_grouped_kernel", r"_fwd_kernel_stage", r"decode_attention",
-    r"paged_attention", r"sparse_mla",
-)  # fmt: skip
-# The query's concat: aten::cat's kernel (CatArrayBatchedCopy), inductor's fused cat (the
-# concat-quant under torch.compile), vLLM's concat-quant op; not concat_and_cache_mla.
-CONCAT_NAMES = (r"^aten::cat$", r"catarray", r"fused_cat", r"_cat_", r"concat(?!_and_cache)")
-# W_UK_T's bmm: cuBLAS (nvjet, xmma, *gemm*), CUTLASS, aten's GEMM ops, oneDNN on CPU.
-GEMM_NAMES = (
-    r"^aten::(bmm|mm|matmul|addmm|baddbmm)$", r"gemm", r"nvjet", r"xmma", r"cutlass",
-    r"cublas", r"s16816", r"onednn_mm", r"splitkreduce",
-)  # fmt: skip
-
-
-def _any(*patterns: str) -> re.Pattern[str]:
-    return re.compile("|".join(f"(?:{p})" for p in patterns), re.IGNORECASE)
-
-
 @dataclass(frozen=True)
 class QueryRule:
     """Name classes of the query-step rule (see the module docstring). Checked in this order:
     an attention kernel built on CUTLASS (``cutlass::device_kernel<flash::...>``) is attention
     before it is a GEMM, and vLLM's KV-cache write (``concat_and_cache_mla``) is no concat."""
 
-    fused: re.Pattern[str] = field(
-        default_factory=lambda: _any(
-            # Not \b: the CuTe symbol has the name between underscores.
-            *(rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])" for n in contract.KERNEL_NAMES),
-            re.escape(contract.OP_NAME),
-        )
-    )
-    attention: re.Pattern[str] = field(default_factory=lambda: _any(*ATTENTION_NAMES))
-    concat: re.Pattern[str] = field(default_factory=lambda: _any(*CONCAT_NAMES))
-    gemm: re.Pattern[str] = field(default_factory=lambda: _any(*GEMM_NAMES))
+    fused: re.Pattern[str] = field(default_factory=lambda: any_of(*FUSED_NAMES))
+    attention: re.Pattern[str] = field(default_factory=lambda: any_of(*ATTENTION_NAMES))
+    concat: re.Pattern[str] = field(default_factory=lambda: any_of(*CONCAT_NAMES))
+    gemm: re.Pattern[str] = field(default_factory=lambda: any_of(*GEMM_NAMES))
 
     def classify(self, name: str) -> str:
         if self.fused.search(name):
@@ -320,6 +305,9 @@ class _Collected:
     # correlation id -> the runtime call that launched it: (pid, tid, ts, name)
     launches: dict[Any, _Launch] = field(default_factory=dict)
     steps: int = 0
+    copies: list[_Work] = field(default_factory=list)  # COPY_CATS records
+    # Every step annotation's start, and whether it ran the model (orchestrator.analysis.step_work).
+    marks: list[tuple[float, bool]] = field(default_factory=list)
 
 
 def _collect(events: Iterable[dict[str, Any]]) -> _Collected:
@@ -338,13 +326,18 @@ def _collect(events: Iterable[dict[str, Any]]) -> _Collected:
                 key = (e.get("pid"), e.get("tid"))
                 corr = args.get("correlation") if domain == "kernel" else None
                 out.work[domain].append(_Work(float(ts), float(ts) + float(dur), name, key, corr))
+        if cat in COPY_CATS:
+            corr = args.get("correlation")
+            out.copies.append(_Work(float(ts), float(ts) + float(dur), name, (None, None), corr))
         if cat in RUNTIME_CATS:
             out.runtime[name] += 1
             if "correlation" in args:
                 out.launches[args["correlation"]] = (e.get("pid"), e.get("tid"), float(ts), name)
         elif cat == "user_annotation" and (m := STEP_ANNOTATION.match(name)):
             # vLLM's empty closing step (no context, no generation tokens) ran no model.
-            out.steps += int(m.group(2)) + int(m.group(4)) > 0
+            model = int(m.group(2)) + int(m.group(4)) > 0
+            out.steps += model
+            out.marks.append((float(ts), model))
     return out
 
 
@@ -367,6 +360,14 @@ def read_trace(
         t[0] += 1
         t[1] += w.end - w.ts
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    query, counted = _query(work, rule, got.launches, got.work.get("cpu_op", []))
+    # Per model step and kernel family: GPU traces only (a CPU trace's ops nest, and their
+    # times would be counted once per level).
+    steps, outside = (
+        step_work(work, got.copies, {id(w) for w in counted}, got.launches, got.marks)
+        if domain == "kernel"
+        else ([], None)
+    )
     return TraceFigures(
         file=str(path),
         rank=rank_of(path),
@@ -378,29 +379,19 @@ def read_trace(
         span_us=round(work[-1].end - work[0].ts if domain == "kernel" else _span(work), 3)
         if work
         else None,
-        busy_us=round(_busy(work), 3) if work else None,
+        busy_us=round(busy(work), 3) if work else None,
         steps_seen=got.steps or None,
         calls={g: sum(got.runtime[n] for n in names) for g, names in CALL_GROUPS.items()},
         runtime_calls=dict(got.runtime.most_common()),
         top=[KernelTotal(name=n, count=int(c), total_us=round(t, 3)) for n, (c, t) in ranked],
-        query=query_step(work, rule, got.launches, got.work.get("cpu_op", [])),
+        query=query,
+        steps=steps,
+        outside=outside,
     )
 
 
 def _span(work: Sequence[_Work]) -> float:
     return max(w.end for w in work) - work[0].ts
-
-
-def _busy(work: Sequence[_Work]) -> float:
-    """The union of the intervals' lengths (work sorted by start): time something ran."""
-    busy, cur_start, cur_end = 0.0, work[0].ts, work[0].end
-    for w in work[1:]:
-        if w.ts > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = w.ts, w.end
-        else:
-            cur_end = max(cur_end, w.end)
-    return busy + cur_end - cur_start
 
 
 # --------------------------------------------------------------------------- the query step
@@ -413,6 +404,16 @@ def query_step(
     cpu_ops: Sequence[_Work] = (),
 ) -> QueryStep:
     """Every layer step's query events (the rule in the module docstring), summed."""
+    return _query(work, rule, launches, cpu_ops)[0]
+
+
+def _query(
+    work: Sequence[_Work],
+    rule: QueryRule,
+    launches: dict[Any, _Launch] | None,
+    cpu_ops: Sequence[_Work],
+) -> tuple[QueryStep, list[_Work]]:
+    """The query step's figures and the events it counted."""
     by_key: dict[Any, list[_Work]] = defaultdict(list)
     for w in work:
         by_key[w.key].append(w)
@@ -446,7 +447,7 @@ def query_step(
     if launches and counted:
         ops = _ops_index(cpu_ops)
         q.launched_by = dict(Counter(_launcher(w, launches, ops) for w in counted))
-    return q
+    return q, counted
 
 
 def _query_of(window: list[_Work], rule: QueryRule) -> tuple[str, list[_Work]] | None:
@@ -504,73 +505,3 @@ def find_rank_traces(directory: Path) -> list[Path]:
 
 def looks_like_trace(path: Path) -> bool:
     return Path(path).name.endswith(TRACE_SUFFIXES)
-
-
-# A table cell's width for a kernel name: CUTLASS and FlashAttention kernels are C++ template
-# instances whose demangled names run past 1,000 characters.
-NAME_CELL_CHARS = 100
-
-
-def short_name(name: str, limit: int = NAME_CELL_CHARS) -> str:
-    """A kernel name that fits a table cell: the parameter list dropped, then the deepest
-    template arguments folded to ``…`` until it fits, then the middle cut. Names within
-    `limit` are returned as they are; the full name stays in the JSON figures."""
-    if len(name) <= limit:
-        return name
-    out = _drop_parameters(name)
-    while len(out) > limit:
-        folded = _fold_deepest_template(out)
-        if folded == out:
-            break
-        out = folded
-    if len(out) > limit:
-        head = (limit - 1) * 2 // 3
-        out = out[:head] + "…" + out[len(out) - (limit - 1 - head) :]
-    return out
-
-
-def _drop_parameters(name: str) -> str:
-    """``void k<T>(T const*, int)`` -> ``void k<T>``: the parameter list at depth 0."""
-    depth = 0
-    for i, ch in enumerate(name):
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth = max(depth - 1, 0)
-        elif ch == "(" and depth == 0 and i > 0:
-            return name[:i].rstrip()
-    return name
-
-
-_FOLDED = "<…>"
-
-
-def _fold_deepest_template(name: str) -> str:
-    """Every template argument list at the deepest nesting level not folded yet replaced by
-    ``…`` (a folded ``<…>`` counts as a plain word, so each call folds one level more)."""
-    marker = "\x00"
-    name = name.replace(_FOLDED, marker)
-    depth = deepest = 0
-    for ch in name:
-        depth += ch == "<"
-        depth -= ch == ">"
-        deepest = max(deepest, depth)
-    if deepest == 0:
-        return name.replace(marker, _FOLDED)
-    out: list[str] = []
-    depth = 0
-    for ch in name:
-        if ch == "<":
-            depth += 1
-            if depth == deepest:
-                out.append("<…")
-                continue
-        elif ch == ">":
-            if depth == deepest:
-                depth -= 1
-                out.append(">")
-                continue
-            depth -= 1
-        if depth < deepest:
-            out.append(ch)
-    return "".join(out).replace(marker, _FOLDED)

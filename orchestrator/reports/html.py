@@ -417,8 +417,10 @@ def _profile(run: Run) -> dict[str, Any]:
             "rows": p.table(),
             "sentences": [p.identity(), p.sync(), p.paths() + "."],
             "ranks": p.per_rank(),
+            "families": p.family_table(),
+            "family_notes": p.family_notes(),
         }
-        for p in profile_pairs(run.ordered, run.variants)
+        for p in profile_pairs(run.ordered, run.variants, run.root)
     ]
     header, body = ([], []) if pairs else case_profile_rows(run.ordered)
     return {"pairs": pairs, "header": header, "rows": body}

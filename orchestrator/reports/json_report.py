@@ -75,7 +75,7 @@ def render_json(run: Run) -> dict[str, Any]:
             for r in rows
         ],
         "paired": [asdict(d) for d in paired_deltas(run)],
-        "profile_pairs": [p.to_dict() for p in profile_pairs(rows, run.variants)],
+        "profile_pairs": [p.to_dict() for p in profile_pairs(rows, run.variants, run.root)],
         "ab": ab_json(run),
         "audit_summary": audit_sentence(run.results),
     }

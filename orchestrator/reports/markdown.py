@@ -151,7 +151,7 @@ def _profile_section(run: Run) -> list[str]:
     ranks, then rank by rank), or each profiled case's figures where nothing is paired."""
     from orchestrator.reports.profile import case_profile_rows, profile_pairs
 
-    pairs = profile_pairs(run.ordered, run.variants)
+    pairs = profile_pairs(run.ordered, run.variants, run.root)
     out: list[str] = []
     if pairs:
         out += ["## Decode profile, paired", ""]
@@ -168,6 +168,10 @@ def _profile_section(run: Run) -> list[str]:
             out += [f"- {md_text(line)}" for line in (p.identity(), p.sync(), f"{p.paths()}.")]
             out += [""]
             out += [md_table(*p.per_rank())]
+            if p.by_family is not None:
+                out += ["", "One model step by kernel family (docs/profiling.md):", ""]
+                out += [md_table(*p.family_table()), ""]
+                out += [f"- {md_text(line)}" for line in p.family_notes()]
         return [*out, ""]
     header, body = case_profile_rows(run.ordered)
     if body:

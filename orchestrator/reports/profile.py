@@ -13,8 +13,11 @@ import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from orchestrator.analysis.kernel_names import FAMILIES, FAMILY_LABELS
+from orchestrator.analysis.step_compare import BUSY, StepComparison, compare_steps, row_steps
 from orchestrator.results.profile_figures import ProfileResult, TraceFigures
 
 MISSING = "-"
@@ -103,6 +106,9 @@ class ProfilePair:
     base: ProfileResult
     cand: ProfileResult
     rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # One model step by kernel family on each path (orchestrator.analysis.step_compare);
+    # None where neither the rows nor the run directory hold the step figures.
+    by_family: StepComparison | None = None
 
     @property
     def steps(self) -> int:
@@ -212,6 +218,44 @@ class ProfilePair:
             )
         return header, body
 
+    def family_table(self) -> tuple[list[str], list[list[str]]]:
+        """Family | events per step on each side | µs per step on each side | the change with
+        its interval; the whole step's sum and busy time last. ([], []) without steps."""
+        if self.by_family is None:
+            return [], []
+        b, c = self.baseline, self.candidate
+        header = [
+            "Family", f"Events/step {b}", f"Events/step {c}", f"us/step {b}", f"us/step {c}",
+            "Change us/step (95% interval)",
+        ]  # fmt: skip
+        body = [
+            [
+                f.label,
+                MISSING if f.family == BUSY else f"{f.base_events:,.1f}",
+                MISSING if f.family == BUSY else f"{f.cand_events:,.1f}",
+                f"{f.base_us:,.2f}",
+                f"{f.cand_us:,.2f}",
+                f.change_text(),
+            ]
+            for f in self.by_family.rows()
+        ]
+        return header, body
+
+    def family_notes(self) -> list[str]:
+        """The unit and interval, what changed, and the work recorded as kernels on one path
+        and as copies on the other (docs/profiling.md says why)."""
+        s = self.by_family
+        if s is None:
+            return []
+        notes = [s.unit(), f"Families: {s.changed_text()}."]
+        for apart in s.recorded_apart():
+            notes.append(
+                f"Recorded apart: {apart}; the others are copy records, not kernels: a CUDA "
+                "graph's memcpy node runs as a kernel (memcpy32_post) or on a copy engine, and "
+                "the two paths' graphs ran the same copies differently."
+            )
+        return notes
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "topology_id": self.topology_id,
@@ -226,6 +270,7 @@ class ProfilePair:
             "paths": self.paths(),
             "identity": self.identity(),
             "sync": self.sync(),
+            "by_family": None if self.by_family is None else self.by_family.to_dict(),
             "ranks": {
                 self.baseline: [t.model_dump(mode="json") for t in self.base.traces],
                 self.candidate: [t.model_dump(mode="json") for t in self.cand.traces],
@@ -244,9 +289,12 @@ def _num(v: float | None, digits: int) -> str:
     return MISSING if v is None else f"{v:,.{digits}f}"
 
 
-def profile_pairs(results: Sequence[Any], variants: Sequence[str]) -> list[ProfilePair]:
+def profile_pairs(
+    results: Sequence[Any], variants: Sequence[str], root: Path | None = None
+) -> list[ProfilePair]:
     """Per topology: the first variant's profile against each other variant's (both profiled
-    and with traces), in case order."""
+    and with traces), in case order. `root`, the run directory, is where the traces of rows
+    written before the step figures were stored are read again."""
     if len(variants) < 2:
         return []
     by_topo: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -258,7 +306,9 @@ def profile_pairs(results: Sequence[Any], variants: Sequence[str]) -> list[Profi
     for topo, vs in by_topo.items():
         for cand in variants[1:]:
             if base in vs and cand in vs:
-                pairs.append(ProfilePair(topo, base, cand, vs[base].profile, vs[cand].profile))
+                b, c = vs[base], vs[cand]
+                fams = compare_steps(row_steps(b, root), row_steps(c, root))
+                pairs.append(ProfilePair(topo, base, cand, b.profile, c.profile, by_family=fams))
     return pairs
 
 
@@ -284,6 +334,11 @@ def trace_rows(t: TraceFigures, steps: int | None) -> list[tuple[str, str]]:
     ]
     if t.domain == "kernel":
         rows += [(SYNC_LABELS[g], f"{t.calls.get(g, 0):,}") for g in SYNC_LABELS]
+    if t.steps and t.outside is not None:
+        rows.append(
+            ("device work outside the model steps",
+             f"{t.outside.events:,} events, {t.outside.us:,.3f} us")
+        )  # fmt: skip
     q = t.query
     if q.occurrences:
         rows.append(
@@ -297,6 +352,39 @@ def trace_rows(t: TraceFigures, steps: int | None) -> list[tuple[str, str]]:
     else:
         rows.append(("query step", "none found"))
     return rows
+
+
+def family_rows(t: TraceFigures, steps: int | None) -> tuple[list[str], list[list[str]]]:
+    """One trace's device work per model step by kernel family, as trace-summary prints it:
+    the mean over vLLM's annotated steps with the range over them; for a trace without
+    annotations, its whole work over the `steps` given. ([], []) where neither is known."""
+    if t.steps:
+        per_step = [
+            [s.families[f].us if f in s.families else 0.0 for s in t.steps] for f in _fams(t)
+        ]
+        events = [
+            statistics.fmean(s.families[f].events if f in s.families else 0 for s in t.steps)
+            for f in _fams(t)
+        ]
+        how = f"mean over its {len(t.steps)} model steps (range)"
+    elif steps and t.outside is not None:
+        fams = t.outside.families
+        per_step = [[fams[f].us / steps] for f in _fams(t)]
+        events = [fams[f].events / steps for f in _fams(t)]
+        how = f"the whole trace over the {steps} steps given"
+    else:
+        return [], []
+    header = ["Family", "Events/step", f"us/step, {how}"]
+    body = [
+        [FAMILY_LABELS.get(f, f), f"{e:,.1f}", Spread.of(us).text(2)]  # type: ignore[union-attr]
+        for f, e, us in zip(_fams(t), events, per_step, strict=True)
+    ]
+    return header, body
+
+
+def _fams(t: TraceFigures) -> list[str]:
+    got = {f for s in (*t.steps, *([t.outside] if t.outside else [])) for f in s.families}
+    return [f for f in (*FAMILIES, *sorted(got - set(FAMILIES))) if f in got]
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -7,7 +7,14 @@ from pydantic import Field
 
 from orchestrator.results.record import Record
 
-__all__ = ["KernelTotal", "ProfileResult", "QueryStep", "TraceFigures"]
+__all__ = [
+    "FamilyWork",
+    "KernelTotal",
+    "ProfileResult",
+    "QueryStep",
+    "StepWork",
+    "TraceFigures",
+]
 
 
 class KernelTotal(Record):
@@ -39,6 +46,32 @@ class QueryStep(Record):
         return self.total_us / self.occurrences if self.occurrences else None
 
 
+class FamilyWork(Record):
+    """One kernel family's device work in one model step (orchestrator.analysis.kernel_names
+    names the families): its events (kernels, and the copy and memset records CUPTI keeps
+    apart from kernels), how many of them were kernels, their summed time."""
+
+    events: int = 0
+    kernels: int = 0
+    us: float = 0.0
+
+
+class StepWork(Record):
+    """The device work of one model step of one trace (orchestrator.analysis.step_work): each
+    family's, and the step's busy time (the union of its events' intervals)."""
+
+    families: dict[str, FamilyWork] = Field(default_factory=dict)
+    busy_us: float = 0.0
+
+    @property
+    def us(self) -> float:
+        return sum(f.us for f in self.families.values())
+
+    @property
+    def events(self) -> int:
+        return sum(f.events for f in self.families.values())
+
+
 class TraceFigures(Record):
     """The figures of one torch-profiler trace (one rank of a server), from
     orchestrator.analysis.trace.
@@ -61,6 +94,11 @@ class TraceFigures(Record):
     runtime_calls: dict[str, int] = Field(default_factory=dict)
     top: list[KernelTotal] = Field(default_factory=list)
     query: QueryStep = Field(default_factory=QueryStep)
+    # Each model step's device work by kernel family, in step order (a GPU trace with vLLM's
+    # step annotations), and what was launched outside every model step (all of it in a
+    # trace without annotations). Empty/None in a CPU trace and in rows written before them.
+    steps: list[StepWork] = Field(default_factory=list)
+    outside: StepWork | None = None
 
 
 class ProfileResult(Record):

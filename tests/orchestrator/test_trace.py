@@ -411,7 +411,7 @@ LONG_NAME = (
 
 
 def test_short_name_folds_templates_to_fit_a_cell():
-    from orchestrator.analysis.trace import NAME_CELL_CHARS, short_name
+    from orchestrator.analysis.kernel_names import NAME_CELL_CHARS, short_name
 
     assert len(LONG_NAME) > 1000
     short = short_name(LONG_NAME)
