@@ -21,7 +21,7 @@ from orchestrator.reports.run import (
     fmt_tok,
     interpreted_note,
     interrupted_sentence,
-    paired_deltas,
+    paired_tables,
     repeats,
     token_checks,
 )
@@ -97,28 +97,10 @@ def _latency_section(run: Run) -> list[str]:
 
 
 def _paired_section(run: Run) -> list[str]:
-    # One table per candidate variant: with three or more variants (staged, fused, fused-pdl)
-    # a single table would put every candidate under the first one's column title.
-    by_cand: dict[str, list] = {}
-    for d in paired_deltas(run):
-        by_cand.setdefault(d.candidate, []).append(d)
     lines: list[str] = []
-    for cand, deltas in by_cand.items():
-        base = deltas[0].baseline
-        body = [
-            [
-                d.topology_id,
-                d.workload or d.column,
-                fmt_tok(d.baseline_tok_s),
-                fmt_tok(d.candidate_tok_s),
-                MISSING if d.delta_pct is None else f"{d.delta_pct:+.2f}%",
-                d.samples or MISSING,
-            ]
-            for d in deltas
-        ]
-        header = ["Topology", "Workload", base.title(), cand.title(), "Delta", "Samples each"]
-        lines += [f"## Paired variants: {md_text(base)} vs {md_text(cand)}", ""]
-        lines += [md_table(header, body), ""]
+    for t in paired_tables(run):
+        lines += [f"## Paired variants: {md_text(t.baseline)} vs {md_text(t.candidate)}", ""]
+        lines += [md_table(t.header, t.body), ""]
     note = interpreted_note(run)
     if lines and note:
         lines += [note, ""]

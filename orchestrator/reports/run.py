@@ -67,6 +67,42 @@ def paired_deltas(run: Run) -> list[PairedDelta]:
     return out
 
 
+@dataclass(frozen=True)
+class PairedTable:
+    """One candidate variant's paired deltas as a table: with three or more variants (staged,
+    fused, fused-pdl) a single table would put every candidate under the first one's title."""
+
+    baseline: str
+    candidate: str
+    header: list[str]
+    body: list[list[str]]
+
+
+def paired_tables(run: Run) -> list[PairedTable]:
+    """The paired deltas, one table per candidate variant, in plain strings (report.md and the
+    closing summary lay them out)."""
+    by_cand: dict[str, list[PairedDelta]] = {}
+    for d in paired_deltas(run):
+        by_cand.setdefault(d.candidate, []).append(d)
+    out = []
+    for cand, deltas in by_cand.items():
+        base = deltas[0].baseline
+        body = [
+            [
+                d.topology_id,
+                d.workload or d.column,
+                fmt_tok(d.baseline_tok_s),
+                fmt_tok(d.candidate_tok_s),
+                MISSING if d.delta_pct is None else f"{d.delta_pct:+.2f}%",
+                d.samples or MISSING,
+            ]
+            for d in deltas
+        ]
+        header = ["Topology", "Workload", base.title(), cand.title(), "Delta", "Samples each"]
+        out.append(PairedTable(base, cand, header, body))
+    return out
+
+
 def interrupted_sentence(run: Run) -> str | None:
     """``Interrupted (SIGTERM) during tiny/tp1-dcp1-mtp0/fused (starting); it has no
     result. Continue with: orchestrator run ... --resume ID``; None for a run that was not."""

@@ -1,8 +1,9 @@
 """Per case and workload: what was measured and how well, as the reports' shared tables.
 
 One table model, built from a run's results, that several outputs render: the closing block
-`orchestrator run` prints (in the manner of `vllm bench serve`'s), and the workload, totals
-and latency sections of report.md, report.json and report.html. What each figure means and
+`orchestrator run` prints (in the manner of `vllm bench serve`'s; under it the A/B or paired
+section and the same-token verdicts), and the workload, totals and latency sections of
+report.md, report.json and report.html. What each figure means and
 the samples behind it are orchestrator.reports.measures' (docs/workloads.md).
 
 Rows are named by case (variant included) and the workload's one name; a workload that fills
@@ -34,7 +35,7 @@ from orchestrator.reports.measures import (
     stat,
     totals,
 )
-from orchestrator.reports.run import MISSING
+from orchestrator.reports.run import MISSING, interpreted_note, paired_tables, token_checks
 from orchestrator.results.recorded_run import Run, legend
 
 __all__ = ["LATENCIES", "SummaryRow", "fmt_ms", "latency_table", "render_summary"]
@@ -174,17 +175,8 @@ def render_summary(run: Run) -> str:
                 *means, _num(r.tokens_per_chunk, 1), str(r.errors), r.status,
             ]
         )  # fmt: skip
-    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
-
-    def fmt(cells: list[str]) -> str:
-        # Text columns left-aligned, figures right-aligned, as vLLM's block aligns them.
-        parts = [
-            c.ljust(w) if i < 2 or i == len(cells) - 1 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    table = [fmt(header), *(fmt(b) for b in body)]
+    # Text columns left-aligned, figures right-aligned, as vLLM's block aligns them.
+    table = fixed_width(header, body, {0, 1, len(header) - 1})
     width = max(len(t) for t in table)
     title = f" Run {_line(run.run_id)} "
     failed = len(run.failed)
@@ -205,15 +197,59 @@ def render_summary(run: Run) -> str:
     )
     out += textwrap.wrap(note, width)
     out.append("=" * width)
-    return "\n".join(out) + _ab_block(run, width)
+    return "\n".join(out) + _closing_sections(run, width)
 
 
-def _ab_block(run: Run, width: int) -> str:
-    # The A/B verdicts under the table: what an A/B run is for (orchestrator.reports.ab_section).
+def fixed_width(header: list[str], body: list[list[str]], text: set[int]) -> list[str]:
+    """Rows padded to their columns' widths, two spaces apart: the columns in `text`
+    left-aligned, the rest (figures) right-aligned."""
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+
+    def fmt(cells: list[str]) -> str:
+        parts = [
+            c.ljust(w) if i in text else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return [fmt(header), *(fmt(b) for b in body)]
+
+
+def _closing_sections(run: Run, width: int) -> str:
+    """Under the table, what report.md says after its tables: the A/B verdicts (what an A/B
+    run is for: orchestrator.reports.ab_section) or the paired deltas of a matrix with
+    variants, then the same-token verdicts."""
     from orchestrator.reports.ab_section import render_ab_terminal
 
-    block = render_ab_terminal(run, width)
-    return f"\n\n{block}" if block else ""
+    blocks = [
+        render_ab_terminal(run, width) or _paired_block(run, width),
+        _tokens_block(run, width),
+    ]
+    return "".join(f"\n\n{b}" for b in blocks if b)
+
+
+def _paired_block(run: Run, width: int) -> str:
+    out: list[str] = []
+    for t in paired_tables(run):
+        rows = fixed_width(t.header, [[_line(c) for c in b] for b in t.body], {0, 1, 5})
+        span = max(width, *(len(r) for r in rows))
+        title = f" Paired variants: {_line(t.baseline)} vs {_line(t.candidate)}, aggregate output tok/s "
+        out += [title.center(span, "="), *rows, "-" * span]
+    note = interpreted_note(run)
+    if out and note:
+        out += textwrap.wrap(note, max(width, 60))
+    return "\n".join(out)
+
+
+def _tokens_block(run: Run, width: int) -> str:
+    checks = token_checks(run)
+    if not checks:
+        return ""
+    out = ["Same tokens (greedy, request by request):"]
+    for topology, workload, verdict, sentence in checks:
+        line = f"{_line(topology)} {_line(workload)}: {_line(verdict)} -- {_line(sentence)}"
+        out += textwrap.wrap(line, max(width, 60), initial_indent="- ", subsequent_indent="  ")
+    return "\n".join(out)
 
 
 def _line(text: str) -> str:

@@ -263,10 +263,13 @@ def test_a_standalone_audit_of_the_run_agrees_with_it(smoke_run):
 
 
 def test_output_ends_with_the_summary_table(smoke_run):
-    """The resumed run's stdout closes with every case of the run, its tok/s and latencies."""
+    """The resumed run's stdout closes with every case of the run, its tok/s and latencies,
+    then what report.md says after its tables: the paired deltas (the smoke matrix pairs its
+    variants without `ab:`) and the same-token verdicts."""
     out = smoke_run["rest"].stdout.rstrip("\n").splitlines()
-    assert out and set(out[-1]) == {"="}, smoke_run["rest"].stdout[-3000:]
-    table = out[max(i for i, line in enumerate(out) if " Run e2e " in line) :]
+    start = max(i for i, line in enumerate(out) if " Run e2e " in line)
+    end = out.index("=" * len(out[start]), start + 1)
+    table = out[start : end + 1]
     assert (
         table[1]
         == "Workload ctx0: prompt 1 token, output 16 tokens, concurrency 1, 2 requests x 1 repeat"
@@ -288,6 +291,18 @@ def test_output_ends_with_the_summary_table(smoke_run):
             assert cells[4] == f"{r['workloads'][name]['mean']['aggregate_tok_s']:.2f}", line
             assert float(cells[6]) > 0 and cells[-2:] == ["0", "passed"], line  # TTFT mean
     assert "4/4 cases finished, 4 passed, 0 failed." in " ".join(table)
+    after = out[end + 1 :]
+    (title,) = [x for x in after if " Paired variants: staged vs fused, aggregate output" in x]
+    paired = after[after.index(title) + 1 :]
+    report = (smoke_run["dir"] / "report.md").read_text()
+    for topo in ("tiny-mla/tp1-dcp1-mtp1", "tiny-mla/tp2-dcp1-mtp0"):
+        for name in ("ctx0", "ctx1k"):
+            (line,) = [x for x in paired if x.startswith(f"{topo}  ") and f" {name} " in x]
+            cells = re.split(r"\s{2,}", line)
+            assert "| " + " | ".join(cells) + " |" in report, line  # report.md's row, cell for cell
+        verdict = {r["case_id"]: r for r in rows}[f"{topo}/fused"]["same_tokens"]["ctx0"]
+        assert any(x.startswith(f"- {topo} ctx0: {verdict['verdict']} -- ") for x in after)
+    assert "Same tokens (greedy, request by request):" in after
 
 
 def test_no_process_outlives_the_run(smoke_run):

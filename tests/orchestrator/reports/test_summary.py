@@ -36,7 +36,9 @@ def _cells(text: str, case_id: str, column: str) -> list[str]:
 def test_summary_table_of_a_recorded_run(tmp_path: Path) -> None:
     text = render_summary(Run.load(_copy(tmp_path)))
     lines = text.splitlines()
-    assert lines[0].startswith("=") and " Run r " in lines[0] and lines[-1] == "=" * len(lines[0])
+    assert lines[0].startswith("=") and " Run r " in lines[0]
+    # The case table closes with a rule of '='; the paired deltas follow it.
+    lines = lines[: lines.index("=" * len(lines[0]), 1) + 1]
     # The workloads first, each by its one name, with what it is.
     assert (
         lines[1]
@@ -165,3 +167,59 @@ def test_paired_deltas_say_their_samples_and_what_a_cpu_fused_variant_ran(tmp_pa
     md = render_markdown(loaded)
     assert "On CPU the fused variant ran fusedq's kernel in Triton's interpreter" in md
     assert "On CPU the fused variant ran fusedq" in render_html(loaded)
+
+
+def test_the_closing_summary_pairs_the_variants_and_gives_the_token_verdicts(
+    tmp_path: Path,
+) -> None:
+    """A matrix with variants and no `ab:` (the smoke matrix's shape): under the table, the
+    paired deltas report.md shows, and every same-token verdict."""
+    run = _copy(tmp_path)
+    check = {
+        "verdict": "identical",
+        "sentence": "fused vs staged: identical token ids in 2/2 requests",
+        "reference": "Luke BF16/tp8-dcp2-mtp0/staged",
+    }
+
+    def tokens(row: dict) -> dict:
+        if row["case_id"] == FUSED:
+            row["same_tokens"] = {"ctx0": check}
+        return row
+
+    runs.edit_rows(run, tokens)
+    loaded = Run.load(run)
+    text = render_summary(loaded)
+    lines = text.splitlines()
+    end = lines.index("=" * len(lines[0]), 1)  # the case table closes here
+    after = lines[end + 1 :]
+    title = [x for x in after if " Paired variants: staged vs fused, aggregate output tok/s " in x]
+    assert len(title) == 1 and title[0].startswith("=")
+    at = after.index(title[0])
+    assert re.split(r"\s{2,}", after[at + 1]) == [
+        "Topology", "Workload", "Staged", "Fused", "Delta", "Samples each",
+    ]  # fmt: skip
+    # The same figures as report.md's paired table, row for row.
+    md = render_markdown(loaded)
+    row = "| Luke BF16/tp8-dcp2-mtp0 | ctx64k | 70.26 | 71.33 | +1.52% | 0 requests x 2 repeats |"
+    assert row in md
+    assert re.split(r"\s{2,}", after[at + 5]) == [
+        "Luke BF16/tp8-dcp2-mtp0", "ctx64k", "70.26", "71.33", "+1.52%", "0 requests x 2 repeats",
+    ]  # fmt: skip
+    assert "Same tokens (greedy, request by request):" in after
+    assert (
+        "- Luke BF16/tp8-dcp2-mtp0 ctx0: identical -- fused vs staged: identical token ids in "
+        "2/2 requests" in text
+    )
+    assert all(len(x) <= len(lines[0]) for x in lines)
+
+
+def test_a_run_without_variants_or_token_checks_ends_with_its_table(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+    runs.edit_rows(run, lambda row: row if row["variant"] == "staged" else None)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["cases"] = [c for c in manifest["cases"] if c["variant"] == "staged"]
+    manifest["matrix"].pop("variants", None)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    text = render_summary(Run.load(run))
+    assert "Paired variants" not in text and "Same tokens" not in text
+    assert set(text.splitlines()[-1]) == {"="}
