@@ -146,6 +146,16 @@ class ModelSpec(_EnvArgs):
         return self.is_builtin and standins.is_standin(self.builtin_name)
 
     @property
+    def context_tokens(self) -> int | None:
+        """The longest request (prompt + output) a built-in model's own config lets vLLM
+        serve: its max_position_embeddings (no rope scaling in them). None for a checkpoint
+        path or hub id: its config may be on another host, and is not guessed at."""
+        if not self.is_builtin:
+            return None
+        own = standins.GLM5 if self.is_standin else tinymodel.ARCH
+        return int(own["max_position_embeddings"])
+
+    @property
     def stands_for_tp(self) -> int:
         """A stand-in's TP (its `standin_tp`, else derived from num_heads)."""
         if self.standin_tp is not None:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 
 from orchestrator.config import policy as matrix_policy
 from orchestrator.config.axes import TopologySpec
+from orchestrator.config.context import context_bound
 from orchestrator.config.errors import MatrixError
 from orchestrator.config.expand import Case, expand
 from orchestrator.config.owned_flags import PROFILE_OWNED, owned_flag
@@ -114,6 +115,7 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
                 )
     _check_host(m, source)
     cases = expand(m)
+    _check_context(m, cases, source)
     _check_profile(m, cases, source)
     _check_ab(m, cases, source)
     dup = _dups(c.case_id for c in cases)
@@ -170,6 +172,33 @@ def _check_acceptance(m: Matrix, topo: TopologySpec, where: str, source: str) ->
             "is not possible on CPU: vLLM's CPU sampler refuses synthetic acceptance "
             "('Synthetic acceptance not supported with CPU sampling'); leave it out on CPU",
         )
+
+
+def _check_context(m: Matrix, cases: Sequence[Case], source: str) -> None:
+    """Every workload, and the profiled request, fits each case's context where it is known
+    without loading the model (orchestrator.config.context): vLLM would refuse every request
+    of a longer one, after the server's start."""
+    bounds = [(case, context_bound(case)) for case in cases]
+    per_model: dict[str, set[int | None]] = {}
+    for case, bound in bounds:
+        per_model.setdefault(case.model.label, set()).add(bound and bound.tokens)
+    asks = [(f"workloads[{i}] ({w.name})", w.prompt_tokens, w.output_tokens)
+            for i, w in enumerate(m.workloads)]  # fmt: skip
+    if m.profile is not None:
+        asks.append(("profile", m.profile.prompt_tokens, m.profile.decode_steps))
+    for case, bound in bounds:
+        if bound is None:
+            continue
+        for where, prompt, output in asks:
+            if prompt + output <= bound.tokens:
+                continue
+            # A bound some of the model's cases set (a topology's or variant's args) names
+            # the case it holds for.
+            which = "" if len(per_model[case.model.label]) == 1 else f" (case {case.case_id!r})"
+            raise MatrixError(
+                source, where, f"prompt {prompt} + output {output} tokens exceed "
+                f"{bound.what} {bound.tokens} of model {case.model.label!r}{which}",
+            )  # fmt: skip
 
 
 def _check_profile(m: Matrix, cases: Sequence[Case], source: str) -> None:
