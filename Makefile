@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/install.sh
+$(VENV)/.installed: pyproject.toml scripts/install.sh scripts/pip_step.sh
 	bash scripts/install.sh $(VENV)
 	touch $@
 

@@ -31,18 +31,21 @@ fi
 VPY="$VENV/bin/python"
 pip_() { "$VPY" -m pip --disable-pip-version-check "$@"; }
 
+# pip_step: one line per pip install step (scripts/pip_step.sh).
+# shellcheck source=scripts/pip_step.sh
+source "$REPO/scripts/pip_step.sh"
+
 stamp="$VENV/.orchestrator-install.stamp"
 want="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1) $TORCH_SPEC"
 if [[ "${INSTALL_FORCE:-0}" != 1 && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     say "pyproject.toml unchanged since last install: skipping pip install"
 else
-    say "pip install $TORCH_SPEC"
-    pip_ install "$TORCH_SPEC"
-    say "pip install -e '$REPO[cpu,test,cute]'"
+    pip_step "the CPU torch ($TORCH_SPEC)" "$TORCH_SPEC"
     # The torch pin again, so the resolver cannot swap the CPU build for a CUDA one. `cute`
     # (nvidia-cutlass-dsl, 56 MiB) lets the CuTe kernel's offline trace / PTX / SASS tests run
     # here: the DSL traces and compiles for sm_90 without a GPU, on AVX2 and AMX hosts alike.
-    pip_ install -e "$REPO[cpu,test,cute]" "$TORCH_SPEC"
+    pip_step "the project, editable, with vLLM's CPU build, test tools and the CUTLASS DSL" \
+        -e "$REPO[cpu,test,cute]" "$TORCH_SPEC"
     echo "$want" >"$stamp"
 fi
 

@@ -10,7 +10,8 @@ from it where none is.
 dependency resolution: the file *is* the closure over the base it names) for the given Python
 and platform, checks that every pin got exactly one wheel, adds the project's own wheel
 (fusedq + orchestrator, stamped with the commit it was built from: fusedq.provenance),
-and writes ``SHA256SUMS`` and ``wheelhouse.json``. ``--split`` also
+and writes ``SHA256SUMS`` and ``wheelhouse.json``. It needs no torch (``fusedq.provenance``
+imports none), so any Python with pip and an index builds it. ``--split`` also
 writes the whole as tar chunks of at most that size (``DIR.tar.part.00``, ...) for carriers
 that take one bounded file at a time (e.g. 60 MiB per transfer).
 
@@ -18,6 +19,9 @@ that take one bounded file at a time (e.g. 60 MiB per transfer).
 and runs ``pip install --no-index --no-deps`` of every wheel (into ``--target`` when given,
 else the running environment). Nothing is fetched; a missing or altered wheel stops the install
 before pip runs, naming it.
+
+Each pip step prints one line (what it did, how many wheels, how long); pip's own output is
+kept back unless it fails, and then its last lines are shown.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_REQUIREMENTS = REPO / "requirements" / "gpu-vllm026.txt"
@@ -44,6 +50,8 @@ DEFAULT_PLATFORMS = [
 ]  # fmt: skip
 SUMS = "SHA256SUMS"
 META = "wheelhouse.json"
+# pip's last lines shown when it fails: its error and what led to it, not the whole log.
+TAIL_LINES = 30
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)$")
 
 
@@ -120,13 +128,24 @@ def parse_size(text: str) -> int:
     return int(m[1]) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m[2]]
 
 
-def run(argv: list[str]) -> None:
-    print("+", " ".join(argv), flush=True)
-    done = subprocess.run(argv, check=False)
+def run(argv: list[str], what: str) -> float:
+    """Run a pip step with its output kept back; the seconds it took. On failure its last
+    lines go to stderr and WheelhouseError names the step."""
+    start = time.monotonic()
+    done = subprocess.run(argv, check=False, capture_output=True, text=True)
     if done.returncode != 0:
-        raise WheelhouseError(
-            f"{argv[2] if len(argv) > 2 else argv[0]} failed (exit {done.returncode})"
-        )
+        tail = (done.stdout + done.stderr).rstrip().splitlines()[-TAIL_LINES:]
+        print("\n".join(tail), file=sys.stderr)
+        raise WheelhouseError(f"{what} failed (pip exit {done.returncode}; its last lines above)")
+    return time.monotonic() - start
+
+
+def mib(paths: list[Path]) -> str:
+    return f"{sum(p.stat().st_size for p in paths) / 2**20:.1f} MiB"
+
+
+def wheels_text(n: int) -> str:
+    return f"{n} wheel{'' if n == 1 else 's'}"
 
 
 def build(args: argparse.Namespace) -> None:
@@ -142,8 +161,10 @@ def build(args: argparse.Namespace) -> None:
                 "-r", str(args.requirements)]  # fmt: skip
     for tag in args.platform or DEFAULT_PLATFORMS:
         download += ["--platform", tag]
-    run(download)
-    check_complete(pins, sorted(out.glob("*.whl")))
+    took = run(download, "pip download")
+    got = sorted(out.glob("*.whl"))
+    print(f"downloaded {wheels_text(len(got))} ({mib(got)}) in {took:.1f} s")
+    check_complete(pins, got)
     if not args.no_project:
         project_wheel(out)
     wheels = sorted(out.glob("*.whl"))
@@ -160,26 +181,38 @@ def build(args: argparse.Namespace) -> None:
             print(f"  {part} ({part.stat().st_size / 2**20:.1f} MiB)")
 
 
+def load_provenance() -> ModuleType:
+    """The checkout's fusedq.provenance. fusedq/__init__ exports lazily, so this imports no
+    torch or Triton: the build runs on any Python with pip (tests/scripts/test_wheelhouse.py
+    builds the project wheel where torch cannot be imported)."""
+    sys.path.insert(0, str(REPO))
+    from fusedq import provenance
+
+    return provenance
+
+
 def project_wheel(out: Path) -> None:
     """The project itself, pure Python (its entry points are what vLLM's plugin loader finds),
     carrying the build-info stamp of the checkout it is built from: a GPU host that installs
     the wheel has no git, and its runs and benchmarks must still name their commit
     (fusedq.provenance). The checkout's own stamp is put back as it was afterwards."""
-    sys.path.insert(0, str(REPO))
-    from fusedq import provenance
-
+    provenance = load_provenance()
     before = provenance.BUILD_INFO.read_bytes() if provenance.BUILD_INFO.is_file() else None
     try:
         try:
             info = provenance.stamp()
             dirty = " (dirty: " + ", ".join(info["dirty_files"]) + ")" if info["dirty"] else ""
-            print(f"stamped the project wheel: {info['commit']}{dirty}")
+            stamped = f"stamped {info['commit']}{dirty}"
         except provenance.ProvenanceError as exc:
             # A tree without git (itself a copy) keeps a stamp it came with, if its code fits.
-            print(
-                f"not stamped ({exc}); provenance: {provenance.commit_label(provenance.describe())}"
-            )
-        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(REPO)])
+            label = provenance.commit_label(provenance.describe())
+            stamped = f"not stamped ({exc}); provenance: {label}"
+        before_wheels = set(out.glob("*.whl"))
+        took = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(REPO)],
+                   "pip wheel of the project")  # fmt: skip
+        built = sorted(set(out.glob("*.whl")) - before_wheels)
+        names = ", ".join(w.name for w in built) or "no new wheel"
+        print(f"built the project wheel {names} ({mib(built)}) in {took:.1f} s, {stamped}")
     finally:
         if before is None:
             provenance.BUILD_INFO.unlink(missing_ok=True)
@@ -254,11 +287,13 @@ def install(args: argparse.Namespace) -> None:
                 f"{label}: built for Python {meta['python']}, this is Python {here} ({sys.executable})"
             )
         argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
-                "--disable-pip-version-check", "-q"]  # fmt: skip
+                "--disable-pip-version-check"]  # fmt: skip
         if args.target:
             argv += ["--target", args.target, "--upgrade"]
-        run(argv + [str(w) for w in wheels])
-    print(f"installed {len(wheels)} wheels{' into ' + args.target if args.target else ''} "
+        took = run(argv + [str(w) for w in wheels], "pip install")
+        size = mib(wheels)  # before a temporary unpacked copy goes
+    where = f" into {args.target}" if args.target else ""
+    print(f"installed {wheels_text(len(wheels))} ({size}){where} in {took:.1f} s "
           f"({platform.python_implementation()} {here}), no index used")  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -130,3 +131,119 @@ def test_the_cute_list_is_the_cute_extra_pinned():
     assert f"nvidia-cutlass-dsl=={pins['nvidia_cutlass_dsl']}" in extra["cute"]
     major, minor = map(int, pins["cuda_python"].split(".")[:2])
     assert "cuda-python>=12.9,<13" in extra["cute"] and (major, minor) >= (12, 9) and major < 13
+
+
+# A sitecustomize that makes torch (and Triton) unimportable, as on a build machine with
+# Python and pip only: every process started with it on PYTHONPATH (pip's too) has none.
+NO_TORCH = """
+import sys
+
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+BUILD_WITHOUT_TORCH = """
+import importlib.util, json, sys, zipfile
+from pathlib import Path
+
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+else:
+    sys.exit("torch is importable: the blocker did not take")
+spec = importlib.util.spec_from_file_location("wheelhouse", sys.argv[1])
+wh = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(wh)
+out = Path(sys.argv[2])
+wh.project_wheel(out)
+assert "torch" not in sys.modules and "triton" not in sys.modules, sorted(sys.modules)
+(wheel,) = out.glob("fusedq-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    print(json.loads(z.read("fusedq/build_info.json"))["product_fingerprint"])
+"""
+
+
+def test_the_project_wheel_builds_where_torch_cannot_be_imported(tmp_path):
+    import os
+    import subprocess
+
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(NO_TORCH)
+    out = tmp_path / "house"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(blocker)}
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_WITHOUT_TORCH, str(REPO / "scripts" / "wheelhouse.py"),
+         str(out)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    *said, fingerprint = done.stdout.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("built the project wheel fusedq-"), said
+    assert fingerprint == wh.load_provenance().describe()["product_fingerprint"]
+
+
+def test_a_pip_step_is_quiet_unless_it_fails(capsys):
+    took = wh.run([sys.executable, "-c", "print('resolving ' * 50)"], "pip quiet")
+    assert took >= 0 and capsys.readouterr() == ("", "")
+    noisy = "import sys; print('\\n'.join(f'line {i}' for i in range(100))); sys.exit(3)"
+    with pytest.raises(wh.WheelhouseError, match=r"^pip loud failed \(pip exit 3; its last"):
+        wh.run([sys.executable, "-c", noisy], "pip loud")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"line {i}" for i in range(100 - wh.TAIL_LINES, 100)]
+
+
+def _wheel(house: Path, name: str = "tinypkg", version: str = "1.0") -> Path:
+    """A minimal pure-Python wheel, made by hand: pip installs it with no index."""
+    import base64
+    import zipfile
+
+    files = {
+        f"{name}.py": "VALUE = 1\n",
+        f"{name}-{version}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        ),
+        f"{name}-{version}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(__import__("hashlib").sha256(text.encode()).digest())
+        record.append(f"{path},sha256={digest.rstrip(b'=').decode()},{len(text.encode())}")
+    record.append(f"{name}-{version}.dist-info/RECORD,,")
+    wheel = house / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+        z.writestr(f"{name}-{version}.dist-info/RECORD", "\n".join(record) + "\n")
+    return wheel
+
+
+def test_install_says_one_line_and_not_pips_arguments(tmp_path, capsys):
+    house = tmp_path / "house"
+    house.mkdir()
+    wheel = _wheel(house)
+    (house / wh.SUMS).write_text(f"{wh.sha256(wheel)}  {wheel.name}\n")
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    (house / wh.META).write_text(json.dumps({"python": here}))
+    target = tmp_path / "site"
+    assert wh.main(["install", str(house), "--target", str(target)]) == 0
+    out, err = capsys.readouterr()
+    [line] = out.splitlines()
+    assert re.fullmatch(
+        rf"installed 1 wheel \(0\.0 MiB\) into {re.escape(str(target))} in [\d.]+ s "
+        rf"\(CPython {here}\), no index used",
+        line,
+    ), line
+    assert err == "" and "--no-index" not in out
+    assert (target / "tinypkg.py").is_file()
