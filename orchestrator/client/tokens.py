@@ -26,7 +26,10 @@ vLLM's synthetic MTP acceptance (a topology's ``mtp_acceptance``) accepts draft 
 random draw from the GPU's generator, not by agreement with the target model, so a request's
 tokens depend on where in the random stream its steps fall. Two servers started alike that
 run the same-tokens workload first draw the same numbers (restarts mode); the blocks of one
-switch-mode server's variants draw at different points of the stream.
+switch-mode server's variants draw at different points of the stream, unless the server
+reseeds every worker with the round's seed before each block, as a switch server under
+synthetic acceptance does since 2026-12-06 (``reseeded``): then both paths of a round draw
+alike and their tokens are compared.
 """
 
 from __future__ import annotations
@@ -159,11 +162,15 @@ def compare(
     return out
 
 
-def not_compared(*, mtp: int, mtp_acceptance: float | None, switch: bool) -> str | None:
+def not_compared(
+    *, mtp: int, mtp_acceptance: float | None, switch: bool, reseeded: bool = False
+) -> str | None:
     """Why a case's tokens are not held against its baseline's, or None when they are: a
-    case with synthetic MTP acceptance measured on a switch-mode server (see the module
-    docstring)."""
-    if switch and mtp > 0 and mtp_acceptance is not None:
+    case with synthetic MTP acceptance measured on a switch-mode server that did not reseed
+    its workers before each block (see the module docstring). A server that reseeds them
+    with the round's seed gives both paths of a round the same draws, and their tokens are
+    compared (on the H100, 2026-12-06: identical in 24/24 requests at MTP 1)."""
+    if switch and mtp > 0 and mtp_acceptance is not None and not reseeded:
         return SYNTHETIC_IN_SWITCH
     return None
 

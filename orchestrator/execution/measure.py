@@ -248,11 +248,17 @@ def _wait_for_traces(run: CaseRun, wait_s: float, known: Collection[str] = ()) -
 
 
 def token_checks(
-    case: Case, matrix: Matrix, store: RunStore, workloads: Mapping[str, Any]
+    case: Case,
+    matrix: Matrix,
+    store: RunStore,
+    workloads: Mapping[str, Any],
+    *,
+    reseeded: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """For each measured ``same_tokens`` workload: this case's tokens against those of the
     baseline variant of its topology (``{}`` for the baseline itself), or, for tokens that
-    cannot agree by construction (tokens.not_compared), why they were not compared."""
+    cannot agree by construction (tokens.not_compared), why they were not compared.
+    ``reseeded``: a switch server that seeded its workers with each round's seed."""
     first = matrix.baseline_variant if matrix.variants else None
     if first is None or case.variant.name == first.name:
         return {}
@@ -261,6 +267,7 @@ def token_checks(
         mtp=case.mtp,
         mtp_acceptance=case.mtp_acceptance,
         switch=matrix.switch_mode,
+        reseeded=reseeded,
     )
     checks: dict[str, dict[str, Any]] = {}
     for wl in matrix.workloads:

@@ -319,7 +319,9 @@ class SwitchBlocks:
             row["profile"] = profile[0].model_dump(mode="json")
         else:
             row.pop("profile", None)
-        checks = token_checks(case, self.matrix, run.store, row["workloads"])
+        checks = token_checks(
+            case, self.matrix, run.store, row["workloads"], reseeded=self.seeds is not None
+        )
         row["same_tokens"] = checks
         differs = [c["sentence"] for c in checks.values() if c["verdict"] == tokens.DIFFERS]
         if differs and row["status"] == "passed":

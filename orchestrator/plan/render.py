@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.client import tokens
 from orchestrator.config.expand import Case, expand, units_needed
 from orchestrator.config.load import load_matrix
 from orchestrator.config.policy import env_notes, matrix_warnings
@@ -129,8 +128,8 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 def _model_notes(matrix: Matrix, cases: Sequence[Case]) -> list[str]:
     """What each GLM-5 stand-in is (orchestrator.models.standins), MTP cases of a random-weight
-    model whose draft would accept almost nothing, and synthetic acceptance (whose tokens a
-    switch-mode server cannot compare: orchestrator.client.tokens.not_compared)."""
+    model whose draft would accept almost nothing, and synthetic acceptance (which a
+    switch-mode server reseeds per round, so its tokens are compared)."""
     switch = matrix.switch_mode
     same_tokens = any(w.same_tokens for w in matrix.workloads)
     notes = [
@@ -157,12 +156,11 @@ def _model_notes(matrix: Matrix, cases: Sequence[Case]) -> list[str]:
                 f"{c.topology_id}: synthetic MTP acceptance {c.mtp_acceptance:g} per draft "
                 "position (the acceptance seen is read from the server's /metrics)"
             )
-        if same_tokens and tokens.not_compared(
-            mtp=c.mtp, mtp_acceptance=c.mtp_acceptance, switch=switch
-        ):
+        if same_tokens and switch and c.mtp and c.mtp_acceptance is not None:
+            # The switch server reseeds its workers before each block (execution.switch).
             notes.append(
-                f"{c.topology_id}: same tokens not compared: synthetic acceptance draws at "
-                "random, and a switch-mode server's blocks draw at different points of the "
-                "GPU's random stream"
+                f"{c.topology_id}: same tokens compared under synthetic acceptance: the switch "
+                "server reseeds every worker with the round's seed before each block, so both "
+                "paths of a round draw the same acceptance"
             )
     return notes

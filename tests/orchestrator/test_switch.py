@@ -217,13 +217,18 @@ def _greedy(ids: list[int], block: int) -> WorkloadResult:
     return WorkloadResult(params, [repeat_metrics(records) | {"repeat": block}], records)
 
 
-def _switch_rows(tmp_path: Path, mtp: int, fused_ids: list[int]) -> dict[str, CaseResult]:
+def _switch_rows(
+    tmp_path: Path, mtp: int, fused_ids: list[int], *, reseeded: bool = True
+) -> dict[str, CaseResult]:
     """The rows a switch server of the MTP `mtp` topology writes when its staged blocks
-    answered [1, 2, 3] and its fused blocks `fused_ids` (nothing launched)."""
+    answered [1, 2, 3] and its fused blocks `fused_ids` (nothing launched); `reseeded=False`:
+    a server that did not seed its workers per round (runs before 2026-12-06)."""
     m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
     cases = expand(m)
     (unit,) = [u for u in run_units(m, cases, cases) if u.server.mtp == mtp]
     blocks = SwitchBlocks(unit, m)
+    if not reseeded:
+        blocks.seeds = None
     run = CaseRun(unit, blocks, m, None, RunStore.create(tmp_path, "r"), lambda _: None, None)
     for variant, ids in (("staged", [1, 2, 3]), ("fused", fused_ids)):
         blocks.results[variant]["greedy"] = [_greedy(ids, 0), _greedy(ids, 1)]
@@ -231,11 +236,12 @@ def _switch_rows(tmp_path: Path, mtp: int, fused_ids: list[int]) -> dict[str, Ca
     return {r.variant: r for r in rows}
 
 
-def test_a_switch_server_with_synthetic_acceptance_does_not_compare_tokens(tmp_path):
-    """Synthetic acceptance accepts drafts by a random draw, and the blocks of a switch
-    server's variants draw at different points of the GPU's stream: their tokens differ by
-    construction, so the check is not made, and says why, instead of failing the row."""
-    rows = _switch_rows(tmp_path, 1, [1, 7, 3])
+def test_a_switch_server_that_did_not_reseed_does_not_compare_tokens(tmp_path):
+    """Synthetic acceptance accepts drafts by a random draw, and without a seed per round the
+    blocks of a switch server's variants draw at different points of the GPU's stream: their
+    tokens differ by construction, so the check is not made, and says why, instead of
+    failing the row."""
+    rows = _switch_rows(tmp_path, 1, [1, 7, 3], reseeded=False)
     fused = rows["fused"]
     assert fused.status == "passed" and fused.reason is None
     check = fused.same_tokens["greedy"]
@@ -244,6 +250,15 @@ def test_a_switch_server_with_synthetic_acceptance_does_not_compare_tokens(tmp_p
     assert check.reference == "m/tp1-dcp1-mtp1/staged/s1"
     assert check.requests is None and check.divergences is None
     assert rows["staged"].same_tokens == {} and rows["staged"].status == "passed"
+
+
+def test_a_reseeded_switch_server_compares_tokens_under_synthetic_acceptance(tmp_path):
+    """Seeded with the round's seed before each block, both paths of a round draw the same
+    acceptance: their tokens are held to each other like MTP 0's."""
+    fused = _switch_rows(tmp_path, 1, [1, 7, 3])["fused"]
+    assert fused.same_tokens["greedy"].verdict == tokens.DIFFERS and fused.status == "failed"
+    same = _switch_rows(tmp_path / "again", 1, [1, 2, 3])["fused"]
+    assert same.same_tokens["greedy"].verdict == tokens.IDENTICAL and same.status == "passed"
 
 
 def test_a_switch_server_of_mtp_0_still_fails_on_other_tokens(tmp_path):
@@ -266,7 +281,7 @@ def test_reports_say_why_tokens_were_not_compared(tmp_path):
     from orchestrator.reports.markdown import render_markdown
     from orchestrator.results.recorded_run import Run
 
-    check = _switch_rows(tmp_path, 1, [1, 7, 3])["fused"].same_tokens["greedy"]
+    check = _switch_rows(tmp_path, 1, [1, 7, 3], reseeded=False)["fused"].same_tokens["greedy"]
     run = Run.load(Path(__file__).parents[2] / "docs/validation/h200-2026-12-02/glm5-ab-2")
     (fused,) = [r for r in run.results if r.variant == "fused"]
     fused.same_tokens = {"greedy": check}
@@ -281,19 +296,20 @@ def test_reports_say_why_tokens_were_not_compared(tmp_path):
     assert row["same_tokens"]["greedy"]["why"] == tokens.SYNTHETIC_IN_SWITCH
 
 
-def test_plan_notes_the_tokens_a_switch_server_does_not_compare(tmp_path):
+def test_plan_notes_that_a_switch_server_reseeds_to_compare_tokens(tmp_path):
     path = tmp_path / "sw.yaml"
     path.write_text(SAME_TOKENS + "ab: {mode: switch}\n")
     notes = plan_matrix(path)["notes"]
-    said = [n for n in notes if "same tokens not compared" in n]
+    said = [n for n in notes if "same tokens" in n]
     assert said == [
-        "m/tp1-dcp1-mtp1: same tokens not compared: synthetic acceptance draws at random, and "
-        "a switch-mode server's blocks draw at different points of the GPU's random stream"
+        "m/tp1-dcp1-mtp1: same tokens compared under synthetic acceptance: the switch server "
+        "reseeds every worker with the round's seed before each block, so both paths of a "
+        "round draw the same acceptance"
     ]
     path.write_text(SAME_TOKENS + "ab: {mode: restarts}\n")
-    assert not [n for n in plan_matrix(path)["notes"] if "not compared" in n]
+    assert not [n for n in plan_matrix(path)["notes"] if "same tokens" in n]
     path.write_text(SAME_TOKENS.replace(", same_tokens: true", "") + "ab: {mode: switch}\n")
-    assert not [n for n in plan_matrix(path)["notes"] if "not compared" in n]
+    assert not [n for n in plan_matrix(path)["notes"] if "same tokens" in n]
 
 
 def test_a_switch_variant_reports_the_acceptance_its_blocks_saw(tmp_path):

@@ -146,24 +146,27 @@ variants: [{name: staged}, {name: fused}]
 
 
 @pytest.mark.parametrize(
-    ("ab", "mtp", "verdict"),
+    ("ab", "mtp", "reseeded", "verdict"),
     [
-        ("{mode: switch}", 1, tokens.NOT_COMPARED),
-        ("{mode: switch}", 0, tokens.DIFFERS),
-        ("{mode: restarts}", 1, tokens.DIFFERS),
-        ("{mode: restarts}", 0, tokens.DIFFERS),
+        ("{mode: switch}", 1, False, tokens.NOT_COMPARED),
+        ("{mode: switch}", 1, True, tokens.DIFFERS),
+        ("{mode: switch}", 0, False, tokens.DIFFERS),
+        ("{mode: restarts}", 1, False, tokens.DIFFERS),
+        ("{mode: restarts}", 0, False, tokens.DIFFERS),
     ],
 )
-def test_synthetic_acceptance_on_a_switch_server_is_not_compared(tmp_path: Path, ab, mtp, verdict):
-    """Synthetic acceptance draws at random: a switch server's blocks draw at different points
-    of the GPU's stream, so their tokens are not compared; MTP 0, and two servers started
-    alike (restarts mode), still are."""
+def test_synthetic_acceptance_on_a_switch_server_is_compared_only_reseeded(
+    tmp_path: Path, ab, mtp, reseeded, verdict
+):
+    """Synthetic acceptance draws at random: without a seed per round a switch server's
+    blocks draw at different points of the GPU's stream, so their tokens are not compared;
+    reseeded per round, MTP 0, and two servers started alike (restarts mode), they are."""
     matrix = parse_matrix(SYNTHETIC + f"ab: {ab}\n", "t.yaml", env={})
     staged, fused = (c for c in expand(matrix) if c.mtp == mtp and c.server == 1)
     store = RunStore.create(tmp_path, "r")
     store.write_records(staged.slug, "greedy", [rec(0, [1, 2]), rec(1, [3, 4])])
     store.write_records(fused.slug, "greedy", [rec(0, [1, 2]), rec(1, [3, 5])])
-    check = token_checks(fused, matrix, store, {"greedy": {}})["greedy"]
+    check = token_checks(fused, matrix, store, {"greedy": {}}, reseeded=reseeded)["greedy"]
     assert check["verdict"] == verdict and check["reference"] == staged.case_id
     if verdict == tokens.NOT_COMPARED:
         assert check["why"] == tokens.SYNTHETIC_IN_SWITCH
@@ -179,6 +182,7 @@ def test_synthetic_acceptance_on_a_switch_server_is_not_compared(tmp_path: Path,
 
 def test_not_compared_needs_mtp_synthetic_acceptance_and_a_switch_server():
     assert tokens.not_compared(mtp=1, mtp_acceptance=0.7, switch=True) == tokens.SYNTHETIC_IN_SWITCH
+    assert tokens.not_compared(mtp=1, mtp_acceptance=0.7, switch=True, reseeded=True) is None
     assert tokens.not_compared(mtp=1, mtp_acceptance=0.7, switch=False) is None
     assert tokens.not_compared(mtp=1, mtp_acceptance=None, switch=True) is None
     assert tokens.not_compared(mtp=0, mtp_acceptance=None, switch=True) is None
