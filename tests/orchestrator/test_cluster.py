@@ -52,7 +52,10 @@ MARK = uuid.uuid4().hex
 NODES = ("127.0.0.2", "127.0.0.3")
 CASE = "tiny-mla/tp1-dcp1-mtp0/{}"
 OBJECT_STORE = 80 * 1024 * 1024  # Ray's floor is ~75 MiB; servers need the memory
-REQUESTS = 4  # ctx0's requests, one at a time (the driver sends the next when one has ended)
+# ctx0's requests, one at a time (the driver sends the next when one has ended). Eight, not
+# four: on a loaded 2-core machine the driver once saw the first request's log line only
+# after all four had been served, and the node was then not lost mid-case.
+REQUESTS = 8
 # vLLM's engine core says so once it has its front-end's addresses; from then on it outlives
 # its API server (Ray takes that along with the dead driver's actor) and is what is left over.
 ENGINE_CORE = re.compile(r"\(EngineCore pid=(\d+)\) .*Initializing a V1 LLM engine")

@@ -6,8 +6,8 @@ neither the reports nor the record of what they first said can drift from the da
 table of changed verdicts in docs/statistics.md is generated from both
 (benchmarks/scripts/ab_verdicts.py; tests/benchmarks/test_results.py keeps it current).
 
-Student's t is taken from closed forms (1 and 2 df) and printed tables (3 df), not from
-orchestrator.analysis.stats.
+Student's t is taken from closed forms (1 and 2 df) and printed tables (3 and 5 df), not
+from orchestrator.analysis.stats.
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ from orchestrator.analysis.stats import MeanEstimate, ratio_interval
 REPO = Path(__file__).resolve().parents[2]
 VALIDATION = REPO / "docs" / "validation"
 # Two-sided 95 % (0.975) and 80 % power (0.8) quantiles: tan(pi (p - 1/2)) at 1 df,
-# (2p - 1) sqrt(2 / (4p(1 - p))) at 2 df, the printed tables at 3 df.
-T975 = {1: math.tan(0.475 * math.pi), 2: 0.95 * math.sqrt(2 / 0.0975), 3: 3.182446305}
-T80 = {1: math.tan(0.3 * math.pi), 2: 0.6 * math.sqrt(2 / 0.64), 3: 0.978472312}
+# (2p - 1) sqrt(2 / (4p(1 - p))) at 2 df, the printed tables at 3 and 5 df (six rounds).
+T975 = {
+    1: math.tan(0.475 * math.pi),
+    2: 0.95 * math.sqrt(2 / 0.0975),
+    3: 3.182446305,
+    5: 2.570581836,
+}
+T80 = {1: math.tan(0.3 * math.pi), 2: 0.6 * math.sqrt(2 / 0.64), 3: 0.978472312, 5: 0.919543780}
 OF_BLOCK = {
     "output_tok_s": lambda r: r.get("aggregate_tok_s"),
     "tpot_p50_ms": lambda r: (r.get("tpot_ms") or {}).get("p50"),
@@ -36,14 +41,18 @@ OF_BLOCK = {
 
 
 def _two_sided_p(t: float, df: int) -> float:
-    """P(|T| > |t|) in closed form for 1, 2 and 3 df."""
+    """P(|T| > |t|) in closed form for 1, 2, 3 and 5 df."""
     t = abs(t)
     if df == 1:
         return 1 - 2 / math.pi * math.atan(t)
     if df == 2:
         return 1 - t / math.sqrt(2 + t * t)
-    u = t / math.sqrt(3)
-    return 1 - 2 / math.pi * (math.atan(u) + u / (1 + u * u))
+    # Odd df: with u = t / sqrt(df), theta + sin(theta) cos(theta) (1 + 2/3 cos^2 ... ).
+    u = t / math.sqrt(df)
+    c2 = 1 / (1 + u * u)
+    series = 1.0 if df == 3 else 1 + 2 / 3 * c2
+    assert df in (3, 5), df
+    return 1 - 2 / math.pi * (math.atan(u) + u * c2 * series)
 
 
 def _load_verdicts():
@@ -145,8 +154,15 @@ def _holm(ps: list[float]) -> list[float]:
     return out
 
 
+def _born_paired(run: str) -> bool:
+    """A run first judged with the paired method: measured on 2026-12-06 or later."""
+    return min(r["started_at"] for r in _rows(run).values()) >= "2026-12-06"
+
+
 def test_the_committed_ab_runs_are_found():
-    assert len(REPORTS) == 11
+    # Eleven runs re-judged on 2026-12-06, two judged paired from the start.
+    assert len(REPORTS) == 13
+    assert sum(map(_born_paired, REPORTS)) == 2
     assert {r["ab"]["matrix"]["mode"] for r in REPORTS.values()} == {"switch"}
 
 
@@ -193,7 +209,9 @@ def test_the_first_verdicts_are_the_unpaired_method_of_the_day():
     """Each recorded verdict is Fieller's interval over the two variants' blocks, taken as
     independent units, and the interval rule of the day (no Holm, no pairing)."""
     first = verdicts.first_verdicts()
-    assert len(first) == sum(len(r["ab"]["results"]) for r in REPORTS.values())
+    rejudged = {run for run in REPORTS if not _born_paired(run)}
+    assert {old["run"] for old in first} == rejudged
+    assert len(first) == sum(len(REPORTS[run]["ab"]["results"]) for run in rejudged)
     for old in first:
         rows = _rows(old["run"])
         sides = [
