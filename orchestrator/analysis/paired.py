@@ -17,10 +17,11 @@ a third of one.
 
 Under vLLM's synthetic MTP acceptance the draft tokens a step keeps are drawn from the GPU's
 random stream, at points fixed by where a block sits in the server's life, not by its path:
-the two blocks of a round see different draws, and the acceptance they see moves their
-throughput by more than the kernel does. `acceptance_adjustment` takes that out: the path
-cannot change synthetic acceptance, so the rounds' log ratios are judged at equal acceptance
-(docs/statistics.md, "MTP acceptance").
+unless the server reseeds its workers per round (orchestrator.execution.switch does since
+2026-12-06), the two blocks of a round see different draws, and the acceptance they see moves
+their throughput by more than the kernel does. `acceptance_adjustment` takes that out: the
+path cannot change synthetic acceptance, so the rounds' log ratios are judged at equal
+acceptance (docs/statistics.md, "MTP acceptance").
 """
 
 from __future__ import annotations

@@ -203,24 +203,21 @@ def log_change_interval(
 ) -> Interval | None:
     """Student's t interval of the mean of `logs` (log ratios), as a percent change:
     100 (exp(x) - 1) of the estimate and of each bound. None with fewer than two."""
-    n = len(logs)
-    if n < 2:
+    iv = t_interval(logs, confidence)
+    if iv is None:
         return None
-    mean = statistics.fmean(logs)
-    se = statistics.stdev(logs) / math.sqrt(n)
-    half = t_quantile(0.5 + confidence / 2.0, n - 1) * se
 
     def pct(x: float) -> float:
         return 100.0 * math.expm1(x)
 
     return Interval(
-        pct(mean),
-        pct(mean - half),
-        pct(mean + half),
+        pct(iv.estimate),
+        pct(iv.low),
+        pct(iv.high),
         confidence,
-        f"{label}, {n - 1} df",
-        n - 1,
-        _two_sided_p(mean, se, n - 1),
+        f"{label}, {iv.df} df",
+        iv.df,
+        iv.p_value,
     )
 
 

@@ -48,10 +48,10 @@ def _two_sided_p(t: float, df: int) -> float:
     if df == 2:
         return 1 - t / math.sqrt(2 + t * t)
     # Odd df: with u = t / sqrt(df), theta + sin(theta) cos(theta) (1 + 2/3 cos^2 ... ).
+    assert df in (3, 5), df
     u = t / math.sqrt(df)
     c2 = 1 / (1 + u * u)
     series = 1.0 if df == 3 else 1 + 2 / 3 * c2
-    assert df in (3, 5), df
     return 1 - 2 / math.pi * (math.atan(u) + u * c2 * series)
 
 
