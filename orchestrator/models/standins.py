@@ -7,6 +7,9 @@ tensor parallelism ``standin_tp``, so a TP8, TP6 or TP4 topology can be measured
 
 - ``glm5``: dense MLA (``DeepseekV3ForCausalLM``, no ``index_topk``): vLLM's ``MLAAttention``
   decode path, the one the fusedq plugin hooks today.
+- ``glm5-dense``: ``glm5`` with a dense MLP of one rank's width in every layer (the MTP
+  layer's too) and no experts: a decode step with no simulated routing in it, whose time
+  moves less from step to step, for attributing a step's time between two paths.
 - ``glm5-dsa``: GLM-5's own architecture (``GlmMoeDsaForCausalLM``) with its DSA indexer
   (``index_topk`` 2048, 32 indexer heads of 128): vLLM 0.26 takes its sparse-MLA path
   (``FLASH_ATTN_MLA_SPARSE`` on sm_90) whenever the config has ``index_topk``.
@@ -112,12 +115,21 @@ STANDINS: dict[str, dict[str, Any]] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "dsa": False,
+        "dense": False,
         "summary": "dense MLA (no DSA indexer): vLLM's MLAAttention decode path",
+    },
+    "glm5-dense": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "dsa": False,
+        "dense": True,
+        "summary": "dense MLA with a dense MLP in every layer (no experts, no routing)",
     },
     "glm5-dsa": {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "model_type": "glm_moe_dsa",
         "dsa": True,
+        "dense": False,
         "summary": "GLM-5's DSA sparse attention (index_topk 2048): vLLM's sparse-MLA path",
     },
 }
@@ -190,9 +202,17 @@ def _attention_params(heads: int, dsa: bool) -> int:
     return params
 
 
-def weight_bytes(*, standin_tp: int, layers: int, experts: int, dsa: bool, mtp: bool = True) -> int:
+def weight_bytes(
+    *,
+    standin_tp: int,
+    layers: int,
+    experts: int,
+    dsa: bool,
+    mtp: bool = True,
+    dense: bool = False,
+) -> int:
     """Bytes of bf16 weights vLLM allocates for the stand-in (the MTP layer included): what
-    decides whether it fits one GPU."""
+    decides whether it fits one GPU. `dense`: every layer's MLP is the dense one."""
     g = GLM5
     hidden, vocab = g["hidden_size"], g["vocab_size"]
     heads = heads_per_rank(standin_tp)
@@ -200,12 +220,14 @@ def weight_bytes(*, standin_tp: int, layers: int, experts: int, dsa: bool, mtp: 
     expert = 3 * hidden * per_rank(g["moe_intermediate_size"], standin_tp)
     moe = hidden * experts + experts + expert * (experts + g["n_shared_experts"])
     attn = _attention_params(heads, dsa)
-    dense_layers = min(g["first_k_dense_replace"], layers)
+    dense_layers = layers if dense else min(g["first_k_dense_replace"], layers)
     params = 2 * vocab * hidden + hidden  # embedding, lm_head, final norm
     params += layers * attn + dense_layers * dense_mlp + (layers - dense_layers) * moe
     if mtp:
-        # vLLM's DeepSeekMTP layer: its own embedding and head, eh_proj, norms, a MoE layer.
-        params += 2 * vocab * hidden + 2 * hidden * hidden + 3 * hidden + attn + moe
+        # vLLM's DeepSeekMTP layer: its own embedding and head, eh_proj, norms, a MoE layer
+        # (a dense one in the dense stand-in).
+        params += 2 * vocab * hidden + 2 * hidden * hidden + 3 * hidden + attn
+        params += dense_mlp if dense else moe
     return params * BF16_BYTES
 
 
@@ -241,13 +263,19 @@ def config(
     layers = GLM5["num_hidden_layers"] if layers is None else layers
     if not 1 <= layers <= tinymodel.MAX_LAYERS:
         raise ValueError(f"layers={layers} is outside 1..{tinymodel.MAX_LAYERS}")
+    kind = STANDINS[name]
+    if kind["dense"] and experts is not None:
+        raise ValueError(f"experts={experts} is for MoE stand-ins; {name!r} has no experts")
+    if kind["dense"]:
+        # No layer builds its experts (first_k_dense_replace below); the key stays because
+        # vLLM's DeepSeek model reads it.
+        experts = EXPERT_STEP
     experts = experts_that_fit(standin_tp, layers) if experts is None else experts
     top_k, routed = GLM5["num_experts_per_tok"], GLM5["n_routed_experts"]
     if not top_k <= experts <= routed:
         raise ValueError(
             f"experts={experts} is outside {top_k}..{routed} (top-{top_k} of GLM-5's {routed})"
         )
-    kind = STANDINS[name]
     heads = heads_per_rank(standin_tp)
     keep = {k: v for k, v in GLM5.items() if kind["dsa"] or k not in DSA_KEYS}
     cfg: dict[str, Any] = {
@@ -276,6 +304,10 @@ def config(
     }
     if kind["dsa"]:
         cfg["indexer_rope_interleave"] = True
+    if kind["dense"]:
+        # Past the MTP layer's index (num_hidden_layers) too: vLLM builds a layer's MLP dense
+        # where its index is below first_k_dense_replace (deepseek_v2.py).
+        cfg["first_k_dense_replace"] = layers + 1
     return cfg
 
 
@@ -383,17 +415,24 @@ def describe(
             experts=c["n_routed_experts"],
             dsa=STANDINS[name]["dsa"],
             mtp=mtp,
+            dense=STANDINS[name]["dense"],
         )
         / 2**30
     )
     padded = " (padded)" if GLM5["num_attention_heads"] % standin_tp else ""
     mtp_text = f" + {c['num_nextn_predict_layers']} MTP" if c["num_nextn_predict_layers"] else ""
+    if STANDINS[name]["dense"]:
+        mlp = f"dense MLP {c['intermediate_size']} in every layer, no experts"
+    else:
+        mlp = (
+            f"dense MLP {c['intermediate_size']}, {c['n_routed_experts']} of "
+            f"{GLM5['n_routed_experts']} experts x {c['moe_intermediate_size']} (top-"
+            f"{c['num_experts_per_tok']} + {c['n_shared_experts']} shared), routing "
+            f"{ROUTING_STRATEGY}"
+        )
     return (
         f"one rank of GLM-5 at TP{standin_tp}, {STANDINS[name]['summary']}: "
         f"{c['num_attention_heads']} heads{padded}, {c['num_hidden_layers']} layers{mtp_text}, "
-        f"dense MLP {c['intermediate_size']}, {c['n_routed_experts']} of "
-        f"{GLM5['n_routed_experts']} experts x {c['moe_intermediate_size']} (top-"
-        f"{c['num_experts_per_tok']} + {c['n_shared_experts']} shared), vocab "
-        f"{c['vocab_size']}, ~{gib:.0f} GiB bf16 weights, served {weight_format} from "
-        f"--load-format dummy, routing {ROUTING_STRATEGY}"
+        f"{mlp}, vocab {c['vocab_size']}, ~{gib:.0f} GiB bf16 weights, served {weight_format} from "
+        f"--load-format dummy"
     )

@@ -64,7 +64,9 @@ def test_one_ranks_share(tp: int, heads: int, dense: int, expert: int) -> None:
         for key in ("hidden_size", "q_lora_rank", "kv_lora_rank", "vocab_size", "v_head_dim"):
             assert cfg[key] == standins.GLM5[key], key
         assert cfg["num_experts_per_tok"] == 8 and cfg["n_shared_experts"] == 1
-        assert cfg["first_k_dense_replace"] == 3 and cfg["num_nextn_predict_layers"] == 1
+        # The dense stand-in's MLP is dense in every layer, the MTP layer's (index 78) too.
+        first_moe = 79 if standins.STANDINS[name]["dense"] else 3
+        assert cfg["first_k_dense_replace"] == first_moe and cfg["num_nextn_predict_layers"] == 1
         assert cfg["n_routed_experts"] % 8 == 0
         # Every K dimension a rank multiplies over is a whole number of MXFP8 blocks.
         assert dense % 32 == 0 and expert % 32 == 0
@@ -102,17 +104,24 @@ def test_experts_are_the_most_that_fit_the_budget(tp: int) -> None:
 def test_weight_bytes_counts_the_model_transformers_builds(name: str) -> None:
     """The fit rule's byte count against the parameters of the same config built by
     transformers on the meta device (no memory): 3 dense + 2 MoE layers, no MTP layer
-    (transformers has no MTP module)."""
+    (transformers has no MTP module); the dense stand-in's 5 layers all dense."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    cfg = standins.config(name, standin_tp=4, layers=5, experts=16, mtp=False)
+    kind = standins.STANDINS[name]
+    experts = None if kind["dense"] else 16
+    cfg = standins.config(name, standin_tp=4, layers=5, experts=experts, mtp=False)
     config_cls = transformers.AutoConfig.for_model(cfg["model_type"]).__class__
     hf = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"})
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf)
     params = sum(p.numel() for p in model.parameters())
     ours = standins.weight_bytes(
-        standin_tp=4, layers=5, experts=16, dsa=standins.STANDINS[name]["dsa"], mtp=False
+        standin_tp=4,
+        layers=5,
+        experts=cfg["n_routed_experts"],
+        dsa=kind["dsa"],
+        mtp=False,
+        dense=kind["dense"],
     )
     assert ours / standins.BF16_BYTES == pytest.approx(params, rel=1e-3)
 
@@ -126,6 +135,8 @@ def test_bad_sizes_are_refused_with_the_value() -> None:
         standins.standin_tp_for_heads(12)
     with pytest.raises(ValueError, match="unknown stand-in"):
         standins.config("glm6", standin_tp=4)
+    with pytest.raises(ValueError, match="experts=32 is for MoE stand-ins"):
+        standins.config("glm5-dense", standin_tp=4, experts=32)
 
 
 @pytest.fixture(scope="module")
