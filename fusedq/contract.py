@@ -39,6 +39,9 @@ class Geometry:
 
 # GLM-5 (and GLM-4.7-Flash): 192 nope dims, 64 RoPE, a 512-wide latent, 256 value dims.
 GLM5 = Geometry("glm5", qk_nope=192, qk_rope=64, kv_lora=512, v_head=256)
+# DeepSeek-V3 / R1 / V3.2, Kimi-K2 and Mistral Large 3 (DeepseekV3ForCausalLM): 128 nope dims,
+# 64 RoPE, a 512-wide latent, 128 value dims (transformers' DeepseekV3Config defaults).
+DEEPSEEK_V3 = Geometry("deepseek-v3", qk_nope=128, qk_rope=64, kv_lora=512, v_head=128)
 # The geometries the kernels are built and qualified for; a layer of any other is refused,
 # naming its geometry (fusedq.capability, the plugin's layer plan).
 GEOMETRIES = (GLM5,)
