@@ -604,6 +604,71 @@ def ab_runs(rows: list[Row], doc: Path, root: Path | None = None) -> str:
     )
 
 
+EVIDENCE_HEADER = [
+    "run",
+    "topology",
+    "workload",
+    "traced steps",
+    "query step µs/step",
+    "other families changed (µs/step)",
+    "whole step µs/step (95 %)",
+    "TPOT µs/token (95 %)",
+    "agree",
+]
+
+
+def _us(value: float, interval: list[float] | None = None) -> str:
+    text = _minus(f"{value:+.1f}")
+    if interval:
+        lo, hi = (_minus(f"{v:+.1f}") for v in interval)
+        text += f" ({lo} … {hi})"
+    return text
+
+
+def evidence_runs(rows: list[Row], doc: Path, root: Path | None = None) -> str:
+    """The evidence chain of every committed A/B run whose report has the whole step by
+    kernel family: the profile's prediction beside the measured TPOT change."""
+    lines = []
+    for folder, report in ab_runs_found(root or VALIDATION):
+        for ev in report["ab"].get("evidence") or []:
+            steps = ev.get("steps")
+            if not steps:
+                continue
+            fams = {f["family"]: f for f in steps["families"]}
+            others = [
+                f"{f['family']} {_us(f['change_us'])}"
+                for f in steps["families"]
+                if f["changed"] and f["family"] != "query"
+            ]
+            total = steps["total"]
+            lines.append(
+                [
+                    _link(_rel(folder / "report.md"), doc, folder.name),
+                    f"`{ev['topology_id']}`",
+                    ev["workload"],
+                    str(steps["steps"]),
+                    _us(fams["query"]["change_us"], fams["query"]["interval_us"]),
+                    ", ".join(others) or "none",
+                    _us(total["change_us"], total["interval_us"]),
+                    _us(ev["measured_us_per_token"], ev["measured_interval_us"]),
+                    "yes" if ev["agrees"] else "no",
+                ]
+            )
+    if not lines:
+        raise TableError("no committed A/B report has the whole step by kernel family")
+    return "\n".join(
+        [
+            "Every committed A/B run whose report has the whole step by kernel family, from its "
+            "`report.json` (`ab.evidence`): the families' changes per model step over the traced "
+            "steps with Student's t interval, beside the TPOT mean's change with its interval "
+            "over rounds; they agree when their difference lies within the two half-widths "
+            "facing each other, added in quadrature (docs/statistics.md).",
+            "",
+            _table(EVIDENCE_HEADER, lines),
+        ]
+    )
+
+
 def ab_rejudged(rows: list[Row], doc: Path) -> str:
     """The committed A/B verdicts that changed with the paired analysis, old -> new
     (benchmarks/scripts/ab_verdicts.py, a sibling script)."""
@@ -627,6 +692,7 @@ TABLES: dict[str, Callable[[list[Row], Path], str]] = {
     "vllm-all": vllm_all,
     "ab-runs": ab_runs,
     "ab-rejudged": ab_rejudged,
+    "evidence-runs": evidence_runs,
 }
 
 

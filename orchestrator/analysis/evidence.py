@@ -5,11 +5,12 @@ It is the seeds' chain (a kernel table, then a trace, then an end-to-end figure)
 figure is the whole step's: every kernel family's change per model step, summed
 (orchestrator.analysis.step_compare), with its own interval over the traced steps; the query
 step alone (its per-layer saving x the query steps of a model step) is stated beside it.
-Judging on the query step alone misses what else the path moved: on a dense 78-layer
-stand-in (H200, 2026-12-03, traces not committed) the TPOT moved by -72.5 µs against the
-query step's -49.3 µs, because FlashAttention's kernels also ran faster on the fused path's
-query layout, and the whole step's GPU time moved by -74 µs. A chain that holds says the end-to-end change is the
-GPU's; one that does not says something else moved (the host, a graph re-capture).
+Judging on the query step alone misses what else the path moved: on the dense stand-in
+(builtin:glm5-dense, docs/validation/h100-2026-12-06/glm5-dense-profile) ctx0's TPOT moved by
+-59.1 µs against the query step's -49.3 µs, because FlashAttention's kernels also ran faster
+on the fused path's query layout, and the whole step's GPU time moved by -65.6 µs. A chain
+that holds says the end-to-end change is the GPU's; one that does not says something else
+moved (the host, a graph re-capture).
 
 The two agree when their difference lies within the two intervals' half-widths added in
 quadrature (each on the side facing the other figure); a profile without step figures (a

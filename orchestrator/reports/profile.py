@@ -145,8 +145,11 @@ class ProfilePair:
         return f"query path found: {one(self.base)} vs {one(self.cand)}"
 
     def identity(self) -> str:
-        """The seeds' check: the events removed are exactly layers x steps (one launch fewer
-        per layer and step), stated as holding or not, with what was counted."""
+        """The seeds' check, for the baseline the traces show: the events removed are exactly
+        the query step's own (staged's query-step events minus the fused ones), so nothing
+        else gained or lost a launch. Against a staged bmm + cat that is layers x steps (one
+        launch fewer per layer and step); against the bmm alone it is 0 (one kernel replaced
+        by one)."""
         b = Spread.of([t.work_events for t in self.base.traces])
         c = Spread.of([t.work_events for t in self.cand.traces])
         if b is None or c is None:
@@ -159,12 +162,16 @@ class ProfilePair:
                 f"Removed events: {removed:+,.1f} per rank; the model's layer count is not "
                 "known, so layers x steps is not checked."
             )
-        expected = layers * steps
-        holds = removed == expected
-        verdict = "holds" if holds else "does not hold"
+        qb = statistics.fmean(t.query.events for t in self.base.traces)
+        qc = statistics.fmean(t.query.events for t in self.cand.traces)
+        expected = qb - qc
+        per_step = expected / (layers * steps) if layers * steps else 0.0
+        verdict = "holds" if removed == expected else "does not hold"
         return (
-            f"Removed events: {removed:,.1f} per rank (mean over ranks); layers x steps = "
-            f"{layers} x {steps} = {expected}: the identity {verdict}."
+            f"Removed events: {removed:,.1f} per rank (mean over ranks); the query step's own "
+            f"{qb:,.0f} -> {qc:,.0f}, {per_step:g} a layer and step over layers x steps = "
+            f"{layers} x {steps} = {layers * steps}: {expected:,.0f} expected, the identity "
+            f"{verdict}."
         )
 
     def _steps_seen(self) -> int | None:

@@ -300,15 +300,23 @@ def test_paired_table_identity_and_sync(tmp_path):
                                                 "-37.80%")  # fmt: skip
     assert rows["CUDA kernel events, 4 steps"] == ("136", "124", "-12")
     assert "removed events" not in rows
-    assert "3 x 4 = 12: the identity holds" in pair.identity()
+    assert pair.identity() == (
+        "Removed events: 12.0 per rank (mean over ranks); the query step's own 24 -> 12, 1 a "
+        "layer and step over layers x steps = 3 x 4 = 12: 12 expected, the identity holds."
+    )
     assert pair.sync() == (
         "No extra synchronisation: both traces contain 12 cudaStreamWaitEvent, 8 event "
         "records, 4 graph launches, 1 synchronizing calls per rank."
     )
     _, body = pair.per_rank()
     assert [r[0] for r in body] == ["0", "1"] and body[1][1] == "4.200"
-    wrong = ProfilePair("t", "a", "b", pair.base, pair.base)
-    assert "does not hold" in wrong.identity()
+    # A candidate that also lost a launch outside the query step breaks the identity.
+    lost = [t.model_copy(update={"work_events": t.work_events - 1}) for t in pair.cand.traces]
+    wrong = ProfilePair("t", "a", "b", pair.base, pair.cand.model_copy(update={"traces": lost}))
+    assert "13.0 per rank" in wrong.identity() and "the identity does not hold" in wrong.identity()
+    # One kernel replaced by one (the bmm alone against the fused kernel): 0 expected.
+    same = ProfilePair("t", "a", "b", pair.base, pair.base)
+    assert "0 expected, the identity holds" in same.identity()
 
 
 def test_spread_text():
