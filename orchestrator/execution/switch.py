@@ -20,6 +20,11 @@ block of each variant sends the same prompts (so ``same_tokens`` compares them r
 request), which is why the server runs without prefix caching: the second block of a round
 would otherwise find the first's prompts cached.
 
+Under a stopping rule (``ab.target_half_width_pct``, orchestrator.analysis.sequential) the
+unit's schedule is the worst case, ``ab.max_blocks`` rounds; after ``ab.blocks`` rounds and
+every two after, the server looks at the primary figure's interval and may stop there, and
+the rows record the blocks that ran.
+
 Each variant gets its own result row (same schema as a server of its own: the blocks are
 its repeats, its records in its own case directory), so reports, compare and nightly read a
 switch-mode run like any other; the rows share the server's log, audit and start-up, which
@@ -159,8 +164,9 @@ class SwitchBlocks:
         self.spec_decode: dict[str, dict[str, list[SpecDecodeCounters | None]]] = {
             n: {} for n in self.by_variant
         }
-        # Synthetic acceptance: the seed each variant's blocks started from (the round's).
+        # ab.target_half_width_pct: the server may stop its rounds at a look.
         self.rule = StoppingRule.of(ab.model_dump(mode="json"))
+        # Synthetic acceptance: the seed each variant's blocks started from (the round's).
         synthetic = unit.server.mtp_acceptance is not None
         self.seeds: dict[str, list[int]] | None = (
             {n: [] for n in self.by_variant} if synthetic else None
