@@ -41,6 +41,7 @@ from orchestrator.analysis.paired import (
     Adjustment,
     acceptance_adjustment,
 )
+from orchestrator.analysis.sequential import StoppingRule
 from orchestrator.analysis.stats import (
     CONFIDENCE,
     POWER,
@@ -116,7 +117,10 @@ def verdict(interval: Interval | None, higher_is_better: bool, holm_p: float | N
         return FASTER if up == higher_is_better else SLOWER
     text = f"no change detectable at ±{interval.half_width:.2f}%"
     if past and holm_p is not None:
-        text += f" after Holm (p {interval.p_value:.3f}, adjusted {holm_p:.3f})"
+        text += f" after Holm (p {interval.p_value:.3f}, adjusted {holm_p:.3f}"
+        level = 1.0 - interval.confidence
+        # A stopping rule's per-look level: the adjusted p must clear it, not 0.05.
+        text += ")" if abs(level - (1.0 - CONFIDENCE)) < 1e-12 else f" against {level:.4f})"
     return text
 
 
@@ -298,11 +302,7 @@ def paired_units(
             return ROUNDS, []
         b_blocks = [metric.of_block(x) for x in b_rows[0].workloads[workload].repeats]
         c_blocks = [metric.of_block(x) for x in c_rows[0].workloads[workload].repeats]
-        return ROUNDS, [
-            (k, float(b), float(c))
-            for k, (b, c) in enumerate(zip(b_blocks, c_blocks, strict=False))
-            if b is not None and c is not None
-        ]
+        return ROUNDS, round_pairs(b_blocks, c_blocks)
     c_by = {r.ab_server: r for r in c_rows}
     out = []
     for r in b_rows:
@@ -315,6 +315,18 @@ def paired_units(
     return PAIRED_SERVERS, out
 
 
+def round_pairs(
+    base: Sequence[float | None], cand: Sequence[float | None]
+) -> list[tuple[int, float, float]]:
+    """One server's rounds as pairs (round from 0, baseline, candidate), from each variant's
+    block figures in order; a round without both figures is left out."""
+    return [
+        (k, float(b), float(c))
+        for k, (b, c) in enumerate(zip(base, cand, strict=False))
+        if b is not None and c is not None
+    ]
+
+
 def judge_units(
     topology_id: str,
     workload: tuple[str, str],
@@ -323,10 +335,12 @@ def judge_units(
     cand: Side,
     *,
     paired_by: bool = False,
+    rule: StoppingRule | None = None,
 ) -> ABResult:
     """The A/B of one figure: `workload` is (name, report column), `base` and `cand` are
     (variant, its rows of this topology); `paired_by`: the rows are switch mode's, whose
-    variants share servers and so pair (else the units are independent server starts)."""
+    variants share servers and so pair (else the units are independent server starts);
+    `rule`: the stopping rule they ran under, whose looks the interval pays for."""
     unit, b_values = unit_values(base[1], workload[0], metric)
     _, c_values = unit_values(cand[1], workload[0], metric)
 
@@ -336,7 +350,7 @@ def judge_units(
 
     b, c = figure(base[0], base[1], b_values), figure(cand[0], cand[1], c_values)
     if paired_by:
-        return _judge_pairs(topology_id, workload, metric, base, cand, (b, c))
+        return _judge_pairs(topology_id, workload, metric, base, cand, (b, c), rule)
     interval, why = None, ""
     if b.estimate is None or c.estimate is None:
         short = b if b.estimate is None else c
@@ -357,8 +371,12 @@ def _judge_pairs(
     base: Side,
     cand: Side,
     figures: tuple[VariantFigure, VariantFigure],
+    rule: StoppingRule | None = None,
 ) -> ABResult:
     unit, pairs = paired_units(base[1], cand[1], workload[0], metric)
+    # Under the stopping rule every figure is read at the look the run stopped at: each at
+    # the per-look level, which makes it a 95 % interval whatever look that was.
+    confidence = CONFIDENCE if rule is None else rule.confidence
     found = tuple((b, c) for _, b, c in pairs)
     interval, why, adjustment = None, "", None
     if len(pairs) < 2:
@@ -366,7 +384,10 @@ def _judge_pairs(
     elif min(v for p in found for v in p) <= 0:
         why = "a unit measured 0"
     else:
-        interval = paired_ratio_interval([p[0] for p in found], [p[1] for p in found])
+        interval = _per_look(
+            paired_ratio_interval([p[0] for p in found], [p[1] for p in found], confidence),
+            rule,
+        )
         if unit == ROUNDS:
             b_row, c_row = base[1][0], cand[1][0]
             adjustment = acceptance_adjustment(
@@ -375,10 +396,21 @@ def _judge_pairs(
                 c_row.workloads[workload[0]],
                 b_row.mtp,
                 metric.moves_as,
+                confidence,
             )
+            if adjustment is not None and adjustment.interval is not None:
+                per_look = _per_look(adjustment.interval, rule)
+                adjustment = dataclasses.replace(adjustment, interval=per_look)
     return ABResult(
         topology_id, *workload, metric, unit, *figures, interval, why, found, adjustment
     )
+
+
+def _per_look(interval: Interval | None, rule: StoppingRule | None) -> Interval | None:
+    """`interval`, its method naming the looks it pays for under a stopping rule."""
+    if interval is None or rule is None:
+        return interval
+    return dataclasses.replace(interval, method=f"{interval.method}, {rule.method}")
 
 
 def primary_of(run: Run) -> tuple[str | None, str]:
@@ -416,6 +448,7 @@ def ab_results(run: Run) -> list[ABResult]:
     base = run.variants[0]
     switch = ab.get("mode", "restarts") == "switch"
     primary = primary_of(run)
+    rule = StoppingRule.of(ab)
     topologies = list(dict.fromkeys(t for t, _ in groups))
     out = []
     for topo in topologies:
@@ -432,6 +465,7 @@ def ab_results(run: Run) -> list[ABResult]:
                     (base, groups[(topo, base)]),
                     (cand, groups[(topo, cand)]),
                     paired_by=switch,
+                    rule=rule,
                 )
                 for workload in run.columns
                 for metric in AB_METRICS

@@ -32,7 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.analysis.stats import Interval, Slope, fitted_slope, log_change_interval
+from orchestrator.analysis.stats import (
+    CONFIDENCE,
+    Interval,
+    Slope,
+    fitted_slope,
+    log_change_interval,
+)
 from orchestrator.results.rows import Repeat, WorkloadSummary
 
 ROUNDS, PAIRED_SERVERS = "rounds", "server starts, paired"
@@ -135,6 +141,7 @@ def acceptance_adjustment(
     cand: WorkloadSummary,
     mtp: int,
     moves_as: str,
+    confidence: float = CONFIDENCE,
 ) -> Adjustment | None:
     """The figure's paired `rounds` ((round index from 0, baseline, candidate)) judged at
     equal MTP acceptance; None where neither workload read the spec-decode counters.
@@ -144,7 +151,8 @@ def acceptance_adjustment(
     change at equal acceptance, e the figure's elasticity to L (`moves_as`: DECODE_SHARE, the
     round's mean decode share, for tok/s; PER_TOKEN, -1, for a TPOT). Adjusted only under
     synthetic acceptance, which the path cannot change: a real draft's acceptance may move
-    with the kernel's numerics, and that would be part of the change."""
+    with the kernel's numerics, and that would be part of the change. `confidence`: the
+    adjusted interval's (a stopping rule's per-look level)."""
     if base.spec_decode is None or cand.spec_decode is None:
         return None
     rates_b, rates_c = _block_rates(base), _block_rates(cand)
@@ -177,7 +185,9 @@ def acceptance_adjustment(
         seen.candidate_rate,
         True,
         statistics.fmean(es),
-        log_change_interval(adjusted, label="paired t on log ratios at equal MTP acceptance"),
+        log_change_interval(
+            adjusted, confidence, label="paired t on log ratios at equal MTP acceptance"
+        ),
         fitted_slope(xs, logs),
     )
 

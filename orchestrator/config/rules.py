@@ -13,7 +13,7 @@ from orchestrator.config.context import context_bound
 from orchestrator.config.errors import MatrixError
 from orchestrator.config.expand import Case, expand
 from orchestrator.config.owned_flags import PROFILE_OWNED, owned_flag
-from orchestrator.config.schema import SWITCH_FLAGS, SWITCH_SERVER_VARIANT, Matrix
+from orchestrator.config.schema import SWITCH_FLAGS, SWITCH_SERVER_VARIANT, ABSpec, Matrix
 
 
 def _dups(names: Iterable[str]) -> list[str]:
@@ -239,6 +239,7 @@ def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
                 "far two servers of one configuration differ",
             )  # fmt: skip
         switch_only = {"blocks", "order", "first", "serve_as", "paths", "extension"}
+        switch_only |= {"target_half_width_pct", "max_blocks"}
         extra = sorted(ab.model_fields_set & switch_only)
         if extra:
             raise MatrixError(source, f"ab.{extra[0]}", "is for mode: switch")
@@ -252,6 +253,7 @@ def _check_ab(m: Matrix, cases: Sequence[Case], source: str) -> None:
         if key not in names:
             raise MatrixError(source, "ab", f"names variant {key!r}; the variants are {names}")
     _check_balance(ab.blocks, ab.order, source)
+    _check_stopping(ab, source)
     for i, w in enumerate(m.workloads):
         if w.repeats != 1:
             raise MatrixError(
@@ -285,6 +287,49 @@ def _check_balance(blocks: int, order: str, source: str) -> None:
         f"mean position, which needs an even number of blocks per variant; use {blocks - 1} "
         f"or {blocks + 1} (or order: alternate, which is not drift-balanced)",
     )  # fmt: skip
+
+
+def _check_stopping(ab: ABSpec, source: str) -> None:
+    """The sequential stopping rule (orchestrator.analysis.sequential) looks after `blocks`
+    rounds and every two after, up to `max_blocks`: its looks must be fixed before the run
+    (the interval pays for each), and two rounds at a time keep the schedule drift-balanced
+    (the next pair of Thue-Morse rounds mirror each other)."""
+    target, cap = ab.target_half_width_pct, ab.max_blocks
+    if target is None and cap is None:
+        return
+    if target is None:
+        raise MatrixError(
+            source, f"ab.max_blocks={cap}",
+            "does nothing without ab.target_half_width_pct (the half-width to stop at); "
+            "set both, or neither",
+        )  # fmt: skip
+    if cap is None:
+        raise MatrixError(
+            source, f"ab.target_half_width_pct={target:g}",
+            "needs ab.max_blocks: the most rounds the stopping rule may run (the looks it "
+            "pays for in the interval are counted up to it)",
+        )  # fmt: skip
+    if cap < ab.blocks:
+        raise MatrixError(
+            source, f"ab.max_blocks={cap}",
+            f"is below ab.blocks={ab.blocks}: the rule first looks after ab.blocks rounds",
+        )  # fmt: skip
+    pairs = (
+        "the rule adds rounds two at a time, a round and its mirror, which keeps the blocks "
+        "drift-balanced at every look"
+    )
+    for key, value in (("max_blocks", cap), ("blocks", ab.blocks)):
+        if value % 2:
+            raise MatrixError(
+                source, f"ab.{key}={value}",
+                f"must be even under the stopping rule: {pairs}; use {value - 1} or {value + 1}",
+            )  # fmt: skip
+    if ab.server_count != 1:
+        raise MatrixError(
+            source, f"ab.servers={ab.server_count}",
+            "the stopping rule needs one switch server per topology: with two or more the "
+            "interval is over servers, which the rounds' rule does not bound",
+        )  # fmt: skip
 
 
 def _profiler_flag(arg: str) -> bool:

@@ -165,6 +165,28 @@ class ABSpec(Strict):
         default_factory=ABPrimary,
         description="The figure each topology is judged on (the others are secondary).",
     )
+    target_half_width_pct: float | None = Field(
+        None,
+        gt=0,
+        description="switch: after `blocks` rounds, add rounds two at a time until the primary "
+        "figure's interval (adjusted for the looks: orchestrator.analysis.sequential) is within "
+        "+-this many percent, or `max_blocks` rounds have run.",
+    )
+    max_blocks: int | None = Field(
+        None,
+        ge=2,
+        le=1000,
+        description="switch: the most rounds the stopping rule may run (even, >= blocks).",
+    )
+
+    @property
+    def worst_case_blocks(self) -> int:
+        """The rounds a switch server runs at most: `max_blocks` under the stopping rule."""
+        return (
+            self.max_blocks
+            if self.target_half_width_pct is not None and self.max_blocks
+            else self.blocks
+        )
 
     @property
     def server_count(self) -> int:

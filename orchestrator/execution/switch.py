@@ -20,6 +20,11 @@ block of each variant sends the same prompts (so ``same_tokens`` compares them r
 request), which is why the server runs without prefix caching: the second block of a round
 would otherwise find the first's prompts cached.
 
+Under a stopping rule (``ab.target_half_width_pct``, orchestrator.analysis.sequential) the
+unit's schedule is the worst case, ``ab.max_blocks`` rounds; after ``ab.blocks`` rounds and
+every two after, the server looks at the primary figure's interval and may stop there, and
+the rows record the blocks that ran.
+
 Each variant gets its own result row (same schema as a server of its own: the blocks are
 its repeats, its records in its own case directory), so reports, compare and nightly read a
 switch-mode run like any other; the rows share the server's log, audit and start-up, which
@@ -38,10 +43,12 @@ import math
 import time
 from typing import Any
 
+from orchestrator.analysis.ab import AB_METRICS, round_pairs
+from orchestrator.analysis.sequential import CAP, LOOK_STEP, TARGET, StoppingRule
 from orchestrator.client import tokens
 from orchestrator.client.metrics import mean_of_repeats
 from orchestrator.client.workload import WorkloadResult
-from orchestrator.config.schema import Matrix
+from orchestrator.config.schema import Matrix, primary_workload
 from orchestrator.engines import Engine, WorkerAnswers, WorkerCallError, spec_decode
 from orchestrator.engines.spec_decode import SpecDecodeCounters
 from orchestrator.execution.case_run import CaseFailed, CaseRun
@@ -55,7 +62,7 @@ from orchestrator.execution.measure import (
 )
 from orchestrator.plan.units import Unit
 from orchestrator.results.profile_figures import ProfileResult
-from orchestrator.results.rows import CaseResult, PathFlip, SwitchRecord
+from orchestrator.results.rows import CaseResult, PathFlip, Repeat, SwitchRecord
 
 
 class SwitchError(CaseFailed):
@@ -157,6 +164,8 @@ class SwitchBlocks:
         self.spec_decode: dict[str, dict[str, list[SpecDecodeCounters | None]]] = {
             n: {} for n in self.by_variant
         }
+        # ab.target_half_width_pct: the server may stop its rounds at a look.
+        self.rule = StoppingRule.of(ab.model_dump(mode="json"))
         # Synthetic acceptance: the seed each variant's blocks started from (the round's).
         synthetic = unit.server.mtp_acceptance is not None
         self.seeds: dict[str, list[int]] | None = (
@@ -193,42 +202,16 @@ class SwitchBlocks:
         self.seeds[variant].append(seed)  # type: ignore[index]
 
     def measure(self, run: CaseRun, model_path: str, vocab: int, key: str | None) -> None:
-        """Every block in order, each after its flip (and a warm-up), then each path's
-        profile."""
+        """Every block in order, each after its flip (and a warm-up), until the schedule ends
+        or the stopping rule stops the rounds at a look; then each path's profile."""
         rounds: dict[str, int] = dict.fromkeys(self.by_variant, 0)
-        for block, variant in enumerate(self.blocks, 1):
-            self._flip(run, variant, block, key)
-            if self.matrix.warmup_requests:
-                # As after start-up: the first requests on a path just re-captured may pay
-                # one-time costs that are not the path's speed.
-                run.warm_up(vocab, key)
-            if self.seeds is not None:
-                self._reseed(run, variant, self.matrix.seed + rounds[variant], key)
-            for wl in self.matrix.workloads:
-                before = spec_decode_counters(run, key)
-                result = run_measured(
-                    run,
-                    wl,
-                    vocab,
-                    key,
-                    slug=self.by_variant[variant].slug,
-                    first_repeat=rounds[variant],
-                    phase=f"block {block}/{len(self.blocks)} {variant} {wl.name}",
-                    timing=f"{variant}:workload_{wl.name}_s",
-                )
-                self.results[variant].setdefault(wl.name, []).append(result)
-                moved = None
-                if before is not None:
-                    # Read around the workload alone: the warm-up after a flip is not in it.
-                    moved = spec_decode.difference(before, spec_decode_counters(run, key))
-                    self.spec_decode[variant].setdefault(wl.name, []).append(moved)
-                # The rows are made once every block has run: a run stopped before that
-                # still has each finished block's figures in its log.
-                run.log(
-                    f"{run.case_id}: block {block}: {variant} {wl.name}: "
-                    f"{block_figures(result, moved)}"
-                )
+        for block, variant in enumerate(list(self.blocks), 1):
+            self._block(run, block, variant, rounds[variant], vocab, key)
             rounds[variant] += 1
+            if self._stops_after(run, block):
+                # The rows record the blocks that ran, not the worst case planned.
+                self.blocks = self.blocks[:block]
+                break
         if self.matrix.profile is not None:
             known: set[str] = set()
             for n, variant in enumerate(self.by_variant, len(self.blocks) + 1):
@@ -237,6 +220,77 @@ class SwitchBlocks:
                 assert run.profile is not None
                 self.profiles[variant] = (run.profile, found)
                 known |= set(found)
+
+    def _block(
+        self, run: CaseRun, block: int, variant: str, round_: int, vocab: int, key: str | None
+    ) -> None:
+        """One block: the flip to `variant`'s path, a warm-up, the round's seed, the workloads."""
+        self._flip(run, variant, block, key)
+        if self.matrix.warmup_requests:
+            # As after start-up: the first requests on a path just re-captured may pay
+            # one-time costs that are not the path's speed.
+            run.warm_up(vocab, key)
+        if self.seeds is not None:
+            self._reseed(run, variant, self.matrix.seed + round_, key)
+        for wl in self.matrix.workloads:
+            before = spec_decode_counters(run, key)
+            result = run_measured(
+                run,
+                wl,
+                vocab,
+                key,
+                slug=self.by_variant[variant].slug,
+                first_repeat=round_,
+                phase=f"block {block}/{len(self.blocks)} {variant} {wl.name}",
+                timing=f"{variant}:workload_{wl.name}_s",
+            )
+            self.results[variant].setdefault(wl.name, []).append(result)
+            moved = None
+            if before is not None:
+                # Read around the workload alone: the warm-up after a flip is not in it.
+                moved = spec_decode.difference(before, spec_decode_counters(run, key))
+                self.spec_decode[variant].setdefault(wl.name, []).append(moved)
+            # The rows are made once every block has run: a run stopped before that still
+            # has each finished block's figures in its log.
+            run.log(
+                f"{run.case_id}: block {block}: {variant} {wl.name}: {block_figures(result, moved)}"
+            )
+
+    # -- the stopping rule -------------------------------------------------------------------
+    def primary_pairs(self) -> dict[str, list[tuple[int, float, float]]]:
+        """Each candidate's rounds so far as pairs of the primary figure, read from the blocks
+        as their rows will hold them (the reports recompute the looks from those)."""
+        names = [w.name for w in self.matrix.workloads]
+        workload = primary_workload(self.ab.primary.workload, names)
+        metric = next(m for m in AB_METRICS if m.key == self.ab.primary.metric)
+
+        def figures(variant: str) -> list[float | None]:
+            blocks = self.results[variant].get(workload or "", [])
+            return [
+                metric.of_block(Repeat.model_validate(b.to_dict()["repeats"][0])) for b in blocks
+            ]
+
+        base, *cands = self.by_variant
+        return {c: round_pairs(figures(base), figures(c)) for c in cands}
+
+    def _stops_after(self, run: CaseRun, block: int) -> bool:
+        """Whether the rule stops the rounds after `block`: only at a look, once a round
+        ends; the look is logged either way."""
+        rule, width = self.rule, len(self.by_variant)
+        if rule is None or block % width or block // width not in rule.looks:
+            return False
+        look = rule.look(block // width, self.primary_pairs())
+        stop = rule.stops(look)
+        widths = ", ".join(
+            f"{c} {'unbounded' if h is None else f'±{h:.3f}%'}" for c, h in look.half_widths.items()
+        )
+        then = (TARGET if look.reached else CAP) if stop else f"{LOOK_STEP} more rounds"
+        run.log(
+            f"{run.case_id}: look {rule.looks.index(look.rounds) + 1} of {len(rule.looks)} after "
+            f"{look.rounds} rounds: {widths} (target ±{rule.target_pct:g}%, {rule.method}): "
+            f"{'stop, ' if stop else ''}{then}"
+        )
+        return stop
 
     def read_traces(self, run: CaseRun) -> None:
         """Each path's traces into its own row's profile; a trace that cannot be read fails

@@ -203,11 +203,12 @@ def _switch_servers(
     matrix: Matrix, cases: Sequence[Case], estimates: list[CaseEstimate]
 ) -> list[CaseEstimate]:
     """A switch-mode server measures every variant of its topology and start (one start-up,
-    `blocks` runs of the workloads per variant, a warm-up after each flip): the whole
+    `blocks` (or `max_blocks`) runs of the workloads per variant, a warm-up after each flip): the whole
     server is estimated on its baseline case, which the run begins it with, the others at 0."""
     assert matrix.ab is not None
     baseline = matrix.baseline_variant.name
-    rounds = matrix.ab.blocks * len(matrix.variants)
+    # The worst case under the stopping rule: it may run every round up to ab.max_blocks.
+    rounds = matrix.ab.worst_case_blocks * len(matrix.variants)
     out = []
     for c, e in zip(cases, estimates, strict=True):
         if c.variant.name != baseline:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.analysis.sequential import StoppingRule
 from orchestrator.config.expand import Case, expand, units_needed
 from orchestrator.config.load import load_matrix
 from orchestrator.config.policy import env_notes, matrix_warnings
@@ -90,10 +91,20 @@ def _ab_note(matrix: Matrix) -> str:
             f"A/B: each variant served {ab.server_count} times per topology, round by round; "
             "the 95% interval is over server starts (docs/statistics.md)"
         )
-    return (
+    text = (
         f"A/B switch: {ab.server_count} server(s) per topology serve every variant, "
         f"{ab.blocks} blocks each ({ab.order}), flipping the path through {ab.extension}; "
         "the 95% interval is over rounds, each a pair of blocks (docs/statistics.md)"
+    )
+    rule = StoppingRule.of(ab.model_dump(mode="json"))
+    if rule is None:
+        return text
+    looks = ", ".join(str(n) for n in rule.looks)
+    return (
+        f"{text}. Stopping rule: after {looks} rounds, stop once the primary figure's interval "
+        f"is within ±{rule.target_pct:g}% for every candidate, else at {rule.cap} rounds; "
+        f"each look's interval {rule.method}, so the one it stops at is a 95% interval; "
+        f"the estimate is the worst case, {rule.cap} blocks per variant"
     )
 
 

@@ -60,7 +60,8 @@ def run_units(matrix: Matrix, todo: Sequence[Case], cases: Sequence[Case]) -> li
     units = []
     for members in groups.values():
         names = [c.variant.name for c in members]
-        blocks = schedule(names, ab.blocks, ab.order, ab.first)
+        # Under the stopping rule the worst case: the run stops part-way along it, at a look.
+        blocks = schedule(names, ab.worst_case_blocks, ab.order, ab.first)
         units.append(Unit(SWITCH, server_case(members, matrix), tuple(members), tuple(blocks)))
     return units
 

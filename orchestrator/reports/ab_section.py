@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.analysis.ab import SECONDARY, ABResult, ab_results, primary_of
-from orchestrator.analysis.ab_design import design
+from orchestrator.analysis.ab_design import design, server_stops
 from orchestrator.analysis.evidence import Evidence, evidence_chain
+from orchestrator.analysis.sequential import StoppingRule
 from orchestrator.results.recorded_run import Run
 
 TITLE = "A/B: {cand} vs {base}, 95% interval over {unit}"
@@ -162,13 +163,23 @@ def ab_json(run: Run) -> dict[str, Any] | None:
     if not results:
         return None
     workload, metric = primary_of(run)
-    return {
+    out = {
         "design": design(run),
         "matrix": run.manifest.ab,
         "primary": {"workload": workload, "metric": metric},
         "results": [r.to_dict() for r in results],
         "evidence": [e.to_dict() for e in evidence_chain(run, results)],
     }
+    rule = StoppingRule.of(run.manifest.ab)
+    if rule is not None:
+        out["stopping"] = {
+            "target_half_width_pct": rule.target_pct,
+            "looks_planned": list(rule.looks),
+            "look_confidence": rule.confidence,
+            "method": rule.method,
+            "servers": [s.to_dict() for s in server_stops(run)],
+        }
+    return out
 
 
 def render_ab_terminal(run: Run, width: int) -> str:

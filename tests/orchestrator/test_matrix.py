@@ -375,6 +375,18 @@ def test_plan_cli_bad_matrix_exits_2_with_one_line(tmp_path):
     ]
 
 
+def test_a_stopping_rule_without_its_cap_exits_2_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_ab({"mode": "switch", "target_half_width_pct": 0.25})))
+    out = _cli("plan", str(bad))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        f"orchestrator: {bad}: ab.target_half_width_pct=0.25 needs ab.max_blocks: the most "
+        "rounds the stopping rule may run (the looks it pays for in the interval are counted "
+        "up to it)"
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -464,6 +476,13 @@ def test_ab_block_counts_and_the_primary_figure_that_are_accepted():
     for blocks in (2, 4, 6, 1000):
         assert _parse(_ab({"mode": "switch", "blocks": blocks})).ab.blocks == blocks
     assert _parse(_ab({"mode": "switch", "blocks": 3, "order": "alternate"})).ab.blocks == 3
+    ruled = _parse(
+        _ab({"mode": "switch", "blocks": 4, "max_blocks": 4, "target_half_width_pct": 1})
+    )
+    assert (ruled.ab.worst_case_blocks, _parse(_ab({"mode": "switch"})).ab.worst_case_blocks) == (
+        4,
+        8,
+    )
     primary = _parse(_ab({"primary": {"workload": "ctx0", "metric": "tpot_mean_ms"}})).ab.primary
     assert (primary.workload, primary.metric) == ("ctx0", "tpot_mean_ms")
     default = _parse(_ab({})).ab.primary
@@ -515,6 +534,53 @@ def test_ab_block_counts_and_the_primary_figure_that_are_accepted():
             "are ['ctx0']",
         ),
         ({"primary": {"metric": "tok_s"}}, {}, "ab.primary.metric='tok_s'"),
+        # The sequential stopping rule (orchestrator.analysis.sequential).
+        ({"max_blocks": 8}, {}, "ab.max_blocks: is for mode: switch"),
+        ({"target_half_width_pct": 0.3}, {}, "ab.target_half_width_pct: is for mode: switch"),
+        (
+            {"mode": "switch", "target_half_width_pct": 0.3},
+            {},
+            "m.yaml: ab.target_half_width_pct=0.3 needs ab.max_blocks: the most rounds",
+        ),
+        (
+            {"mode": "switch", "max_blocks": 8},
+            {},
+            "m.yaml: ab.max_blocks=8 does nothing without ab.target_half_width_pct",
+        ),
+        (
+            {"mode": "switch", "blocks": 8, "max_blocks": 6, "target_half_width_pct": 0.3},
+            {},
+            "m.yaml: ab.max_blocks=6 is below ab.blocks=8: the rule first looks after",
+        ),
+        (
+            {"mode": "switch", "blocks": 4, "max_blocks": 9, "target_half_width_pct": 0.3},
+            {},
+            "m.yaml: ab.max_blocks=9 must be even under the stopping rule: the rule adds rounds "
+            "two at a time, a round and its mirror, which keeps the blocks drift-balanced at "
+            "every look; use 8 or 10",
+        ),
+        (
+            {
+                "mode": "switch",
+                "order": "alternate",
+                "blocks": 3,
+                "max_blocks": 8,
+                "target_half_width_pct": 0.3,
+            },
+            {},
+            "m.yaml: ab.blocks=3 must be even under the stopping rule",
+        ),
+        (
+            {"mode": "switch", "servers": 2, "max_blocks": 8, "target_half_width_pct": 0.3},
+            {},
+            "m.yaml: ab.servers=2 the stopping rule needs one switch server per topology",
+        ),
+        (
+            {"mode": "switch", "max_blocks": 8, "target_half_width_pct": -1},
+            {},
+            "ab.target_half_width_pct=-1: input should be greater than 0",
+        ),
+        ({"mode": "switch", "max_blocks": 0, "target_half_width_pct": 1}, {}, "ab.max_blocks=0"),
         ({"primary": {"workload": "ctx0", "rank": 1}}, {}, "ab.primary.rank"),
     ],
 )

@@ -5,6 +5,10 @@ extension of this directory loaded through the matrix's PYTHONPATH (switch_exten
 methods fusedq's extension promises). Then both paths are profiled on that server, the rows
 are split per variant, and every report gets the A/B.
 
+The matrix sets a stopping rule whose target any CPU run meets (±1000 %), so the server plans
+6 rounds and stops at its first look, after 4: the loop cuts a real schedule at a look, and
+every report says so.
+
 About a minute and a half on a 2-core machine, most of it one vLLM start-up.
 """
 
@@ -22,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 HERE = Path(__file__).resolve().parent
 TOPOLOGY = "tiny-mla/tp1-dcp1-mtp0"
 BLOCKS = 4
+MAX_BLOCKS = 6
 MATRIX = f"""\
 name: switch-e2e
 models: [{{label: tiny-mla, path: "builtin:tiny-mla", num_heads: 8}}]
@@ -37,7 +42,12 @@ workloads:
 variants:
   - {{name: staged, env: {{FUSEDQ_MLA_QUERY: "0"}}}}
   - {{name: fused}}
-ab: {{mode: switch, blocks: {BLOCKS}, extension: switch_extension.PathSwitchExtension}}
+ab:
+  mode: switch
+  blocks: {BLOCKS}
+  extension: switch_extension.PathSwitchExtension
+  target_half_width_pct: 1000
+  max_blocks: {MAX_BLOCKS}
 profile: {{decode_steps: 2}}
 timeouts: {{placement_s: 300, ready_s: 600, request_s: 120, case_s: 1200}}
 """
@@ -131,7 +141,7 @@ def test_every_report_states_the_ab_over_rounds(switch_run):
     root, out = switch_run["root"], switch_run["out"]
     md = (root / "report.md").read_text()
     assert "## A/B: fused vs staged, 95% interval over rounds" in md
-    assert "Sampling unit: rounds: 4 rounds of one block per variant on each of 1 server(s)" in md
+    assert "Sampling unit: rounds: 4 to 6 rounds of one block per variant on each of 1 server" in md
     assert "through switch_extension.PathSwitchExtension; every worker confirmed" in md
     assert "Order that ran: ABBA BAAB (A staged, B fused): drift-balanced" in md
     # The CPU build's staged step is aten::bmm then aten::cat.
@@ -141,6 +151,18 @@ def test_every_report_states_the_ab_over_rounds(switch_run):
     assert [len(r["pairs"]) for r in data["ab"]["results"]] == [BLOCKS] * 3
     assert [r["role"] for r in data["ab"]["results"]] == ["primary", "secondary", "secondary"]
     assert "A/B: fused vs staged, 95% interval over rounds" in out.stdout
+    # The stopping rule: one look of two planned, stopped there, said in every report.
+    stop = "1 look(s) (4 rounds: fused ±"
+    said = "stopped after 4 rounds, target reached; adjusted interval fused"
+    assert stop in md and said in md
+    assert said in " ".join(out.stdout.split())
+    stopping = data["ab"]["stopping"]
+    assert stopping["looks_planned"] == [BLOCKS, MAX_BLOCKS]
+    [server] = stopping["servers"]
+    assert (server["rounds"], server["stopped"]) == (BLOCKS, "target reached")
+    assert "Bonferroni over 2 looks" in data["ab"]["results"][0]["method"]
+    log = (root / "orchestrator.log").read_text()
+    assert "look 1 of 2 after 4 rounds: fused ±" in log and "stop, target reached" in log
     again = run_cli("compare", str(root), str(root), timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"| {TOPOLOGY}/fused | ctx0 |" in again.stdout
