@@ -3,7 +3,7 @@ that may add vLLM args and env), the workloads every case runs, and the log line
 expects; with the strict base every block of the matrix shares.
 
 A model block checks its built-in model (orchestrator.models): a tiny one is built to its
-heads and layers, a GLM-5 stand-in to one rank's share at its TP.
+heads and layers, a stand-in (GLM-5, DeepSeek-V3, Kimi-K2) to one rank's share at its TP.
 """
 
 from __future__ import annotations
@@ -66,29 +66,35 @@ class ModelSpec(_EnvArgs):
     path: str = Field(
         min_length=1,
         description="Checkpoint path, or builtin:tiny-mla / tiny-glm5 (tiny random models), "
-        "builtin:glm5 / glm5-dense / glm5-dsa (GLM-5 stand-ins, config only: docs/standins.md).",
+        "builtin:glm5 / glm5-dense / glm5-dsa / deepseek-v3 / kimi-k2 (stand-ins, config only: "
+        "docs/standins.md).",
     )
     num_heads: int = Field(
         gt=0, description="Total attention heads of the model (a built-in model is built so)."
     )
     layers: int | None = Field(
-        None, gt=0, description="Built-in models only: decoder layers (default 2; GLM-5's 78)."
+        None,
+        gt=0,
+        description="Built-in models only: decoder layers (default 2; a stand-in: its base's, "
+        "GLM-5's 78, DeepSeek-V3's and Kimi-K2's 61).",
     )
     weight_format: str = Field(
         "bf16",
-        description="A label, except for a GLM-5 stand-in: mxfp8 serves it quantised by "
+        description="A label, except for a stand-in: mxfp8 serves it quantised by "
         "vLLM at load (--quantization mxfp8).",
     )
     standin_tp: int | None = Field(
         None,
         gt=0,
-        description="GLM-5 stand-ins: the TP whose one rank it does (num_heads must be "
-        "ceil(64 / standin_tp)); default: derived from num_heads (16 -> 4, 11 -> 6, 8 -> 8).",
+        description="Stand-ins: the TP whose one rank it does (num_heads must be "
+        "ceil(H / standin_tp), H the base's heads: GLM-5's and Kimi-K2's 64, DeepSeek-V3's "
+        "128); default: derived from num_heads (64 heads: 16 -> 4, 11 -> 6, 8 -> 8; 128 heads: "
+        "32 -> 4, 16 -> 8).",
     )
     experts: int | None = Field(
         None,
         gt=0,
-        description="GLM-5 stand-ins: routed experts kept (top-8 always); default: as many "
+        description="Stand-ins: routed experts kept (top-8 always); default: as many "
         "as fit one H200.",
     )
     served_name: str | None = None
@@ -107,7 +113,7 @@ class ModelSpec(_EnvArgs):
             for key in ("standin_tp", "experts"):
                 if getattr(self, key) is not None:
                     raise ValueError(
-                        f"{key}={getattr(self, key)} is for GLM-5 stand-ins "
+                        f"{key}={getattr(self, key)} is for stand-ins "
                         f"(builtin:{' / builtin:'.join(standins.STANDINS)}); "
                         f"{self.path!r} is not one"
                     )
@@ -136,41 +142,61 @@ class ModelSpec(_EnvArgs):
         if self.layers is not None:
             return self.layers
         if self.is_standin:
-            return int(standins.GLM5["num_hidden_layers"])
+            return int(standins.base_of(self.builtin_name).config["num_hidden_layers"])
         return tinymodel.DEFAULT_LAYERS
 
     @property
     def is_standin(self) -> bool:
-        """A GLM-5 stand-in: config only, served with dummy weights
+        """A stand-in: config only, served with dummy weights
         (orchestrator.models.standins)."""
         return self.is_builtin and standins.is_standin(self.builtin_name)
 
     @property
     def context_tokens(self) -> int | None:
         """The longest request (prompt + output) a built-in model's own config lets vLLM
-        serve: its max_position_embeddings (no rope scaling in them). None for a checkpoint
-        path or hub id: its config may be on another host, and is not guessed at."""
+        serve: its max_position_embeddings (a stand-in's YaRN rope does not raise vLLM's
+        limit). None for a checkpoint path or hub id: its config may be on another host, and
+        is not guessed at."""
         if not self.is_builtin:
             return None
-        own = standins.GLM5 if self.is_standin else tinymodel.ARCH
-        return int(own["max_position_embeddings"])
+        if self.is_standin:
+            return standins.context_tokens(self.builtin_name)
+        return int(tinymodel.ARCH["max_position_embeddings"])
+
+    @property
+    def no_mtp(self) -> str | None:
+        """Why the model has no MTP layer to serve MTP with, or None where it has one."""
+        if not self.has_mtp:
+            return "has_mtp: false"
+        if self.is_standin and not standins.base_of(self.builtin_name).mtp_layers:
+            base = standins.base_of(self.builtin_name).title
+            return f"is {self.path}: {base} publishes no MTP layer (num_nextn_predict_layers 0)"
+        return None
 
     @property
     def stands_for_tp(self) -> int:
-        """A stand-in's TP (its `standin_tp`, else derived from num_heads)."""
+        """A stand-in's TP (its `standin_tp`, else derived from num_heads and its base's
+        heads)."""
         if self.standin_tp is not None:
             return self.standin_tp
-        return standins.standin_tp_for_heads(self.num_heads)
+        return standins.standin_tp_for_heads(self.num_heads, standins.base_name(self.builtin_name))
 
 
 def _check_standin(model: ModelSpec) -> None:
-    """num_heads is one rank's share at standin_tp; sizes and weight format are servable."""
+    """num_heads is one rank's share of the base's heads at standin_tp; an MTP layer is
+    asked of a base that has one; sizes and weight format are servable."""
     tp = model.stands_for_tp
-    want = standins.heads_per_rank(tp)
+    base = standins.base_of(model.builtin_name)
+    want = standins.heads_per_rank(tp, standins.base_name(model.builtin_name))
     if model.num_heads != want:
         raise ValueError(
-            f"num_heads={model.num_heads} does not match standin_tp={tp}: one rank of GLM-5 "
-            f"at TP{tp} holds {want} of its {standins.GLM5['num_attention_heads']} heads"
+            f"num_heads={model.num_heads} does not match standin_tp={tp}: one rank of "
+            f"{base.title} at TP{tp} holds {want} of its {base.heads} heads"
+        )
+    if "has_mtp" in model.model_fields_set and model.has_mtp and not base.mtp_layers:
+        raise ValueError(
+            f"has_mtp=True, but {model.path} has no MTP layer ({base.title} publishes "
+            "num_nextn_predict_layers 0)"
         )
     if model.weight_format not in standins.WEIGHT_FORMATS:
         raise ValueError(

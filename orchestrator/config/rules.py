@@ -107,11 +107,11 @@ def check_matrix(m: Matrix, source: str = "<matrix>") -> None:
                     f"{where}.tp={topo.tp}",
                     f"exceeds models[{mi}].num_heads={model.num_heads}",
                 )
-            if any(k > 0 for k in topo.mtp) and not model.has_mtp:
+            if any(k > 0 for k in topo.mtp) and model.no_mtp is not None:
                 raise MatrixError(
                     source,
                     f"{where}.mtp",
-                    f"MTP > 0 but models[{mi}] ({model.label}) has_mtp: false",
+                    f"MTP > 0 but models[{mi}] ({model.label}) {model.no_mtp}",
                 )
     _check_host(m, source)
     cases = expand(m)

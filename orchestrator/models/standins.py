@@ -1,9 +1,12 @@
-"""Production-geometry stand-ins: GLM-5 at its real widths, one rank's share, config only.
+"""Production-geometry stand-ins: a published model (GLM-5, DeepSeek-V3, Kimi-K2) at its
+real widths, one rank's share, config only.
 
 A stand-in is a model directory holding ``config.json`` and a tokenizer, nothing else; the
 orchestrator serves it with ``--load-format dummy`` (vLLM draws every weight itself, seeded)
-and simulated MoE routing. Its decode step does one rank's work of a GLM-5 server at
-tensor parallelism ``standin_tp``, so a TP8, TP6 or TP4 topology can be measured on one GPU.
+and simulated MoE routing. Its decode step does one rank's work of its base model's server
+at tensor parallelism ``standin_tp``, so a TP8, TP6 or TP4 topology can be measured on one
+GPU. Each stand-in names its base (``STANDINS[name]["base"]``, a key of ``BASES``,
+orchestrator.models.standin_bases), whose published values every size here is read from.
 
 - ``glm5``: dense MLA (``DeepseekV3ForCausalLM``, no ``index_topk``): vLLM's ``MLAAttention``
   decode path, the one the fusedq plugin hooks today.
@@ -13,6 +16,13 @@ tensor parallelism ``standin_tp``, so a TP8, TP6 or TP4 topology can be measured
 - ``glm5-dsa``: GLM-5's own architecture (``GlmMoeDsaForCausalLM``) with its DSA indexer
   (``index_topk`` 2048, 32 indexer heads of 128): vLLM 0.26 takes its sparse-MLA path
   (``FLASH_ATTN_MLA_SPARSE`` on sm_90) whenever the config has ``index_topk``.
+- ``deepseek-v3``: DeepSeek-V3 (128 heads, MLA 128/64/128, 61 layers + 1 MTP layer, 256
+  experts in 8 groups, YaRN rope).
+- ``kimi-k2``: Kimi-K2 (64 heads, DeepSeek-V3's MLA widths, 384 experts, one dense layer,
+  no MTP layer), served as ``deepseek_v3`` (the reason is at its entry).
+
+The rest of this docstring speaks of GLM-5; the other bases are cut by the same rules
+(docs/standins.md gives their shares).
 
 What is GLM-5's, unchanged: hidden 6144, 78 layers (the first 3 dense), q_lora 2048,
 kv_lora 512, qk_nope 192, rope 64, v 256, vocabulary 154,880 (the tokenizer has that many
@@ -61,53 +71,22 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fusedq import contract
+from orchestrator.models import standin_bases as bases
 from orchestrator.models import tinymodel
 
 # Bump when the files written change in a way the spec hash does not capture.
 BUILDER_VERSION = 1
 
-# GLM-5 as published (zai-org/GLM-5: transformers' GlmMoeDsaConfig defaults, which cite that
-# checkpoint, and the GLM-5 technical report's architecture table). tests/orchestrator/
-# fixtures/glm5/published_config.json keeps the published values with their sources.
-GLM5: dict[str, Any] = {
-    "vocab_size": 154880,
-    "hidden_size": 6144,
-    "num_hidden_layers": 78,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "q_lora_rank": 2048,
-    # The MLA widths: fusedq's geometry row for GLM-5 (the published values, checked by the
-    # fixture's test).
-    "kv_lora_rank": contract.GLM5.kv_lora,
-    "qk_nope_head_dim": contract.GLM5.qk_nope,
-    "qk_rope_head_dim": contract.GLM5.qk_rope,
-    "v_head_dim": contract.GLM5.v_head,
-    "intermediate_size": 12288,
-    "moe_intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3,
-    "num_nextn_predict_layers": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "index_topk": 2048,
-    "index_n_heads": 32,
-    "index_head_dim": 128,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 202752,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-}
+# The published models the stand-ins are cut from (orchestrator.models.standin_bases).
+GLM5 = bases.GLM5
+DEEPSEEK_V3 = bases.DEEPSEEK_V3
+KIMI_K2 = bases.KIMI_K2
+BASES = bases.BASES
 # The DSA indexer's keys: present only in the sparse stand-in (vLLM takes the sparse path on
 # `hasattr(config, "index_topk")`, deepseek_v2.py).
 DSA_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
-# GLM-5's router (DeepSeek-V3 style: sigmoid scores, bias-corrected top-k). With routing
-# simulated these only decide which router parameters exist.
+# The router of every base (DeepSeek-V3's: sigmoid scores, bias-corrected top-k). With
+# routing simulated these only decide which router parameters exist.
 ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
 STANDINS: dict[str, dict[str, Any]] = {
@@ -117,6 +96,7 @@ STANDINS: dict[str, dict[str, Any]] = {
         "dsa": False,
         "dense": False,
         "summary": "dense MLA (no DSA indexer): vLLM's MLAAttention decode path",
+        "base": "glm5",
     },
     "glm5-dense": {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -124,6 +104,7 @@ STANDINS: dict[str, dict[str, Any]] = {
         "dsa": False,
         "dense": True,
         "summary": "dense MLA with a dense MLP in every layer (no experts, no routing)",
+        "base": "glm5",
     },
     "glm5-dsa": {
         "architectures": ["GlmMoeDsaForCausalLM"],
@@ -131,6 +112,27 @@ STANDINS: dict[str, dict[str, Any]] = {
         "dsa": True,
         "dense": False,
         "summary": "GLM-5's DSA sparse attention (index_topk 2048): vLLM's sparse-MLA path",
+        "base": "glm5",
+    },
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "dsa": False,
+        "dense": False,
+        "summary": "MLA 128/64/128: vLLM's MLAAttention decode path",
+        "base": "deepseek-v3",
+    },
+    "kimi-k2": {
+        # Kimi-K2 publishes model_type kimi_k2 and reads it through its own remote code
+        # (configuration_deepseek.DeepseekV3Config); transformers has no kimi_k2 type, and
+        # Moonshot's deploy guide says to write deepseek_v3 where a framework does not know
+        # it. vLLM builds DeepseekV3ForCausalLM from either.
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "dsa": False,
+        "dense": False,
+        "summary": "MLA 128/64/128, no MTP layer: vLLM's MLAAttention decode path",
+        "base": "kimi-k2",
     },
 }
 # Weight formats a stand-in can be served in; mxfp8 is quantised by vLLM at load time
@@ -157,24 +159,42 @@ def is_standin(name: str) -> bool:
     return name in STANDINS
 
 
-def heads_per_rank(standin_tp: int) -> int:
-    """GLM-5's 64 heads over `standin_tp` ranks, padded up where it does not divide."""
-    return math.ceil(GLM5["num_attention_heads"] / standin_tp)
+def base_name(name: str) -> str:
+    """The BASES key of the published model stand-in `name` is cut from."""
+    return str(STANDINS[name]["base"])
 
 
-def standin_tp_for_heads(heads: int) -> int:
-    """The TP whose rank holds `heads` of GLM-5's 64 heads (11 -> 6, padded); ValueError
-    where no TP does, or several do without dividing evenly."""
-    total = GLM5["num_attention_heads"]
-    fits = [t for t in range(1, total + 1) if heads_per_rank(t) == heads]
+def base_of(name: str) -> bases.Base:
+    """The published model stand-in `name` is cut from."""
+    return BASES[base_name(name)]
+
+
+def context_tokens(name: str) -> int:
+    """The longest request (prompt + output) vLLM serves stand-in `name`: its base's
+    max_position_embeddings (its YaRN rope, if any, does not raise vLLM's limit)."""
+    return int(base_of(name).config["max_position_embeddings"])
+
+
+def heads_per_rank(standin_tp: int, base: str = "glm5") -> int:
+    """A base's heads (GLM-5's 64) over `standin_tp` ranks, padded up where it does not
+    divide."""
+    return math.ceil(BASES[base].heads / standin_tp)
+
+
+def standin_tp_for_heads(heads: int, base: str = "glm5") -> int:
+    """The TP whose rank holds `heads` of a base's heads (GLM-5: 11 -> 6, padded);
+    ValueError where no TP does, or several do without dividing evenly."""
+    total = BASES[base].heads
+    fits = [t for t in range(1, total + 1) if heads_per_rank(t, base) == heads]
     exact = [t for t in fits if total % t == 0]
     if exact:
         return exact[0]
     if len(fits) == 1:
         return fits[0]
-    known = sorted({heads_per_rank(t) for t in (1, 2, 4, 6, 8, 16)}, reverse=True)
+    known = sorted({heads_per_rank(t, base) for t in (1, 2, 4, 6, 8, 16)}, reverse=True)
     raise ValueError(
-        f"num_heads={heads} is not one rank's share of GLM-5's {total} heads at any single "
+        f"num_heads={heads} is not one rank's share of {BASES[base].title}'s {total} heads "
+        "at any single "
         f"TP (e.g. {known}); set standin_tp"
     )
 
@@ -186,8 +206,7 @@ def per_rank(width: int, standin_tp: int) -> int:
     return math.ceil(width / standin_tp / WIDTH_ALIGN) * WIDTH_ALIGN
 
 
-def _attention_params(heads: int, dsa: bool) -> int:
-    g = GLM5
+def _attention_params(heads: int, dsa: bool, g: dict[str, Any]) -> int:
     hidden, q_lora, kv_lora = g["hidden_size"], g["q_lora_rank"], g["kv_lora_rank"]
     nope, rope, v = g["qk_nope_head_dim"], g["qk_rope_head_dim"], g["v_head_dim"]
     params = hidden * (q_lora + kv_lora + rope)  # fused q_a + kv_a (replicated)
@@ -210,16 +229,18 @@ def weight_bytes(
     dsa: bool,
     mtp: bool = True,
     dense: bool = False,
+    base: str = "glm5",
 ) -> int:
-    """Bytes of bf16 weights vLLM allocates for the stand-in (the MTP layer included): what
-    decides whether it fits one GPU. `dense`: every layer's MLP is the dense one."""
-    g = GLM5
+    """Bytes of bf16 weights vLLM allocates for a stand-in of `base` (its MTP layer included
+    where `mtp`): what decides whether it fits one GPU. `dense`: every layer's MLP is the
+    dense one."""
+    g = BASES[base].config
     hidden, vocab = g["hidden_size"], g["vocab_size"]
-    heads = heads_per_rank(standin_tp)
+    heads = heads_per_rank(standin_tp, base)
     dense_mlp = 3 * hidden * per_rank(g["intermediate_size"], standin_tp)
     expert = 3 * hidden * per_rank(g["moe_intermediate_size"], standin_tp)
     moe = hidden * experts + experts + expert * (experts + g["n_shared_experts"])
-    attn = _attention_params(heads, dsa)
+    attn = _attention_params(heads, dsa, g)
     dense_layers = layers if dense else min(g["first_k_dense_replace"], layers)
     params = 2 * vocab * hidden + hidden  # embedding, lm_head, final norm
     params += layers * attn + dense_layers * dense_mlp + (layers - dense_layers) * moe
@@ -231,14 +252,23 @@ def weight_bytes(
     return params * BF16_BYTES
 
 
-def experts_that_fit(standin_tp: int, layers: int) -> int:
-    """The most routed experts (a multiple of 8, at most GLM-5's 256) whose weights stay in
-    WEIGHT_BUDGET_GIB with the DSA indexer and the MTP layer, so the dense and the DSA
-    stand-in of one TP keep one expert count."""
+def experts_that_fit(standin_tp: int, layers: int, base: str = "glm5") -> int:
+    """The most routed experts (a multiple of 8, at most the base's: GLM-5's 256) whose
+    weights stay in WEIGHT_BUDGET_GIB with the base's MTP layer and, for GLM-5, the DSA
+    indexer, so the dense and the DSA stand-in of one TP keep one expert count."""
+    b = BASES[base]
     budget = WEIGHT_BUDGET_GIB * 2**30
     best = EXPERT_STEP
-    for e in range(EXPERT_STEP, GLM5["n_routed_experts"] + 1, EXPERT_STEP):
-        if weight_bytes(standin_tp=standin_tp, layers=layers, experts=e, dsa=True) <= budget:
+    for e in range(EXPERT_STEP, b.config["n_routed_experts"] + 1, EXPERT_STEP):
+        size = weight_bytes(
+            standin_tp=standin_tp,
+            layers=layers,
+            experts=e,
+            dsa=b.has_dsa,
+            mtp=b.mtp_layers > 0,
+            base=base,
+        )
+        if size <= budget:
             best = e
     return best
 
@@ -251,16 +281,18 @@ def config(
     experts: int | None = None,
     mtp: bool = True,
 ) -> dict[str, Any]:
-    """The config.json of stand-in `name` (one rank of GLM-5 at TP `standin_tp`).
+    """The config.json of stand-in `name` (one rank of its base at TP `standin_tp`). `mtp`
+    keeps the base's MTP layer, where it has one (Kimi-K2 has none).
 
     ValueError naming the value for an unknown name or sizes out of range.
     """
     if name not in STANDINS:
         raise ValueError(f"unknown stand-in {name!r}; known: {sorted(STANDINS)}")
-    total = GLM5["num_attention_heads"]
+    base = base_of(name)
+    g, total = base.config, base.heads
     if not 1 <= standin_tp <= total:
-        raise ValueError(f"standin_tp={standin_tp} is outside 1..{total} (GLM-5's heads)")
-    layers = GLM5["num_hidden_layers"] if layers is None else layers
+        raise ValueError(f"standin_tp={standin_tp} is outside 1..{total} ({base.title}'s heads)")
+    layers = g["num_hidden_layers"] if layers is None else layers
     if not 1 <= layers <= tinymodel.MAX_LAYERS:
         raise ValueError(f"layers={layers} is outside 1..{tinymodel.MAX_LAYERS}")
     kind = STANDINS[name]
@@ -270,14 +302,16 @@ def config(
         # No layer builds its experts (first_k_dense_replace below); the key stays because
         # vLLM's DeepSeek model reads it.
         experts = EXPERT_STEP
-    experts = experts_that_fit(standin_tp, layers) if experts is None else experts
-    top_k, routed = GLM5["num_experts_per_tok"], GLM5["n_routed_experts"]
+    if experts is None:
+        experts = experts_that_fit(standin_tp, layers, kind["base"])
+    top_k, routed = g["num_experts_per_tok"], g["n_routed_experts"]
     if not top_k <= experts <= routed:
         raise ValueError(
-            f"experts={experts} is outside {top_k}..{routed} (top-{top_k} of GLM-5's {routed})"
+            f"experts={experts} is outside {top_k}..{routed} "
+            f"(top-{top_k} of {base.title}'s {routed})"
         )
-    heads = heads_per_rank(standin_tp)
-    keep = {k: v for k, v in GLM5.items() if kind["dsa"] or k not in DSA_KEYS}
+    heads = heads_per_rank(standin_tp, kind["base"])
+    keep = {k: v for k, v in g.items() if kind["dsa"] or k not in DSA_KEYS}
     cfg: dict[str, Any] = {
         "architectures": kind["architectures"],
         "model_type": kind["model_type"],
@@ -286,12 +320,12 @@ def config(
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": heads,
-        "intermediate_size": per_rank(GLM5["intermediate_size"], standin_tp),
-        "moe_intermediate_size": per_rank(GLM5["moe_intermediate_size"], standin_tp),
+        "intermediate_size": per_rank(g["intermediate_size"], standin_tp),
+        "moe_intermediate_size": per_rank(g["moe_intermediate_size"], standin_tp),
         "n_routed_experts": experts,
-        "num_nextn_predict_layers": GLM5["num_nextn_predict_layers"] if mtp else 0,
+        "num_nextn_predict_layers": base.mtp_layers if mtp else 0,
         "rope_interleave": True,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "rope_parameters": dict(base.rope),
         "initializer_range": 0.02,
         "bos_token_id": 0,
         "eos_token_id": 1,
@@ -352,7 +386,7 @@ def build_standin(
     root = Path(cache_dir) if cache_dir is not None else tinymodel.default_cache_dir()
 
     def write(tmp: Path) -> None:
-        _write_tokenizer(tmp, s["config"]["vocab_size"])
+        _write_tokenizer(tmp, s["config"]["vocab_size"], context_tokens(name))
         (tmp / "config.json").write_text(json.dumps(s["config"], indent=2) + "\n")
         generation = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -361,10 +395,10 @@ def build_standin(
     return tinymodel.build_into(root / dir_name(s), write)
 
 
-def _write_tokenizer(out: Path, vocab_size: int) -> None:
+def _write_tokenizer(out: Path, vocab_size: int, max_length: int) -> None:
     """A word-level tokenizer with exactly `vocab_size` ids, so any id a random model samples
     decodes (a smaller tokenizer beside GLM-5's 154,880-row head would leave most of them
-    without text)."""
+    without text); `max_length` is the longest request the model serves."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     names = [*TOKENIZER_SPECIALS, *(f"w{i}" for i in range(len(TOKENIZER_SPECIALS), vocab_size))]
@@ -380,7 +414,7 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
         "pad_token": pad,
         "unk_token": unk,
         "add_bos_token": False,
-        "model_max_length": GLM5["max_position_embeddings"],
+        "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
@@ -414,24 +448,26 @@ def describe(
             layers=c["num_hidden_layers"],
             experts=c["n_routed_experts"],
             dsa=STANDINS[name]["dsa"],
-            mtp=mtp,
+            mtp=c["num_nextn_predict_layers"] > 0,
             dense=STANDINS[name]["dense"],
+            base=STANDINS[name]["base"],
         )
         / 2**30
     )
-    padded = " (padded)" if GLM5["num_attention_heads"] % standin_tp else ""
+    base = base_of(name)
+    padded = " (padded)" if base.heads % standin_tp else ""
     mtp_text = f" + {c['num_nextn_predict_layers']} MTP" if c["num_nextn_predict_layers"] else ""
     if STANDINS[name]["dense"]:
         mlp = f"dense MLP {c['intermediate_size']} in every layer, no experts"
     else:
         mlp = (
             f"dense MLP {c['intermediate_size']}, {c['n_routed_experts']} of "
-            f"{GLM5['n_routed_experts']} experts x {c['moe_intermediate_size']} (top-"
+            f"{base.config['n_routed_experts']} experts x {c['moe_intermediate_size']} (top-"
             f"{c['num_experts_per_tok']} + {c['n_shared_experts']} shared), routing "
             f"{ROUTING_STRATEGY}"
         )
     return (
-        f"one rank of GLM-5 at TP{standin_tp}, {STANDINS[name]['summary']}: "
+        f"one rank of {base.title} at TP{standin_tp}, {STANDINS[name]['summary']}: "
         f"{c['num_attention_heads']} heads{padded}, {c['num_hidden_layers']} layers{mtp_text}, "
         f"{mlp}, vocab {c['vocab_size']}, ~{gib:.0f} GiB bf16 weights, served {weight_format} from "
         f"--load-format dummy"

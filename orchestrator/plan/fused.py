@@ -6,6 +6,9 @@ per worker, where the kernel cannot run, and the server then serves vLLM's stage
 - ``FUSEDQ_MLA_QUERY=0``: the plugin is off (a staged variant, by choice);
 - a head count per rank outside fusedq's qualified ones (fusedq/contract.py); with
   ``FUSEDQ_MLA_QUERY=1`` (required) the server refuses to start instead;
+- a stand-in whose MLA widths are not among the geometries the fused op serves
+  (``contract.GEOMETRIES``, compared as the plugin does: qk_nope, qk_rope, kv_lora), e.g.
+  DeepSeek-V3's and Kimi-K2's 128-wide nope; likewise fails with ``FUSEDQ_MLA_QUERY=1``;
 - on CPU, a worker without ``TRITON_INTERPRET=1``: CPU tensors run the kernel only in
   Triton's interpreter. The variable comes from the case's env, else the environment the
   orchestrator runs in (a local Ray's workers inherit it).
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from fusedq import contract
 from orchestrator.config.expand import Case
+from orchestrator.models import standins
 
 MODE_ENV = contract.MODE_ENV  # the plugin's switch: auto (unset), 0, 1
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -49,9 +53,27 @@ def fused_plan(case: Case, accelerator: str, environ: Mapping[str, str] = os.env
         if mode == "1":
             why = f"fails: {MODE_ENV}=1 and {heads} heads per rank (qualified: {qualified})"
         return FusedPlan(False, why)
+    unserved = _unserved_geometry(case)
+    if unserved is not None:
+        why = f"staged: {unserved}"
+        if mode == "1":
+            why = f"fails: {MODE_ENV}=1 and {unserved}"
+        return FusedPlan(False, why)
     if accelerator == "cpu" and env.get(INTERPRET_ENV, environ.get(INTERPRET_ENV)) != "1":
         why = f"staged: CPU without {INTERPRET_ENV}=1"
         if mode == "1":
             why = f"fails: {MODE_ENV}=1 on CPU without {INTERPRET_ENV}=1"
         return FusedPlan(False, why)
     return FusedPlan(True, "qualified")
+
+
+def _unserved_geometry(case: Case) -> str | None:
+    """Why a stand-in's MLA widths are not the fused op's, or None (served, or not a
+    stand-in: a checkpoint's widths are read only on the worker)."""
+    if not case.model.is_standin:
+        return None
+    g = standins.base_of(case.model.builtin_name).geometry
+    served = {(s.qk_nope, s.qk_rope, s.kv_lora) for s in contract.GEOMETRIES}
+    if (g.qk_nope, g.qk_rope, g.kv_lora) in served:
+        return None
+    return f"{g.name} widths (qk_nope {g.qk_nope}) not served by the fused op yet"

@@ -138,7 +138,7 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 
 def _model_notes(matrix: Matrix, cases: Sequence[Case]) -> list[str]:
-    """What each GLM-5 stand-in is (orchestrator.models.standins), MTP cases of a random-weight
+    """What each stand-in is (orchestrator.models.standins), MTP cases of a random-weight
     model whose draft would accept almost nothing, and synthetic acceptance (which a
     switch-mode server reseeds per round, so its tokens are compared)."""
     switch = matrix.switch_mode

@@ -1,5 +1,6 @@
 """GLM-5 stand-ins: the geometry against GLM-5's published config, one rank's cuts, the expert
-count that fits one H200, the files built (config and tokenizer only), and the matrix keys."""
+count that fits one H200, the files built (config and tokenizer only), and the matrix keys.
+(The DeepSeek-V3 and Kimi-K2 stand-ins: test_standin_bases.py.)"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "glm5" / "published_config.json"
 PUBLISHED = json.loads(FIXTURE.read_text())
 REPO = Path(__file__).resolve().parents[2]
 H200_BYTES = 139 * 2**30  # what one H200 offers, about
+GLM5_STANDINS = [n for n in standins.STANDINS if standins.base_name(n) == "glm5"]
 
 
 def test_geometry_is_glm5s_published_config() -> None:
@@ -56,7 +58,7 @@ def test_one_rank_of_tp1_with_every_expert_is_glm5() -> None:
     [(8, 8, 1536, 256), (6, 11, 2048, 352), (4, 16, 3072, 512), (2, 32, 6144, 1024)],
 )
 def test_one_ranks_share(tp: int, heads: int, dense: int, expert: int) -> None:
-    for name in standins.STANDINS:
+    for name in GLM5_STANDINS:
         cfg = standins.config(name, standin_tp=tp)
         assert cfg["num_attention_heads"] == cfg["num_key_value_heads"] == heads
         assert (cfg["intermediate_size"], cfg["moe_intermediate_size"]) == (dense, expert)
@@ -104,7 +106,8 @@ def test_experts_are_the_most_that_fit_the_budget(tp: int) -> None:
 def test_weight_bytes_counts_the_model_transformers_builds(name: str) -> None:
     """The fit rule's byte count against the parameters of the same config built by
     transformers on the meta device (no memory): 3 dense + 2 MoE layers, no MTP layer
-    (transformers has no MTP module); the dense stand-in's 5 layers all dense."""
+    (transformers has no MTP module); the dense stand-in's 5 layers all dense. Every
+    stand-in, each counted at its own base's widths."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     kind = standins.STANDINS[name]
@@ -122,6 +125,7 @@ def test_weight_bytes_counts_the_model_transformers_builds(name: str) -> None:
         dsa=kind["dsa"],
         mtp=False,
         dense=kind["dense"],
+        base=kind["base"],
     )
     assert ours / standins.BF16_BYTES == pytest.approx(params, rel=1e-3)
 
@@ -239,7 +243,7 @@ def test_stand_in_keys_on_another_model_are_refused() -> None:
     text = MATRIX.replace(
         "builtin:glm5, num_heads: 16", "builtin:tiny-glm5, num_heads: 16, standin_tp: 4"
     )
-    with pytest.raises(MatrixError, match="standin_tp=4 is for GLM-5 stand-ins"):
+    with pytest.raises(MatrixError, match="standin_tp=4 is for stand-ins"):
         parse_matrix(text)
 
 

@@ -1,0 +1,274 @@
+"""The DeepSeek-V3 and Kimi-K2 stand-ins: each base against its published config, one rank's
+cuts at the base's own head count, the expert count that fits one H200, the files built, the
+matrix keys (heads per base, no MTP on Kimi-K2) and what `plan` says of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.config.errors import MatrixError
+from orchestrator.config.load import parse_matrix
+from orchestrator.models import standins, tinymodel
+from orchestrator.plan.fused import fused_plan
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).resolve().parents[2]
+H200_BYTES = 139 * 2**30  # what one H200 offers, about
+NEW = ("deepseek-v3", "kimi-k2")
+# The published keys that are not one flat value of the base: the router (standins.ROUTER)
+# and the rope (Base.rope, written as rope_parameters).
+ROPE_KEYS = ("rope_theta", "rope_scaling")
+
+
+def published(base: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / base / "published_config.json").read_text())
+
+
+def rope_as_published(rope: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """transformers 5's rope_parameters as config.json publishes them: rope_theta beside a
+    rope_scaling with `type`."""
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")}
+    return rope["rope_theta"], {**scaling, "type": rope["rope_type"]}
+
+
+@pytest.mark.parametrize("base", NEW)
+def test_base_is_the_published_config(base: str) -> None:
+    fixture = published(base)
+    values = fixture["config"]
+    b = standins.BASES[base]
+    flat = {k: v for k, v in values.items() if k not in ROPE_KEYS and k not in standins.ROUTER}
+    assert set(flat) <= set(b.config)
+    assert {k: b.config[k] for k in flat} == flat
+    assert {k: values[k] for k in standins.ROUTER} == standins.ROUTER
+    assert rope_as_published(b.rope) == (values["rope_theta"], values["rope_scaling"])
+    # The MLA widths are fusedq's geometry row for DeepSeek-V3 (Kimi-K2 shares them).
+    g = b.geometry
+    assert (g.qk_nope, g.qk_rope, g.kv_lora, g.v_head) == (
+        values["qk_nope_head_dim"],
+        values["qk_rope_head_dim"],
+        values["kv_lora_rank"],
+        values["v_head_dim"],
+    )
+    # Every value the fixture holds is stated by a source, with its address.
+    sourced = {k for s in fixture["sources"] for k in s["keys"]}
+    assert set(values) <= sourced
+    assert all(s["address"].startswith("https://") for s in fixture["sources"])
+
+
+def test_transformers_defaults_are_deepseek_v3s_published_values() -> None:
+    """transformers' DeepseekV3Config defaults are DeepSeek-V3's widths: where installed, they
+    must still be the fixture's (a changed default is news to read)."""
+    transformers = pytest.importorskip("transformers")
+    fixture = published("deepseek-v3")
+    keys = next(s["keys"] for s in fixture["sources"] if "transformers" in s["address"])
+    defaults = transformers.DeepseekV3Config()
+    assert {k: getattr(defaults, k) for k in keys} == {k: fixture["config"][k] for k in keys}
+
+
+@pytest.mark.parametrize("base", NEW)
+def test_one_rank_of_tp1_with_every_expert_is_the_published_model(base: str) -> None:
+    fixture = published(base)
+    routed = fixture["config"]["n_routed_experts"]
+    cfg = standins.config(base, standin_tp=1, experts=routed)
+    values = fixture["config"]
+    assert {k: cfg[k] for k in values if k not in ROPE_KEYS} == {
+        k: v for k, v in values.items() if k not in ROPE_KEYS
+    }
+    assert rope_as_published(cfg["rope_parameters"]) == (
+        values["rope_theta"],
+        values["rope_scaling"],
+    )
+    assert cfg["architectures"] == fixture["architectures"] == ["DeepseekV3ForCausalLM"]
+    # Kimi-K2's own type (kimi_k2) is no transformers type: the stand-in says deepseek_v3.
+    assert cfg["model_type"] == "deepseek_v3"
+
+
+@pytest.mark.parametrize(
+    ("base", "tp", "heads", "dense", "expert", "experts", "mtp"),
+    [
+        ("deepseek-v3", 8, 16, 2304, 256, 136, 1),
+        ("deepseek-v3", 4, 32, 4608, 512, 64, 1),
+        ("deepseek-v3", 6, 22, 3072, 352, 96, 1),
+        ("kimi-k2", 8, 8, 2304, 256, 136, 0),
+        ("kimi-k2", 4, 16, 4608, 512, 64, 0),
+    ],
+)
+def test_one_ranks_share_of_the_base(
+    base: str, tp: int, heads: int, dense: int, expert: int, experts: int, mtp: int
+) -> None:
+    cfg = standins.config(base, standin_tp=tp)
+    assert cfg["num_attention_heads"] == cfg["num_key_value_heads"] == heads
+    assert (cfg["intermediate_size"], cfg["moe_intermediate_size"]) == (dense, expert)
+    assert cfg["n_routed_experts"] == experts
+    assert cfg["num_nextn_predict_layers"] == mtp
+    b = standins.BASES[base]
+    for key in (
+        "hidden_size",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "vocab_size",
+        "first_k_dense_replace",
+    ):
+        assert cfg[key] == b.config[key], key
+    assert not set(standins.DSA_KEYS) & set(cfg)
+    assert standins.standin_tp_for_heads(heads, base) == tp
+    assert standins.heads_per_rank(tp, base) == heads
+
+
+@pytest.mark.parametrize("base", NEW)
+@pytest.mark.parametrize("tp", [8, 4])
+def test_experts_are_the_most_that_fit_the_budget(base: str, tp: int) -> None:
+    b = standins.BASES[base]
+    budget = standins.WEIGHT_BUDGET_GIB * 2**30
+    mtp = b.mtp_layers > 0
+    e = standins.experts_that_fit(tp, 61, base)
+
+    def size(experts: int) -> int:
+        return standins.weight_bytes(
+            standin_tp=tp, layers=61, experts=experts, dsa=False, mtp=mtp, base=base
+        )
+
+    assert 8 <= e < b.config["n_routed_experts"] and e % 8 == 0
+    assert size(e) <= budget < size(e + 8)
+    # All the base's experts at one rank's width are past one H200 (the reason for the cut).
+    assert size(b.config["n_routed_experts"]) > H200_BYTES
+
+
+def test_kimi_k2_has_no_mtp_layer_to_keep() -> None:
+    assert standins.config("kimi-k2", standin_tp=8, mtp=True)["num_nextn_predict_layers"] == 0
+    assert standins.config("deepseek-v3", standin_tp=8, mtp=False)["num_nextn_predict_layers"] == 0
+    assert "8 heads, 61 layers, dense MLP" in standins.describe("kimi-k2", standin_tp=8)
+    assert "16 heads, 61 layers + 1 MTP, " in standins.describe("deepseek-v3", standin_tp=8)
+
+
+def test_bad_sizes_are_refused_against_the_base() -> None:
+    with pytest.raises(ValueError, match=r"standin_tp=129 is outside 1..128 \(DeepSeek-V3's"):
+        standins.config("deepseek-v3", standin_tp=129)
+    with pytest.raises(ValueError, match=r"experts=392 is outside 8..384 \(top-8 of Kimi-K2's"):
+        standins.config("kimi-k2", standin_tp=8, experts=392)
+    with pytest.raises(ValueError, match="num_heads=14 is not one rank's share of DeepSeek-V3's"):
+        standins.standin_tp_for_heads(14, "deepseek-v3")
+
+
+@pytest.mark.parametrize(("name", "tp", "vocab", "context"), [("kimi-k2", 8, 163840, 131072)])
+def test_build_writes_the_bases_vocabulary_and_context(
+    tmp_path: Path, name: str, tp: int, vocab: int, context: int
+) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    built = standins.build_standin(tmp_path, name=name, standin_tp=tp)
+    assert json.loads((built / "config.json").read_text()) == standins.config(name, standin_tp=tp)
+    assert tinymodel.vocab_size(built) == vocab
+    tok = tokenizers.Tokenizer.from_file(str(built / "tokenizer.json"))
+    assert tok.decode([5, vocab - 1]) == f"w5 w{vocab - 1}"
+    tok_config = json.loads((built / "tokenizer_config.json").read_text())
+    assert tok_config["model_max_length"] == context
+    assert built.name.startswith(f"{name}-tp{tp}-l61-e136-")  # no -mtp1: Kimi-K2 has none
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.from_pretrained(built)
+    assert (cfg.model_type, cfg.num_attention_heads, cfg.n_routed_experts) == (
+        "deepseek_v3",
+        8,
+        136,
+    )
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 32.0
+
+
+# ------------------------------------------------------------------------- the matrix keys
+
+MATRIX = """
+name: t
+models:
+  - {label: d, path: builtin:deepseek-v3, num_heads: 16}
+topologies:
+  - {tp: 1, mtp: [0]}
+workloads:
+  - {name: a, prompt_tokens: 1, output_tokens: 4}
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "heads", "tp", "context"),
+    [
+        ("deepseek-v3", 16, 8, 163840),
+        ("deepseek-v3", 32, 4, 163840),
+        ("kimi-k2", 8, 8, 131072),
+        ("kimi-k2", 16, 4, 131072),
+    ],
+)
+def test_matrix_derives_the_tp_from_the_bases_heads(
+    path: str, heads: int, tp: int, context: int
+) -> None:
+    m = parse_matrix(MATRIX.replace("deepseek-v3, num_heads: 16", f"{path}, num_heads: {heads}"))
+    model = m.models[0]
+    assert (model.stands_for_tp, model.builtin_layers, model.context_tokens) == (tp, 61, context)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            "num_heads: 16, standin_tp: 4}",
+            "num_heads=16 does not match standin_tp=4: one rank of DeepSeek-V3 at TP4 holds 32 "
+            "of its 128 heads",
+        ),
+        ("num_heads: 14}", "num_heads=14 is not one rank's share of DeepSeek-V3's 128 heads"),
+        ("num_heads: 16, experts: 264}", "experts=264 is outside 8..256"),
+    ],
+)
+def test_matrix_refuses_a_deepseek_stand_in_that_cannot_be(change: str, message: str) -> None:
+    with pytest.raises(MatrixError, match=message) as err:
+        parse_matrix(MATRIX.replace("num_heads: 16}", change), "m.yaml")
+    assert str(err.value).startswith("m.yaml: models[0]")
+
+
+def test_mtp_on_kimi_k2_is_refused_at_plan_time() -> None:
+    kimi = MATRIX.replace("deepseek-v3, num_heads: 16", "kimi-k2, num_heads: 8")
+    with pytest.raises(MatrixError, match="Kimi-K2 publishes no MTP layer") as err:
+        parse_matrix(kimi.replace("mtp: [0]", "mtp: [0, 1], mtp_acceptance: 0.7"), "m.yaml")
+    assert str(err.value).startswith("m.yaml: topologies[0].mtp: MTP > 0 but models[0] (d)")
+    with pytest.raises(MatrixError, match="has_mtp=True, but builtin:kimi-k2 has no MTP layer"):
+        parse_matrix(kimi.replace("num_heads: 8}", "num_heads: 8, has_mtp: true}"))
+    # DeepSeek-V3 has its MTP layer.
+    ds = parse_matrix(MATRIX.replace("mtp: [0]", "mtp: [0, 1], mtp_acceptance: 0.7"))
+    assert ds.models[0].no_mtp is None
+
+
+def test_plan_says_the_fused_query_does_not_serve_the_128_nope_widths() -> None:
+    from orchestrator.config.expand import expand
+
+    (case,) = expand(parse_matrix(MATRIX))
+    plan = fused_plan(case, "gpu", environ={"FUSEDQ_MLA_QUERY": "1"})
+    assert not plan.runs
+    assert plan.why == (
+        "fails: FUSEDQ_MLA_QUERY=1 and deepseek-v3 widths (qk_nope 128) not served by the "
+        "fused op yet"
+    )
+    glm = parse_matrix(MATRIX.replace("deepseek-v3", "glm5"))
+    assert fused_plan(expand(glm)[0], "gpu", environ={}).why == "qualified"
+
+
+def test_plan_of_the_deepseek_matrix_without_torch() -> None:
+    """`plan` of the committed DeepSeek-V3 matrix, in a fresh interpreter: what the stand-in
+    is, a batch past 32, and nothing heavy imported."""
+    code = (
+        "import json, sys\n"
+        "from orchestrator.plan.render import plan_matrix\n"
+        "p = plan_matrix('matrices/h200-deepseek-v3-paired.yaml')\n"
+        "heavy = [m for m in ('torch', 'transformers', 'tokenizers', 'vllm', 'ray') if m in sys.modules]\n"
+        "print(json.dumps({'notes': p['notes'], 'heavy': heavy, 'cases': len(p['cases']),\n"
+        "  'workloads': p['workloads']}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    plan = json.loads(out.stdout)
+    assert plan["heavy"] == []
+    assert any("one rank of DeepSeek-V3 at TP8" in n and "16 heads" in n for n in plan["notes"])
+    assert plan["cases"] == 2
+    assert max(w["concurrency"] for w in plan["workloads"]) > 32
