@@ -197,6 +197,7 @@ def _bench_rows(
     for r in doc.get("sweep", []):
         yield _row(
             **base,
+            geometry=r.get("geometry"),
             recipe=r["format"],
             H=r["H"],
             M=r["M"],

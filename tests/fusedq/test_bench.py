@@ -40,6 +40,37 @@ def test_arguments():
     assert not cli.parse_args([])[0].chain
 
 
+def test_geometry_arguments(capsys):
+    """--geometry picks the geometry the rows name, and its qualified heads unless --heads
+    says otherwise; --heads and --m take comma lists too."""
+    argv = ["--floors", "--geometry", "deepseek-v3", "--heads", "8,16,32,64,128"]
+    opts, _ = cli.parse_args([*argv, "--m", "1,2,4,8,16,32,64"])
+    assert opts.geometry == "deepseek-v3" and opts.floors
+    assert opts.heads == (8, 16, 32, 64, 128) and opts.ms == (1, 2, 4, 8, 16, 32, 64)
+    opts, _ = cli.parse_args(["--geometry", "deepseek-v3"])
+    assert opts.heads == (8, 16, 32, 64, 128)
+    assert cli.parse_args([])[0].geometry == "glm5" and cli.parse_args([])[0].heads == (8, 11, 16)
+    for bad in (["--geometry", "llama"], ["--heads", "8,x"], ["--m", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.parse_args(bad)
+        assert exc.value.code == 2
+    assert "invalid choice: 'llama'" in capsys.readouterr().err
+
+
+def test_sweep_configs_of_deepseek_tile_m_and_skip_gluon(monkeypatch):
+    """A DeepSeek-V3 sweep: the product's choice is the tl.dot kernel (64-row M blocks past 32
+    tokens), and no Gluon variant (that kernel is GLM-5's only)."""
+    opts = options.Options(geometry="deepseek-v3", sweep_gluon=("32:4",))
+    configs = sweep.sweep_configs("bf16", 8, 64, opts)
+    assert configs["auto"].block_m == 64 and configs["auto"].tiles_m
+    assert not any(c.gluon for c in configs.values())
+    from fusedq.kernels import triton_launch
+
+    monkeypatch.setattr(triton_launch.LaunchConfig, "_check_gluon", lambda self: None)  # (CPU)
+    glm5 = sweep.sweep_configs("bf16", 8, 16, options.Options(sweep_gluon=("32:4",)))
+    assert any(c.gluon for c in glm5.values())
+
+
 def test_sweep_cute_arguments(capsys):
     assert cli.parse_args(["--sweep", "--sweep-cute"])[0].sweep_cute
     assert not cli.parse_args(["--sweep"])[0].sweep_cute

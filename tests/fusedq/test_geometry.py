@@ -100,20 +100,14 @@ def test_glm5_past_the_qualified_shapes_with_the_triton_backend(h, m):
     assert fused_plans() == []
 
 
-@pytest.mark.parametrize("g", [DEEPSEEK_V3, GLM5], ids=lambda g: g.name)
-@pytest.mark.parametrize(
-    "config",
-    [
-        LaunchConfig(block_m=16, block_n=128, block_k=common.BLOCK_K),  # tl.dot, K in chunks
-        LaunchConfig(block_m=4, block_n=128, num_warps=1, fma=True),  # the register path
-    ],
-    ids=["tl.dot-chunks", "register"],
-)
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
-def test_kernels_take_k_in_chunks_of_either_geometry(g, config, fmt):
-    """The chunked variants the GPU selects (the interpreter's own choice is one K chunk):
-    two 64-wide chunks for DeepSeek-V3, three for GLM-5, from a strided kv_b_proj view."""
-    device = torch.device("cpu")
+CHUNKED = [
+    LaunchConfig(block_m=16, block_n=128, block_k=common.BLOCK_K),  # tl.dot, K in chunks
+    LaunchConfig(block_m=4, block_n=128, num_warps=1, fma=True),  # the register path
+]
+
+
+def chunked_case(g: Geometry, config: LaunchConfig, fmt: str, device) -> None:
+    """A direct launch of ``config`` on a strided kv_b_proj view of ``g``, against staged."""
     h, m = 3, 3
     gen = torch.Generator().manual_seed(7)
     w = kv_b_proj_w_uk_t(g, h, device, gen)
@@ -123,6 +117,15 @@ def test_kernels_take_k_in_chunks_of_either_geometry(g, config, fmt):
     key = triton_launch.launch(q_nope, values, scales, q_pe, out, None, config=config)
     assert key.qk_nope == g.qk_nope
     assert_matches(out, fusedq.staged_mla_query(q_nope, weight, q_pe), fmt)
+
+
+@pytest.mark.parametrize("g", [DEEPSEEK_V3, GLM5], ids=lambda g: g.name)
+@pytest.mark.parametrize("config", CHUNKED, ids=["tl.dot-chunks", "register"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_kernels_take_k_in_chunks_of_either_geometry(g, config, fmt):
+    """The chunked variants the GPU selects (the interpreter's own choice is one K chunk):
+    two 64-wide chunks for DeepSeek-V3, three for GLM-5, from a strided kv_b_proj view."""
+    chunked_case(g, config, fmt, torch.device("cpu"))
 
 
 def test_launches_refuse_what_their_kernel_is_not_built_for(monkeypatch):
@@ -299,6 +302,15 @@ def test_deepseek_qualified_shapes_on_gpu(h, m, recipe):
 def test_glm5_past_the_qualified_shapes_on_gpu(h, m, recipe):
     run_case(GLM5, h, m, *recipe, torch.device("cuda"), "triton")
     assert len(fused_plans()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", [DEEPSEEK_V3, GLM5], ids=lambda g: g.name)
+@pytest.mark.parametrize("config", CHUNKED, ids=["tl.dot-chunks", "register"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_kernels_take_k_in_chunks_of_either_geometry_on_gpu(g, config, fmt):
+    """The two-chunk (DeepSeek) and three-chunk (GLM-5) variants compiled for the GPU."""
+    chunked_case(g, config, fmt, torch.device("cuda"))
 
 
 @pytest.mark.gpu
