@@ -333,3 +333,59 @@ def test_prewarm_then_capture_deepseek_and_glm5(g):
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, fusedq.staged_mla_query(q_nope, w, q_pe), "bf16")
+
+
+# --- the GPU code, compiled for sm_90 without a GPU -------------------------------------------
+
+# In a child process (the interpreter patches Triton's tensor class in this one): the
+# DeepSeek-V3 variants of the Triton kernels compile, and only the M-tiled one reads the
+# grid's third axis.
+_COMPILE_DEEPSEEK = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fusedq.kernels import common, triton_mla_query as t
+out = {}
+for name, fn, bm, bn, bk, mxfp8, e4m3 in (
+        ("dot-2chunks", t._mla_query_kernel, 16, 32, 64, False, False),
+        ("dot-1chunk", t._mla_query_kernel, 32, 64, 128, True, True),
+        ("dot-tiled", t._mla_query_kernel, 64, 32, 64, True, False),
+        ("register", t._mla_query_fma_kernel, 2, 32, 64, True, True)):
+    cx = {"K": 128, "N": 512, "R": 64, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+          "W_LAYOUT": 1, "W_ALIGNED": True, "IO_ALIGNED": True, "MXFP8": mxfp8,
+          "OUT_FP8": common.out_mode(e4m3), "INTERPRET": False, "USE_PDL": False,
+          "LOAD_FENCE": fn is t._mla_query_fma_kernel}
+    ptr = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "w_ptr": "*fp8e4nv" if mxfp8 else "*bf16",
+           "ws_ptr": "*u8" if mxfp8 else "*bf16", "out_ptr": "*fp8e4nv" if e4m3 else "*bf16",
+           "qs_ptr": "*fp32" if e4m3 else "*bf16"}
+    sig = {n: ptr.get(n, "constexpr" if n in cx else "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 1})
+    out[name] = "%ctaid.z" in k.asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+def test_deepseek_variants_compile_for_sm90():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (Triton 3.9 warns when it is unset)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_DEEPSEEK], env=env, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    tiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert tiled == {
+        "dot-2chunks": False,
+        "dot-1chunk": False,
+        "dot-tiled": True,
+        "register": False,
+    }
