@@ -36,10 +36,12 @@ def mla_query_projection(
 
     Parameters
     ----------
-    q_nope : bf16 ``[M, H, 192]``, any strides with a unit last stride (e.g. ``q[..., :192]``).
-    weight : bf16 ``[H, 192, 512]`` with any strides (vLLM's ``W_UK_T`` view), or an
-        ``MXFP8Weight``.
-    q_pe : bf16 ``[M, H, 64]``, any strides with a unit last stride (e.g. ``q[..., 192:]``).
+    q_nope : bf16 ``[M, H, qk_nope]``, any strides with a unit last stride (e.g.
+        ``q[..., :qk_nope]``). Its last dim names the MLA geometry (``fusedq.contract``):
+        192 GLM-5, 128 DeepSeek-V3/R1/V3.2, Kimi-K2, Mistral Large 3; another is refused.
+    weight : bf16 ``[H, qk_nope, 512]`` with any strides (vLLM's ``W_UK_T`` view, heads
+        ``qk_nope + v_head`` rows of ``kv_b_proj`` apart), or an ``MXFP8Weight``.
+    q_pe : bf16 ``[M, H, 64]``, any strides with a unit last stride (e.g. ``q[..., qk_nope:]``).
     out : optional ``[M, H, 576]`` of the output dtype with a unit last stride; rows and
         heads may be pitched. Written and returned; allocated when ``None``.
     out_dtype : ``torch.bfloat16``, or ``torch.float8_e4m3fn`` to write
@@ -48,11 +50,13 @@ def mla_query_projection(
         ``None`` (the default) takes ``out.dtype`` when ``out`` is given, else BF16; given
         together with ``out``, the two must agree.
     q_scale : one-element fp32 tensor; required for E4M3 output, rejected for bf16.
-    backend : ``"auto"`` (fused where ``can_implement``, else staged; the fused kernel as
-        ``fusedq.kernel_choice`` picks it: the CuTe DSL kernel for MXFP8 at the small M where it
-        measured faster, where nvidia-cutlass-dsl is installed, else Triton), ``"triton"`` or
-        ``"cute"`` (that kernel, or ``ValueError`` with the reason), ``"staged"`` (the
-        reference path).
+    backend : ``"auto"`` (fused where ``can_implement``, i.e. at the geometry's qualified H and
+        M, else staged; the fused kernel as ``fusedq.kernel_choice`` picks it: the CuTe DSL
+        kernel for GLM-5 at the small M where it measured faster, where nvidia-cutlass-dsl is
+        installed, else Triton), ``"triton"`` (the Triton kernels at any H in 1..128 and M in
+        1..512, qualified or not), ``"cute"`` (that kernel where qualified; either raises
+        ``ValueError`` with the reason where it cannot run), ``"staged"`` (the reference
+        path).
     pdl : launch the fused kernel with programmatic dependent launch; ``None`` takes the
         process default (``FUSEDQ_PDL=1``, read once at import).
 
@@ -112,15 +116,15 @@ def prewarm(
     back to the staged path) need nothing. Returns how many variants were compiled now.
     """
     values, scales = dispatch.split_weight(weight)
-    dispatch.check_weight(values, scales)
+    geometry = dispatch.check_weight(values, scales)
     weight_format = "bf16" if scales is None else "mxfp8"
     compiled = 0
     resolved_pdl = triton_launch.DEFAULT_PDL if pdl is None else pdl
     for m in sorted({int(m) for m in m_values}):
         # What the calls' plans will bind (dispatch asks the same selection).
         chosen = select(
-            values.shape[0], m, weight_format=weight_format, out_dtype=out_dtype,
-            device=values.device, pdl=resolved_pdl,
+            values.shape[0], m, geometry=geometry, weight_format=weight_format,
+            out_dtype=out_dtype, device=values.device, pdl=resolved_pdl,
         )  # fmt: skip
         if chosen.path == "staged":
             continue

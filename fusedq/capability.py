@@ -1,4 +1,5 @@
-"""Which recipes the fused kernel can run, as data: one gate per (weight format, output dtype).
+"""Which problems the fused kernel can run, as data: the served geometries and where each is
+qualified (``fusedq.contract``), and one gate per (weight format, output dtype).
 
 Callers (``backend="auto"``, vLLM integration, tests) ask ``explain``; ``None`` means the
 fused kernel runs, a string says why not. ``cute_problem`` is the CuTe DSL kernel's own gate.
@@ -14,7 +15,16 @@ import functools
 
 import torch
 
-from fusedq.contract import MAX_M, QUALIFIED_HEADS
+from fusedq.contract import (
+    GEOMETRIES,
+    GLM5,
+    KERNEL_MAX_HEADS,
+    KERNEL_MAX_M,
+    QUALIFIED,
+    Geometry,
+    describe_geometries,
+    geometry_named,
+)
 
 WEIGHT_FORMATS = ("bf16", "mxfp8")
 OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -73,13 +83,46 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
+def served_geometry(geometry: Geometry | str) -> Geometry:
+    """The served geometry ``geometry`` names (a ``Geometry`` or its name); ``ValueError``
+    naming it and the served ones otherwise."""
+    if isinstance(geometry, str):
+        return geometry_named(geometry)
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"geometry {geometry} is not served (served: {describe_geometries()})")
+    return geometry
+
+
+def shape_problem(
+    geometry: Geometry, num_heads: int, max_m: int, *, qualified: bool = True
+) -> str | None:
+    """Why ``num_heads`` x ``max_m`` is outside what ``geometry`` is qualified for (or, with
+    ``qualified=False``, what the Triton kernels run at all), or ``None``."""
+    if qualified:
+        q = QUALIFIED[geometry.name]
+        if num_heads not in q.heads:
+            return (
+                f"num_heads={num_heads} is not qualified for {geometry.name} (qualified: {q.heads})"
+            )
+        if not 1 <= max_m <= q.max_m:
+            return f"max_m={max_m} is outside {geometry.name}'s qualified range 1..{q.max_m}"
+        return None
+    if not 1 <= num_heads <= KERNEL_MAX_HEADS:
+        return f"num_heads={num_heads} is outside the kernels' range 1..{KERNEL_MAX_HEADS}"
+    if not 1 <= max_m <= KERNEL_MAX_M:
+        return f"max_m={max_m} is outside the kernels' range 1..{KERNEL_MAX_M}"
+    return None
+
+
 def explain(
     num_heads: int,
     max_m: int,
     *,
+    geometry: Geometry | str = GLM5,
     weight_format: str = "bf16",
     out_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
+    qualified: bool = True,
 ) -> str | None:
     """Why the fused kernel cannot run this problem, or ``None`` when it can.
 
@@ -87,15 +130,23 @@ def explain(
     ----------
     num_heads : heads per rank (H).
     max_m : the largest token count (M) the call or graph will see.
+    geometry : a served ``fusedq.contract.Geometry`` or its name (``"glm5"``,
+        ``"deepseek-v3"``); a call's tensors name theirs (``dispatch.geometry_of_shapes``).
     weight_format : ``"bf16"`` or ``"mxfp8"``.
     out_dtype : ``torch.bfloat16`` or ``torch.float8_e4m3fn``.
     device : where the tensors live; ``None`` means the current CUDA device, or the CPU
         when there is none or the Triton interpreter is on.
+    qualified : hold H and M to the geometry's qualified (measured) shapes
+        (``contract.QUALIFIED``), as ``backend="auto"`` and the plugin do; ``False`` asks
+        only whether the Triton kernels run them (``backend="triton"``).
     """
-    if num_heads not in QUALIFIED_HEADS:
-        return f"num_heads={num_heads} is not qualified (qualified: {QUALIFIED_HEADS})"
-    if not 1 <= max_m <= MAX_M:
-        return f"max_m={max_m} is outside the qualified range 1..{MAX_M}"
+    try:
+        geometry = served_geometry(geometry)
+    except ValueError as exc:
+        return str(exc)
+    problem = shape_problem(geometry, num_heads, max_m, qualified=qualified)
+    if problem is not None:
+        return problem
     recipe = RECIPES.get((weight_format, out_dtype))
     if recipe is None:
         return (
@@ -123,15 +174,25 @@ def explain(
     return None
 
 
-def cute_problem(weight_format: str, out_dtype: torch.dtype, *, pdl: bool = False) -> str | None:
+def cute_problem(
+    weight_format: str,
+    out_dtype: torch.dtype,
+    *,
+    pdl: bool = False,
+    geometry: Geometry | str = GLM5,
+) -> str | None:
     """Why the CuTe DSL kernel cannot run this recipe here (it is optional: nvidia-cutlass-dsl
     is not a requirement, and every recipe also has the Triton kernel), or ``None``."""
+    from fusedq.kernels import cute_mla_query
+
+    geometry = served_geometry(geometry)
+    if geometry not in cute_mla_query.GEOMETRIES:
+        names = ", ".join(g.name for g in cute_mla_query.GEOMETRIES)
+        return f"the CuTe DSL kernel is built for {names}, not {geometry.name}"
     if out_dtype not in OUT_DTYPES:
         return f"out_dtype={out_dtype} runs no fused kernel (out dtypes {OUT_DTYPES})"
     if pdl:
         return "pdl=True runs the Triton kernel (the CuTe kernel has no PDL launch)"
-    from fusedq.kernels import cute_mla_query
-
     return cute_mla_query.unavailable_reason()
 
 
@@ -139,12 +200,15 @@ def can_implement(
     num_heads: int,
     max_m: int,
     *,
+    geometry: Geometry | str = GLM5,
     weight_format: str = "bf16",
     out_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
+    qualified: bool = True,
 ) -> bool:
     """Whether the fused kernel runs this problem (see ``explain`` for the reason if not)."""
-    return (
-        explain(num_heads, max_m, weight_format=weight_format, out_dtype=out_dtype, device=device)
-        is None
-    )
+    why = explain(
+        num_heads, max_m, geometry=geometry, weight_format=weight_format, out_dtype=out_dtype,
+        device=device, qualified=qualified,
+    )  # fmt: skip
+    return why is None

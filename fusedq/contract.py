@@ -1,7 +1,7 @@
 """The facts fusedq shares with its vLLM plugin, its bench, the orchestrator and the scripts.
 
-One home for every name and number more than one of them needs: the MLA geometries the
-kernels are built for, the head counts and decode batches they are qualified for, the
+One home for every name and number more than one of them needs: the MLA geometries fusedq
+serves, the head counts and decode batches each is qualified for, the
 plugin's switch variable, the worker extension's RPC methods, the log lines the plugin
 writes, and what a profiler trace calls the fused query. Standard library only, and
 ``fusedq/__init__`` is lazy, so ``import fusedq.contract`` costs no torch: ``orchestrator
@@ -42,29 +42,85 @@ GLM5 = Geometry("glm5", qk_nope=192, qk_rope=64, kv_lora=512, v_head=256)
 # DeepSeek-V3 / R1 / V3.2, Kimi-K2 and Mistral Large 3 (DeepseekV3ForCausalLM): 128 nope dims,
 # 64 RoPE, a 512-wide latent, 128 value dims (transformers' DeepseekV3Config defaults).
 DEEPSEEK_V3 = Geometry("deepseek-v3", qk_nope=128, qk_rope=64, kv_lora=512, v_head=128)
-# The geometries the kernels are built and qualified for; a layer of any other is refused,
-# naming its geometry (fusedq.capability, the plugin's layer plan).
-GEOMETRIES = (GLM5,)
+# The geometries fusedq serves; a layer of any other is refused, naming its geometry
+# (fusedq.capability, the plugin's layer plan). Each kernel module declares which of these it
+# is built for (its GEOMETRIES); the Triton kernels take qk_nope as a constexpr.
+GEOMETRIES = (GLM5, DEEPSEEK_V3)
 
-# The kernels' compile-time widths: the one geometry they are built for today.
-QK_NOPE = GLM5.qk_nope
-QK_ROPE = GLM5.qk_rope
-KV_LORA = GLM5.kv_lora
-V_HEAD = GLM5.v_head
-QUERY_WIDTH = GLM5.query_width
 
-# Head counts per rank the kernel is qualified for: GLM-5 at TP8 (8), padded TP6 (11), TP4 (16).
-QUALIFIED_HEADS = (8, 11, 16)
+def _common(field: str) -> int:
+    values = {getattr(g, field) for g in GEOMETRIES}
+    if len(values) != 1:  # the kernels' N and R are compiled for one width each
+        raise ValueError(f"served geometries differ in {field}: {sorted(values)}")
+    return values.pop()
+
+
+# What every served geometry shares (and the kernels compile in as N and R): the 512-wide
+# latent, the 64 RoPE dims, so the 576-wide query row. qk_nope and v_head differ (GLM-5's
+# 192/256, DeepSeek-V3's 128/128): they are read from the geometry in hand.
+KV_LORA = _common("kv_lora")
+QK_ROPE = _common("qk_rope")
+QUERY_WIDTH = KV_LORA + QK_ROPE
+
+
+def geometry_named(name: str) -> Geometry:
+    """The served geometry called ``name``; ``ValueError`` naming the known ones."""
+    for g in GEOMETRIES:
+        if g.name == name:
+            return g
+    known = ", ".join(g.name for g in GEOMETRIES)
+    raise ValueError(f"geometry {name!r} is not served (known: {known})")
+
+
+def geometry_of(qk_nope: int, qk_rope: int = QK_ROPE, kv_lora: int = KV_LORA) -> Geometry | None:
+    """The served geometry with these query-side dims (what a query's tensors show), or None.
+    No two served geometries share them, so the shapes name the geometry."""
+    for g in GEOMETRIES:
+        if (g.qk_nope, g.qk_rope, g.kv_lora) == (qk_nope, qk_rope, kv_lora):
+            return g
+    return None
+
+
+def describe_geometries() -> str:
+    """The served geometries as messages name them, e.g. ``glm5 (qk_nope 192, ...)``."""
+    return "; ".join(
+        f"{g.name} (qk_nope {g.qk_nope}, rope {g.qk_rope}, kv_lora {g.kv_lora}, v_head {g.v_head})"
+        for g in GEOMETRIES
+    )
+
+
+@dataclass(frozen=True)
+class Qualification:
+    """Where the fused query is qualified (measured) for one geometry: the heads per rank and
+    the largest decode batch M. The Triton kernels run more (KERNEL_MAX_HEADS, KERNEL_MAX_M);
+    ``backend="auto"`` and the plugin take the fused path only where it is qualified."""
+
+    heads: tuple[int, ...]
+    max_m: int
+
+
+QUALIFIED = {
+    # GLM-5 at TP8 (8 heads), padded TP6 (11), TP4 (16); M up to 32 (docs/decisions/).
+    GLM5.name: Qualification(heads=(8, 11, 16), max_m=32),
+    # DeepSeek-V3's 128 heads at TP16, 8, 4, 2, 1. PROVISIONAL, awaiting the GPU bench
+    # (fusedq-bench --floors --geometry deepseek-v3): the interpreter tests check correctness,
+    # not speed; M up to 32 as GLM-5 until the bench measures more.
+    DEEPSEEK_V3.name: Qualification(heads=(8, 16, 32, 64, 128), max_m=32),
+}
+# What the Triton kernels run at all (``backend="triton"``, tests, the bench): heads per rank
+# (one grid row each) and tokens (the grid tiles M above the largest block).
+KERNEL_MAX_HEADS = 128
+KERNEL_MAX_M = 512
+
 # The decode batches (tokens per rank per step, MTP included) a server's CUDA graphs are
-# prewarmed and described for, in the buckets the CuTe kernel compiles; the largest is the
-# most the kernel is qualified for.
+# prewarmed and described for, in the buckets the CuTe kernel compiles (every geometry's
+# qualified max_m is one of them).
 DECODE_M_BUCKETS = (1, 2, 4, 8, 16, 32)
-MAX_M = DECODE_M_BUCKETS[-1]
 
 # E4M3 (OCP, "fn") largest finite value; an E4M3 output is clamped to it.
 E4M3_MAX = 448.0
 # MX block size along N (OCP MX spec: one E8M0 scale per 32 elements), and the scales a
-# weight row of KV_LORA values carries.
+# weight row of KV_LORA values carries (the same for every served geometry: N is kv_lora).
 MX_BLOCK = 32
 SCALE_BLOCKS = KV_LORA // MX_BLOCK
 

@@ -27,7 +27,15 @@ from __future__ import annotations
 import torch
 
 from fusedq.capability import OUT_DTYPES, cute_problem
-from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
+from fusedq.contract import (
+    GEOMETRIES,
+    KV_LORA,
+    QK_ROPE,
+    QUERY_WIDTH,
+    Geometry,
+    describe_geometries,
+    geometry_of,
+)
 from fusedq.kernels import fast_launch
 from fusedq.kernels.triton_launch import DEFAULT_PDL
 from fusedq.mxfp8 import SCALE_BLOCKS, MXFP8Weight
@@ -52,12 +60,23 @@ def split_weight(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, None
 
 
-def _check_activation(name: str, t: object, width: int, device: torch.device | None) -> None:
+_NOPE_WIDTHS = " or ".join(str(g.qk_nope) for g in GEOMETRIES)
+
+
+def _check_activation(name: str, t: object, width: int | None, device: torch.device | None) -> None:
+    """A bf16 ``[M, H, width]`` tensor with a unit last stride; ``width=None`` (q_nope) takes
+    any served geometry's qk_nope, which then names the call's geometry."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: {type(t).__name__} is not a tensor")
     if t.dtype != torch.bfloat16:
         raise ValueError(f"{name}: dtype {t.dtype} must be torch.bfloat16")
-    if t.dim() != 3 or t.shape[2] != width:
+    if width is None:
+        if t.dim() != 3 or geometry_of(t.shape[2]) is None:
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)} must be [M, H, qk_nope] with qk_nope "
+                f"{_NOPE_WIDTHS}, a served geometry's ({describe_geometries()})"
+            )
+    elif t.dim() != 3 or t.shape[2] != width:
         raise ValueError(f"{name}: shape {tuple(t.shape)} must be [M, H, {width}]")
     if t.stride(2) != 1:
         raise ValueError(f"{name}: last-dim stride {t.stride(2)} must be 1")
@@ -65,9 +84,17 @@ def _check_activation(name: str, t: object, width: int, device: torch.device | N
         raise ValueError(f"{name}: device {t.device} differs from q_nope's {device}")
 
 
-def check_weight(values: object, scales: object) -> None:
-    """A bf16 ``[H, 192, 512]`` tensor, or the parts of an ``MXFP8Weight`` (which checked them
-    at construction; the custom op receives them apart)."""
+def geometry_of_weight(values: torch.Tensor) -> Geometry | None:
+    """The served geometry a ``[H, qk_nope, kv_lora]`` weight's shape names, or None."""
+    if values.dim() != 3:
+        return None
+    return geometry_of(values.shape[1], QK_ROPE, values.shape[2])
+
+
+def check_weight(values: object, scales: object) -> Geometry:
+    """A bf16 ``[H, qk_nope, 512]`` tensor of a served geometry, or the parts of an
+    ``MXFP8Weight`` (which checked them at construction; the custom op receives them apart).
+    Returns the geometry the shape names."""
     if scales is None:
         if not isinstance(values, torch.Tensor):
             raise ValueError(f"weight: {type(values).__name__} is neither a tensor nor MXFP8Weight")
@@ -84,11 +111,16 @@ def check_weight(values: object, scales: object) -> None:
         and scales.device == values.device
     ):
         raise ValueError(
-            "weight: MXFP8 parts must be float8_e4m3fn values [H, 192, 512] and uint8 scales "
-            f"[H, 192, {SCALE_BLOCKS}] on one device (build them with MXFP8Weight)"
+            "weight: MXFP8 parts must be float8_e4m3fn values [H, qk_nope, 512] and uint8 "
+            f"scales [H, qk_nope, {SCALE_BLOCKS}] on one device (build them with MXFP8Weight)"
         )
-    if values.dim() != 3 or tuple(values.shape[1:]) != (QK_NOPE, KV_LORA):
-        raise ValueError(f"weight: shape {tuple(values.shape)} must be [H, {QK_NOPE}, {KV_LORA}]")
+    geometry = geometry_of_weight(values)
+    if geometry is None:
+        raise ValueError(
+            f"weight: shape {tuple(values.shape)} must be [H, qk_nope, {KV_LORA}] with qk_nope "
+            f"{_NOPE_WIDTHS}, a served geometry's ({describe_geometries()})"
+        )
+    return geometry
 
 
 def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -154,13 +186,18 @@ def validate(
         raise ValueError(f"backend: {backend!r} must be one of {BACKENDS}")
     if pdl not in (None, True, False):
         raise ValueError(f"pdl: {pdl!r} must be True, False or None (the FUSEDQ_PDL default)")
-    _check_activation("q_nope", q_nope, QK_NOPE, None)
+    _check_activation("q_nope", q_nope, None, None)
     device = q_nope.device
-    m, num_heads, _ = q_nope.shape
+    m, num_heads, qk_nope = q_nope.shape
     _check_activation("q_pe", q_pe, QK_ROPE, device)
     if tuple(q_pe.shape[:2]) != (m, num_heads):
         raise ValueError(f"q_pe: shape {tuple(q_pe.shape)} must be [{m}, {num_heads}, {QK_ROPE}]")
-    check_weight(values, scales)
+    geometry = check_weight(values, scales)
+    if geometry.qk_nope != qk_nope:
+        raise ValueError(
+            f"weight: shape {tuple(values.shape)} is {geometry.name}'s [H, {geometry.qk_nope}, "
+            f"{KV_LORA}], q_nope's last dim {qk_nope} is {geometry_of(qk_nope).name}'s"
+        )
     if values.shape[0] != num_heads:
         raise ValueError(f"weight: {values.shape[0]} heads, q_nope has {num_heads}")
     if values.device != device:
@@ -345,9 +382,11 @@ def _new_plan(q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pd
         extents = (_extent(out), tuple(_extent(t) for t in (q_nope, q_pe, values, scales, q_scale)))
     if backend != "staged":
         weight_format = "bf16" if scales is None else "mxfp8"
+        # "triton" runs wherever the kernel runs; "auto" and "cute" only where qualified.
         chosen = select(
-            num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
-        )
+            num_heads, m, geometry=geometry_of(q_nope.shape[2]), weight_format=weight_format,
+            out_dtype=out_dtype, device=device, pdl=pdl, qualified=backend != "triton",
+        )  # fmt: skip
         if chosen.path != "staged":
             example = (
                 out if out is not None else torch.empty(out_shape, dtype=out_dtype, device=device)
@@ -373,7 +412,7 @@ def _bind_cute(triton_launch, backend: str, operands: tuple, pdl: bool):
     why = None
     if backend == "cute":  # (under "auto" the selection checked this gate)
         weight_format = "bf16" if scales is None else "mxfp8"
-        why = cute_problem(weight_format, out.dtype, pdl=pdl)
+        why = cute_problem(weight_format, out.dtype, pdl=pdl, geometry=geometry_of(q_nope.shape[2]))
     if why is None:
         # This signature's operands (strides, alignment) the CuTe kernel must also take.
         why = cute_mla_query.unsupported_reason(q_nope, values, scales, q_pe, out)

@@ -34,8 +34,8 @@ SERVED_FORM = {torch.bfloat16: "bmm", torch.float8_e4m3fn: "bmm+cat"}
 TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     # Both paths accumulate exact bf16 products in fp32, only in a different order; after the
     # final bf16 rounding they differ by at most one bf16 ulp (<= 2^-7 relative). The atol
-    # covers cancellation near zero, where fp32 order effects (~192 * 2^-24 * sum|q*w|)
-    # are not relative to the result.
+    # covers cancellation near zero, where fp32 order effects (~qk_nope * 2^-24 * sum|q*w|,
+    # qk_nope <= 192 in every served geometry) are not relative to the result.
     ("bf16", torch.bfloat16): (2**-10, 2**-7),
     # Dequantising E4M3 * 2^k to bf16 is exact, and the staged path runs on the dequantised
     # weight, so MXFP8 is held to exactly the bf16 bound.
@@ -87,7 +87,8 @@ def staged(
     ``"bmm"`` returns the pair ``(q_nope @ W, q_pe)`` that vLLM 0.26's FLASH_ATTN_MLA takes.
     """
     w = values if scales is None else dequantize_parts(values, scales)
-    # [H, M, 192] @ [H, 192, 512] -> [H, M, 512], rounded to bf16 as cuBLAS/vLLM do.
+    # [H, M, qk_nope] @ [H, qk_nope, 512] -> [H, M, 512], rounded to bf16 as cuBLAS/vLLM do
+    # (any geometry: qk_nope is the contraction, read from the tensors).
     ql_nope = torch.bmm(q_nope.transpose(0, 1), w).transpose(0, 1)
     if form == "bmm":
         return ql_nope, q_pe

@@ -1,7 +1,7 @@
 """Which kernel runs a problem, with which launch configuration, and why: the one table.
 
-A problem is a recipe (weight format x output dtype), the heads per rank H, the token count M,
-the device, PDL, and what is installed (nvidia-cutlass-dsl for the CuTe kernel, Triton's
+A problem is a geometry (``fusedq.contract.GEOMETRIES``), a recipe (weight format x output
+dtype), the heads per rank H, the token count M, the device, PDL, and what is installed (nvidia-cutlass-dsl for the CuTe kernel, Triton's
 Gluon). ``select`` answers for one problem with a ``Selection``, and everything that needs the
 answer reads it here: the dispatcher binds it, ``prewarm`` compiles it, ``kernel_choice`` and
 ``kernel_summary`` report it, ``fusedq-bench`` times it. ``capability`` only gates (can the
@@ -11,12 +11,15 @@ The rules, in the order ``select`` applies them:
 
 1. ``capability.explain`` gives a reason: the staged path.
 2. CPU tensors (the Triton interpreter): the Triton kernels, one program per head.
-3. On CUDA, the CuTe DSL kernel where ``capability.cute_problem`` has no objection and M is at
-   most ``CUTE_MAX_M`` of the weight format. It runs in CUDA graphs; eager calls (and operands
-   it cannot take) run its fallback, the Triton-family configuration of rule 4.
-4. The Triton family: the register path where ``FMA_TUNED`` has the shape, else the Gluon
-   kernel as ``GLUON_TUNED`` says where Gluon imports, else the tl.dot kernel as ``TUNED``
-   says.
+3. On CUDA, the CuTe DSL kernel where ``capability.cute_problem`` has no objection (GLM-5's
+   geometry only) and M is at most ``CUTE_MAX_M`` of the weight format. It runs in CUDA
+   graphs; eager calls (and operands it cannot take) run its fallback, the Triton-family
+   configuration of rule 4.
+4. The Triton family, from the geometry's tables (``TABLES``): the register path where
+   ``FMA_TUNED`` has the shape, else the Gluon kernel as ``GLUON_TUNED`` says where Gluon
+   imports, else the tl.dot kernel as ``TUNED`` says. GLM-5 has all three tables; DeepSeek-V3
+   has none yet (awaiting the GPU bench), so it runs the tl.dot kernel at its defaults. Above
+   the tables' 32 tokens (``backend="triton"`` past the qualified M) the tl.dot kernel tiles M.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import triton
 
 from fusedq import capability
-from fusedq.contract import KV_LORA, QUALIFIED_HEADS
+from fusedq.contract import DEEPSEEK_V3, GLM5, KV_LORA, QUALIFIED, Geometry
 from fusedq.kernels import common, gluon_mla_query, triton_mla_query
 from fusedq.kernels.triton_launch import DEFAULT_NUM_WARPS, DEFAULT_PDL, LaunchConfig
 
@@ -93,18 +96,43 @@ GLUON_TUNED: dict[tuple[str, bool], tuple[tuple[int, int, GluonChoice], ...]] = 
 # costs more than it saves), wider N tiles for more heads (fewer, fuller CTAs). MXFP8: K in one
 # chunk, because Triton re-lays-out each fp8 tile right after its load (three chunks would mean
 # three serial waits); docs/decisions/0006-gluon-for-larger-m.md.
-_ONE_K = triton_mla_query.SINGLE_BLOCK_K
+_ONE_K = triton_mla_query.SINGLE_BLOCK_K[GLM5.name]
 _THREE_K = common.BLOCK_K
+_GLM5_HEADS = QUALIFIED[GLM5.name].heads
 TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
     ("bf16", False, 16): {8: (32, 8, _THREE_K), 11: (64, 8, _THREE_K), 16: (64, 8, _THREE_K)},
     ("bf16", False, 32): {8: (32, 4, _THREE_K), 11: (64, 4, _THREE_K), 16: (64, 4, _THREE_K)},
     ("bf16", True, 16): {8: (32, 8, _THREE_K), 11: (32, 8, _THREE_K), 16: (32, 8, _THREE_K)},
     ("bf16", True, 32): {8: (32, 8, _ONE_K), 11: (64, 8, _ONE_K), 16: (64, 8, _ONE_K)},
-    ("mxfp8", False, 16): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
-    ("mxfp8", False, 32): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
-    ("mxfp8", True, 16): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
-    ("mxfp8", True, 32): {h: (32, 4, _ONE_K) for h in QUALIFIED_HEADS},
+    ("mxfp8", False, 16): {h: (32, 4, _ONE_K) for h in _GLM5_HEADS},
+    ("mxfp8", False, 32): {h: (32, 4, _ONE_K) for h in _GLM5_HEADS},
+    ("mxfp8", True, 16): {h: (32, 4, _ONE_K) for h in _GLM5_HEADS},
+    ("mxfp8", True, 32): {h: (32, 4, _ONE_K) for h in _GLM5_HEADS},
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class GeometryTables:
+    """One geometry's measured tables, the rules of rule 4 (the CuTe kernel's rule 3 is gated
+    by ``capability.cute_problem``: it is built for GLM-5 only)."""
+
+    fma: dict[tuple[str, bool, int], dict[int, tuple[int, int]]]
+    gluon: dict[tuple[str, bool], tuple[tuple[int, int, GluonChoice], ...]]
+    tuned: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]]
+
+
+# The selection tables by geometry: GLM-5's as measured; DeepSeek-V3's empty, so it takes the
+# tl.dot kernel at its defaults until the GPU bench (fusedq-bench --floors --geometry
+# deepseek-v3) measures otherwise. A geometry's kernels must be built for it: the register and
+# tl.dot kernels are (triton_mla_query.GEOMETRIES), Gluon is GLM-5's only.
+TABLES: dict[str, GeometryTables] = {
+    GLM5.name: GeometryTables(fma=FMA_TUNED, gluon=GLUON_TUNED, tuned=TUNED),
+    DEEPSEEK_V3.name: GeometryTables(fma={}, gluon={}, tuned={}),
+}
+# The largest M the tables describe (and the largest untiled block); above it the tl.dot
+# kernel tiles M in MAX_BLOCK_M-row blocks.
+TABLES_MAX_M = 32
+
 # A head count TUNED does not list: 32-wide N tiles give heads*16 CTAs (128 at H=8), enough to
 # cover the H200's 132 SMs once.
 DEFAULT_BLOCK_N = 32
@@ -112,9 +140,12 @@ DEFAULT_BLOCK_N = 32
 INTERPRET_BLOCK_N = KV_LORA
 
 
-def gluon_choice(weight_format: str, out_fp8: bool, num_heads: int, m: int) -> GluonChoice | None:
-    """The GLUON_TUNED choice for one shape (None for a recipe without Gluon rules)."""
-    for min_heads, min_m, choice in GLUON_TUNED.get((weight_format, out_fp8), ()):
+def gluon_choice(
+    weight_format: str, out_fp8: bool, num_heads: int, m: int, geometry: Geometry = GLM5
+) -> GluonChoice | None:
+    """The GLUON_TUNED choice for one shape (None for a recipe or geometry without Gluon
+    rules)."""
+    for min_heads, min_m, choice in TABLES[geometry.name].gluon.get((weight_format, out_fp8), ()):
         if num_heads >= min_heads and m >= min_m:
             return choice
     return None
@@ -128,28 +159,31 @@ def launch_config(
     *,
     allow_fma: bool = True,
     pdl: bool | None = None,
+    geometry: Geometry = GLM5,
 ) -> LaunchConfig:
-    """The Triton-family configuration for ``m`` tokens of ``num_heads`` heads (rule 4 of the
-    module docstring, or the interpreter's); ``allow_fma=False`` gives the MMA kernels' choice.
-    ``pdl=None`` is ``DEFAULT_PDL``."""
+    """The Triton-family configuration for ``m`` tokens of ``num_heads`` heads of ``geometry``
+    (rule 4 of the module docstring, or the interpreter's); ``allow_fma=False`` gives the MMA
+    kernels' choice. ``pdl=None`` is ``DEFAULT_PDL``."""
     pdl = DEFAULT_PDL if pdl is None else pdl
+    tables = TABLES[geometry.name]
     fma_m = triton.next_power_of_2(max(m, 1))
-    fma = FMA_TUNED.get((weight_format, out_fp8, fma_m), {}) if allow_fma else {}
-    block_m = max(triton_mla_query.MIN_BLOCK_M, fma_m)
+    fma = tables.fma.get((weight_format, out_fp8, fma_m), {}) if allow_fma else {}
+    block_m = min(max(triton_mla_query.MIN_BLOCK_M, fma_m), triton_mla_query.MAX_BLOCK_M)
     if common.interpreting():
         if num_heads in fma:  # the GPU takes the register path here: so does the interpreter
             return LaunchConfig(block_m=fma_m, block_n=INTERPRET_BLOCK_N, num_warps=1, fma=True)
-        return LaunchConfig(block_m=block_m, block_n=INTERPRET_BLOCK_N, block_k=_ONE_K)
+        one_k = triton_mla_query.SINGLE_BLOCK_K[geometry.name]
+        return LaunchConfig(block_m=block_m, block_n=INTERPRET_BLOCK_N, block_k=one_k)
     if num_heads in fma:
         block_n, num_warps = fma[num_heads]
         return LaunchConfig(fma_m, block_n, num_warps=num_warps, pdl=pdl, fma=True)
-    choice = gluon_choice(weight_format, out_fp8, num_heads, m)
-    if choice is not None and gluon_mla_query.AVAILABLE:
+    choice = gluon_choice(weight_format, out_fp8, num_heads, m, geometry)
+    if choice is not None and m <= TABLES_MAX_M and gluon_mla_query.AVAILABLE:
         return LaunchConfig(
             block_m, choice.block_n, num_warps=choice.num_warps, pdl=pdl, gluon=True,
             gluon_operands=choice.operands, e4m3_epilogue="wide" if choice.wide_store else "mul",
         )  # fmt: skip
-    tuned = TUNED.get((weight_format, out_fp8, block_m), {})
+    tuned = tables.tuned.get((weight_format, out_fp8, block_m), {})
     block_n, num_warps, block_k = tuned.get(
         num_heads, (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, common.BLOCK_K)
     )
@@ -190,22 +224,28 @@ def select(
     num_heads: int,
     m: int,
     *,
+    geometry: Geometry | str = GLM5,
     weight_format: str = "bf16",
     out_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
     pdl: bool = False,
+    qualified: bool = True,
 ) -> Selection:
-    """The kernel ``backend="auto"`` runs for one call's problem (see the module docstring)."""
+    """The kernel ``backend="auto"`` runs for one call's problem (see the module docstring);
+    ``qualified=False`` (``backend="triton"``) lets H and M run where the kernels run at all
+    (``capability.explain``)."""
     why = capability.explain(
-        num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device
-    )
+        num_heads, m, geometry=geometry, weight_format=weight_format, out_dtype=out_dtype,
+        device=device, qualified=qualified,
+    )  # fmt: skip
     if why is not None:
         return Selection("staged", why)
+    geometry = capability.served_geometry(geometry)
     out_fp8 = out_dtype == torch.float8_e4m3fn
-    config = launch_config(num_heads, m, weight_format, out_fp8, pdl=pdl)
+    config = launch_config(num_heads, m, weight_format, out_fp8, pdl=pdl, geometry=geometry)
     if capability.resolve_device(device).type != "cuda":
         return Selection("triton", "CPU tensors run the Triton kernel in its interpreter", config)
-    problem = capability.cute_problem(weight_format, out_dtype, pdl=pdl)
+    problem = capability.cute_problem(weight_format, out_dtype, pdl=pdl, geometry=geometry)
     if problem is not None:
         return Selection("triton", problem, config)
     limit = CUTE_MAX_M[weight_format]
@@ -223,6 +263,7 @@ def kernel_choice(
     num_heads: int,
     m: int,
     *,
+    geometry: Geometry | str = GLM5,
     weight_format: str = "bf16",
     out_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
@@ -230,10 +271,12 @@ def kernel_choice(
 ) -> tuple[str, str]:
     """(path, why) of ``backend="auto"`` for one call's problem: path is ``"cute"``,
     ``"triton"`` or ``"staged"``, and why says what decided it, e.g. MXFP8 falling back to
-    the Triton kernel because nvidia-cutlass-dsl is not installed."""
+    the Triton kernel because nvidia-cutlass-dsl is not installed, or an H that ``geometry``
+    is not qualified for."""
     chosen = select(
-        num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
-    )
+        num_heads, m, geometry=geometry, weight_format=weight_format, out_dtype=out_dtype,
+        device=device, pdl=pdl,
+    )  # fmt: skip
     return chosen.path, chosen.why
 
 
@@ -241,6 +284,7 @@ def kernel_summary(
     num_heads: int,
     ms: Iterable[int],
     *,
+    geometry: Geometry | str = GLM5,
     weight_format: str = "bf16",
     out_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
@@ -254,8 +298,9 @@ def kernel_summary(
     runs: list[tuple[str, list[int]]] = []
     for m in sorted(set(ms)):
         name = select(
-            num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
-        ).kernel
+            num_heads, m, geometry=geometry, weight_format=weight_format, out_dtype=out_dtype,
+            device=device, pdl=pdl,
+        ).kernel  # fmt: skip
         if runs and runs[-1][0] == name:
             runs[-1][1].append(m)
         else:
@@ -267,7 +312,7 @@ def kernel_summary(
     text = "; ".join(f"M={span(m_run)} {name}" for name, m_run in runs) or "no M"
     on_gpu = capability.resolve_device(device).type == "cuda"
     if on_gpu and not any(n.startswith("cute") for n, _ in runs):
-        problem = capability.cute_problem(weight_format, out_dtype, pdl=pdl)
+        problem = capability.cute_problem(weight_format, out_dtype, pdl=pdl, geometry=geometry)
         if problem is not None:
             text += f" [CuTe: {problem}]"
     return text

@@ -7,13 +7,12 @@ import dataclasses
 from collections.abc import Callable
 
 from fusedq.contract import (
-    QK_NOPE,
     QK_ROPE,
     QUERY_WIDTH,
 )
 from fusedq_bench.harness import Layers, every_layer
 
-# --chain: vLLM's q_lora_rank (DeepSeek-V3 / GLM-5): q_b_proj maps 1536 -> H * 256.
+# --chain: vLLM's q_lora_rank (DeepSeek-V3 / GLM-5): q_b_proj maps 1536 -> H * (qk_nope + 64).
 Q_LORA_RANK = 1536
 
 
@@ -38,11 +37,11 @@ def producers(lay: Layers) -> Producers:
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
     dev = lay.q_nope.device
     q = lay.q_nope._base if lay.q_nope._base is not None else lay.q_nope
+    width = lay.geometry.qk_nope + QK_ROPE
     return Producers(
-        q2d=q.view(m, h * (QK_NOPE + QK_ROPE)),
+        q2d=q.view(m, h * width),
         q_c=torch.randn(m, Q_LORA_RANK, device=dev, dtype=torch.bfloat16),
-        w_qb=torch.randn(Q_LORA_RANK, h * (QK_NOPE + QK_ROPE), device=dev, dtype=torch.bfloat16)
-        * 0.02,
+        w_qb=torch.randn(Q_LORA_RANK, h * width, device=dev, dtype=torch.bfloat16) * 0.02,
         kv_new=torch.randn(m, QUERY_WIDTH, device=dev, dtype=torch.bfloat16),
         kv_row=torch.empty(m, QUERY_WIDTH, device=dev, dtype=torch.bfloat16),
     )

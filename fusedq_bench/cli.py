@@ -178,10 +178,26 @@ def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
     return new
 
 
+def _ints(text: str) -> list[int]:
+    """One --heads/--m value: an integer or a comma list (``8,16,32``)."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma list") from None
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
+    from fusedq.contract import GEOMETRIES, QUALIFIED
+
     p = argparse.ArgumentParser(prog="fusedq-bench", description=__doc__.split("\n")[0])
-    p.add_argument("--heads", type=int, nargs="+", default=list(Options.heads))
-    p.add_argument("--m", type=int, nargs="+", default=list(Options.ms), dest="ms")
+    p.add_argument(
+        "--geometry",
+        choices=[g.name for g in GEOMETRIES],
+        default=Options.geometry,
+        help="the MLA geometry to time (its rows name it); --heads defaults to its qualified heads",
+    )
+    p.add_argument("--heads", type=_ints, nargs="+", default=None, help="e.g. 8,16,32 or 8 16 32")
+    p.add_argument("--m", type=_ints, nargs="+", default=[list(Options.ms)], dest="ms")
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     p.add_argument("--samples", type=int, default=Options.samples, help="timed replays per graph")
     p.add_argument("--warmup", type=int, default=Options.warmup)
@@ -260,8 +276,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
             p.error(str(exc))
     if a.calls < 1 or a.repeats < 1:
         p.error(f"--calls {a.calls} and --repeats {a.repeats} must be at least 1")
+    heads = [QUALIFIED[a.geometry].heads] if a.heads is None else a.heads
+    heads, ms = [h for group in heads for h in group], [m for group in a.ms for m in group]
+    if not heads or not ms or min(heads) < 1 or min(ms) < 1:
+        p.error(f"--heads {heads} and --m {ms} must be positive integers")
     opts = Options(
-        heads=tuple(a.heads), ms=tuple(a.ms), formats=tuple(a.formats), samples=a.samples,
+        heads=tuple(heads), ms=tuple(ms), geometry=a.geometry, formats=tuple(a.formats),
+        samples=a.samples,
         warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, chain=a.chain, sweep=a.sweep,
         floors=a.floors, eager=a.eager, eager_calls=a.calls, eager_repeats=a.repeats,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),

@@ -9,7 +9,9 @@ and kernels that take apart where the rest of the fused kernel's time goes (``st
 from __future__ import annotations
 
 from fusedq.contract import (
+    GLM5,
     KV_LORA,
+    Geometry,
 )
 from fusedq_bench.common import (
     RECIPES,
@@ -93,12 +95,12 @@ def _floor_kernels():
     def view_read_kernel(
         w_ptr, s_ptr, sink_ptr, s_wh, s_wk, s_sh, s_sk,
         BLOCK_N: tl.constexpr, CHUNK_K: tl.constexpr, SCALES: tl.constexpr,
-        SCALE_COLS: tl.constexpr, MX: tl.constexpr,
+        SCALE_COLS: tl.constexpr, MX: tl.constexpr, NUM_K: tl.constexpr,
     ):  # fmt: skip
         # The fused kernel's CTA tile of the real weight view (head h, BLOCK_N columns from
-        # pid_n * BLOCK_N, all 3 x CHUNK_K rows; MXFP8: with its scales), loaded as the fused
-        # kernels load it (three K chunks, every load issued before any use), folded
-        # elementwise in the layout it arrives in, then into one word.
+        # pid_n * BLOCK_N, all NUM_K x CHUNK_K rows: 3 for GLM-5, 2 for DeepSeek-V3; MXFP8:
+        # with its scales), loaded as the fused kernels load it (K chunks, every load issued
+        # before any use), folded elementwise in the layout it arrives in, then into one word.
         pid_n = tl.program_id(0)
         h = tl.program_id(1)
         offs_k = tl.arange(0, CHUNK_K)
@@ -106,17 +108,23 @@ def _floor_kernels():
         rows = w_ptr + h.to(tl.int64) * s_wh + offs_k[:, None] * s_wk + offs_n[None, :]
         w0 = tl.load(rows)
         w1 = tl.load(rows + CHUNK_K * s_wk)
-        w2 = tl.load(rows + 2 * CHUNK_K * s_wk)
+        if NUM_K > 2:
+            w2 = tl.load(rows + 2 * CHUNK_K * s_wk)
         if SCALES:
             offs_s = (pid_n * BLOCK_N) // MX + tl.arange(0, SCALE_COLS)
             srows = s_ptr + h.to(tl.int64) * s_sh + offs_k[:, None] * s_sk + offs_s[None, :]
             c0 = tl.load(srows)
             c1 = tl.load(srows + CHUNK_K * s_sk)
-            c2 = tl.load(srows + 2 * CHUNK_K * s_sk)
-        x = w0.to(tl.int32) + w1.to(tl.int32) + w2.to(tl.int32)
+            if NUM_K > 2:
+                c2 = tl.load(srows + 2 * CHUNK_K * s_sk)
+        x = w0.to(tl.int32) + w1.to(tl.int32)
+        if NUM_K > 2:
+            x = x + w2.to(tl.int32)
         total = tl.sum(tl.sum(x, axis=1), axis=0)
         if SCALES:
-            c = c0.to(tl.int32) + c1.to(tl.int32) + c2.to(tl.int32)
+            c = c0.to(tl.int32) + c1.to(tl.int32)
+            if NUM_K > 2:
+                c = c + c2.to(tl.int32)
             total += tl.sum(tl.sum(c, axis=1), axis=0)
         tl.store(sink_ptr + h * tl.num_programs(0) + pid_n, total)
 
@@ -168,21 +176,22 @@ def _define_tma_floor_kernel():
     def view_tma_kernel(
         w_desc, s_ptr, sink_ptr, rows_per_head, s_sh, s_sk,
         BLOCK_N: gl.constexpr, CHUNK_K: gl.constexpr, SCALES: gl.constexpr,
-        SCALE_COLS: gl.constexpr, MX: gl.constexpr,
+        SCALE_COLS: gl.constexpr, MX: gl.constexpr, NUM_K: gl.constexpr,
     ):  # fmt: skip
         pid_n = gl.program_id(0)
         h = gl.program_id(1)
         num_warps: gl.constexpr = gl.num_warps()
-        tiles = gl.allocate_shared_memory(w_desc.dtype, [3, CHUNK_K, BLOCK_N], w_desc.layout)
+        tiles = gl.allocate_shared_memory(w_desc.dtype, [NUM_K, CHUNK_K, BLOCK_N], w_desc.layout)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         fence_async_shared()
         row = h * rows_per_head
         col = pid_n * BLOCK_N
-        mbarrier.expect(bar, 3 * w_desc.block_type.nbytes)
+        mbarrier.expect(bar, NUM_K * w_desc.block_type.nbytes)
         tma_load(w_desc, [row, col], bar, tiles.index(0))
         tma_load(w_desc, [row + CHUNK_K, col], bar, tiles.index(1))
-        tma_load(w_desc, [row + 2 * CHUNK_K, col], bar, tiles.index(2))
+        if NUM_K > 2:
+            tma_load(w_desc, [row + 2 * CHUNK_K, col], bar, tiles.index(2))
         if SCALES:  # (1-2 bytes a row: below TMA's 16-byte minimum box; plain loads, issued
             # before the wait so they share the round trip)
             s_layout: gl.constexpr = gl.BlockedLayout(
@@ -195,15 +204,19 @@ def _define_tma_floor_kernel():
             srows = s_ptr + h.to(gl.int64) * s_sh + offs_k[:, None] * s_sk + offs_s[None, :]
             c0 = gl.load(srows)
             c1 = gl.load(srows + CHUNK_K * s_sk)
-            c2 = gl.load(srows + 2 * CHUNK_K * s_sk)
+            if NUM_K > 2:
+                c2 = gl.load(srows + 2 * CHUNK_K * s_sk)
         mbarrier.wait(bar, 0)
         mbarrier.invalidate(bar)
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         x = tiles.index(0).load(layout).to(gl.int32) + tiles.index(1).load(layout).to(gl.int32)
-        x = x + tiles.index(2).load(layout).to(gl.int32)
+        if NUM_K > 2:
+            x = x + tiles.index(2).load(layout).to(gl.int32)
         total = gl.sum(gl.sum(x, axis=1), axis=0)
         if SCALES:
-            c = c0.to(gl.int32) + c1.to(gl.int32) + c2.to(gl.int32)
+            c = c0.to(gl.int32) + c1.to(gl.int32)
+            if NUM_K > 2:
+                c = c + c2.to(gl.int32)
             total += gl.sum(gl.sum(c, axis=1), axis=0)
         gl.store(sink_ptr + h * gl.num_programs(0) + pid_n, total)
 
@@ -211,9 +224,9 @@ def _define_tma_floor_kernel():
 
 
 def tma_weight_rows(values):
-    """vLLM's W_UK_T view ``[H, 192, 512]`` (rows of every head ``stride(0) // stride(1)``
+    """vLLM's W_UK_T view ``[H, qk_nope, 512]`` (rows of every head ``stride(0) // stride(1)``
     apart in one ``[rows, 512]`` matrix, as kv_b_proj's weight lays them out) as that 2-D
-    matrix, up to the last head's 192nd row: what a TMA descriptor can address."""
+    matrix, up to the last head's last nope row: what a TMA descriptor can address."""
     import torch
 
     h, k, n = values.shape
@@ -256,20 +269,27 @@ FLOOR_TITLES = {
 }  # fmt: skip
 
 
-def fused_grid_ctas(fmt: str, h: int, m: int) -> int:
+def fused_grid_ctas(fmt: str, h: int, m: int, geometry: Geometry = GLM5) -> int:
     """How many CTAs the fused kernel the product picks launches for one layer (a grid of
     (512 / BLOCK_N, H))."""
-    return h * (KV_LORA // fused_block_n(fmt, h, m))
+    return h * (KV_LORA // fused_block_n(fmt, h, m, geometry))
 
 
-def fused_block_n(fmt: str, h: int, m: int) -> int:
+def fused_block_n(fmt: str, h: int, m: int, geometry: Geometry = GLM5) -> int:
     """The output columns per CTA of the fused kernel the product picks (the CuTe kernel's:
-    its MX block)."""
+    its MX block), or the Triton kernels' past the qualified shapes."""
     from fusedq.kernels import cute_mla_query
     from fusedq.selection import select
 
     weight_format, out_fp8 = RECIPES[fmt]
-    chosen = select(h, m, weight_format=weight_format, out_dtype=out_dtype_of(out_fp8))
+    chosen = select(
+        h, m, geometry=geometry, weight_format=weight_format, out_dtype=out_dtype_of(out_fp8)
+    )
+    if chosen.path == "staged":  # unqualified: the bench times backend="triton"
+        chosen = select(
+            h, m, geometry=geometry, weight_format=weight_format,
+            out_dtype=out_dtype_of(out_fp8), qualified=False,
+        )  # fmt: skip
     if chosen.path == "cute":
         return cute_mla_query.BLOCK_N
     return chosen.config.block_n

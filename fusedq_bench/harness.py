@@ -11,12 +11,12 @@ from fusedq.contract import (
     E4M3_MAX,
     KV_LORA,
     MX_BLOCK,
-    QK_NOPE,
     QK_ROPE,
     QUERY_WIDTH,
-    V_HEAD,
+    Geometry,
+    geometry_named,
 )
-from fusedq.kernels.common import BLOCK_K
+from fusedq.kernels.common import BLOCK_K, k_chunks
 from fusedq_bench.common import (
     RECIPES,
     abba_order,
@@ -129,6 +129,10 @@ class Layers:
     q_scale: object
     out_dtype: object
     weight_bytes: int
+    geometry: Geometry
+    # The fused step's backend: "auto" (the product's choice) where the geometry is qualified
+    # for the shape, "triton" past it (what qualifying a shape measures).
+    fused_backend: str = "auto"
     floor_sink: object = None
     # The read+store floor's output: as many int32 words as the layer's out has bytes / 4.
     floor_out: object = None
@@ -143,21 +147,23 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
     import fusedq
 
     dev = torch.device("cuda")
-    bf16_bytes = h * QK_NOPE * KV_LORA * 2
-    mxfp8_bytes = h * QK_NOPE * KV_LORA + h * QK_NOPE * (KV_LORA // MX_BLOCK)
+    g = geometry_named(opts.geometry)
+    nope = g.qk_nope
+    bf16_bytes = h * nope * KV_LORA * 2
+    mxfp8_bytes = h * nope * KV_LORA + h * nope * (KV_LORA // MX_BLOCK)
     weight_format, out_fp8 = RECIPES[fmt]
     fused_bytes = mxfp8_bytes if weight_format == "mxfp8" else bf16_bytes
     n_layers = layer_count(min(bf16_bytes, fused_bytes), opts)
     staged_w, fused_w, copy_src, copy_dst = [], [], [], []
     for _ in range(n_layers):
         # vLLM's W_UK_T: kv_b_proj.weight.T viewed [H, P+V, L], sliced to the P rows.
-        base = torch.randn(h, QK_NOPE + V_HEAD, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
-        w = base[:, :QK_NOPE, :]
+        base = torch.randn(h, g.head_stride_rows, KV_LORA, device=dev, dtype=torch.bfloat16) * 0.05
+        w = base[:, :nope, :]
         staged_w.append(w)
         fused_w.append(fusedq.quantize_mxfp8(w) if weight_format == "mxfp8" else w)
         copy_src.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
         copy_dst.append(torch.empty(fused_bytes, dtype=torch.uint8, device=dev))
-    q = torch.randn(m, h, QK_NOPE + QK_ROPE, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(m, h, nope + QK_ROPE, device=dev, dtype=torch.bfloat16)
     out_dtype = out_dtype_of(out_fp8)
     q_scale = torch.tensor([opts.q_scale], device=dev) if out_fp8 else None
     out = torch.empty(m, h, QUERY_WIDTH, device=dev, dtype=out_dtype)
@@ -170,19 +176,25 @@ def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
         -(-out.numel() * out.element_size() // 4), dtype=torch.int32, device=dev
     )
     tiles = -(-fused_bytes // (4 * FLOOR_SPLIT_WORDS * FLOOR_SPLIT_K))
+    qualified = fusedq.can_implement(
+        h, m, geometry=g, weight_format=weight_format, out_dtype=out_dtype, device=dev
+    )
     return Layers(
-        staged_w, fused_w, copy_src, copy_dst, q[..., :QK_NOPE], q[..., QK_NOPE:], out, q_scale,
-        out_dtype, fused_bytes, sink, floor_out,
+        staged_w, fused_w, copy_src, copy_dst, q[..., :nope], q[..., nope:], out, q_scale,
+        out_dtype, fused_bytes, g, "auto" if qualified else "triton", sink, floor_out,
         torch.zeros(tiles, dtype=torch.int32, device=dev),
         torch.zeros(tiles, dtype=torch.int32, device=dev),
     )  # fmt: skip
 
 
-def fused_step(lay: Layers, config=None, backend: str = "auto") -> Callable[[int], None]:
+def fused_step(lay: Layers, config=None, backend: str | None = None) -> Callable[[int], None]:
     """Layer i's fused call: the public op (``backend``: "auto" is the product's own choice of
-    kernel, "triton"/"cute" that kernel), or the Triton kernel launched with ``config``."""
+    kernel, "triton"/"cute" that kernel; ``None`` is ``lay.fused_backend``), or the Triton
+    kernel launched with ``config``."""
     import fusedq
     from fusedq.kernels import triton_launch
+
+    backend = lay.fused_backend if backend is None else backend
 
     def step(i: int) -> None:
         w = lay.fused_w[i]
@@ -208,9 +220,15 @@ def kernel_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
 
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
     weight_format = RECIPES[fmt][0]
-    path, why = fusedq.kernel_choice(
-        h, m, weight_format=weight_format, out_dtype=lay.out_dtype, device=lay.q_nope.device
-    )
+    kw = dict(
+        geometry=lay.geometry, weight_format=weight_format, out_dtype=lay.out_dtype,
+        device=lay.q_nope.device,
+    )  # fmt: skip
+    path, why = fusedq.kernel_choice(h, m, **kw)
+    if path == "staged" and lay.fused_backend == "triton":
+        # Past the qualified shapes: the fused step forces the Triton kernels, if they run.
+        why = fusedq.explain(h, m, qualified=False, **kw)
+        path = "triton" if why is None else path
     if path == "staged":
         raise RuntimeError(f"{fmt} H={h} M={m}: the fused kernel cannot run here: {why}")
     cute, _ = cute_step(lay, fmt)
@@ -275,7 +293,7 @@ def cute_step(lay: Layers, fmt: str) -> tuple[Callable[[int], None] | None, str 
     from fusedq.dispatch import split_weight
     from fusedq.kernels import cute_mla_query as cute
 
-    reason = cute_problem(RECIPES[fmt][0], lay.out_dtype)
+    reason = cute_problem(RECIPES[fmt][0], lay.out_dtype, geometry=lay.geometry)
     if reason is None:
         values, scales = split_weight(lay.fused_w[0])
         reason = cute.unsupported_reason(lay.q_nope, values, scales, lay.q_pe, lay.out)
@@ -324,7 +342,7 @@ def grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
     words = [src.view(torch.int32) for src in lay.copy_src]
     n_words = words[0].numel()
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
-    block_n = fused_block_n(fmt, h, m)
+    block_n = fused_block_n(fmt, h, m, lay.geometry)
     ctas = h * (KV_LORA // block_n)
     per_cta = -(-n_words // ctas // 16) * 16
     cover = triton.next_power_of_2(per_cta)
@@ -351,6 +369,7 @@ def grid_floor_steps(lay: Layers, fmt: str) -> dict[str, Callable[[int], None]]:
     view_meta = dict(
         BLOCK_N=block_n, CHUNK_K=BLOCK_K, SCALES=ws[0][1] is not None,
         SCALE_COLS=max(1, block_n // MX_BLOCK), MX=MX_BLOCK, num_warps=4 if block_n <= 32 else 8,
+        NUM_K=k_chunks(lay.geometry.qk_nope),
     )  # fmt: skip
 
     def view(i: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fusedq.contract import DECODE_M_BUCKETS, QUALIFIED_HEADS
+from fusedq.contract import DECODE_M_BUCKETS, GLM5, QUALIFIED
 from fusedq.kernels.common import BLOCK_K
 from fusedq.kernels.triton_mla_query import SINGLE_BLOCK_K
 from fusedq_bench.common import (
@@ -19,8 +19,10 @@ DEFAULT_L2_MB = 60.0
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    heads: tuple[int, ...] = QUALIFIED_HEADS
+    heads: tuple[int, ...] = QUALIFIED[GLM5.name].heads
     ms: tuple[int, ...] = DECODE_M_BUCKETS
+    # The MLA geometry timed (a fusedq.contract.GEOMETRIES name); its rows name it.
+    geometry: str = GLM5.name
     formats: tuple[str, ...] = FORMATS
     samples: int = 1000
     warmup: int = 20
@@ -31,7 +33,7 @@ class Options:
     sweep: bool = False
     sweep_block_n: tuple[int, ...] = (16, 32, 64)
     sweep_warps: tuple[int, ...] = (4, 8)
-    sweep_block_k: tuple[int, ...] = (BLOCK_K, SINGLE_BLOCK_K)
+    sweep_block_k: tuple[int, ...] = (BLOCK_K, SINGLE_BLOCK_K[GLM5.name])
     sweep_pdl: tuple[int, ...] = (0,)
     # Register-path (no tl.dot) variants "BLOCK_N:WARPS", for M <= 8, any output; and those
     # of them to time with PDL as well.

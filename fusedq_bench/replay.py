@@ -50,7 +50,8 @@ def shape_steps(
     steps.update(kernel_steps(lay, fmt))
     if pdl and triton_mla_query.HAS_PDL:
         m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
-        steps["fused_pdl"] = fused_step(lay, launch_config(h, m, *RECIPES[fmt], pdl=True))
+        config = launch_config(h, m, *RECIPES[fmt], pdl=True, geometry=lay.geometry)
+        steps["fused_pdl"] = fused_step(lay, config)
     if floors:
         steps.update(floor_steps(lay))
         steps.update(grid_floor_steps(lay, fmt))
@@ -74,6 +75,11 @@ def bench_shape(fmt: str, h: int, m: int, opts: Options) -> dict:
         }
     times = time_graphs(graphs, opts.samples, opts.warmup)
     row = {"format": fmt, "H": h, "M": m, "layers": n, "weight_bytes": lay.weight_bytes}
+    # Which MLA geometry (readers that predate it take rows without one as GLM-5's), and the
+    # fused step's backend where it is not the product's choice (past the qualified shapes).
+    row["geometry"] = lay.geometry.name
+    if lay.fused_backend != "auto":
+        row["fused_backend"] = lay.fused_backend
     for name, ms in times.items():
         row[f"{name}_us"] = median_us(ms, n)
         row[f"{name}_p10_us"] = statistics.quantiles(ms, n=10)[0] * 1000.0 / n

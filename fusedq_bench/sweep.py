@@ -26,12 +26,14 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
     """Launch configs to time for one shape: the tl.dot grid, the tl.dot path's current
     choice (``dot``), the default choice (``auto``), the register-path and the Gluon
     variants."""
+    from fusedq.contract import geometry_named
     from fusedq.kernels.triton_launch import LaunchConfig
-    from fusedq.kernels.triton_mla_query import FMA_BLOCK_MS
+    from fusedq.kernels.triton_mla_query import FMA_BLOCK_MS, MAX_BLOCK_M
     from fusedq.selection import launch_config
 
     weight_format, out_fp8 = RECIPES[fmt]
-    block_m = max(16, 1 << (m - 1).bit_length())
+    g = geometry_named(opts.geometry)
+    block_m = min(max(16, 1 << (m - 1).bit_length()), MAX_BLOCK_M)
     configs = {
         f"bn{bn}_w{nw}_k{bk}{'_pdl' if pdl else ''}": LaunchConfig(
             block_m=block_m, block_n=bn, num_warps=nw, block_k=bk, pdl=bool(pdl)
@@ -41,8 +43,8 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
         for bk in opts.sweep_block_k
         for pdl in opts.sweep_pdl
     }
-    configs["dot"] = launch_config(h, m, weight_format, out_fp8, allow_fma=False)
-    configs["auto"] = launch_config(h, m, weight_format, out_fp8)
+    configs["dot"] = launch_config(h, m, weight_format, out_fp8, allow_fma=False, geometry=g)
+    configs["auto"] = launch_config(h, m, weight_format, out_fp8, geometry=g)
     fma_m = 1 << (m - 1).bit_length()
     if fma_m in FMA_BLOCK_MS:
         for spec, pdl in [(v, False) for v in opts.sweep_fma] + [
@@ -52,7 +54,10 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
             configs[f"fma_bn{bn}_w{nw}{'_pdl' if pdl else ''}"] = LaunchConfig(
                 block_m=fma_m, block_n=bn, num_warps=nw, pdl=pdl, fma=True
             )
-    for spec in opts.sweep_gluon:
+    from fusedq.kernels import gluon_mla_query
+
+    # (the Gluon kernel is built for GLM-5's geometry only)
+    for spec in opts.sweep_gluon if g in gluon_mla_query.GEOMETRIES else ():
         bn, nw, *bm = parse_gluon_spec(spec)
         bm = bm[0] if bm else block_m
         if bm < m:
@@ -113,7 +118,7 @@ def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
         cfg = configs.get(name)
         rows.append(
             {
-                "format": fmt, "H": h, "M": m, "variant": name,
+                "format": fmt, "geometry": opts.geometry, "H": h, "M": m, "variant": name,
                 "config": dataclasses.asdict(cfg) if cfg else None,
                 "us": median_us(ms, n),
                 "max_abs_err_vs_staged": errors.get(name),

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the tree a GPU host was given, installed or not
     sys.path.insert(0, str(REPO))
 
-from fusedq.contract import QUALIFIED_HEADS  # noqa: E402 (after the path above)
+from fusedq.contract import GLM5, QUALIFIED  # noqa: E402 (after the path above)
 
 RECORDS = REPO / "tests" / "fusedq" / "gpu_records"
 COMMAND = "python scripts/gpu_record.py"
@@ -54,7 +54,7 @@ SCHEMA = 1
 CAPABILITY = (9, 0)
 TESTS = ["-m", "gpu", "tests/fusedq"]
 # A short floors run: every recipe, the qualified head counts, one M per kernel regime.
-BENCH_HEADS = QUALIFIED_HEADS
+BENCH_HEADS = QUALIFIED[GLM5.name].heads
 BENCH_M = (1, 2, 4, 32)
 BENCH_SAMPLES = 200
 VERSIONS = ("torch", "triton", "nvidia-cutlass-dsl", "cuda-python", "cuda-bindings")

@@ -27,8 +27,9 @@ import time
 
 import torch
 
-from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE, SCALE_BLOCKS
+from fusedq.contract import KV_LORA, QK_ROPE, SCALE_BLOCKS
 from fusedq.kernels import cute_mla_query as cm
+from fusedq.kernels.cute_mla_query import QK_NOPE  # the CuTe kernel's geometry (GLM-5's)
 from fusedq_bench import cli, harness, options
 
 

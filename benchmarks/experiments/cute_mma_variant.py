@@ -40,19 +40,19 @@ from typing import Any
 
 import torch  # noqa: F401 (the rebound launch path's)
 
-from fusedq.contract import (  # QUERY_WIDTH and V_HEAD: the rebound launch path's
+from fusedq.contract import (  # QUERY_WIDTH: the rebound launch path's
     KV_LORA,
-    QK_NOPE,
     QK_ROPE,
     QUERY_WIDTH,  # noqa: F401
     SCALE_BLOCKS,
-    V_HEAD,  # noqa: F401
 )
 from fusedq.kernels import cute_mla_query as _base
-from fusedq.kernels.cute_mla_query import (  # the last four: the rebound launch path's
+from fusedq.kernels.cute_mla_query import (  # V_HEAD and the last four: the rebound launch path's
     BLOCK_N,
     OUT_GROUP,
     Q_VEC,
+    QK_NOPE,
+    V_HEAD,  # noqa: F401
     VEC_BYTES,
     WARP,
     _clamp_scaled,

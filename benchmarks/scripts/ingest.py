@@ -23,8 +23,11 @@ it has none. ``--check`` converts every source again and fails when its rows dif
 
 Row fields, in this order (``[...]`` only where known)::
 
-    date, commit, [commit_note], machine, tool, source, [part], recipe, H, M, kernel,
-    [kernel_name], metric, value, [median], [samples], [err, mismatch_bytes]
+    date, commit, [commit_note], machine, tool, source, [part], [geometry], recipe, H, M,
+    kernel, [kernel_name], metric, value, [median], [samples], [err, mismatch_bytes]
+
+``geometry`` is the MLA geometry a fusedq-bench row names (``glm5``, ``deepseek-v3``); rows
+of sources that predate it have none and are GLM-5's.
 
 ``recipe`` is fusedq-bench's format name: ``bf16`` (bf16 weights, BF16 out), ``mxfp8``,
 ``e4m3`` (bf16 weights, E4M3 out), ``mxfp8-e4m3``. ``kernel`` is what was timed: ``fused``
@@ -68,6 +71,7 @@ ROW_KEYS = (
     "tool",
     "source",
     "part",
+    "geometry",
     "recipe",
     "H",
     "M",
@@ -157,7 +161,7 @@ def _bench_rows(
 ) -> Iterator[dict]:
     samples = (doc.get("options") or {}).get("samples")
     for r in doc.get("rows", []):
-        shape = {"recipe": r["format"], "H": r["H"], "M": r["M"]}
+        shape = {"geometry": r.get("geometry"), "recipe": r["format"], "H": r["H"], "M": r["M"]}
         figures = {
             k[:-3]: v
             for k, v in r.items()
@@ -193,6 +197,7 @@ def _bench_rows(
     for r in doc.get("sweep", []):
         yield _row(
             **base,
+            geometry=r.get("geometry"),
             recipe=r["format"],
             H=r["H"],
             M=r["M"],

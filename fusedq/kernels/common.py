@@ -11,8 +11,6 @@ import os
 
 import triton
 
-from fusedq.contract import QK_NOPE
-
 # The OUT_FP8 constexpr (``LaunchConfig.e4m3_epilogue`` picks the E4M3 ones): BF16 output;
 # E4M3 quantised as vLLM's static FP8 quant does it (``x * (1 / q_scale)``: its CUDA op
 # ``static_scaled_fp8_quant`` takes the reciprocal once and multiplies, and so does
@@ -30,8 +28,23 @@ E4M3_EPILOGUES = {
     "mul": OUT_E4M3, "div": OUT_E4M3_DIV, "noscale": OUT_E4M3_NOSCALE, "wide": OUT_E4M3_WIDE,
 }  # fmt: skip
 
-# K (qk_nope) is not a power of two; three unrolled chunks cover it exactly.
-BLOCK_K = QK_NOPE // 3
+# K (qk_nope) in unrolled 64-wide chunks: three cover GLM-5's 192, two DeepSeek-V3's 128
+# (neither needs masking; K_CHUNKS is what the kernels unroll).
+BLOCK_K = 64
+K_CHUNKS = (2, 3)
+
+
+def k_chunks(qk_nope: int) -> int:
+    """How many BLOCK_K chunks cover ``qk_nope``; ``ValueError`` where the kernels unroll no
+    such count."""
+    chunks, rest = divmod(qk_nope, BLOCK_K)
+    if rest or chunks not in K_CHUNKS:
+        raise ValueError(
+            f"qk_nope={qk_nope} is not {' or '.join(str(c) for c in K_CHUNKS)} chunks of {BLOCK_K}"
+        )
+    return chunks
+
+
 # There is no K loop to pipeline (all chunks are unrolled and loaded up front).
 DEFAULT_NUM_STAGES = 1
 # 16-byte vectors: what tl.multiple_of promises when the host says a tensor is aligned.

@@ -58,14 +58,21 @@ import torch
 from fusedq.contract import (
     DECODE_M_BUCKETS,
     E4M3_MAX,
+    GLM5,
     KV_LORA,
     MX_BLOCK,
-    QK_NOPE,
     QK_ROPE,
     QUERY_WIDTH,
     SCALE_BLOCKS,
-    V_HEAD,
 )
+
+# The geometries this kernel is built for: GLM-5's only. Its thread count derives from qk_nope
+# and its bf16 weight head stride (qk_nope + v_head rows) is compiled in, so another geometry
+# is another kernel; selection routes other geometries to the Triton tl.dot kernel, and
+# ``unsupported_reason`` refuses their shapes.
+GEOMETRIES = (GLM5,)
+QK_NOPE = GLM5.qk_nope
+V_HEAD = GLM5.v_head
 
 # One MX block per CTA: a thread needs one scale byte per weight row it owns.
 BLOCK_N = MX_BLOCK

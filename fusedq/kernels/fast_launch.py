@@ -80,8 +80,7 @@ class BoundLaunch:
         self.config = config
         _, self.w_strides = triton_launch.weight_stride_traits(values)
         self.io_strides = triton_launch.io_strides_aligned(q_nope, q_pe, out)
-        n_tiles, num_heads = triton_launch.grid_for(config, q_nope.shape[1])
-        self.grid = (n_tiles, num_heads, 1)
+        self.grid = triton_launch.grid_for(config, q_nope.shape[1], q_nope.shape[0])
         self.device_index = out.device.index if out.is_cuda else -1
         # The compiled kernel's function handle belongs to the device that was current when it
         # was loaded; launches for another device stay on Triton's path.

@@ -26,7 +26,7 @@ rejected at compile time.
 
 from __future__ import annotations
 
-from fusedq.contract import E4M3_MAX, KV_LORA, MX_BLOCK, QK_NOPE, QK_ROPE
+from fusedq.contract import E4M3_MAX, GLM5, KV_LORA, MX_BLOCK, QK_ROPE
 from fusedq.kernels import common
 
 try:
@@ -58,7 +58,10 @@ MMA_INSTR = (16, 8)
 # is only reordered): 16-byte loads along K.
 BF16_K_WIDTH = 2
 DIRECT_K_WIDTH = 8
-# Gluon's kernel is written for three unrolled 64-wide K chunks (K = 192 exactly).
+# Gluon's kernel is written for three unrolled 64-wide K chunks (K = 192 exactly): GLM-5's
+# geometry only (it static-asserts K = 3 * BLOCK_K). Selection routes other geometries to the
+# Triton tl.dot kernel, and triton_launch refuses a Gluon launch of another K.
+GEOMETRIES = (GLM5,)
 GLUON_BLOCK_K = common.BLOCK_K
 GLUON_BLOCK_MS = (16, 32)
 # Triton versions this kernel was compiled with (sm_90, offline): the GPU's 3.6 and CI's 3.9.
@@ -658,7 +661,7 @@ def offline_compile(
     from triton.experimental.gluon._runtime import GluonASTSource
 
     constexprs = {
-        "K": QK_NOPE,
+        "K": GLM5.qk_nope,
         "N": KV_LORA,
         "R": QK_ROPE,
         "BLOCK_M": block_m,

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE, QUERY_WIDTH
+from fusedq.contract import KV_LORA, QK_ROPE, QUERY_WIDTH
 from fusedq.kernels import common, gluon_mla_query, triton_mla_query
 from fusedq.kernels.common import (
     ALIGN_BYTES,
@@ -25,6 +25,7 @@ from fusedq.kernels.common import (
     W_GENERIC,
     W_UNIT_K,
     W_UNIT_N,
+    k_chunks,
 )
 
 # Four warps map a [16|32, 32] accumulator onto mma.sync without idle warps at M<=16.
@@ -50,7 +51,7 @@ class LaunchConfig:
     # Programmatic dependent launch: the weight loads (which depend on no earlier kernel) are
     # issued before griddepcontrol.wait, so they overlap the previous kernel's tail.
     pdl: bool = False
-    # Register path (no tl.dot): block_m rows unrolled, K in three 64-wide chunks.
+    # Register path (no tl.dot): block_m rows unrolled, K in 64-wide chunks.
     fma: bool = False
     # The Gluon kernel (fusedq.kernels.gluon_mla_query: explicit layouts, every load issued
     # before the first layout conversion): block_m 16|32, K in three 64-wide chunks. Never
@@ -78,9 +79,10 @@ class LaunchConfig:
             raise ValueError(f"block_n={self.block_n} must be a power of two in [16, {KV_LORA}]")
         if self.pdl and not triton_mla_query.HAS_PDL:
             raise ValueError("pdl=True needs Triton's griddepcontrol support (Triton >= 3.3)")
-        if self.block_k not in (BLOCK_K, triton_mla_query.SINGLE_BLOCK_K):
+        single = sorted(set(triton_mla_query.SINGLE_BLOCK_K.values()))
+        if self.block_k != BLOCK_K and self.block_k not in single:
             raise ValueError(
-                f"block_k={self.block_k} must be {BLOCK_K} or {triton_mla_query.SINGLE_BLOCK_K}"
+                f"block_k={self.block_k} must be {BLOCK_K} (chunks) or one chunk of {single}"
             )
         if self.e4m3_epilogue not in common.E4M3_EPILOGUES:
             raise ValueError(
@@ -106,9 +108,38 @@ class LaunchConfig:
                     f"fma: block_m={self.block_m} must be in {triton_mla_query.FMA_BLOCK_MS} and "
                     f"block_k={self.block_k} must be {BLOCK_K}"
                 )
-        elif self.block_m < triton_mla_query.MIN_BLOCK_M or self.block_m & (self.block_m - 1):
+        elif (
+            not triton_mla_query.MIN_BLOCK_M <= self.block_m <= triton_mla_query.MAX_BLOCK_M
+            or self.block_m & (self.block_m - 1)
+        ):
             raise ValueError(
-                f"block_m={self.block_m} must be a power of two >= {triton_mla_query.MIN_BLOCK_M}"
+                f"block_m={self.block_m} must be a power of two in "
+                f"[{triton_mla_query.MIN_BLOCK_M}, {triton_mla_query.MAX_BLOCK_M}]"
+            )
+
+    @property
+    def tiles_m(self) -> bool:
+        """Whether the variant tiles M over the grid's third axis (the tl.dot kernel's 64-row
+        blocks); the others cover M in one CTA row, so M must fit ``block_m``."""
+        return not (self.gluon or self.fma) and self.block_m > 32
+
+    def check_problem(self, qk_nope: int, m: int) -> None:
+        """``ValueError`` naming why this variant cannot run K = ``qk_nope`` with ``m`` tokens:
+        a kernel built for other geometries (its module's GEOMETRIES), K not in its chunks,
+        or more tokens than an untiled block holds."""
+        module = gluon_mla_query if self.gluon else triton_mla_query
+        if qk_nope not in {g.qk_nope for g in module.GEOMETRIES}:
+            names = ", ".join(g.name for g in module.GEOMETRIES)
+            raise ValueError(
+                f"qk_nope={qk_nope}: the {triton_kernel_label(self)} kernel is built for {names}"
+            )
+        if self.block_k == BLOCK_K:
+            k_chunks(qk_nope)
+        elif self.block_k < qk_nope:
+            raise ValueError(f"block_k={self.block_k} is one chunk narrower than qk_nope={qk_nope}")
+        if m > self.block_m and not self.tiles_m:
+            raise ValueError(
+                f"M={m} exceeds block_m={self.block_m} of a variant that does not tile M"
             )
 
     def _check_gluon(self) -> None:
@@ -147,6 +178,7 @@ class KernelKey:
     w_aligned: bool
     io_aligned: bool
     device_index: int
+    qk_nope: int  # K, the geometry's constexpr
 
 
 _compiled: set[KernelKey] = set()
@@ -178,7 +210,7 @@ def pointer_aligned(ptr: int) -> bool:
 
 
 def weight_stride_traits(values: torch.Tensor) -> tuple[int, bool]:
-    """(layout, strides aligned) of a [H, 192, 512] weight: the part of ``weight_traits``
+    """(layout, strides aligned) of a [H, qk_nope, 512] weight: the part of ``weight_traits``
     that does not depend on the address."""
     _, s_k, s_n = values.stride()
     layout = _weight_layout(s_k, s_n)
@@ -189,7 +221,7 @@ def weight_stride_traits(values: torch.Tensor) -> tuple[int, bool]:
 
 
 def weight_traits(values: torch.Tensor) -> tuple[int, bool]:
-    """(layout, aligned) of a [H, 192, 512] weight tensor, as the kernel key needs them."""
+    """(layout, aligned) of a [H, qk_nope, 512] weight tensor, as the kernel key needs them."""
     layout, strides_ok = weight_stride_traits(values)
     return layout, strides_ok and pointer_aligned(values.data_ptr())
 
@@ -216,6 +248,7 @@ def kernel_key(
 ) -> KernelKey:
     """The key a launch of ``config`` with these operands compiles under."""
     layout, w_is_aligned = weight_traits(values)
+    config.check_problem(values.shape[1], 1)
     return KernelKey(
         config=config,
         weight_format=weight_format,
@@ -224,12 +257,19 @@ def kernel_key(
         w_aligned=w_is_aligned,
         io_aligned=io_is_aligned,
         device_index=values.device.index if values.device.type == "cuda" else -1,
+        qk_nope=values.shape[1],
     )
 
 
-def grid_for(config: LaunchConfig, num_heads: int) -> tuple[int, int]:
-    """(N tiles, heads): the launch grid of ``config``."""
-    return KV_LORA // config.block_n, num_heads
+def grid_for(config: LaunchConfig, num_heads: int, m: int) -> tuple[int, int, int]:
+    """(N tiles, heads, M tiles): the launch grid of ``config`` for ``m`` tokens."""
+    m_tiles = -(-m // config.block_m) if config.tiles_m else 1
+    return KV_LORA // config.block_n, num_heads, max(m_tiles, 1)
+
+
+def triton_kernel_label(config: LaunchConfig) -> str:
+    """The kernel family of a configuration, as messages name it."""
+    return "Gluon" if config.gluon else "register" if config.fma else "tl.dot"
 
 
 def kernel_for(config: LaunchConfig):
@@ -267,7 +307,7 @@ def launch_arguments(
         out.stride(1),
     )
     constexprs = {
-        "K": QK_NOPE,
+        "K": key.qk_nope,
         "N": KV_LORA,
         "R": QK_ROPE,
         "BLOCK_M": cfg.block_m,
@@ -336,8 +376,9 @@ def launch_compiled(
     if m == 0:
         return key, None
     cfg = key.config
+    cfg.check_problem(key.qk_nope, m)
     ints, constexprs = launch_arguments(q_nope, values, scales, q_pe, out, key)
-    compiled = kernel_for(cfg)[grid_for(cfg, num_heads)](
+    compiled = kernel_for(cfg)[grid_for(cfg, num_heads, m)](
         q_nope,
         q_pe,
         values,
@@ -364,14 +405,14 @@ def register_interpreted(key: KernelKey) -> bool:
     return new
 
 
-def _operands(m: int, num_heads: int, device: torch.device, out_dtype, aligned: bool):
+def _operands(m: int, num_heads: int, qk_nope: int, device: torch.device, out_dtype, aligned: bool):
     # One element of lead-in misaligns every row start: the io_aligned=False variant.
     lead = 0 if aligned else 1
-    width = QK_NOPE + QK_ROPE
+    width = qk_nope + QK_ROPE
     q = torch.zeros(lead + m * num_heads * width, dtype=torch.bfloat16, device=device)
     q = q[lead:].view(m, num_heads, width)
     out = torch.empty(lead + m * num_heads * QUERY_WIDTH, dtype=out_dtype, device=device)
-    return q[..., :QK_NOPE], q[..., QK_NOPE:], out[lead:].view(m, num_heads, QUERY_WIDTH)
+    return q[..., :qk_nope], q[..., qk_nope:], out[lead:].view(m, num_heads, QUERY_WIDTH)
 
 
 def prewarm(
@@ -397,7 +438,9 @@ def prewarm(
         if common.interpreting():
             new += register_interpreted(key)
             continue
-        q_nope, q_pe, out = _operands(m, num_heads, values.device, out_dtype, aligned)
+        q_nope, q_pe, out = _operands(
+            m, num_heads, values.shape[1], values.device, out_dtype, aligned
+        )
         launched = launch(q_nope, values, scales, q_pe, out, q_scale, config=config)
         assert launched == key, (launched, key)
         new += 1

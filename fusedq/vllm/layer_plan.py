@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from fusedq.contract import DECODE_M_BUCKETS, GEOMETRIES
+from fusedq.contract import DECODE_M_BUCKETS, GEOMETRIES, GLM5, Geometry, geometry_of
 from fusedq.vllm import releases
 from fusedq.vllm.backends import QUERY_FORMS, QueryForm, query_form
 from fusedq.vllm.releases import Release
@@ -38,7 +38,8 @@ LAYER_ATTRS = (
     "_q_scale",
 )
 
-# (qk_nope, qk_rope, kv_lora) of the geometries the fused op serves (fusedq.contract).
+# (qk_nope, qk_rope, kv_lora) of the geometries the fused op serves (fusedq.contract: GLM-5's
+# and DeepSeek-V3's); whether a layer of one takes the fused path is the selection's to say.
 SERVED_GEOMETRIES = tuple((g.qk_nope, g.qk_rope, g.kv_lora) for g in GEOMETRIES)
 
 PLAN_ATTR = "_fusedq_plan"
@@ -58,6 +59,7 @@ class LayerPlan:
     mx_weight: object | None
     required: bool = False  # FUSEDQ_MLA_QUERY=1: a failing fused call raises
     form: QueryForm = QUERY_FORMS["tensor"]  # how the layer's backend takes the query
+    geometry: Geometry = GLM5  # the layer's MLA geometry (one of GEOMETRIES)
 
 
 def _fp8_query(layer) -> bool:
@@ -186,6 +188,7 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     if dims not in SERVED_GEOMETRIES:
         served = " or ".join(map(str, SERVED_GEOMETRIES))
         return None, f"(qk_nope, qk_rope, kv_lora)={dims}, fused op needs {served}"
+    geometry = geometry_of(*dims)
     w_uk_t = getattr(layer, "W_UK_T", None)
     if not isinstance(w_uk_t, torch.Tensor):
         return None, "layer has no W_UK_T"
@@ -203,18 +206,21 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     mx_weight, note = _native_mxfp8(layer)
     fmt = "bf16" if mx_weight is None else "mxfp8"
     why = fusedq.explain(
-        layer.num_heads, 1, weight_format=fmt, out_dtype=out_dtype, device=w_uk_t.device
-    )
+        layer.num_heads, 1, geometry=geometry, weight_format=fmt, out_dtype=out_dtype,
+        device=w_uk_t.device,
+    )  # fmt: skip
     if why is not None and mx_weight is not None:
         # No MXFP8 recipe here (e.g. sm_80): the bf16 W_UK vLLM built may still qualify.
         note = f"MXFP8 recipe unavailable ({why}); using bf16 W_UK"
         mx_weight, fmt = None, "bf16"
         why = fusedq.explain(
-            layer.num_heads, 1, weight_format=fmt, out_dtype=out_dtype, device=w_uk_t.device
-        )
+            layer.num_heads, 1, geometry=geometry, weight_format=fmt, out_dtype=out_dtype,
+            device=w_uk_t.device,
+        )  # fmt: skip
     if why is not None:
         return None, why
-    return LayerPlan(layer.num_heads, fmt, mx_weight, form=form), note or ""
+    plan = LayerPlan(layer.num_heads, fmt, mx_weight, form=form, geometry=geometry)
+    return plan, note or ""
 
 
 def capture_sizes(layer) -> tuple[list[int] | None, str]:
@@ -242,7 +248,9 @@ def prewarm_layer(layer, plan: LayerPlan) -> tuple[str, list[int]]:
         return f"none [{why}]", []
     weight = plan.mx_weight if plan.mx_weight is not None else layer.W_UK_T
     out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
-    ms = prewarm_values(sizes, plan.num_heads, plan.weight_format, out_dtype, layer.W_UK_T.device)
+    ms = prewarm_values(
+        sizes, plan.num_heads, plan.weight_format, out_dtype, layer.W_UK_T.device, plan.geometry
+    )
     fusedq.prewarm(weight, ms, out_dtype=out_dtype)
     if not ms:
         return f"none [no capture size in the fused range; sizes {sizes[:4]}…]", []
@@ -264,7 +272,7 @@ def _log_kernels(layer, plan: LayerPlan, prewarmed_ms: list[int], pdl: bool) -> 
         out_dtype = torch.float8_e4m3fn if _fp8_query(layer) else torch.bfloat16
         text = query.kernel_summary(
             plan.num_heads, ms, weight_format=plan.weight_format, out_dtype=out_dtype,
-            device=layer.W_UK_T.device, pdl=pdl,
+            device=layer.W_UK_T.device, pdl=pdl, geometry=plan.geometry,
         )  # fmt: skip
     except Exception as exc:
         text = f"unknown ({type(exc).__name__}: {exc})"

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from fusedq import api, capability, selection
-from fusedq.contract import KV_LORA, MX_BLOCK, QK_NOPE
+from fusedq.contract import GLM5, KV_LORA, MX_BLOCK, Geometry, geometry_of
 from fusedq.mxfp8 import MXFP8Weight
 
 Weight = torch.Tensor | MXFP8Weight
@@ -47,14 +47,23 @@ def weight_format(weight: Weight) -> str:
     return "mxfp8" if isinstance(weight, MXFP8Weight) else "bf16"
 
 
-def qualifies(num_heads: int, m: int, fmt: str, out_dtype: torch.dtype, device) -> bool:
-    """``fusedq.can_implement`` for one decode step, cached per argument tuple."""
-    key = (num_heads, m, fmt, out_dtype, torch.device(device))
+def qualifies(
+    num_heads: int,
+    m: int,
+    fmt: str,
+    out_dtype: torch.dtype,
+    device,
+    geometry: Geometry = GLM5,
+) -> bool:
+    """``fusedq.can_implement`` for one decode step (qualified shapes only), cached per
+    argument tuple."""
+    key = (num_heads, m, fmt, out_dtype, geometry.name, torch.device(device))
     hit = _qualifies.get(key)
     if hit is None:
         hit = capability.can_implement(
-            num_heads, m, weight_format=fmt, out_dtype=out_dtype, device=key[-1]
-        )
+            num_heads, m, geometry=geometry, weight_format=fmt, out_dtype=out_dtype,
+            device=key[-1],
+        )  # fmt: skip
         with _qualifies_lock:
             _qualifies[key] = hit
     return hit
@@ -73,9 +82,11 @@ def decode_query(
 
     Parameters
     ----------
-    q_nope : bf16 ``(N, B, 192)``, vLLM's ``mqa_q_nope`` after its ``transpose(0, 1)``
-        (any strides with a unit last stride).
-    weight : vLLM's ``W_UK_T`` (bf16 ``[N, 192, 512]``, any strides) or an ``MXFP8Weight``.
+    q_nope : bf16 ``(N, B, qk_nope)``, vLLM's ``mqa_q_nope`` after its ``transpose(0, 1)``
+        (any strides with a unit last stride); qk_nope names the geometry (192 GLM-5, 128
+        DeepSeek-V3).
+    weight : vLLM's ``W_UK_T`` (bf16 ``[N, qk_nope, 512]``, any strides) or an
+        ``MXFP8Weight``.
     q_pe : bf16 ``(B, N, 64)``, vLLM's ``mqa_q_pe``.
     out_dtype : ``torch.bfloat16``, or ``torch.float8_e4m3fn`` when vLLM would run
         ``_decode_concat_quant_fp8_op`` (FP8 attention with a backend that takes an FP8 query).
@@ -86,12 +97,13 @@ def decode_query(
     Returns
     -------
     ``(B, N, 576)`` of ``out_dtype`` — what vLLM's staged code hands on as ``mqa_q`` — or
-    ``None`` when ``fusedq.can_implement`` says no for this ``(N, B)``, weight format and
-    output dtype; nothing is written then.
+    ``None`` when ``fusedq.can_implement`` says no for this geometry, ``(N, B)``, weight
+    format and output dtype; nothing is written then.
     """
-    num_heads, m, _ = q_nope.shape
+    num_heads, m, qk_nope = q_nope.shape
+    geometry = geometry_of(qk_nope)
     fmt = weight_format(weight)
-    if not qualifies(num_heads, m, fmt, out_dtype, q_nope.device):
+    if geometry is None or not qualifies(num_heads, m, fmt, out_dtype, q_nope.device, geometry):
         return None
     # Without `out` the op allocates a contiguous token-major [B, N, 576], which backends and
     # DCP's all-gather take as is (and fresh memory needs no per-call overlap check).
@@ -114,6 +126,7 @@ def kernel_summary(
     out_dtype: torch.dtype,
     device,
     pdl: bool,
+    geometry: Geometry = GLM5,
 ) -> str:
     """Which kernel the hook's calls run at each of ``ms``, as ``fusedq.kernel_summary`` words
     it (runs of equal M merged), for ``BACKEND``: where ``backend="auto"`` would take the CuTe
@@ -124,8 +137,9 @@ def kernel_summary(
     cute = False
     for m in sorted(set(ms)):
         chosen = select(
-            num_heads, m, weight_format=weight_format, out_dtype=out_dtype, device=device, pdl=pdl
-        )
+            num_heads, m, geometry=geometry, weight_format=weight_format, out_dtype=out_dtype,
+            device=device, pdl=pdl,
+        )  # fmt: skip
         name = chosen.kernel
         if chosen.path == "cute" and BACKEND == "triton":
             cute, name = True, triton_kernel_name(chosen.config)
@@ -135,8 +149,8 @@ def kernel_summary(
             runs.append((name, [m]))
     if not cute:  # what auto runs is what the hook runs: the package's own wording
         return selection.kernel_summary(
-            num_heads, ms, weight_format=weight_format, out_dtype=out_dtype, device=device,
-            pdl=pdl,
+            num_heads, ms, geometry=geometry, weight_format=weight_format, out_dtype=out_dtype,
+            device=device, pdl=pdl,
         )  # fmt: skip
     text = "; ".join(
         f"M={m_run[0] if len(m_run) == 1 else f'{m_run[0]}-{m_run[-1]}'} {name}"
@@ -164,10 +178,15 @@ def prewarm_values(
     fmt: str,
     out_dtype: torch.dtype,
     device: torch.device | str,
+    geometry: Geometry = GLM5,
 ) -> list[int]:
     """The CUDA-graph capture sizes the fused kernel will serve (the Ms to prewarm), sorted."""
     return sorted(
-        {int(m) for m in capture_sizes if qualifies(num_heads, int(m), fmt, out_dtype, device)}
+        {
+            int(m)
+            for m in capture_sizes
+            if qualifies(num_heads, int(m), fmt, out_dtype, device, geometry)
+        }
     )
 
 
@@ -176,7 +195,7 @@ def mxfp8_w_uk_t(
     weight_scale: torch.Tensor,
     *,
     num_heads: int,
-    qk_nope_head_dim: int = QK_NOPE,
+    qk_nope_head_dim: int = GLM5.qk_nope,
     v_head_dim: int,
     kv_lora_rank: int = KV_LORA,
 ) -> MXFP8Weight:
@@ -186,8 +205,8 @@ def mxfp8_w_uk_t(
     ``num_heads * (qk_nope + v_head)`` outputs. A checkpoint-native MXFP8 linear stores
     ``weight`` E4M3 ``[out, 512]`` and ``weight_scale`` E8M0 ``[out, 16]``, one scale per 32
     inputs — blocked along the latent axis, which is N of ``W_UK_T``. So the ``W_UK_T`` view
-    ``[H, 192, 512]`` of the values and ``[H, 192, 16]`` of the scales is exactly the
-    N-blocked MXFP8 weight the fused kernel reads.
+    ``[H, qk_nope, 512]`` of the values and ``[H, qk_nope, 16]`` of the scales (192 rows for
+    GLM-5, 128 for DeepSeek-V3) is exactly the N-blocked MXFP8 weight the fused kernel reads.
 
     Raises ``ValueError`` naming the tensor whose dtype or shape is not that layout (a
     kernel-specific post-processed layout: swizzled scales, transposed or packed values).

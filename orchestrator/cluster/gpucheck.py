@@ -71,7 +71,7 @@ def bench_heads(tp: int, heads: int) -> tuple[list[int], str | None]:
     TP6 and TP4 of 64 heads); a smaller bundle benchmarks the TP8 and TP4 shapes instead (the
     smallest and the largest qualified: 11 is TP6's padded count, between them).
     """
-    qualified = contract.QUALIFIED_HEADS
+    qualified = contract.QUALIFIED[contract.GLM5.name].heads
     per_rank = -(-heads // tp)
     if per_rank in qualified:
         return [per_rank], None

@@ -32,8 +32,8 @@ from fusedq import contract
 from orchestrator.common.probes import gpu_bus_ids
 
 MARKER = "GPUCHECK-RESULT "
-# vLLM's MLA decode shapes: 192 nope + 64 rope dims in, 512 latent + 64 rope out.
-P, R, L = contract.QK_NOPE, contract.QK_ROPE, contract.KV_LORA
+# vLLM's MLA decode shapes of GLM-5: 192 nope + 64 rope dims in, 512 latent + 64 rope out.
+P, R, L = contract.GLM5.qk_nope, contract.QK_ROPE, contract.KV_LORA
 
 
 def device_report() -> dict[str, Any]:

@@ -66,7 +66,8 @@ class Case:
             "mtp": self.mtp,
             "variant": self.variant.name,
             "heads_per_rank": self.heads_per_rank,
-            "fusedq_qualified_heads": self.heads_per_rank in contract.QUALIFIED_HEADS,
+            "fusedq_qualified_heads": self.heads_per_rank
+            in contract.QUALIFIED[contract.GLM5.name].heads,
             "args": list(self.args),
             "env": dict(self.env),
             **({"mtp_acceptance": self.mtp_acceptance} if self.mtp_acceptance is not None else {}),

@@ -54,7 +54,7 @@ ARCH: dict[str, Any] = {
     # The fused query's geometry: these models exist to serve it.
     "kv_lora_rank": contract.KV_LORA,
     "qk_rope_head_dim": contract.QK_ROPE,
-    "qk_nope_head_dim": contract.QK_NOPE,
+    "qk_nope_head_dim": contract.GLM5.qk_nope,
     "v_head_dim": 128,
     # Dense MLP in every layer (first_k_dense_replace past the MTP layer's index): the
     # attention path is what the project measures, and dense keeps the CPU build on its

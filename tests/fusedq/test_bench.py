@@ -8,6 +8,7 @@ import pytest
 from fusedq_cases import assert_matches
 
 import fusedq
+from fusedq.contract import DEEPSEEK_V3, GLM5
 from fusedq_bench import (
     bars,
     cli,
@@ -37,6 +38,37 @@ def test_arguments():
     opts, path = cli.parse_args(["--chain", "--heads", "8", "16", "--m", "1", "--json", "x"])
     assert opts.chain and opts.heads == (8, 16) and opts.ms == (1,) and path == "x"
     assert not cli.parse_args([])[0].chain
+
+
+def test_geometry_arguments(capsys):
+    """--geometry picks the geometry the rows name, and its qualified heads unless --heads
+    says otherwise; --heads and --m take comma lists too."""
+    argv = ["--floors", "--geometry", "deepseek-v3", "--heads", "8,16,32,64,128"]
+    opts, _ = cli.parse_args([*argv, "--m", "1,2,4,8,16,32,64"])
+    assert opts.geometry == "deepseek-v3" and opts.floors
+    assert opts.heads == (8, 16, 32, 64, 128) and opts.ms == (1, 2, 4, 8, 16, 32, 64)
+    opts, _ = cli.parse_args(["--geometry", "deepseek-v3"])
+    assert opts.heads == (8, 16, 32, 64, 128)
+    assert cli.parse_args([])[0].geometry == "glm5" and cli.parse_args([])[0].heads == (8, 11, 16)
+    for bad in (["--geometry", "llama"], ["--heads", "8,x"], ["--m", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.parse_args(bad)
+        assert exc.value.code == 2
+    assert "invalid choice: 'llama'" in capsys.readouterr().err
+
+
+def test_sweep_configs_of_deepseek_tile_m_and_skip_gluon(monkeypatch):
+    """A DeepSeek-V3 sweep: the product's choice is the tl.dot kernel (64-row M blocks past 32
+    tokens), and no Gluon variant (that kernel is GLM-5's only)."""
+    opts = options.Options(geometry="deepseek-v3", sweep_gluon=("32:4",))
+    configs = sweep.sweep_configs("bf16", 8, 64, opts)
+    assert configs["auto"].block_m == 64 and configs["auto"].tiles_m
+    assert not any(c.gluon for c in configs.values())
+    from fusedq.kernels import triton_launch
+
+    monkeypatch.setattr(triton_launch.LaunchConfig, "_check_gluon", lambda self: None)  # (CPU)
+    glm5 = sweep.sweep_configs("bf16", 8, 16, options.Options(sweep_gluon=("32:4",)))
+    assert any(c.gluon for c in glm5.values())
 
 
 def test_sweep_cute_arguments(capsys):
@@ -98,7 +130,7 @@ def test_cute_variant_says_why_it_cannot_run(monkeypatch):
     monkeypatch.setattr(
         capability, "cute_problem", lambda fmt, out, **k: seen.append(fmt) or "no DSL here"
     )
-    lay = type("Lay", (), {"out_dtype": None})()
+    lay = type("Lay", (), {"out_dtype": None, "geometry": GLM5})()
     assert harness.cute_step(lay, "bf16") == (None, "no DSL here")
     assert harness.cute_step(lay, "mxfp8-e4m3") == (None, "no DSL here")
     assert seen == ["bf16", "mxfp8"]
@@ -203,8 +235,9 @@ def _floor_layers(device, n_bytes: int, layers: int = 2) -> harness.Layers:
     )
     out_words = torch.full((3 * 8 * 576 * 2 // 4,), -1, dtype=torch.int32, device=device)
     return harness.Layers(
-        [], [None] * layers, srcs, [], None, None, None, None, None, n_bytes, sink, out_words
-    )
+        [], [None] * layers, srcs, [], None, None, None, None, None, n_bytes, GLM5,
+        floor_sink=sink, floor_out=out_words,
+    )  # fmt: skip
 
 
 def test_floor_kernels_read_every_byte_and_store_per_cta(device):
@@ -246,7 +279,8 @@ def test_floor_kernels_read_every_byte_and_store_per_cta(device):
     assert torch.equal(got, torch.arange(floors.FLOOR_EMPTY_CTAS, dtype=torch.int32))
 
 
-def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
+@pytest.mark.parametrize("g", [GLM5, DEEPSEEK_V3], ids=lambda g: g.name)
+def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch, g):
     """The "view" floor reads the fused kernel's own tiles of the real weight (values and
     scales), the "grid" floor reads the layer over the fused kernel's CTA count (each CTA's sum
     of its even share lands in the sink), and the "split_k" floor's last CTA of each K group stores
@@ -254,24 +288,26 @@ def test_grid_split_k_and_view_floors_read_every_byte(device, monkeypatch):
     for the next replay (here through the interpreter, which runs the CTAs in order)."""
     import torch
 
-    n_bytes = 8 * 192 * 528  # the MXFP8 layer size at H=8
+    k = g.qk_nope
+    n_bytes = 8 * k * 528  # the MXFP8 layer size at H=8
     lay = _floor_layers(device, n_bytes)
-    lay.q_nope = torch.empty(3, 8, 192, device=device)
+    lay.geometry = g
+    lay.q_nope = torch.empty(3, 8, k, device=device)
     tiles = -(-n_bytes // (4 * floors.FLOOR_SPLIT_WORDS * floors.FLOOR_SPLIT_K))
     lay.floor_part = torch.zeros(tiles, dtype=torch.int32, device=device)
     lay.floor_count = torch.zeros(tiles, dtype=torch.int32, device=device)
-    monkeypatch.setattr(harness, "fused_block_n", lambda fmt, h, m: 32)  # 128 CTAs at H=8
+    monkeypatch.setattr(harness, "fused_block_n", lambda fmt, h, m, g: 32)  # 128 CTAs at H=8
     gen = torch.Generator().manual_seed(11)
-    w = torch.randn(8, 448, 512, generator=gen).to(torch.bfloat16).to(device)[:, :192]
+    w = torch.randn(8, g.head_stride_rows, 512, generator=gen).to(torch.bfloat16).to(device)[:, :k]
     lay.fused_w = [fusedq.quantize_mxfp8(w)] * 2
     steps = harness.grid_floor_steps(lay, "mxfp8")
     tma = floors.tma_floor_kernel()[0] is not None  # a GPU with Gluon's TMA (sm_90+)
     assert set(steps) == {"grid", "split_k", "view"} | ({"view_tma"} if tma else set())
-    # "view": CTA (pid_n, h) sums its [192, 32] tile of the weight's bytes and its scales;
+    # "view": CTA (pid_n, h) sums its [k, 32] tile of the weight's bytes and its scales;
     # "view_tma" reads the same tiles by TMA bulk copies and must fold them to the same sums.
     vals = lay.fused_w[1].values.view(torch.uint8).to(torch.int64).cpu()
     scl = lay.fused_w[1].scales.to(torch.int64).cpu()
-    want = vals.view(8, 192, 16, 32).sum((1, 3)) + scl.sum(1)  # [H, 16 tiles]
+    want = vals.view(8, k, 16, 32).sum((1, 3)) + scl.sum(1)  # [H, 16 tiles]
     for kind in ("view", "view_tma") if tma else ("view",):
         lay.floor_sink.fill_(-1)
         steps[kind](1)
@@ -558,7 +594,8 @@ def test_tma_floor_is_gpu_only_and_says_why():
 
 # The TMA floor kernel compiled for sm_90 without a GPU, in a child process (the interpreter
 # patches Triton's tensor class in this one): its PTX must hold the three bulk tensor copies
-# and, for MXFP8, the scale loads issued before the wait on the copies' mbarrier.
+# and, for MXFP8, the scale loads issued before the wait on the copies' mbarrier; DeepSeek-V3's
+# geometry (K = 128, heads 256 rows apart) two copies.
 _COMPILE_TMA = """
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
@@ -569,18 +606,20 @@ from triton.runtime.jit import mangle_type
 from fusedq_bench import floors
 kernel = floors._define_tma_floor_kernel()
 out = {}
-for fmt, dtype, gdtype, scales in (("bf16", torch.int16, gl.int16, False),
-                                   ("mxfp8", torch.uint8, gl.uint8, True)):
+for fmt, dtype, gdtype, scales, rows, k in (
+        ("bf16", torch.int16, gl.int16, False, 448, 192),
+        ("mxfp8", torch.uint8, gl.uint8, True, 448, 192),
+        ("deepseek-mxfp8", torch.uint8, gl.uint8, True, 256, 128)):
     for bn in (32, 64):
-        mat, _ = floors.tma_weight_rows(torch.zeros(8, 448, 512, dtype=dtype)[:, :192])
+        mat, _ = floors.tma_weight_rows(torch.zeros(8, rows, 512, dtype=dtype)[:, :k])
         shared = gl.NVMMASharedLayout.get_default_for([64, bn], gdtype)
         desc = TensorDescriptor.from_tensor(mat, [64, bn], shared)
         sig = {"w_desc": mangle_type(desc), "s_ptr": "*u8", "sink_ptr": "*i32",
                "rows_per_head": "i32", "s_sh": "i32", "s_sk": "i32", "BLOCK_N": "constexpr",
                "CHUNK_K": "constexpr", "SCALES": "constexpr", "SCALE_COLS": "constexpr",
-               "MX": "constexpr"}
+               "MX": "constexpr", "NUM_K": "constexpr"}
         consts = {"BLOCK_N": bn, "CHUNK_K": 64, "SCALES": scales, "SCALE_COLS": max(1, bn // 32),
-                  "MX": 32}
+                  "MX": 32, "NUM_K": k // 64}
         src = GluonASTSource(kernel, sig, constexprs=consts)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4 if bn <= 32 else 8})
@@ -608,12 +647,14 @@ def test_tma_floor_compiles_to_three_bulk_copies_and_one_wait():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ptxs = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted(ptxs) == ["bf16-32", "bf16-64", "mxfp8-32", "mxfp8-64"]
+    assert sorted(ptxs) == [
+        "bf16-32", "bf16-64", "deepseek-mxfp8-32", "deepseek-mxfp8-64", "mxfp8-32", "mxfp8-64",
+    ]  # fmt: skip
     for case, ptx in ptxs.items():
         lines = [line.strip() for line in ptx.splitlines()]
         copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor" in line]
         waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
         loads = [i for i, line in enumerate(lines) if "ld.global" in line]
-        assert len(copies) == 3 and waits, case
+        assert len(copies) == (2 if case.startswith("deepseek") else 3) and waits, case
         assert all(i < min(waits) for i in copies + loads), case
-        assert bool(loads) == case.startswith("mxfp8"), case
+        assert bool(loads) == ("mxfp8" in case), case

@@ -91,7 +91,7 @@ from triton.compiler import ASTSource
 from fusedq.kernels import common
 from fusedq.kernels import gluon_mla_query as g
 from fusedq.kernels import triton_mla_query as t
-from fusedq.contract import KV_LORA, QK_NOPE, QK_ROPE
+from fusedq.contract import GLM5, KV_LORA, QK_ROPE
 from fusedq.selection import launch_config
 out, done = Path(sys.argv[1]), {}
 fence = json.loads(sys.argv[2])  # None: each variant's own (LaunchConfig.fence)
@@ -114,7 +114,7 @@ for wf in ("bf16", "mxfp8"):
                 elif cfg.fma:
                     key = f"fma-m{cfg.block_m}-n{cfg.block_n}-w{cfg.num_warps}-{wf}-{'e4m3' if of else 'bf16'}"
                     if key not in done:
-                        cx = {"K": QK_NOPE, "N": KV_LORA, "R": QK_ROPE, "BLOCK_M": cfg.block_m,
+                        cx = {"K": GLM5.qk_nope, "N": KV_LORA, "R": QK_ROPE, "BLOCK_M": cfg.block_m,
                               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "W_LAYOUT": 1,
                               "W_ALIGNED": True, "IO_ALIGNED": True, "MXFP8": wf == "mxfp8",
                               "OUT_FP8": common.out_mode(of), "INTERPRET": False, "USE_PDL": False,

@@ -10,8 +10,11 @@ from fusedq_cases import E4M3, Q_SCALE, make_q, make_weight
 
 import fusedq
 from fusedq import capability, dispatch, selection
-from fusedq.contract import MAX_M, QUALIFIED_HEADS
+from fusedq.contract import GLM5, QUALIFIED
 from fusedq.kernels import common, cute_mla_query, gluon_mla_query, triton_launch, triton_mla_query
+
+QUALIFIED_HEADS = QUALIFIED[GLM5.name].heads
+MAX_M = QUALIFIED[GLM5.name].max_m
 
 DSL_MISSING = "nvidia-cutlass-dsl does not import (ModuleNotFoundError: No module named 'cutlass')"
 

@@ -54,14 +54,14 @@ from fusedq.vllm.query import decode_query, mxfp8_w_uk_t
 P, R, L, V = 192, 64, 512, 128
 
 
-def kv_b_proj_weight(h: int, gen: torch.Generator) -> torch.Tensor:
+def kv_b_proj_weight(h: int, gen: torch.Generator, p: int = P, v: int = V) -> torch.Tensor:
     """A bf16 kv_b_proj weight, [H * (P + V), L] as vLLM's ColumnParallelLinear holds it."""
-    return (torch.randn(h * (P + V), L, generator=gen) * 0.05).to(torch.bfloat16)
+    return (torch.randn(h * (p + v), L, generator=gen) * 0.05).to(torch.bfloat16)
 
 
-def vllm_w_uk_t(weight: torch.Tensor, h: int) -> torch.Tensor:
+def vllm_w_uk_t(weight: torch.Tensor, h: int, p: int = P, v: int = V) -> torch.Tensor:
     """W_UK_T exactly as MLAAttention.process_weights_after_loading builds it: a strided view."""
-    w_uk, _ = weight.T.view(L, h, P + V).split([P, V], dim=-1)
+    w_uk, _ = weight.T.view(L, h, p + v).split([p, v], dim=-1)
     return w_uk.permute(1, 2, 0)
 
 
@@ -399,8 +399,11 @@ def stand_in_impl(cls: type, **attrs) -> object:
     return impl
 
 
-def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator) -> StandInLayer:
+def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator, geometry=None) -> StandInLayer:
+    """A planned-for MLA layer of P nope and V value dims, or of ``geometry``'s."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    p, v = (P, V) if geometry is None else (geometry.qk_nope, geometry.v_head)
 
     # TRITON_MLA (an ATTENTION_BACKENDS row for 0.26 and 0.32, importable on CPU): its class,
     # with the decode kernel replaced on the instance by a recorder of the query it is handed.
@@ -417,11 +420,11 @@ def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator) -> StandInLa
         forward_mqa=forward_mqa,
     )  # fmt: skip
     layer = StandInLayer(
-        num_heads=h, v_head_dim=V, qk_nope_head_dim=P, qk_rope_head_dim=R, kv_lora_rank=L,
+        num_heads=h, v_head_dim=v, qk_nope_head_dim=p, qk_rope_head_dim=R, kv_lora_rank=L,
         kv_cache_dtype="fp8" if fp8 else "auto", use_pcp=False, prefill_backend=None,
         q_pad_num_heads=None, is_aiter_triton_fp4_bmm_enabled=False,
         is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False,
-        W_UK_T=vllm_w_uk_t(kv_b_proj_weight(h, gen), h), W_UK_T_dcp_qrep=None,
+        W_UK_T=vllm_w_uk_t(kv_b_proj_weight(h, gen, p, v), h, p, v), W_UK_T_dcp_qrep=None,
         _q_scale=torch.tensor(Q_SCALE), impl=impl, layer_name=f"model.layers.0.h{h}",
         kv_b_proj=types.SimpleNamespace(weight=None), _vllm_config=None,
         _v_up_proj=lambda attn_out, out: None, seen=seen,
@@ -436,7 +439,7 @@ def stand_in_layer(mla, h: int, *, fp8: bool, gen: torch.Generator) -> StandInLa
 
 def run_forward_impl(forward_impl, layer, m: int, gen: torch.Generator) -> torch.Tensor:
     h = layer.num_heads
-    q = torch.randn(m, h, P + R, generator=gen).to(torch.bfloat16)
+    q = torch.randn(m, h, layer.qk_nope_head_dim + R, generator=gen).to(torch.bfloat16)
     meta = types.SimpleNamespace(
         num_actual_tokens=m, num_decodes=m, num_prefills=0, num_decode_tokens=m,
         decode=object(), prefill=None,
