@@ -239,10 +239,15 @@ def test_mtp_on_kimi_k2_is_refused_at_plan_time() -> None:
     assert ds.models[0].no_mtp is None
 
 
-def test_plan_says_the_fused_query_does_not_serve_the_128_nope_widths() -> None:
+def test_plan_reads_the_served_geometries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusedq import contract
     from orchestrator.config.expand import expand
 
     (case,) = expand(parse_matrix(MATRIX))
+    # DeepSeek-V3's widths are a served geometry: its TP8 rank's 16 heads qualify.
+    assert fused_plan(case, "gpu", environ={"FUSEDQ_MLA_QUERY": "1"}).why == "qualified"
+    # A build that serves GLM-5's widths only: the fused variant cannot start.
+    monkeypatch.setattr(contract, "GEOMETRIES", (contract.GLM5,))
     plan = fused_plan(case, "gpu", environ={"FUSEDQ_MLA_QUERY": "1"})
     assert not plan.runs
     assert plan.why == (
