@@ -102,10 +102,12 @@ class Qualification:
 QUALIFIED = {
     # GLM-5 at TP8 (8 heads), padded TP6 (11), TP4 (16); M up to 32 (docs/decisions/).
     GLM5.name: Qualification(heads=(8, 11, 16), max_m=32),
-    # DeepSeek-V3's 128 heads at TP16, 8, 4, 2, 1. PROVISIONAL, awaiting the GPU bench
-    # (fusedq-bench --floors --geometry deepseek-v3): the interpreter tests check correctness,
-    # not speed; M up to 32 as GLM-5 until the bench measures more.
-    DEEPSEEK_V3.name: Qualification(heads=(8, 16, 32, 64, 128), max_m=32),
+    # DeepSeek-V3's widths at TP16 / TP8 ranks (8 / 16 heads; Kimi-K2's TP8 / TP4), M up to 32:
+    # where the fused kernel beat the staged path vLLM 0.26 serves (BF16 out: the bmm alone;
+    # E4M3 out: bmm + concat-quantise) at every M measured, on an H100 (2026-12-06,
+    # benchmarks/results/h100.jsonl). At 32 heads it lost at M 32 (1.06x the bmm), at 64 and
+    # 128 at every M (up to 1.42x): the tl.dot kernel streams W with too few CTAs there.
+    DEEPSEEK_V3.name: Qualification(heads=(8, 16), max_m=32),
 }
 # What the Triton kernels run at all (``backend="triton"``, tests, the bench): heads per rank
 # (one grid row each) and tokens (the grid tiles M above the largest block).
