@@ -51,17 +51,16 @@ def _targets() -> tuple[dict[str, float], float]:
     return FLOOR_BARS, E4M3_OVER_BF16_BAR
 
 
-def load(path: Path = RESULTS) -> list[Row]:
-    """The results file's GLM-5 rows, which every table here describes (a row without a
-    geometry predates the field and is GLM-5's; another geometry's rows have tables of their
-    own to come)."""
+def load(path: Path = RESULTS, geometry: str = "glm5") -> list[Row]:
+    """The results file's rows of one geometry: GLM-5's for every table but the geometry
+    tables (a row without a geometry predates the field and is GLM-5's)."""
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise TableError(f"{path}:{n}: not a JSON row ({exc})") from None
-        if row.get("geometry", "glm5") == "glm5":
+        if row.get("geometry", "glm5") == geometry:
             rows.append(row)
     return rows
 
@@ -113,11 +112,11 @@ def _shapes(run: list[Row]) -> list[tuple[int, int]]:
     return sorted({(r["H"], r["M"]) for r in run})
 
 
-def _about(run: list[Row], doc: Path, what: str) -> str:
+def _about(run: list[Row], doc: Path, what: str, results: Path = RESULTS) -> str:
     r = run[0]
     return (
         f"{what}, commit {r['commit']}, {r['date'][:10]}, {r['machine']}; "
-        f"data: {_link('benchmarks/results/h200.jsonl', doc)} "
+        f"data: {_link(_rel(results), doc)} "
         f"(source {_link(r['source'], doc)})."
     )
 
@@ -609,6 +608,50 @@ def ab_runs(rows: list[Row], doc: Path, root: Path | None = None) -> str:
     )
 
 
+H100_RESULTS = REPO / "benchmarks" / "results" / "h100.jsonl"
+# What vLLM 0.26 serves staged, per recipe (fusedq-bench's note): BF16 out goes to
+# FLASH_ATTN_MLA, which takes the (nope, pe) pair, so the bmm alone; E4M3 out runs bmm +
+# concat-quantise (the bench's "staged"); MXFP8 weights against the bench's staged path.
+SERVED_STAGED = {"bf16": "bmm", "e4m3": "staged", "mxfp8": "staged", "mxfp8-e4m3": "staged"}
+
+
+def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek-v3") -> str:
+    """A geometry's floors run (the newest in the H100 results): fused against the staged
+    path vLLM serves, per recipe, H and M, beside what fusedq.contract qualifies."""
+    sys.path.insert(0, str(REPO))
+    from fusedq import contract
+
+    own = load(H100_RESULTS, geometry)
+    if not own:
+        raise TableError(f"no {geometry} rows in {_rel(H100_RESULTS)}")
+    run = _floors_run(own)
+    by = _by(run)
+    q = contract.QUALIFIED[geometry]
+    lines = []
+    for h, m in _shapes(run):
+        cells = [str(h), str(m)]
+        for recipe in RECIPES:
+            fused = by.get((recipe, h, m, "fused"))
+            base = by.get((recipe, h, m, SERVED_STAGED[recipe]))
+            ratio = fused["value"] / base["value"] if fused and base else None
+            cells.append("–" if ratio is None else f"{ratio:.2f}")
+        cells.append("yes" if h in q.heads and m <= q.max_m else "no")
+        lines.append(cells)
+    header = ["H", "M", *(f"{TITLES[r]} fused/served staged" for r in RECIPES), "qualified"]
+    return "\n".join(
+        [
+            _about(run, doc, f"fusedq-bench --floors --geometry {geometry}", H100_RESULTS),
+            "",
+            "Fused ÷ the staged path vLLM 0.26 serves (BF16 out: the bmm alone, FLASH_ATTN_MLA "
+            "taking the (nope, pe) pair; E4M3 out and MXFP8 weights: the bench's staged path), "
+            "CUDA-graph medians; below 1 the fused query is faster. Qualified: "
+            f"`fusedq.contract.QUALIFIED` ({', '.join(map(str, q.heads))} heads, M ≤ {q.max_m}).",
+            "",
+            _table(header, lines),
+        ]
+    )
+
+
 EVIDENCE_HEADER = [
     "run",
     "topology",
@@ -698,6 +741,7 @@ TABLES: dict[str, Callable[[list[Row], Path], str]] = {
     "ab-runs": ab_runs,
     "ab-rejudged": ab_rejudged,
     "evidence-runs": evidence_runs,
+    "deepseek-v3-qualification": geometry_qualification,
 }
 
 
