@@ -652,6 +652,45 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
     )
 
 
+def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
+    """The primary figure of the newest A/B run of each stand-in, head count and MTP."""
+    newest: dict[tuple[str, int, int], tuple[Path, Row, Row]] = {}
+    for folder, report in ab_runs_found(root or VALIDATION):
+        models = {
+            m.get("label"): (m.get("path"), m.get("num_heads"))
+            for m in _run_matrix(report, folder).get("models") or []
+        }
+        for res in report["ab"]["results"]:
+            if res.get("role") != "primary":
+                continue
+            path, heads = models.get(res["topology_id"].split("/")[0], ("?", 0))
+            found = re.search(r"mtp(\d+)", res["topology_id"])
+            newest[(path, heads, int(found[1]) if found else 0)] = (folder, report, res)
+    lines = [
+        [
+            f"`{path}`",
+            str(heads),
+            str(mtp),
+            _ratio(res) + f": {_cell(res['verdict'])}",
+            f"{_link(_rel(folder / 'report.md'), doc, folder.name)} ({folder.parent.name})",
+        ]
+        for (path, heads, mtp), (folder, _, res) in sorted(newest.items())
+    ]
+    if not lines:
+        raise TableError("no committed A/B run has a primary figure")
+    return "\n".join(
+        [
+            "The primary figure, ctx0 output tok/s fused/staged with its 95 % interval over "
+            "paired rounds (at equal synthetic acceptance under MTP), of the newest committed "
+            "A/B run of each stand-in, head count and MTP, one switch-mode server each; every "
+            f"run and figure: {_link('docs/standins.md', doc)}, generated from each run's "
+            "`report.json`.",
+            "",
+            _table(["stand-in", "heads", "MTP", "fused/staged, 95 %", "run"], lines),
+        ]
+    )
+
+
 EVIDENCE_HEADER = [
     "run",
     "topology",
@@ -741,6 +780,7 @@ TABLES: dict[str, Callable[[list[Row], Path], str]] = {
     "ab-runs": ab_runs,
     "ab-rejudged": ab_rejudged,
     "evidence-runs": evidence_runs,
+    "e2e-now": e2e_now,
     "deepseek-v3-qualification": geometry_qualification,
 }
 

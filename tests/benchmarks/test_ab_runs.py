@@ -323,3 +323,22 @@ def test_the_region_is_rendered_from_the_run_folders(tmp_path: Path, monkeypatch
 def test_the_stand_ins_page_carries_the_table_and_the_readme_does_not():
     assert "<!-- generated:ab-runs -->" in (REPO / "docs" / "standins.md").read_text()
     assert "<!-- generated:ab-runs -->" not in (REPO / "README.md").read_text()
+
+
+def test_the_readme_shows_the_newest_primary_figure_of_each_stand_in():
+    """e2e-now: one row per stand-in, head count and MTP, from its newest committed run (the
+    H100 paired run replaces the H200 headline of the same stand-in), each figure the
+    report's own."""
+    readme = REPO / "README.md"
+    text = tables.e2e_now([], readme)
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    keys = [tuple(cell.strip() for cell in row.split("|")[1:4]) for row in rows]
+    assert len(keys) == len(set(keys)) and len(rows) >= 9
+    glm5 = next(r for r in rows if r.startswith("| `builtin:glm5` | 16 | 0 |"))
+    assert "[glm5-paired-mtp0]" in glm5 and "glm5-ab-1" not in text
+    report = json.loads(
+        (REPO / "docs/validation/h100-2026-12-06/glm5-paired-mtp0/report.json").read_text()
+    )
+    (primary,) = [r for r in report["ab"]["results"] if r["role"] == "primary"]
+    assert f"| {tables._ratio(primary)}: {primary['verdict']} |" in glm5
+    assert "<!-- generated:e2e-now -->" in readme.read_text()
