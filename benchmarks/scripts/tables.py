@@ -504,6 +504,15 @@ def _tokens(cases: list[Row], token_workloads: set[str]) -> str:
     return ", ".join(dict.fromkeys(v.replace("-", " ") for v in verdicts))
 
 
+def _mtp(cases: list[Row], topology: str) -> int | None:
+    """A topology's MTP: its cases' own, else the ``mtpN`` of its id; None where neither says."""
+    mtp = next((c["mtp"] for c in cases if c.get("mtp") is not None), None)
+    if mtp is None:
+        found = re.search(r"mtp(\d+)", topology)
+        mtp = int(found[1]) if found else None
+    return mtp
+
+
 def _ab_lines(folder: Path, report: Row, doc: Path) -> list[list[str]]:
     matrix = _run_matrix(report, folder)
     heads = {m.get("label"): m.get("num_heads") for m in matrix.get("models") or []}
@@ -531,10 +540,7 @@ def _ab_lines(folder: Path, report: Row, doc: Path) -> list[list[str]]:
         base, cand = first["baseline"]["variant"], first["candidate"]["variant"]
         cases = [c for c in report.get("cases") or [] if c["case_id"].startswith(topology + "/")]
         of = {v: [c for c in cases if c.get("variant") == v] for v in (base, cand)}
-        mtp = next((c["mtp"] for c in cases if c.get("mtp") is not None), None)
-        if mtp is None:
-            found = re.search(r"mtp(\d+)", topology)
-            mtp = int(found[1]) if found else None
+        mtp = _mtp(cases, topology)
         failed = [
             f"{c.get('variant')} case {c.get('status') or 'not run'}"
             + (f": {_short(c['reason'])}" if c.get("reason") else "")
@@ -618,7 +624,6 @@ SERVED_STAGED = {"bf16": "bmm", "e4m3": "staged", "mxfp8": "staged", "mxfp8-e4m3
 def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek-v3") -> str:
     """A geometry's floors run (the newest in the H100 results): fused against the staged
     path vLLM serves, per recipe, H and M, beside what fusedq.contract qualifies."""
-    sys.path.insert(0, str(REPO))
     from fusedq import contract
 
     own = load(H100_RESULTS, geometry)
@@ -654,7 +659,7 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
 
 def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
     """The primary figure of the newest A/B run of each stand-in, head count and MTP."""
-    newest: dict[tuple[str, int, int], tuple[Path, Row, Row]] = {}
+    newest: dict[tuple[str, int, int], tuple[Path, Row]] = {}
     for folder, report in ab_runs_found(root or VALIDATION):
         models = {
             m.get("label"): (m.get("path"), m.get("num_heads"))
@@ -663,9 +668,12 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
         for res in report["ab"]["results"]:
             if res.get("role") != "primary":
                 continue
-            path, heads = models.get(res["topology_id"].split("/")[0], ("?", 0))
-            found = re.search(r"mtp(\d+)", res["topology_id"])
-            newest[(path, heads, int(found[1]) if found else 0)] = (folder, report, res)
+            topology = res["topology_id"]
+            path, heads = models.get(topology.split("/")[0], ("?", 0))
+            cases = [
+                c for c in report.get("cases") or [] if c["case_id"].startswith(topology + "/")
+            ]
+            newest[(path, heads, _mtp(cases, topology) or 0)] = (folder, res)
     lines = [
         [
             f"`{path}`",
@@ -674,7 +682,7 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
             _ratio(res) + f": {_cell(res['verdict'])}",
             f"{_link(_rel(folder / 'report.md'), doc, folder.name)} ({folder.parent.name})",
         ]
-        for (path, heads, mtp), (folder, _, res) in sorted(newest.items())
+        for (path, heads, mtp), (folder, res) in sorted(newest.items())
     ]
     if not lines:
         raise TableError("no committed A/B run has a primary figure")

@@ -194,8 +194,7 @@ def standin_tp_for_heads(heads: int, base: str = "glm5") -> int:
     known = sorted({heads_per_rank(t, base) for t in (1, 2, 4, 6, 8, 16)}, reverse=True)
     raise ValueError(
         f"num_heads={heads} is not one rank's share of {BASES[base].title}'s {total} heads "
-        "at any single "
-        f"TP (e.g. {known}); set standin_tp"
+        f"at any single TP (e.g. {known}); set standin_tp"
     )
 
 
