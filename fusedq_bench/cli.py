@@ -136,11 +136,11 @@ def run(opts: Options) -> dict:
 def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
     if opts.sweep:
         new = sweep_shape(fmt, h, m, opts)
-        best = min((r for r in new if r["variant"] != "staged"), key=lambda r: r["us"])
-        staged = next(r for r in new if r["variant"] == "staged")
+        baselines = {r["variant"]: r["us"] for r in new if r["variant"] in ("staged", "bmm")}
+        best = min((r for r in new if r["variant"] not in baselines), key=lambda r: r["us"])
         print(
             f"sweep {fmt} H={h} M={m}: best {best['variant']} {best['us']:.2f} µs, "
-            f"staged {staged['us']:.2f} µs; "
+            f"staged {baselines['staged']:.2f} µs, bmm {baselines['bmm']:.2f} µs; "
             + " ".join(
                 f"{r['variant']}={r['us']:.2f}"
                 + (
@@ -212,6 +212,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--sweep-warps", type=int, nargs="+", default=list(Options.sweep_warps))
     p.add_argument("--sweep-block-k", type=int, nargs="+", default=list(Options.sweep_block_k))
     p.add_argument("--sweep-pdl", type=int, nargs="+", default=list(Options.sweep_pdl))
+    p.add_argument(
+        "--sweep-block-m",
+        type=int,
+        nargs="*",
+        default=list(Options.sweep_block_m),
+        choices=(16, 32, 64),
+        help="tl.dot variants' rows per CTA (64 tiles M); default: M padded to 16/32/64",
+    )
     p.add_argument("--sweep-fma", nargs="*", default=[], help="register-path BLOCK_N:WARPS")
     p.add_argument("--sweep-fma-pdl", nargs="*", default=[], help="the same, with PDL")
     p.add_argument(
@@ -287,6 +295,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         floors=a.floors, eager=a.eager, eager_calls=a.calls, eager_repeats=a.repeats,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
+        sweep_block_m=tuple(a.sweep_block_m),
         sweep_fma=tuple(a.sweep_fma), sweep_fma_pdl=tuple(a.sweep_fma_pdl),
         sweep_cute=a.sweep_cute, sweep_gluon=tuple(a.sweep_gluon),
         sweep_gluon_operands=tuple(a.sweep_gluon_operands),

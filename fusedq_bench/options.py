@@ -35,6 +35,9 @@ class Options:
     sweep_warps: tuple[int, ...] = (4, 8)
     sweep_block_k: tuple[int, ...] = (BLOCK_K, SINGLE_BLOCK_K[GLM5.name])
     sweep_pdl: tuple[int, ...] = (0,)
+    # tl.dot variants' BLOCK_M (16 | 32 | 64; 64 tiles M over the grid). Empty: the path's own,
+    # M padded to a power of two from 16 up to 64.
+    sweep_block_m: tuple[int, ...] = ()
     # Register-path (no tl.dot) variants "BLOCK_N:WARPS", for M <= 8, any output; and those
     # of them to time with PDL as well.
     sweep_fma: tuple[str, ...] = ()

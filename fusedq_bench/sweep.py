@@ -34,10 +34,14 @@ def sweep_configs(fmt: str, h: int, m: int, opts: Options) -> dict:
     weight_format, out_fp8 = RECIPES[fmt]
     g = geometry_named(opts.geometry)
     block_m = min(max(16, 1 << (m - 1).bit_length()), MAX_BLOCK_M)
+    # --sweep-block-m: the named rows per CTA, where they can serve M (a block under M must
+    # tile it, which only MAX_BLOCK_M does); each such variant's name carries its block.
+    block_ms = [bm for bm in opts.sweep_block_m if bm >= m or bm == MAX_BLOCK_M]
     configs = {
-        f"bn{bn}_w{nw}_k{bk}{'_pdl' if pdl else ''}": LaunchConfig(
-            block_m=block_m, block_n=bn, num_warps=nw, block_k=bk, pdl=bool(pdl)
+        f"bn{bn}_w{nw}_k{bk}{f'_m{bm}' if opts.sweep_block_m else ''}{'_pdl' if pdl else ''}": (
+            LaunchConfig(block_m=bm, block_n=bn, num_warps=nw, block_k=bk, pdl=bool(pdl))
         )
+        for bm in (block_ms if opts.sweep_block_m else [block_m])
         for bn in opts.sweep_block_n
         for nw in opts.sweep_warps
         for bk in opts.sweep_block_k
@@ -109,6 +113,9 @@ def sweep_shape(fmt: str, h: int, m: int, opts: Options) -> list[dict]:
             steps["cute"] = step
     graphs = {name: capture(every_layer(lay, step)) for name, step in steps.items()}
     graphs["staged"] = capture(every_layer(lay, staged_step(lay)))
+    # vLLM 0.26's BF16 block (the bmm alone; reference.SERVED_FORM), the baseline a BF16-out
+    # variant must beat to be served.
+    graphs["bmm"] = capture(every_layer(lay, staged_step(lay, form="bmm")))
     times = time_graphs(graphs, opts.samples, opts.warmup)
     errors = {}
     for name in steps:  # every variant's output, checked against the staged path

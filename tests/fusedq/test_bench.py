@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,21 @@ def test_sweep_configs_of_deepseek_tile_m_and_skip_gluon(monkeypatch):
     monkeypatch.setattr(triton_launch.LaunchConfig, "_check_gluon", lambda self: None)  # (CPU)
     glm5 = sweep.sweep_configs("bf16", 8, 16, options.Options(sweep_gluon=("32:4",)))
     assert any(c.gluon for c in glm5.values())
+
+
+def test_sweep_block_m_names_each_block_and_keeps_only_those_that_serve_m(capsys):
+    """--sweep-block-m: one variant per block that can serve M (a block under M only where it
+    tiles M, the 64-row one), each named by its block; without it, names carry no block."""
+    opts, _ = cli.parse_args(["--sweep", "--sweep-block-m", "16", "32", "64", "--m", "32"])
+    opts = dataclasses.replace(opts, sweep_block_n=(32,), sweep_warps=(4,), sweep_block_k=(64,))
+    configs = sweep.sweep_configs("bf16", 16, 32, opts)
+    tl_dot = {n: c.block_m for n, c in configs.items() if n.startswith("bn")}
+    assert tl_dot == {"bn32_w4_k64_m32": 32, "bn32_w4_k64_m64": 64}
+    plain = sweep.sweep_configs("bf16", 16, 32, dataclasses.replace(opts, sweep_block_m=()))
+    assert [n for n in plain if n.startswith("bn")] == ["bn32_w4_k64"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--sweep", "--sweep-block-m", "48"])
+    assert "invalid choice: 48" in capsys.readouterr().err
 
 
 def test_sweep_cute_arguments(capsys):
