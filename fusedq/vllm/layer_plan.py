@@ -162,6 +162,41 @@ def _native_mxfp8(layer):
         return None, f"MXFP8 kv_b_proj kept in its GEMM kernel's layout ({exc}); using bf16 W_UK"
 
 
+def _is_mxfp8_method(kv_b_proj) -> bool:
+    """Whether kv_b_proj's quant method is an MXFP8 one (vLLM's online ``--quantization=mxfp8``
+    method, or a checkpoint MXFP8 method), by its class name: vLLM's names say the format."""
+    method = getattr(kv_b_proj, "quant_method", None)
+    return method is not None and "mxfp8" in type(method).__name__.lower()
+
+
+def _rederived_mxfp8(w_uk_t: torch.Tensor):
+    """vLLM's bf16 ``W_UK_T`` as the MXFP8 weight it was dequantised from: ``(weight, None)``,
+    or ``(None, why not)``.
+
+    An MXFP8 kv_b_proj's GEMM kernel keeps its own layout (Marlin repacks), and vLLM builds
+    ``W_UK_T`` by dequantising it (exact: E4M3 times a power of two fits bf16). Quantising that
+    bf16 back with N-blocked scales gives the values vLLM quantised, and the bit-for-bit check
+    of its dequantisation against ``W_UK_T`` proves it: the fused MXFP8 product then equals the
+    bf16 one. Any block that is not exact (the weight was not MXFP8) keeps the bf16 path.
+    """
+    from fusedq.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+    try:
+        weight = quantize_mxfp8(w_uk_t)
+    except ValueError as exc:
+        return None, f"vLLM's bf16 W_UK_T cannot be re-quantised ({exc})"
+    back = dequantize_mxfp8(weight)
+    same = back.view(torch.int16) == w_uk_t.view(torch.int16)
+    blocks = same.reshape(*same.shape[:-1], -1, weight.values.shape[-1] // weight.scales.shape[-1])
+    inexact = int((~blocks.all(dim=-1)).sum())
+    if inexact:
+        total = blocks.shape[0] * blocks.shape[1] * blocks.shape[2]
+        return None, (
+            f"vLLM's bf16 W_UK_T is not MXFP8-exact in {inexact} of {total} 32-wide blocks"
+        )
+    return weight, None
+
+
 def plan_layer(layer) -> tuple[LayerPlan | None, str]:
     """Whether the fused op serves this layer: ``(plan, note)`` or ``(None, reason)``."""
     import fusedq
@@ -204,6 +239,15 @@ def plan_layer(layer) -> tuple[LayerPlan | None, str]:
         if current_platform.fp8_dtype() != torch.float8_e4m3fn:
             return None, f"FP8 query dtype {current_platform.fp8_dtype()} is not e4m3fn"
     mx_weight, note = _native_mxfp8(layer)
+    if mx_weight is None and _is_mxfp8_method(layer.kv_b_proj):
+        # No checkpoint-layout snapshot (online MXFP8 quantises inside vLLM's own method, and
+        # its kernel then repacks): re-derive the MXFP8 weight from vLLM's W_UK_T, checked.
+        mx_weight, why_not = _rederived_mxfp8(w_uk_t)
+        if mx_weight is None:
+            kept = (note or "").removesuffix("; using bf16 W_UK")
+            note = f"{kept + ', and ' if kept else ''}{why_not}; using bf16 W_UK"
+        else:
+            note = "MXFP8 W_UK re-derived from vLLM's dequantised W_UK_T (bit-exact)"
     fmt = "bf16" if mx_weight is None else "mxfp8"
     why = fusedq.explain(
         layer.num_heads, 1, geometry=geometry, weight_format=fmt, out_dtype=out_dtype,
@@ -307,7 +351,7 @@ def setup_layer(layer) -> None:
         if required:
             raise FusedqRequiredError(f"{MODE_ENV}=1 but the fused MLA query cannot run: {reason}")
         return
-    if note:
+    if note and worker_report.new(("note", note)):  # once per distinct note, not per layer
         logger.info("fusedq: layer %s: %s", name, note)
     from fusedq.kernels.triton_launch import DEFAULT_PDL
 

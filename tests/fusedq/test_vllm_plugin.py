@@ -997,6 +997,67 @@ class FakeLinear:
         module.weight_scale = module.weight_scale.reshape(-1, 128, 4).transpose(1, 2).contiguous()
 
 
+class Mxfp8OnlineLinearMethod:
+    """vLLM's online MXFP8 method as the plan sees it (its class name says the format):
+    kv_b_proj is bf16 at construction, quantised inside the method, then repacked by the GEMM
+    kernel into a layout that is no longer E4M3 values (Marlin's int32 tiles)."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        self.values, self.scales = values, scales
+
+    def process_weights_after_loading(self, module) -> None:
+        module.weight = self.values.view(torch.int32)  # (the repack: E4M3 bytes, other tiles)
+        module.weight_scale = self.scales
+
+
+def online_mxfp8_layer(mla, h: int, gen: torch.Generator):
+    """A layer served with --quantization=mxfp8: the watch finds bf16 at construction, and
+    vLLM's W_UK_T is the dequantised MXFP8 weight (what MLAAttention builds through the
+    kernel's GEMM)."""
+    values, scales = mxfp8_kv_b_proj(h, gen)
+    layer = stand_in_layer(mla, h, fp8=False, gen=gen)
+    layer.kv_b_proj = types.SimpleNamespace(
+        weight=dequant_rows(values, scales), weight_scale=None,
+        quant_method=Mxfp8OnlineLinearMethod(values, scales),
+    )  # fmt: skip
+    layer_plan.watch_kv_b_proj(layer)  # (installs nothing: the weight is bf16 here)
+    layer.kv_b_proj.quant_method.process_weights_after_loading(layer.kv_b_proj)
+    layer.W_UK_T = vllm_w_uk_t(dequant_rows(values, scales), h)
+    return layer
+
+
+def test_online_mxfp8_is_served_native_from_vllms_dequantised_w_uk_t(mla):
+    """Online MXFP8 leaves no checkpoint-layout snapshot; the plan re-derives the MXFP8
+    weight from vLLM's W_UK_T, and its dequantisation is W_UK_T bit for bit."""
+    h = 8
+    patch.apply(patch.check_vllm())
+    layer = online_mxfp8_layer(mla, h, torch.Generator().manual_seed(7))
+    plan, note = layer_plan.plan_layer(layer)
+    assert plan is not None and plan.weight_format == "mxfp8", note
+    assert note == "MXFP8 W_UK re-derived from vLLM's dequantised W_UK_T (bit-exact)"
+    back = fusedq.dequantize_mxfp8(plan.mx_weight)
+    assert torch.equal(back.view(torch.int16), layer.W_UK_T.view(torch.int16))
+
+
+def test_online_mxfp8_w_uk_t_that_is_not_exact_stays_bf16_naming_the_blocks(mla):
+    """One bf16 value off the MXFP8 grid (a weight that was not MXFP8): the plan keeps the bf16
+    W_UK_T and says how many blocks failed the check."""
+    h = 8
+    patch.apply(patch.check_vllm())
+    layer = online_mxfp8_layer(mla, h, torch.Generator().manual_seed(8))
+    w = layer.W_UK_T.clone()
+    assert w[3, 5, 100] != 0
+    # x (1 + 2^-7): seven mantissa bits, still a bf16 value, no longer E4M3's three.
+    w[3, 5, 100] = (w[3, 5, 100].float() * (1 + 2**-7)).to(torch.bfloat16)
+    layer.W_UK_T = w
+    plan, note = layer_plan.plan_layer(layer)
+    assert plan is not None and plan.weight_format == "bf16" and plan.mx_weight is None
+    total = h * P * (L // 32)
+    assert note == (
+        f"vLLM's bf16 W_UK_T is not MXFP8-exact in 1 of {total} 32-wide blocks; using bf16 W_UK"
+    )
+
+
 @pytest.mark.parametrize("watched", [True, False], ids=["snapshot", "no-snapshot"])
 def test_mxfp8_kv_b_proj_survives_kernel_post_processing(mla, watched):
     """With the watch installed (as the patched __init__ does), the plan gets the
