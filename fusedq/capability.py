@@ -104,8 +104,12 @@ def shape_problem(
             return (
                 f"num_heads={num_heads} is not qualified for {geometry.name} (qualified: {q.heads})"
             )
-        if not 1 <= max_m <= q.max_m:
-            return f"max_m={max_m} is outside {geometry.name}'s qualified range 1..{q.max_m}"
+        top = q.max_m_for(num_heads)
+        if not 1 <= max_m <= top:
+            return (
+                f"max_m={max_m} is outside {geometry.name}'s qualified range 1..{top} at "
+                f"{num_heads} heads"
+            )
         return None
     if not 1 <= num_heads <= KERNEL_MAX_HEADS:
         return f"num_heads={num_heads} is outside the kernels' range 1..{KERNEL_MAX_HEADS}"

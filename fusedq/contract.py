@@ -97,17 +97,33 @@ class Qualification:
 
     heads: tuple[int, ...]
     max_m: int
+    # Head counts whose largest qualified M differs from ``max_m`` (measured per head count),
+    # as ((heads, max M), ...).
+    m_by_heads: tuple[tuple[int, int], ...] = ()
+
+    def max_m_for(self, num_heads: int) -> int:
+        """The largest M qualified at ``num_heads`` (0 where the head count is not)."""
+        if num_heads not in self.heads:
+            return 0
+        return dict(self.m_by_heads).get(num_heads, self.max_m)
+
+    def describe(self) -> str:
+        """E.g. ``8, 16, 128 heads, M <= 64 (128 heads: M <= 16)``."""
+        other = "; ".join(f"{h} heads: M <= {m}" for h, m in self.m_by_heads)
+        return f"{', '.join(map(str, self.heads))} heads, M <= {self.max_m}" + (
+            f" ({other})" if other else ""
+        )
 
 
 QUALIFIED = {
     # GLM-5 at TP8 (8 heads), padded TP6 (11), TP4 (16); M up to 32 (docs/decisions/).
     GLM5.name: Qualification(heads=(8, 11, 16), max_m=32),
-    # DeepSeek-V3's widths at TP16 / TP8 ranks (8 / 16 heads; Kimi-K2's TP8 / TP4), M up to 32:
-    # where the fused kernel beat the staged path vLLM 0.26 serves (BF16 out: the bmm alone;
-    # E4M3 out: bmm + concat-quantise) at every M measured, on an H100 (2026-12-06,
-    # benchmarks/results/h100.jsonl). At 32 heads it lost at M 32 (1.06x the bmm), at 64 and
-    # 128 at every M (up to 1.42x): the tl.dot kernel streams W with too few CTAs there.
-    DEEPSEEK_V3.name: Qualification(heads=(8, 16), max_m=32),
+    # DeepSeek-V3's widths at TP16 / TP8 / TP4 / TP2 ranks (8 / 16 / 32 / 64 heads; Kimi-K2's
+    # TP8 / TP4 / TP2 / TP1), M up to 64: with selection.DSV3_TUNED the fused kernel beat the
+    # bmm vLLM 0.26 serves at every one of those shapes, BF16 by 2-14 % and MXFP8 by 5-14 %, in
+    # one sweep on an H100 (2026-12-06, benchmarks/results/h100.jsonl). 128 heads (TP1, DP
+    # attention) is not: BF16 won by 1-2 % to M 16 and lost above (1.02-1.04x the bmm).
+    DEEPSEEK_V3.name: Qualification(heads=(8, 16, 32, 64), max_m=64),
 }
 # What the Triton kernels run at all (``backend="triton"``, tests, the bench): heads per rank
 # (one grid row each) and tokens (the grid tiles M above the largest block).

@@ -18,8 +18,8 @@ The rules, in the order ``select`` applies them:
 4. The Triton family, from the geometry's tables (``TABLES``): the register path where
    ``FMA_TUNED`` has the shape, else the Gluon kernel as ``GLUON_TUNED`` says where Gluon
    imports, else the tl.dot kernel as ``TUNED`` says. GLM-5 has all three tables; DeepSeek-V3
-   has none yet (awaiting the GPU bench), so it runs the tl.dot kernel at its defaults. Above
-   the tables' 32 tokens (``backend="triton"`` past the qualified M) the tl.dot kernel tiles M.
+   the tl.dot one (``DSV3_TUNED``, to 64 tokens, with its rows per CTA). Above 32 tokens the
+   tl.dot kernel tiles M in 64-row blocks.
 """
 
 from __future__ import annotations
@@ -111,6 +111,35 @@ TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]] = {
 }
 
 
+# DeepSeek-V3's tl.dot table, the same shape plus the rows per CTA where they differ from the
+# padded M: (weight format, E4M3 out, padded M) -> {heads: (block_n, num_warps, block_k,
+# block_m)}. From `fusedq-bench --sweep` on an H100 (2026-12-06; 48 variants a shape, the
+# fastest summed over the shape's M: benchmarks/results/raw/h100/2026-12-06-deepseek-v3-
+# sweep.json): K in one 128-wide chunk nearly everywhere, 64-wide N tiles from 16 heads (half
+# the CTAs re-reading q), and MXFP8 in 64-row blocks at every M, where Triton uses Hopper's
+# warpgroup MMA (at 32 rows the fp8 tiles took up to 6x longer). E4M3 out takes its weight
+# format's entries (not swept: its epilogue differs, its loads and MMAs do not; at the old
+# defaults MXFP8 -> E4M3 at 32 tokens ran 1.3-1.6x its staged path, from the 32-row tiles).
+_D = DEEPSEEK_V3.qk_nope  # one K chunk (BLOCK_K = K = 128)
+_H = common.BLOCK_K  # two 64-wide K chunks
+DSV3_TUNED: dict[tuple[str, bool, int], dict[int, tuple[int, ...]]] = {
+    ("bf16", False, 16): {8: (32, 4, _H, 16), 16: (64, 8, _D, 16), 32: (64, 8, _D, 16),
+                          64: (64, 4, _D, 16), 128: (128, 8, _H, 16)},
+    ("bf16", False, 32): {8: (32, 8, _D, 32), 16: (64, 8, _D, 32), 32: (64, 8, _D, 32),
+                          64: (128, 4, _D, 32), 128: (64, 8, _D, 32)},
+    ("bf16", False, 64): {8: (32, 8, _D, 64), 16: (64, 8, _D, 64), 32: (64, 4, _H, 64),
+                          64: (64, 4, _H, 64), 128: (64, 8, _D, 64)},
+    **{
+        ("mxfp8", False, m): {8: (32, 8, _D, 64), 16: (32, 8, _D, 64), 32: (64, 8, _D, 64),
+                              64: (64, 8, _D, 64), 128: (128, 4, _D, 64)}
+        for m in (32, 64)
+    },
+    ("mxfp8", False, 16): {8: (32, 8, _D, 64), 16: (32, 8, _D, 64), 32: (32, 8, _D, 64),
+                           64: (64, 4, _D, 64), 128: (128, 4, _D, 64)},
+}  # fmt: skip
+DSV3_TUNED.update({(fmt, True, m): v for (fmt, _, m), v in list(DSV3_TUNED.items())})
+
+
 @dataclasses.dataclass(frozen=True)
 class GeometryTables:
     """One geometry's measured tables, the rules of rule 4 (the CuTe kernel's rule 3 is gated
@@ -118,19 +147,20 @@ class GeometryTables:
 
     fma: dict[tuple[str, bool, int], dict[int, tuple[int, int]]]
     gluon: dict[tuple[str, bool], tuple[tuple[int, int, GluonChoice], ...]]
-    tuned: dict[tuple[str, bool, int], dict[int, tuple[int, int, int]]]
+    # {heads: (block_n, num_warps, block_k[, block_m])}: block_m where not the padded M.
+    tuned: dict[tuple[str, bool, int], dict[int, tuple[int, ...]]]
 
 
-# The selection tables by geometry: GLM-5's as measured; DeepSeek-V3's empty, so it takes the
-# tl.dot kernel at its defaults until the GPU bench (fusedq-bench --floors --geometry
-# deepseek-v3) measures otherwise. A geometry's kernels must be built for it: the register and
-# tl.dot kernels are (triton_mla_query.GEOMETRIES), Gluon is GLM-5's only.
+# The selection tables by geometry, as measured. DeepSeek-V3 has no register-path or Gluon
+# table: the register and tl.dot kernels are built for it (triton_mla_query.GEOMETRIES), Gluon
+# is GLM-5's only.
 TABLES: dict[str, GeometryTables] = {
     GLM5.name: GeometryTables(fma=FMA_TUNED, gluon=GLUON_TUNED, tuned=TUNED),
-    DEEPSEEK_V3.name: GeometryTables(fma={}, gluon={}, tuned={}),
+    DEEPSEEK_V3.name: GeometryTables(fma={}, gluon={}, tuned=DSV3_TUNED),
 }
-# The largest M the tables describe (and the largest untiled block); above it the tl.dot
-# kernel tiles M in MAX_BLOCK_M-row blocks.
+# The largest M the Gluon and register-path tables describe (and the largest untiled block);
+# above it the tl.dot kernel tiles M in MAX_BLOCK_M-row blocks, with the tl.dot table's
+# 64-row entry.
 TABLES_MAX_M = 32
 
 # A head count TUNED does not list: 32-wide N tiles give heads*16 CTAs (128 at H=8), enough to
@@ -184,9 +214,10 @@ def launch_config(
             gluon_operands=choice.operands, e4m3_epilogue="wide" if choice.wide_store else "mul",
         )  # fmt: skip
     tuned = tables.tuned.get((weight_format, out_fp8, block_m), {})
-    block_n, num_warps, block_k = tuned.get(
+    block_n, num_warps, block_k, *rows = tuned.get(
         num_heads, (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, common.BLOCK_K)
     )
+    block_m = rows[0] if rows else block_m
     return LaunchConfig(block_m, block_n, num_warps=num_warps, block_k=block_k, pdl=pdl)
 
 

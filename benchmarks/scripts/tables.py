@@ -640,7 +640,7 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
             base = by.get((recipe, h, m, SERVED_STAGED[recipe]))
             ratio = fused["value"] / base["value"] if fused and base else None
             cells.append("–" if ratio is None else f"{ratio:.2f}")
-        cells.append("yes" if h in q.heads and m <= q.max_m else "no")
+        cells.append("yes" if m <= q.max_m_for(h) else "no")
         lines.append(cells)
     header = ["H", "M", *(f"{TITLES[r]} fused/served staged" for r in RECIPES), "qualified"]
     return "\n".join(
@@ -650,7 +650,7 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
             "Fused ÷ the staged path vLLM 0.26 serves (BF16 out: the bmm alone, FLASH_ATTN_MLA "
             "taking the (nope, pe) pair; E4M3 out and MXFP8 weights: the bench's staged path), "
             "CUDA-graph medians; below 1 the fused query is faster. Qualified: "
-            f"`fusedq.contract.QUALIFIED` ({', '.join(map(str, q.heads))} heads, M ≤ {q.max_m}).",
+            f"`fusedq.contract.QUALIFIED` ({q.describe().replace('<=', '≤')}).",
             "",
             _table(header, lines),
         ]

@@ -50,7 +50,7 @@ def test_geometry_arguments(capsys):
     assert opts.geometry == "deepseek-v3" and opts.floors
     assert opts.heads == (8, 16, 32, 64, 128) and opts.ms == (1, 2, 4, 8, 16, 32, 64)
     opts, _ = cli.parse_args(["--geometry", "deepseek-v3"])
-    assert opts.heads == contract.QUALIFIED["deepseek-v3"].heads == (8, 16)
+    assert opts.heads == contract.QUALIFIED["deepseek-v3"].heads == (8, 16, 32, 64)
     assert cli.parse_args([])[0].geometry == "glm5" and cli.parse_args([])[0].heads == (8, 11, 16)
     for bad in (["--geometry", "llama"], ["--heads", "8,x"], ["--m", "0"]):
         with pytest.raises(SystemExit) as exc:

@@ -74,12 +74,12 @@ DEEPSEEK_CASES = [
     # (H, M, weight format, out dtype, backend)
     (8, 1, "bf16", torch.bfloat16, "auto"),
     (16, 3, "mxfp8", torch.bfloat16, "auto"),
-    (32, 7, "bf16", E4M3, "triton"),  # past the qualified heads (measured slower at M 32)
-    (64, 2, "mxfp8", E4M3, "triton"),
-    (128, 5, "bf16", torch.bfloat16, "triton"),
-    (8, 33, "bf16", torch.bfloat16, "triton"),  # past the qualified M: one 64-row block
-    (16, 64, "mxfp8", E4M3, "triton"),
-    (2, 512, "bf16", torch.bfloat16, "triton"),  # eight 64-row M tiles
+    (32, 7, "bf16", E4M3, "auto"),
+    (64, 2, "mxfp8", E4M3, "auto"),
+    (128, 5, "bf16", torch.bfloat16, "triton"),  # past the qualified heads
+    (8, 33, "bf16", torch.bfloat16, "auto"),  # one 64-row block
+    (16, 64, "mxfp8", E4M3, "auto"),
+    (2, 512, "bf16", torch.bfloat16, "triton"),  # past the qualified M: eight 64-row M tiles
 ]
 
 
@@ -184,8 +184,11 @@ def test_common_widths_and_geometry_lookup():
     assert contract.geometry_of(128, 64, 256) is None
     with pytest.raises(ValueError, match="known: glm5, deepseek-v3"):
         contract.geometry_named("llama")
-    for g in contract.GEOMETRIES:
-        assert contract.QUALIFIED[g.name].max_m in contract.DECODE_M_BUCKETS
+    # The CuTe kernel's buckets reach GLM-5's qualified M (the geometry it is built for).
+    assert contract.QUALIFIED[GLM5.name].max_m in contract.DECODE_M_BUCKETS
+    q = contract.Qualification(heads=(8, 16, 128), max_m=64, m_by_heads=((128, 16),))
+    assert [q.max_m_for(h) for h in (8, 128, 11)] == [64, 16, 0]
+    assert q.describe() == "8, 16, 128 heads, M <= 64 (128 heads: M <= 16)"
 
 
 # --- the gates and the selection --------------------------------------------------------------
@@ -195,8 +198,9 @@ def test_common_widths_and_geometry_lookup():
     ("kwargs", "match"),
     [
         ({"num_heads": 64, "max_m": 1}, "num_heads=64 is not qualified for glm5"),
-        ({"num_heads": 11, "max_m": 1, "geometry": "deepseek-v3"}, "not qualified for deepseek-v3 \\(qualified: \\(8, 16\\)\\)"),
-        ({"num_heads": 8, "max_m": 33, "geometry": DEEPSEEK_V3}, "max_m=33 is outside deepseek-v3's qualified range 1..32"),
+        ({"num_heads": 11, "max_m": 1, "geometry": "deepseek-v3"}, "not qualified for deepseek-v3 \\(qualified: \\(8, 16, 32, 64\\)\\)"),
+        ({"num_heads": 8, "max_m": 65, "geometry": DEEPSEEK_V3}, "max_m=65 is outside deepseek-v3's qualified range 1..64 at 8 heads"),
+        ({"num_heads": 8, "max_m": 33}, "max_m=33 is outside glm5's qualified range 1..32 at 8 heads"),
         ({"num_heads": 8, "max_m": 1, "geometry": "llama"}, "geometry 'llama' is not served"),
         ({"num_heads": 129, "max_m": 1, "qualified": False}, "outside the kernels' range 1..128"),
         ({"num_heads": 8, "max_m": 513, "qualified": False}, "outside the kernels' range 1..512"),
@@ -209,7 +213,7 @@ def test_explain_names_the_geometry_and_what_is_unqualified(kwargs, match):
 
 @pytest.mark.parametrize("h", contract.QUALIFIED[DEEPSEEK_V3.name].heads)
 def test_deepseek_qualified_heads_run_fused_here(h):
-    assert fusedq.explain(h, 32, geometry=DEEPSEEK_V3) is None
+    assert fusedq.explain(h, 64, geometry=DEEPSEEK_V3) is None
     assert fusedq.explain(h, 512, geometry=DEEPSEEK_V3, qualified=False) is None
 
 
@@ -217,7 +221,7 @@ def test_deepseek_qualified_heads_run_fused_here(h):
 @pytest.mark.parametrize("dsl", [True, False])
 def test_deepseek_selects_the_tl_dot_kernel_on_a_gpu(monkeypatch, dsl, gluon):
     """No register, Gluon or CuTe kernel for DeepSeek-V3 (unmeasured, or not built for it):
-    the tl.dot kernel at every qualified shape and recipe, K in two chunks."""
+    the tl.dot kernel at every qualified shape and recipe, as DSV3_TUNED says."""
     device = _fake_gpu(monkeypatch, dsl=dsl, gluon=gluon)
     for fmt, out in [
         ("bf16", torch.bfloat16),
@@ -226,11 +230,15 @@ def test_deepseek_selects_the_tl_dot_kernel_on_a_gpu(monkeypatch, dsl, gluon):
         ("mxfp8", E4M3),
     ]:
         for h in contract.QUALIFIED[DEEPSEEK_V3.name].heads:
-            for m in (1, 2, 3, 4, 8, 16, 17, 32):
+            for m in (1, 2, 3, 4, 8, 16, 17, 32, 33, 64):
                 kw = dict(geometry=DEEPSEEK_V3, weight_format=fmt, out_dtype=out, device=device)
                 chosen = selection.select(h, m, **kw)
                 assert chosen.path == "triton" and chosen.kernel == "tl.dot", (fmt, h, m, chosen)
-                assert chosen.config.block_k == common.BLOCK_K
+                padded = min(max(16, 1 << (m - 1).bit_length()), 64)
+                entry = selection.DSV3_TUNED[(fmt, out == E4M3, padded)][h]
+                c = chosen.config
+                assert (c.block_n, c.num_warps, c.block_k, c.block_m) == entry, (fmt, h, m)
+                assert fmt == "bf16" or c.block_m == 64  # MXFP8: warpgroup-MMA rows
                 assert fusedq.kernel_choice(h, m, **kw)[0] == "triton"
         problem = capability.cute_problem(fmt, out, geometry=DEEPSEEK_V3)
         assert problem == "the CuTe DSL kernel is built for glm5, not deepseek-v3"
@@ -244,7 +252,8 @@ def test_past_32_tokens_the_tl_dot_kernel_tiles_m(monkeypatch):
             chosen = selection.select(8, m, geometry=g, device=device, qualified=False)
             assert chosen.kernel == "tl.dot" and chosen.config.tiles_m
             assert triton_launch.grid_for(chosen.config, 8, m) == (16, 8, tiles)
-        assert selection.select(8, 33, geometry=g, device=device).path == "staged"
+        past = contract.QUALIFIED[g.name].max_m_for(8) + 1
+        assert selection.select(8, past, geometry=g, device=device).path == "staged"
 
 
 # --- the vLLM plugin's gate ---------------------------------------------------------------------
@@ -288,7 +297,7 @@ def test_deepseek_matches_staged_on_gpu(h, m, fmt, out_dtype, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", contract.QUALIFIED[DEEPSEEK_V3.name].heads)
-@pytest.mark.parametrize("m", [1, 2, 7, 32])
+@pytest.mark.parametrize("m", [1, 2, 7, 32, 48, 64])
 @pytest.mark.parametrize("recipe", [("bf16", torch.bfloat16), ("mxfp8", E4M3)])
 def test_deepseek_qualified_shapes_on_gpu(h, m, recipe):
     fmt, out_dtype = recipe
@@ -297,11 +306,10 @@ def test_deepseek_qualified_shapes_on_gpu(h, m, recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 7, 32])
-def test_deepseek_heads_past_the_qualified_on_gpu(h, m):
-    """Every TP rank's share of DeepSeek-V3's 128 heads runs fused when forced, correct, though
-    only 8 and 16 are qualified (faster than the staged path vLLM serves)."""
+@pytest.mark.parametrize(("h", "m"), [(128, 1), (128, 32), (16, 65), (32, 200)])
+def test_deepseek_past_the_qualified_on_gpu(h, m):
+    """Past the qualified shapes (128 heads; M above 64) the kernel runs fused when forced,
+    correct, and "auto" serves them staged."""
     run_case(DEEPSEEK_V3, h, m, "bf16", torch.bfloat16, torch.device("cuda"), "triton")
     assert len(fused_plans()) == 1
     dispatch.clear_plans()
