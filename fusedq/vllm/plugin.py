@@ -8,6 +8,9 @@ starts. ``FUSEDQ_MLA_QUERY`` picks the mode:
 - ``1``: require it — a vLLM this plugin cannot patch, or an MLA layer that cannot use the
   fused op, is a startup error naming the reason.
 
+``FUSEDQ_BACKEND`` picks what the decode step's calls may bind: ``triton`` (default) or
+``auto`` (``fusedq.kernel_choice``'s pick, the CuTe DSL kernel included).
+
 How it hooks (see docs/vllm-plugin.md): ``MLAAttention.forward_impl`` is recompiled from its
 own source with one change — the query-side block (the ROCm-aiter / AMX / padded-heads /
 plain ``torch.bmm`` branches, then the concat or ``_decode_concat_quant_fp8_op``) is nested
@@ -35,6 +38,7 @@ from fusedq.vllm.report import (
     MODE_ENV,
     FusedqRequiredError,
     disabled_line,
+    hook_backend,
     logger,
     mode,
     worker_report,
@@ -50,6 +54,13 @@ def register() -> None:
         return
     if current == "0":
         return
+    try:
+        backend = hook_backend()
+    except ValueError as exc:
+        if current == "1":
+            raise FusedqRequiredError(f"{MODE_ENV}=1 but {exc}") from exc
+        logger.warning(disabled_line(str(exc)))
+        return
     if releases.installed:
         return  # vLLM may load plugins more than once per process
     try:
@@ -62,4 +73,7 @@ def register() -> None:
         logger.warning(disabled_line(reason))
         return
     apply(patch)
+    from fusedq.vllm import query
+
+    query.BACKEND = backend
     logger.debug("fusedq: patched %s.MLAAttention (forward_impl, weight processing)", MLA_MODULE)

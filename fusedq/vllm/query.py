@@ -26,13 +26,15 @@ import torch
 from fusedq import api, capability, selection
 from fusedq.contract import GLM5, KV_LORA, MX_BLOCK, Geometry, geometry_of
 from fusedq.mxfp8 import MXFP8Weight
+from fusedq.vllm.report import BACKEND_ENV
 
 Weight = torch.Tensor | MXFP8Weight
 
-# The backend the decode step's calls pass. The Triton family, not "auto": where "auto" would
-# take the CuTe kernel (M <= 2 in CUDA graphs), the hook's calls run that selection's Triton
-# configuration instead (the CuTe kernel has not been validated inside a vLLM server), and
-# ``kernel_summary`` says so in the server log.
+# The backend the decode step's calls pass, set by the plugin from FUSEDQ_BACKEND
+# (report.hook_backend). "triton" by default: where "auto" would take the CuTe kernel (M <= 2
+# in CUDA graphs), the hook's calls run that selection's Triton configuration instead (the
+# CuTe kernel has not yet been measured inside a vLLM server), and ``kernel_summary`` says so
+# in the server log. "auto" binds what fusedq.kernel_choice picks.
 BACKEND = "triton"
 
 # can_implement() depends only on its arguments and process-wide facts (Triton importable,
@@ -156,7 +158,7 @@ def kernel_summary(
         f"M={m_run[0] if len(m_run) == 1 else f'{m_run[0]}-{m_run[-1]}'} {name}"
         for name, m_run in runs
     )
-    return text + f" [CuTe: not in vLLM; the hook calls backend={BACKEND!r}]"
+    return text + f" [CuTe: not in vLLM; the hook calls backend={BACKEND!r}, {BACKEND_ENV}]"
 
 
 def split_query(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

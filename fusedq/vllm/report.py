@@ -16,6 +16,26 @@ class FusedqRequiredError(RuntimeError):
     """FUSEDQ_MLA_QUERY=1 and the fused MLA query cannot be used (the message says why)."""
 
 
+# Which kernels the decode hook's calls may bind: "triton" (the default) keeps them to the
+# Triton family (Gluon, tl.dot, register); "auto" lets them take what fusedq.kernel_choice
+# picks, the CuTe DSL kernel included where nvidia-cutlass-dsl imports (M <= 2 BF16 / <= 4
+# MXFP8, GLM-5's geometry, in CUDA graphs). "triton" stays the default until a GPU server
+# A/B has shown the CuTe kernel inside vLLM.
+BACKEND_ENV = "FUSEDQ_BACKEND"
+HOOK_BACKENDS = ("triton", "auto")
+
+
+def hook_backend() -> str:
+    """The normalised ``FUSEDQ_BACKEND`` value; ``ValueError`` naming it for anything else."""
+    raw = os.environ.get(BACKEND_ENV, "").strip().lower() or HOOK_BACKENDS[0]
+    if raw not in HOOK_BACKENDS:
+        raise ValueError(
+            f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV)!r} is not one of "
+            f"{', '.join(HOOK_BACKENDS)}"
+        )
+    return raw
+
+
 def mode() -> str:
     """The normalised ``FUSEDQ_MLA_QUERY`` value; ``ValueError`` for anything else."""
     raw = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"

@@ -201,6 +201,23 @@ def test_the_vllm_hooks_kernels_line_names_what_its_calls_bind(monkeypatch, fmt,
         assert ("cute" in fusedq.kernel_summary(h, ms, **kw)) == ("[CuTe: not in vLLM" in line)
 
 
+def test_with_backend_auto_the_kernels_line_is_the_packages(monkeypatch):
+    """FUSEDQ_BACKEND=auto: the hook's calls bind what kernel_choice picks, CuTe included,
+    and the server's kernels line is fusedq.kernel_summary's own."""
+    from fusedq.vllm import query
+
+    device = _fake_gpu(monkeypatch, dsl=True, gluon=True)
+    monkeypatch.setattr(query, "BACKEND", "auto")
+    weights = _weights("bf16")
+    ms = range(1, MAX_M + 1)
+    for h in QUALIFIED_HEADS:
+        kw = dict(weight_format="bf16", out_dtype=torch.bfloat16, device=device, pdl=False)
+        line = query.kernel_summary(h, ms, **kw)
+        assert line == fusedq.kernel_summary(h, ms, **kw) and "cute" in line
+        path, _, _ = _dispatched(h, 1, weights[h], torch.bfloat16, False, query.BACKEND)
+        assert path == "cute", h
+
+
 def test_kernel_summary_merges_runs_and_says_why_cute_is_not_used(monkeypatch):
     """The plugin's kernels line: equal choices over consecutive M merged; without the CuTe
     kernel it says why (here: the DSL missing)."""

@@ -387,6 +387,39 @@ def test_register_rejects_unknown_mode(mla, monkeypatch, caplog):
     assert "disabled: FUSEDQ_MLA_QUERY='yes' is not one of auto, 0, 1" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("value", "bound"), [(None, "triton"), ("AUTO", "auto"), (" triton", "triton")]
+)
+def test_register_binds_the_hooks_backend(mla, monkeypatch, value, bound):
+    from fusedq.vllm import query
+
+    monkeypatch.setattr(query, "BACKEND", "unset")
+    monkeypatch.delenv(report.MODE_ENV, raising=False)
+    if value is None:
+        monkeypatch.delenv(report.BACKEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(report.BACKEND_ENV, value)
+    plugin.register()
+    assert bound == query.BACKEND
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_register_rejects_an_unknown_backend(mla, monkeypatch, caplog, required):
+    """FUSEDQ_BACKEND=cute (not a hook backend): auto mode leaves vLLM as shipped and says
+    why; required mode fails the start naming the variable."""
+    monkeypatch.setenv(report.BACKEND_ENV, "cute")
+    monkeypatch.setenv(report.MODE_ENV, "1" if required else "auto")
+    before = mla.MLAAttention.forward_impl
+    want = "FUSEDQ_BACKEND='cute' is not one of triton, auto"
+    if required:
+        with pytest.raises(report.FusedqRequiredError, match=f"FUSEDQ_MLA_QUERY=1 but {want}"):
+            plugin.register()
+    else:
+        plugin.register()
+        assert f"fusedq: fused MLA query disabled: {want}" in caplog.text
+    assert mla.MLAAttention.forward_impl is before
+
+
 class StandInLayer(types.SimpleNamespace):
     """The MLAAttention attributes forward_impl's decode path and the plugin read."""
 
