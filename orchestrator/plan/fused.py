@@ -4,8 +4,10 @@ Head counts alone do not decide it. The fusedq vLLM plugin (fusedq/vllm/) declin
 per worker, where the kernel cannot run, and the server then serves vLLM's staged path:
 
 - ``FUSEDQ_MLA_QUERY=0``: the plugin is off (a staged variant, by choice);
-- a head count per rank outside fusedq's qualified ones (fusedq/contract.py); with
-  ``FUSEDQ_MLA_QUERY=1`` (required) the server refuses to start instead;
+- a head count per rank outside the ones fusedq qualified for the stand-in's geometry
+  (``contract.QUALIFIED``; a checkpoint's geometry is read on the worker, so any served
+  geometry's count passes here); with ``FUSEDQ_MLA_QUERY=1`` (required) the server refuses
+  to start instead;
 - a stand-in whose MLA widths are not among the geometries the fused op serves
   (``contract.GEOMETRIES``, compared as the plugin does: qk_nope, qk_rope, kv_lora), e.g.
   DeepSeek-V3's and Kimi-K2's 128-wide nope; likewise fails with ``FUSEDQ_MLA_QUERY=1``;
@@ -46,19 +48,18 @@ def fused_plan(case: Case, accelerator: str, environ: Mapping[str, str] = os.env
     mode = env.get(MODE_ENV, environ.get(MODE_ENV, "auto")).strip().lower() or "auto"
     if mode == "0":
         return FusedPlan(False, f"staged: {MODE_ENV}=0")
-    heads = case.heads_per_rank
-    glm5_heads = contract.QUALIFIED[contract.GLM5.name].heads  # the stand-ins are GLM-5's
-    if heads not in glm5_heads:
-        qualified = ", ".join(map(str, glm5_heads))
-        why = f"staged: {heads} heads per rank (qualified: {qualified})"
-        if mode == "1":
-            why = f"fails: {MODE_ENV}=1 and {heads} heads per rank (qualified: {qualified})"
-        return FusedPlan(False, why)
     unserved = _unserved_geometry(case)
     if unserved is not None:
         why = f"staged: {unserved}"
         if mode == "1":
             why = f"fails: {MODE_ENV}=1 and {unserved}"
+        return FusedPlan(False, why)
+    heads = case.heads_per_rank
+    qualified_heads, qualified = _qualified_heads(case)
+    if heads not in qualified_heads:
+        why = f"staged: {heads} heads per rank (qualified: {qualified})"
+        if mode == "1":
+            why = f"fails: {MODE_ENV}=1 and {heads} heads per rank (qualified: {qualified})"
         return FusedPlan(False, why)
     if accelerator == "cpu" and env.get(INTERPRET_ENV, environ.get(INTERPRET_ENV)) != "1":
         why = f"staged: CPU without {INTERPRET_ENV}=1"
@@ -66,6 +67,25 @@ def fused_plan(case: Case, accelerator: str, environ: Mapping[str, str] = os.env
             why = f"fails: {MODE_ENV}=1 on CPU without {INTERPRET_ENV}=1"
         return FusedPlan(False, why)
     return FusedPlan(True, "qualified")
+
+
+def _qualified_heads(case: Case) -> tuple[set[int], str]:
+    """The head counts per rank the case's geometry is qualified for, and how a plan words
+    them: a built-in model's geometry is known here; a checkpoint's is read only on the
+    worker, so any served geometry's head counts may hold (each named)."""
+    if case.model.is_builtin:
+        # A stand-in has its base's widths; the tiny built-in models have GLM-5's
+        # (orchestrator/models/tinymodel.py).
+        g = (
+            standins.base_of(case.model.builtin_name).geometry
+            if case.model.is_standin
+            else contract.GLM5
+        )
+        heads = contract.QUALIFIED[g.name].heads
+        return set(heads), ", ".join(map(str, heads))
+    every = {g.name: contract.QUALIFIED[g.name].heads for g in contract.GEOMETRIES}
+    words = "; ".join(f"{name} {', '.join(map(str, h))}" for name, h in every.items())
+    return {h for heads in every.values() for h in heads}, words
 
 
 def _unserved_geometry(case: Case) -> str | None:

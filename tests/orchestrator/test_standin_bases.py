@@ -258,6 +258,36 @@ def test_plan_reads_the_served_geometries(monkeypatch: pytest.MonkeyPatch) -> No
     assert fused_plan(expand(glm)[0], "gpu", environ={}).why == "qualified"
 
 
+@pytest.mark.parametrize(
+    ("heads", "why"),
+    [
+        (32, "qualified"),  # TP4: in DeepSeek-V3's qualified heads, not GLM-5's
+        (64, "qualified"),
+        (128, "staged: 128 heads per rank (qualified: 8, 16, 32, 64)"),
+    ],
+)
+def test_plan_reads_the_stand_ins_own_qualified_heads(heads: int, why: str) -> None:
+    from orchestrator.config.expand import expand
+
+    m = parse_matrix(MATRIX.replace("num_heads: 16", f"num_heads: {heads}"))
+    (case,) = expand(m)
+    assert fused_plan(case, "gpu", environ={}).why == why
+
+
+def test_plan_of_a_checkpoint_names_every_geometrys_heads(tmp_path) -> None:
+    """A checkpoint's widths are read on the worker: any served geometry's count may hold."""
+    from orchestrator.config.expand import expand
+
+    (tmp_path / "config.json").write_text("{}")
+    m = parse_matrix(
+        MATRIX.replace("builtin:deepseek-v3, num_heads: 16", f"{tmp_path}, num_heads: 12")
+    )
+    (case,) = expand(m)
+    assert fused_plan(case, "gpu", environ={}).why == (
+        "staged: 12 heads per rank (qualified: glm5 8, 11, 16; deepseek-v3 8, 16, 32, 64)"
+    )
+
+
 def test_plan_of_the_deepseek_matrix_without_torch() -> None:
     """`plan` of the committed DeepSeek-V3 matrix, in a fresh interpreter: what the stand-in
     is, a batch past 32, and nothing heavy imported."""
