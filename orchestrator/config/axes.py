@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fusedq import contract
 from orchestrator.config.owned_flags import ALWAYS_OWNED, args_problem
 from orchestrator.models import standins, tinymodel
 
@@ -150,6 +151,21 @@ class ModelSpec(_EnvArgs):
         """A stand-in: config only, served with dummy weights
         (orchestrator.models.standins)."""
         return self.is_builtin and standins.is_standin(self.builtin_name)
+
+    @property
+    def geometry(self) -> contract.Geometry | None:
+        """A built-in model's MLA geometry (a stand-in's base's; the tiny models have GLM-5's,
+        orchestrator/models/tinymodel.py). None for a checkpoint: read on the worker."""
+        if not self.is_builtin:
+            return None
+        return standins.base_of(self.builtin_name).geometry if self.is_standin else contract.GLM5
+
+    @property
+    def qualified_heads(self) -> set[int]:
+        """The head counts per rank fusedq is qualified for at this model's geometry
+        (``contract.QUALIFIED``); for a checkpoint, any served geometry's."""
+        geometries = contract.GEOMETRIES if self.geometry is None else (self.geometry,)
+        return {h for g in geometries for h in contract.QUALIFIED[g.name].heads}
 
     @property
     def context_tokens(self) -> int | None:

@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fusedq import contract
 from orchestrator.common.layout import case_slug
 from orchestrator.config.axes import ModelSpec, VariantSpec
 from orchestrator.config.schema import Matrix
@@ -66,8 +65,7 @@ class Case:
             "mtp": self.mtp,
             "variant": self.variant.name,
             "heads_per_rank": self.heads_per_rank,
-            "fusedq_qualified_heads": self.heads_per_rank
-            in contract.QUALIFIED[contract.GLM5.name].heads,
+            "fusedq_qualified_heads": self.heads_per_rank in self.model.qualified_heads,
             "args": list(self.args),
             "env": dict(self.env),
             **({"mtp_acceptance": self.mtp_acceptance} if self.mtp_acceptance is not None else {}),

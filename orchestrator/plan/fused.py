@@ -55,8 +55,8 @@ def fused_plan(case: Case, accelerator: str, environ: Mapping[str, str] = os.env
             why = f"fails: {MODE_ENV}=1 and {unserved}"
         return FusedPlan(False, why)
     heads = case.heads_per_rank
-    qualified_heads, qualified = _qualified_heads(case)
-    if heads not in qualified_heads:
+    if heads not in case.model.qualified_heads:
+        qualified = _qualified_words(case.model)
         why = f"staged: {heads} heads per rank (qualified: {qualified})"
         if mode == "1":
             why = f"fails: {MODE_ENV}=1 and {heads} heads per rank (qualified: {qualified})"
@@ -69,23 +69,16 @@ def fused_plan(case: Case, accelerator: str, environ: Mapping[str, str] = os.env
     return FusedPlan(True, "qualified")
 
 
-def _qualified_heads(case: Case) -> tuple[set[int], str]:
-    """The head counts per rank the case's geometry is qualified for, and how a plan words
-    them: a built-in model's geometry is known here; a checkpoint's is read only on the
-    worker, so any served geometry's head counts may hold (each named)."""
-    if case.model.is_builtin:
-        # A stand-in has its base's widths; the tiny built-in models have GLM-5's
-        # (orchestrator/models/tinymodel.py).
-        g = (
-            standins.base_of(case.model.builtin_name).geometry
-            if case.model.is_standin
-            else contract.GLM5
-        )
-        heads = contract.QUALIFIED[g.name].heads
-        return set(heads), ", ".join(map(str, heads))
-    every = {g.name: contract.QUALIFIED[g.name].heads for g in contract.GEOMETRIES}
-    words = "; ".join(f"{name} {', '.join(map(str, h))}" for name, h in every.items())
-    return {h for heads in every.values() for h in heads}, words
+def _qualified_words(model) -> str:
+    """How a plan names the head counts ``model.qualified_heads`` holds: a built-in model's
+    geometry's, or every served geometry's, each named, for a checkpoint."""
+    g = model.geometry
+    if g is not None:
+        return ", ".join(map(str, contract.QUALIFIED[g.name].heads))
+    return "; ".join(
+        f"{g.name} {', '.join(map(str, contract.QUALIFIED[g.name].heads))}"
+        for g in contract.GEOMETRIES
+    )
 
 
 def _unserved_geometry(case: Case) -> str | None:

@@ -272,6 +272,8 @@ def test_plan_reads_the_stand_ins_own_qualified_heads(heads: int, why: str) -> N
     m = parse_matrix(MATRIX.replace("num_heads: 16", f"num_heads: {heads}"))
     (case,) = expand(m)
     assert fused_plan(case, "gpu", environ={}).why == why
+    # The results row says the same (it said GLM-5's heads for every model before).
+    assert case.to_dict()["fusedq_qualified_heads"] is (why == "qualified")
 
 
 def test_plan_of_a_checkpoint_names_every_geometrys_heads(tmp_path) -> None:
