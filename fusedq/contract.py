@@ -116,13 +116,17 @@ class Qualification:
 
 
 QUALIFIED = {
-    # GLM-5 at TP8 (8 heads), padded TP6 (11), TP4 (16); M up to 32 (docs/decisions/).
+    # GLM-5 at TP8 (8 heads), padded TP6 (11), TP4 (16); M up to 32 (docs/decisions/). Past
+    # 32 the tl.dot kernel (M tiled, at its defaults: no GLM-5 table above 32) lost to vLLM
+    # 0.26's bmm with BF16 weights, 1.02-1.33x at M 48 / 64 / 128 on an H100 (2026-12-06,
+    # benchmarks/results/h100.jsonl): staged there.
     GLM5.name: Qualification(heads=(8, 11, 16), max_m=32),
     # DeepSeek-V3's widths at TP16 / TP8 / TP4 / TP2 ranks (8 / 16 / 32 / 64 heads; Kimi-K2's
     # TP8 / TP4 / TP2 / TP1), M up to 64: with selection.DSV3_TUNED the fused kernel beat the
     # bmm vLLM 0.26 serves at every one of those shapes, BF16 by 2-14 % and MXFP8 by 5-14 %, in
     # one sweep on an H100 (2026-12-06, benchmarks/results/h100.jsonl). 128 heads (TP1, DP
-    # attention) is not: BF16 won by 1-2 % to M 16 and lost above (1.02-1.04x the bmm).
+    # attention) is not: BF16 won by 1-2 % to M 16 and lost above (1.02-1.04x the bmm). Past
+    # M 64 BF16 tied at M 128 and 16 heads and lost elsewhere (1.13-1.85x at M 128 / 256).
     DEEPSEEK_V3.name: Qualification(heads=(8, 16, 32, 64), max_m=64),
 }
 # What the Triton kernels run at all (``backend="triton"``, tests, the bench): heads per rank
