@@ -197,7 +197,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         help="the MLA geometry to time (its rows name it); --heads defaults to its qualified heads",
     )
     p.add_argument("--heads", type=_ints, nargs="+", default=None, help="e.g. 8,16,32 or 8 16 32")
-    p.add_argument("--m", type=_ints, nargs="+", default=[list(Options.ms)], dest="ms")
+    p.add_argument(
+        "--m",
+        type=_ints,
+        nargs="+",
+        default=None,
+        dest="ms",
+        help="e.g. 1,16,32; default: the decode buckets 1..32, then every 16 to the "
+        "geometry's largest qualified M",
+    )
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     p.add_argument("--samples", type=int, default=Options.samples, help="timed replays per graph")
     p.add_argument("--warmup", type=int, default=Options.warmup)
@@ -285,6 +293,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     if a.calls < 1 or a.repeats < 1:
         p.error(f"--calls {a.calls} and --repeats {a.repeats} must be at least 1")
     heads = [QUALIFIED[a.geometry].heads] if a.heads is None else a.heads
+    if a.ms is None:  # past the buckets, the graph sizes vLLM captures (every 8) every 16
+        top = max(QUALIFIED[a.geometry].max_m_for(h) for h in QUALIFIED[a.geometry].heads)
+        a.ms = [[*Options.ms, *range(Options.ms[-1] + 16, top + 1, 16)]]
     heads, ms = [h for group in heads for h in group], [m for group in a.ms for m in group]
     if not heads or not ms or min(heads) < 1 or min(ms) < 1:
         p.error(f"--heads {heads} and --m {ms} must be positive integers")

@@ -51,6 +51,8 @@ def test_geometry_arguments(capsys):
     assert opts.heads == (8, 16, 32, 64, 128) and opts.ms == (1, 2, 4, 8, 16, 32, 64)
     opts, _ = cli.parse_args(["--geometry", "deepseek-v3"])
     assert opts.heads == contract.QUALIFIED["deepseek-v3"].heads == (8, 16, 32, 64)
+    assert opts.ms == (1, 2, 4, 8, 16, 32, 48, 64)  # to its qualified M 64
+    assert cli.parse_args([])[0].ms == (1, 2, 4, 8, 16, 32)  # GLM-5's 32
     assert cli.parse_args([])[0].geometry == "glm5" and cli.parse_args([])[0].heads == (8, 11, 16)
     for bad in (["--geometry", "llama"], ["--heads", "8,x"], ["--m", "0"]):
         with pytest.raises(SystemExit) as exc:
