@@ -124,7 +124,8 @@ QUALIFIED = {
     # DeepSeek-V3's widths at TP16 / TP8 / TP4 / TP2 ranks (8 / 16 / 32 / 64 heads; Kimi-K2's
     # TP8 / TP4 / TP2 / TP1), M up to 64: with selection.DSV3_TUNED the fused kernel beat the
     # bmm vLLM 0.26 serves at every one of those shapes, BF16 by 2-14 % and MXFP8 by 5-14 %, in
-    # one sweep on an H100 (2026-12-06, benchmarks/results/h100.jsonl). 128 heads (TP1, DP
+    # one sweep on an H100 (2026-12-06, benchmarks/results/h100.jsonl), and the floors bench
+    # of that tree agreed in all four recipes (docs/fusedq.md). 128 heads (TP1, DP
     # attention) is not: BF16 won by 1-2 % to M 16 and lost above (1.02-1.04x the bmm). Past
     # M 64 BF16 tied at M 128 and 16 heads and lost elsewhere (1.13-1.85x at M 128 / 256).
     DEEPSEEK_V3.name: Qualification(heads=(8, 16, 32, 64), max_m=64),

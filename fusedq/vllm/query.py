@@ -158,7 +158,10 @@ def kernel_summary(
         f"M={m_run[0] if len(m_run) == 1 else f'{m_run[0]}-{m_run[-1]}'} {name}"
         for name, m_run in runs
     )
-    return text + f" [CuTe: not in vLLM; the hook calls backend={BACKEND!r}, {BACKEND_ENV}]"
+    return (
+        text
+        + f" [CuTe: not in vLLM; the hook calls backend={BACKEND!r}; {BACKEND_ENV}=auto binds it]"
+    )
 
 
 def split_query(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
