@@ -82,7 +82,8 @@ class ModelSpec(_EnvArgs):
     weight_format: str = Field(
         "bf16",
         description="A label, except for a stand-in: mxfp8 serves it quantised by "
-        "vLLM at load (--quantization mxfp8).",
+        "vLLM at load (--quantization mxfp8); mxfp8-checkpoint in a ModelOpt MXFP8 "
+        "checkpoint's layout (dummy values, valid scales: --load-format fusedq_dummy).",
     )
     standin_tp: int | None = Field(
         None,

@@ -486,6 +486,7 @@ def _model_path(case: Case, log: Callable[[str], None]) -> str:
                 layers=m.builtin_layers,
                 experts=m.experts,
                 mtp=m.has_mtp,
+                weight_format=m.weight_format,
             )
         else:
             path = build_tiny_model(

@@ -136,8 +136,27 @@ STANDINS: dict[str, dict[str, Any]] = {
     },
 }
 # Weight formats a stand-in can be served in; mxfp8 is quantised by vLLM at load time
-# (`--quantization mxfp8`: dummy bf16 weights -> E4M3 values + E8M0 scales per 32).
-WEIGHT_FORMATS = ("bf16", "mxfp8")
+# (`--quantization mxfp8`: dummy bf16 weights -> E4M3 values + E8M0 scales per 32);
+# mxfp8-checkpoint is a checkpoint's layout (ModelOpt's MXFP8 quantization_config in
+# config.json, E4M3 values and uint8 scales built as a checkpoint's), served with fusedq's
+# load format: dummy values, then valid scales (fusedq/vllm/standin_loader.py).
+MXFP8_CHECKPOINT = "mxfp8-checkpoint"
+WEIGHT_FORMATS = ("bf16", "mxfp8", MXFP8_CHECKPOINT)
+# fusedq.vllm.standin_loader's LOAD_FORMAT and ENABLE_ENV (a test holds them equal; importing
+# it here would import torch into `plan`).
+CHECKPOINT_LOAD_FORMAT = "fusedq_dummy"
+CHECKPOINT_LOADER_ENV = "FUSEDQ_STANDIN_LOADER"
+# What a ModelOpt MXFP8 checkpoint's config.json says (vLLM 0.26: modelopt.py,
+# ModelOptMxFp8Config: quant_algo MXFP8, with kv_cache_quant_algo and exclude_modules
+# required); the LM head stays bf16, as ModelOpt leaves it.
+MXFP8_CHECKPOINT_QUANT = {
+    "quant_method": "modelopt",
+    "quantization": {
+        "quant_algo": "MXFP8",
+        "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head"],
+    },
+}
 # What vLLM's routing simulator draws experts from (vllm/model_executor/layers/fused_moe/
 # router/routing_simulator_router.py: "uniform_random" or "normal_routing").
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
@@ -279,9 +298,11 @@ def config(
     layers: int | None = None,
     experts: int | None = None,
     mtp: bool = True,
+    weight_format: str = "bf16",
 ) -> dict[str, Any]:
     """The config.json of stand-in `name` (one rank of its base at TP `standin_tp`). `mtp`
-    keeps the base's MTP layer, where it has one (Kimi-K2 has none).
+    keeps the base's MTP layer, where it has one (Kimi-K2 has none); `weight_format`
+    mxfp8-checkpoint adds ModelOpt's MXFP8 quantization_config.
 
     ValueError naming the value for an unknown name or sizes out of range.
     """
@@ -341,6 +362,8 @@ def config(
         # Past the MTP layer's index (num_hidden_layers) too: vLLM builds a layer's MLP dense
         # where its index is below first_k_dense_replace (deepseek_v2.py).
         cfg["first_k_dense_replace"] = layers + 1
+    if weight_format == MXFP8_CHECKPOINT:
+        cfg["quantization_config"] = json.loads(json.dumps(MXFP8_CHECKPOINT_QUANT))
     return cfg
 
 
@@ -351,13 +374,21 @@ def spec(
     layers: int | None = None,
     experts: int | None = None,
     mtp: bool = True,
+    weight_format: str = "bf16",
 ) -> dict[str, Any]:
     """Everything that determines the files built; its hash names the directory."""
     return {
         "builder": BUILDER_VERSION,
         "name": name,
         "standin_tp": standin_tp,
-        "config": config(name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp),
+        "config": config(
+            name,
+            standin_tp=standin_tp,
+            layers=layers,
+            experts=experts,
+            mtp=mtp,
+            weight_format=weight_format,
+        ),
     }
 
 
@@ -379,9 +410,13 @@ def build_standin(
     layers: int | None = None,
     experts: int | None = None,
     mtp: bool = True,
+    weight_format: str = "bf16",
 ) -> Path:
     """The stand-in's directory (config.json + tokenizer), built first if not cached."""
-    s = spec(name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp)
+    s = spec(
+        name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp,
+        weight_format=weight_format,
+    )  # fmt: skip
     root = Path(cache_dir) if cache_dir is not None else tinymodel.default_cache_dir()
 
     def write(tmp: Path) -> None:
@@ -423,11 +458,18 @@ def _write_tokenizer(out: Path, vocab_size: int, max_length: int) -> None:
 
 def serve_defaults(weight_format: str) -> tuple[list[str], dict[str, str]]:
     """The `vllm serve` args and environment every stand-in needs (the matrix's own, given
-    after them, win): dummy weights, simulated routing, and online MXFP8 for mxfp8."""
-    args = ["--load-format=dummy"]
+    after them, win): dummy weights, simulated routing, online MXFP8 for mxfp8, and fusedq's
+    load format (valid E8M0 scales) for mxfp8-checkpoint."""
+    if weight_format == MXFP8_CHECKPOINT:
+        args = [f"--load-format={CHECKPOINT_LOAD_FORMAT}"]
+    else:
+        args = ["--load-format=dummy"]
     if weight_format == "mxfp8":
         args.append("--quantization=mxfp8")
-    return args, {ROUTING_ENV: ROUTING_STRATEGY}
+    env = {ROUTING_ENV: ROUTING_STRATEGY}
+    if weight_format == MXFP8_CHECKPOINT:
+        env[CHECKPOINT_LOADER_ENV] = "1"
+    return args, env
 
 
 def describe(
@@ -440,7 +482,10 @@ def describe(
     weight_format: str = "bf16",
 ) -> str:
     """One line for `plan`: what the stand-in is and what it weighs."""
-    c = config(name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp)
+    c = config(
+        name, standin_tp=standin_tp, layers=layers, experts=experts, mtp=mtp,
+        weight_format=weight_format,
+    )  # fmt: skip
     gib = (
         weight_bytes(
             standin_tp=standin_tp,
@@ -469,5 +514,5 @@ def describe(
         f"one rank of {base.title} at TP{standin_tp}, {STANDINS[name]['summary']}: "
         f"{c['num_attention_heads']} heads{padded}, {c['num_hidden_layers']} layers{mtp_text}, "
         f"{mlp}, vocab {c['vocab_size']}, ~{gib:.0f} GiB bf16 weights, served {weight_format} from "
-        f"--load-format dummy"
+        f"--load-format {CHECKPOINT_LOAD_FORMAT if weight_format == MXFP8_CHECKPOINT else 'dummy'}"
     )

@@ -224,6 +224,43 @@ def test_matrix_env_and_args_win_over_the_stand_ins_own() -> None:
     assert case.env_dict[standins.ROUTING_ENV] == "normal_routing"
 
 
+def test_a_checkpoint_mxfp8_stand_in_has_modelopts_config_and_fusedqs_load_format(
+    tmp_path: Path,
+) -> None:
+    """mxfp8-checkpoint: ModelOpt's MXFP8 quantization_config in config.json (vLLM then builds
+    E4M3 values and uint8 scales as from a checkpoint), served with fusedq_dummy (valid
+    scales) and the variable that adds it; its own cache folder, the others' unchanged."""
+    cfg = standins.config("glm5-dense", standin_tp=4, weight_format="mxfp8-checkpoint")
+    assert cfg["quantization_config"] == {
+        "quant_method": "modelopt",
+        "quantization": {
+            "quant_algo": "MXFP8",
+            "kv_cache_quant_algo": None,
+            "exclude_modules": ["lm_head"],
+        },
+    }
+    assert "quantization_config" not in standins.config("glm5-dense", standin_tp=4)
+    names = {
+        f: standins.dir_name(standins.spec("glm5-dense", standin_tp=4, weight_format=f))
+        for f in standins.WEIGHT_FORMATS
+    }
+    assert (
+        names["bf16"]
+        == names["mxfp8"]
+        == standins.dir_name(standins.spec("glm5-dense", standin_tp=4))
+    )
+    assert names["mxfp8-checkpoint"] != names["bf16"]
+    text = MATRIX.replace("num_heads: 16}", "num_heads: 16, weight_format: mxfp8-checkpoint}")
+    (case, _) = expand(parse_matrix(text))
+    assert case.args[0] == "--load-format=fusedq_dummy"
+    assert case.env_dict["FUSEDQ_STANDIN_LOADER"] == "1"
+    built = standins.build_standin(
+        tmp_path, name="glm5-dense", standin_tp=4, layers=2, weight_format="mxfp8-checkpoint"
+    )
+    on_disk = json.loads((built / "config.json").read_text())
+    assert on_disk["quantization_config"]["quantization"]["quant_algo"] == "MXFP8"
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
