@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from fusedq.contract import DECODE_M_BUCKETS, GEOMETRIES, GLM5, Geometry, geometry_of
+from fusedq.contract import DECODE_M_BUCKETS, GEOMETRIES, GLM5, MX_BLOCK, Geometry, geometry_of
 from fusedq.vllm import releases
 from fusedq.vllm.backends import QUERY_FORMS, QueryForm, query_form
 from fusedq.vllm.releases import Release
@@ -187,10 +187,10 @@ def _rederived_mxfp8(w_uk_t: torch.Tensor):
         return None, f"vLLM's bf16 W_UK_T cannot be re-quantised ({exc})"
     back = dequantize_mxfp8(weight)
     same = back.view(torch.int16) == w_uk_t.view(torch.int16)
-    blocks = same.reshape(*same.shape[:-1], -1, weight.values.shape[-1] // weight.scales.shape[-1])
-    inexact = int((~blocks.all(dim=-1)).sum())
+    exact = same.reshape(*same.shape[:-1], -1, MX_BLOCK).all(dim=-1)  # one per scale block
+    inexact = int((~exact).sum())
     if inexact:
-        total = blocks.shape[0] * blocks.shape[1] * blocks.shape[2]
+        total = exact.numel()
         return None, (
             f"vLLM's bf16 W_UK_T is not MXFP8-exact in {inexact} of {total} 32-wide blocks"
         )

@@ -6,7 +6,7 @@ whose ``quantization_config`` names ModelOpt's MXFP8 format makes vLLM build eac
 linear layer with E4M3 values and ``uint8`` E8M0 scales, and the dummy loader fills only
 floating-point tensors: the scales keep whatever bytes ``torch.empty`` left (0xFF is NaN).
 ``fusedq_dummy`` is the dummy loader plus one step before vLLM post-processes the weights:
-every E8M0 scale tensor (named ``*weight_scale``) becomes 127, the scale 2^0, so each weight
+every E8M0 scale tensor (named ``*weight_scale``) becomes 127 (``E8M0_BIAS``), the scale 2^0, so each weight
 dequantises to its dummy E4M3 value. The fused query's MXFP8 watch then snapshots real
 checkpoint-layout values and scales, as it would on a real checkpoint.
 
@@ -22,25 +22,27 @@ import os
 
 import torch
 
+from fusedq.mxfp8 import E8M0_BIAS
+
 # The --load-format name (orchestrator.models.standins serves checkpoint-MXFP8 stand-ins with it)
 # and the variable that has register() add it.
 LOAD_FORMAT = "fusedq_dummy"
 ENABLE_ENV = "FUSEDQ_STANDIN_LOADER"
-# The E8M0 byte of 2^0 (bias 127).
-E8M0_ONE = 127
 # The names vLLM gives MXFP8 scale tensors: a linear layer's weight_scale, an MoE's
 # w13_weight_scale / w2_weight_scale.
 SCALE_SUFFIX = "weight_scale"
-E8M0_DTYPES = tuple({torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)})
 
 
 @torch.no_grad()
 def fill_e8m0_scales(model: torch.nn.Module) -> int:
-    """Set every E8M0 scale tensor of ``model`` to 2^0; returns how many were set."""
+    """Set every E8M0 scale tensor of ``model`` to 2^0 (the byte E8M0_BIAS); returns how many
+    were set."""
+    from fusedq.vllm.layer_plan import E8M0_DTYPES
+
     filled = 0
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith(SCALE_SUFFIX) and tensor.dtype in E8M0_DTYPES:
-            tensor.data.view(torch.uint8).fill_(E8M0_ONE)
+            tensor.data.view(torch.uint8).fill_(E8M0_BIAS)
             filled += 1
     return filled
 

@@ -65,6 +65,7 @@ Pure: no torch, no transformers; ``tokenizers`` is imported only when a stand-in
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -363,7 +364,7 @@ def config(
         # where its index is below first_k_dense_replace (deepseek_v2.py).
         cfg["first_k_dense_replace"] = layers + 1
     if weight_format == MXFP8_CHECKPOINT:
-        cfg["quantization_config"] = json.loads(json.dumps(MXFP8_CHECKPOINT_QUANT))
+        cfg["quantization_config"] = copy.deepcopy(MXFP8_CHECKPOINT_QUANT)
     return cfg
 
 
