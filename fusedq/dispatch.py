@@ -142,7 +142,11 @@ def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -
     return out_dtype
 
 
-def _check_q_scale(q_scale: object, out_dtype: torch.dtype, device: torch.device) -> None:
+def check_q_scale(
+    q_scale: object, out_dtype: torch.dtype, device: torch.device, anchor: str = "q_nope"
+) -> None:
+    """``q_scale`` for the output dtype: a one-element fp32 tensor on ``device`` (that of the
+    argument named ``anchor``) for E4M3, None for BF16."""
     if out_dtype == torch.bfloat16:
         if q_scale is not None:
             raise ValueError("q_scale: must be None for bf16 output (it is for E4M3 only)")
@@ -157,16 +161,19 @@ def _check_q_scale(q_scale: object, out_dtype: torch.dtype, device: torch.device
             "one-element torch.float32 tensor"
         )
     if q_scale.device != device:
-        raise ValueError(f"q_scale: device {q_scale.device} differs from q_nope's {device}")
+        raise ValueError(f"q_scale: device {q_scale.device} differs from {anchor}'s {device}")
 
 
-def _check_out(out: object, m: int, num_heads: int, device: torch.device) -> None:
+def check_out(
+    out: object, m: int, num_heads: int, device: torch.device, anchor: str = "q_nope"
+) -> None:
+    """A given ``out``: ``[m, num_heads, 576]`` with a unit last stride on ``device``."""
     if tuple(out.shape) != (m, num_heads, QUERY_WIDTH):
         raise ValueError(f"out: shape {tuple(out.shape)} must be [{m}, {num_heads}, {QUERY_WIDTH}]")
     if out.stride(2) != 1:
         raise ValueError(f"out: last-dim stride {out.stride(2)} must be 1")
     if out.device != device:
-        raise ValueError(f"out: device {out.device} differs from q_nope's {device}")
+        raise ValueError(f"out: device {out.device} differs from {anchor}'s {device}")
 
 
 def validate(
@@ -205,9 +212,9 @@ def validate(
     if out is not None and not isinstance(out, torch.Tensor):
         raise ValueError(f"out: {type(out).__name__} is not a tensor")
     out_dtype = resolve_out_dtype(out, out_dtype)
-    _check_q_scale(q_scale, out_dtype, device)
+    check_q_scale(q_scale, out_dtype, device)
     if out is not None:
-        _check_out(out, m, num_heads, device)
+        check_out(out, m, num_heads, device)
     return out_dtype, DEFAULT_PDL if pdl is None else bool(pdl)
 
 
