@@ -123,6 +123,30 @@ def check_weight(values: object, scales: object) -> Geometry:
     return geometry
 
 
+def check_weight_for(
+    values: object,
+    scales: object,
+    qk_nope: int,
+    num_heads: int,
+    device: torch.device,
+    anchor: str = "q_nope",
+    anchor_dim: str = "last dim",
+) -> Geometry:
+    """``check_weight``, then that the weight is the query's: its geometry (the ``qk_nope`` the
+    argument named ``anchor`` shows as its ``anchor_dim``), heads and device."""
+    geometry = check_weight(values, scales)
+    if geometry.qk_nope != qk_nope:
+        raise ValueError(
+            f"weight: shape {tuple(values.shape)} is {geometry.name}'s [H, {geometry.qk_nope}, "
+            f"{KV_LORA}], {anchor}'s {anchor_dim} {qk_nope} is {geometry_of(qk_nope).name}'s"
+        )
+    if values.shape[0] != num_heads:
+        raise ValueError(f"weight: {values.shape[0]} heads, {anchor} has {num_heads}")
+    if values.device != device:
+        raise ValueError(f"weight: device {values.device} differs from {anchor}'s {device}")
+    return geometry
+
+
 def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.dtype:
     """``out_dtype``, or when it is ``None`` the dtype of ``out`` (BF16 without ``out``);
     ``ValueError`` naming both dtypes when they disagree or naming the unsupported one."""
@@ -199,16 +223,7 @@ def validate(
     _check_activation("q_pe", q_pe, QK_ROPE, device)
     if tuple(q_pe.shape[:2]) != (m, num_heads):
         raise ValueError(f"q_pe: shape {tuple(q_pe.shape)} must be [{m}, {num_heads}, {QK_ROPE}]")
-    geometry = check_weight(values, scales)
-    if geometry.qk_nope != qk_nope:
-        raise ValueError(
-            f"weight: shape {tuple(values.shape)} is {geometry.name}'s [H, {geometry.qk_nope}, "
-            f"{KV_LORA}], q_nope's last dim {qk_nope} is {geometry_of(qk_nope).name}'s"
-        )
-    if values.shape[0] != num_heads:
-        raise ValueError(f"weight: {values.shape[0]} heads, q_nope has {num_heads}")
-    if values.device != device:
-        raise ValueError(f"weight: device {values.device} differs from q_nope's {device}")
+    check_weight_for(values, scales, qk_nope, num_heads, device)
     if out is not None and not isinstance(out, torch.Tensor):
         raise ValueError(f"out: {type(out).__name__} is not a tensor")
     out_dtype = resolve_out_dtype(out, out_dtype)
