@@ -141,12 +141,13 @@ class Layers:
     floor_count: object = None
 
 
-def build_layers(fmt: str, h: int, m: int, opts: Options) -> Layers:
+def build_layers(fmt: str, h: int, m: int, opts: Options, device: str = "cuda") -> Layers:
+    """``device``: "cuda" to time; "cpu" lets the step functions run eagerly in the CPU tests."""
     import torch
 
     import fusedq
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     g = geometry_named(opts.geometry)
     nope = g.qk_nope
     bf16_bytes = h * nope * KV_LORA * 2
