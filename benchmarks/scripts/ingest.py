@@ -4,7 +4,8 @@ the docs is generated from data (benchmarks/scripts/tables.py), never typed.
 
 Sources, each the unchanged output of the tool that measured:
 
-- ``fusedq-bench --json`` (plain, ``--floors``, ``--chain``, ``--sweep``, ``--eager``);
+- ``fusedq-bench --json`` (plain, ``--floors``, ``--chain``, ``--sweep``, ``--front``,
+  ``--eager``);
 - ``benchmarks/experiments/cute_ab.py`` and ``cute_floor.py`` output, also files that gather
   several of their runs (a ``runs`` list or named parts);
 - an ``orchestrator run`` directory whose matrix had a profile phase (``report.json`` beside
@@ -31,8 +32,10 @@ of sources that predate it have none and are GLM-5's.
 
 ``recipe`` is fusedq-bench's format name: ``bf16`` (bf16 weights, BF16 out), ``mxfp8``,
 ``e4m3`` (bf16 weights, E4M3 out), ``mxfp8-e4m3``. ``kernel`` is what was timed: ``fused``
-(backend="auto"), ``staged`` (vLLM's path), a forced backend, a floor (``read``, ``store``,
-``empty``, ``grid``, ``view``, ...), a sweep or A/B variant, or a server's variant;
+(backend="auto"), ``staged`` (vLLM's path), a forced backend, ``--front``'s paths
+(``staged_front``, ``fused_front``, ``staged_query``, ``fused_query``, ``fused_query_dot``),
+a floor (``read``, ``store``, ``empty``, ``grid``, ``view``, ...), a sweep or A/B variant,
+or a server's variant;
 ``kernel_name`` what ran where the source says (the fused kernel, the read floor's best
 tile). Values are rounded to 0.1 ns; the spreads (p10/p90), a sweep variant's launch config
 and the environment stay in the source, which every row names.
@@ -151,6 +154,8 @@ def _bench_tool(doc: dict[str, Any]) -> str:
         flags.append("--chain")
     if opts.get("floors") or any("empty_us" in r for r in rows):
         flags.append("--floors")
+    if opts.get("front"):
+        flags.append("--front")
     if "eager" in doc:
         flags.append("--eager")
     return " ".join(["fusedq-bench", *flags])
@@ -171,9 +176,11 @@ def _bench_rows(
             if TILE.fullmatch(kernel):
                 continue
             # fusedq-bench rows may name the kernel auto ran ("fused_kernel"); older runs
-            # have it, where known, in a <source>.kernels.json beside them.
+            # have it, where known, in a <source>.kernels.json beside them. --front rows
+            # name every path's kernels ("<kernel>_kernel") and its fused front's error
+            # ("<kernel>_err").
             label = r.get("fused_kernel") or labels.get(f"{r['format']}/{r['H']}/{r['M']}")
-            name = label if kernel == "fused" else None
+            name = label if kernel == "fused" else r.get(f"{kernel}_kernel")
             yield _row(
                 **base,
                 **shape,
@@ -182,7 +189,9 @@ def _bench_rows(
                 metric=GPU_US,
                 value=value,
                 samples=samples,
-                err=r.get("max_abs_err_vs_staged") if kernel == "fused" else None,
+                err=(
+                    r.get("max_abs_err_vs_staged") if kernel == "fused" else r.get(f"{kernel}_err")
+                ),
             )
         for kernel, (value, tile) in _tiles(figures).items():
             yield _row(
