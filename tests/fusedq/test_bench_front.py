@@ -194,6 +194,36 @@ def test_kernel_names_say_what_ran():
     assert "cache: " in names["staged_front"] and "tl.dot" in names["fused_front"]
 
 
+class _Replay:
+    """A stand-in for a captured graph on CPU: replay() runs the layers' calls."""
+
+    def __init__(self, fn):
+        fn()  # as capture's eager warm-up
+        self.replay = fn
+
+
+def test_bench_front_flow_on_cpu(monkeypatch):
+    """bench_front end to end with its graphs replayed eagerly and fixed times: every path
+    captured and replayed, the row's figures, kernel names and error check."""
+    replayed = []
+
+    def fake_times(graphs, samples, warmup):
+        for name, graph in graphs.items():
+            graph.replay()
+            replayed.append(name)
+        return {name: [FIGURES[name] * 2 / 1000.0] * 9 for name in graphs}
+
+    monkeypatch.setattr(front, "capture", _Replay)
+    monkeypatch.setattr(front, "time_graphs", fake_times)
+    row = front.bench_front("bf16", H, M, CPU_OPTS, device="cpu")
+    assert replayed == list(front.PATHS)
+    assert row["fused_front_us"] == pytest.approx(3.0) and row["layers"] == 2
+    assert row["fused_front_cache_equal"] and row["fused_front_err"] < 0.05
+    assert row["staged_front_kernel"].startswith("rope: inductor(")
+    assert all(f"{p}_kernel" in row for p in front.PATHS)
+    assert row["fused_query_kernel"].startswith("mla_query_projection ")
+
+
 @pytest.mark.gpu
 def test_gpu_front_bench_one_shape():
     opts = options.Options(samples=20, warmup=4, l2_mb=4.0, front=True)
