@@ -161,8 +161,8 @@ def _born_paired(run: str) -> bool:
 
 def test_the_committed_ab_runs_are_found():
     # Eleven runs re-judged on 2026-12-06, four judged paired from the start.
-    assert len(REPORTS) == 16
-    assert sum(map(_born_paired, REPORTS)) == 5
+    assert len(REPORTS) == 17
+    assert sum(map(_born_paired, REPORTS)) == 6
     assert {r["ab"]["matrix"]["mode"] for r in REPORTS.values()} == {"switch"}
 
 
