@@ -3,6 +3,8 @@ published them, that a stand-in keeps or cuts (orchestrator.models.standins).
 
 - ``glm5``: GLM-5 (zai-org/GLM-5), dense MLA widths 192 / 64 / 256, the DSA indexer.
 - ``deepseek-v3``: DeepSeek-V3 (deepseek-ai/DeepSeek-V3), 128 heads of 128 / 64 / 128.
+- ``deepseek-v32``: DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2-Exp, DeepSeek-V3.2), DeepSeek-V3's
+  values plus the DSA lightning indexer: 64 indexer heads of 128, top 2048.
 - ``kimi-k2``: Kimi-K2 (moonshotai/Kimi-K2-Instruct), DeepSeek-V3's architecture at 64 heads,
   384 experts, one dense layer, no MTP layer.
 
@@ -84,6 +86,17 @@ DEEPSEEK_V3: dict[str, Any] = {
     "attention_bias": False,
 }
 
+# DeepSeek-V3.2 as published (deepseek-ai/DeepSeek-V3.2-Exp's reference inference config and
+# model.py; transformers' DeepseekV32Config, written from that checkpoint): every DeepSeek-V3
+# value unchanged, plus the indexer. A base of its own rather than keys on DEEPSEEK_V3, so the
+# dense DeepSeek-V3 stand-in's fit rule never counts an indexer its model does not have.
+DEEPSEEK_V32: dict[str, Any] = {
+    **DEEPSEEK_V3,
+    "index_topk": 2048,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+}
+
 # Kimi-K2 as published (moonshotai/Kimi-K2-Instruct's config.json): DeepSeek-V3's MLA widths
 # at half its heads, 384 experts, one dense layer, and no MTP layer.
 KIMI_K2: dict[str, Any] = {
@@ -127,6 +140,10 @@ class Base:
     # in), so max_position_embeddings stays the longest request.
     rope: dict[str, Any]
     geometry: contract.Geometry  # fusedq's row for its MLA widths
+    # vLLM's `indexer_rope_interleave` (DSA bases only): GLM-5's indexer rope is interleaved;
+    # DeepSeek-V3.2's config.json has no such key, so vLLM ropes its indexer NeoX-style
+    # (non-interleaved, deepseek_v2.py:1110), as DeepSeek's reference indexer does.
+    indexer_rope_interleave: bool = False
 
     @property
     def heads(self) -> int:
@@ -156,9 +173,18 @@ def _yarn(theta: float, factor: float, beta_fast: float, beta_slow: float) -> di
 
 
 BASES: dict[str, Base] = {
-    "glm5": Base("GLM-5", GLM5, {"rope_theta": 10000.0, "rope_type": "default"}, contract.GLM5),
+    "glm5": Base(
+        "GLM-5",
+        GLM5,
+        {"rope_theta": 10000.0, "rope_type": "default"},
+        contract.GLM5,
+        indexer_rope_interleave=True,
+    ),
     "deepseek-v3": Base(
         "DeepSeek-V3", DEEPSEEK_V3, _yarn(10000.0, 40.0, 32.0, 1.0), contract.DEEPSEEK_V3
+    ),
+    "deepseek-v32": Base(
+        "DeepSeek-V3.2", DEEPSEEK_V32, _yarn(10000.0, 40.0, 32.0, 1.0), contract.DEEPSEEK_V3
     ),
     "kimi-k2": Base("Kimi-K2", KIMI_K2, _yarn(50000.0, 32.0, 1.0, 1.0), contract.DEEPSEEK_V3),
 }

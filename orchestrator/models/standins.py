@@ -1,5 +1,5 @@
-"""Production-geometry stand-ins: a published model (GLM-5, DeepSeek-V3, Kimi-K2) at its
-real widths, one rank's share, config only.
+"""Production-geometry stand-ins: a published model (GLM-5, DeepSeek-V3, DeepSeek-V3.2,
+Kimi-K2) at its real widths, one rank's share, config only.
 
 A stand-in is a model directory holding ``config.json`` and a tokenizer, nothing else; the
 orchestrator serves it with ``--load-format dummy`` (vLLM draws every weight itself, seeded)
@@ -18,6 +18,9 @@ orchestrator.models.standin_bases), whose published values every size here is re
   (``FLASH_ATTN_MLA_SPARSE`` on sm_90) whenever the config has ``index_topk``.
 - ``deepseek-v3``: DeepSeek-V3 (128 heads, MLA 128/64/128, 61 layers + 1 MTP layer, 256
   experts in 8 groups, YaRN rope).
+- ``deepseek-v32``: DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): DeepSeek-V3's model with its
+  DSA indexer (64 indexer heads of 128, top 2048, replicated on every rank): vLLM 0.26's
+  sparse-MLA path, ``FLASH_ATTN_MLA_SPARSE`` on sm_90 with a BF16 KV cache.
 - ``kimi-k2``: Kimi-K2 (64 heads, DeepSeek-V3's MLA widths, 384 experts, one dense layer,
   no MTP layer), served as ``deepseek_v3`` (the reason is at its entry).
 
@@ -81,6 +84,7 @@ BUILDER_VERSION = 1
 # The published models the stand-ins are cut from (orchestrator.models.standin_bases).
 GLM5 = bases.GLM5
 DEEPSEEK_V3 = bases.DEEPSEEK_V3
+DEEPSEEK_V32 = bases.DEEPSEEK_V32
 KIMI_K2 = bases.KIMI_K2
 BASES = bases.BASES
 # The DSA indexer's keys: present only in the sparse stand-in (vLLM takes the sparse path on
@@ -122,6 +126,20 @@ STANDINS: dict[str, dict[str, Any]] = {
         "dense": False,
         "summary": "MLA 128/64/128: vLLM's MLAAttention decode path",
         "base": "deepseek-v3",
+    },
+    "deepseek-v32": {
+        # vLLM 0.26 builds DeepseekV32ForCausalLM as deepseek_v2.DeepseekV3ForCausalLM
+        # (registry.py:93) and takes the sparse path on index_topk; on sm_90 the first sparse
+        # backend that accepts a BF16 KV cache is FLASH_ATTN_MLA_SPARSE (platforms/cuda.py).
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "model_type": "deepseek_v32",
+        "dsa": True,
+        "dense": False,
+        "summary": (
+            "DSA sparse attention (index_topk 2048, 64 indexer heads): "
+            "vLLM's sparse-MLA path (FLASH_ATTN_MLA_SPARSE on sm_90)"
+        ),
+        "base": "deepseek-v32",
     },
     "kimi-k2": {
         # Kimi-K2 publishes model_type kimi_k2 and reads it through its own remote code
@@ -357,7 +375,7 @@ def config(
         # takes a local config for an old Mistral one and warns of a wrong tokenizer regex.
         "transformers_version": TRANSFORMERS_VERSION,
     }
-    if kind["dsa"]:
+    if kind["dsa"] and base.indexer_rope_interleave:
         cfg["indexer_rope_interleave"] = True
     if kind["dense"]:
         # Past the MTP layer's index (num_hidden_layers) too: vLLM builds a layer's MLP dense

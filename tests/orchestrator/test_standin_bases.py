@@ -1,6 +1,7 @@
-"""The DeepSeek-V3 and Kimi-K2 stand-ins: each base against its published config, one rank's
-cuts at the base's own head count, the expert count that fits one H200, the files built, the
-matrix keys (heads per base, no MTP on Kimi-K2) and what `plan` says of them."""
+"""The DeepSeek-V3, DeepSeek-V3.2 and Kimi-K2 stand-ins: each base against its published
+config, one rank's cuts at the base's own head count (DeepSeek-V3.2's indexer whole on every
+rank), the expert count that fits one H200, the files built, the matrix keys (heads per base,
+no MTP on Kimi-K2) and what `plan` says of them."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from orchestrator.plan.fused import fused_plan
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parents[2]
 H200_BYTES = 139 * 2**30  # what one H200 offers, about
-NEW = ("deepseek-v3", "kimi-k2")
+NEW = ("deepseek-v3", "deepseek-v32", "kimi-k2")
 # The published keys that are not one flat value of the base: the router (standins.ROUTER)
 # and the rope (Base.rope, written as rope_parameters).
 ROPE_KEYS = ("rope_theta", "rope_scaling")
@@ -47,7 +48,7 @@ def test_base_is_the_published_config(base: str) -> None:
     assert {k: b.config[k] for k in flat} == flat
     assert {k: values[k] for k in standins.ROUTER} == standins.ROUTER
     assert rope_as_published(b.rope) == (values["rope_theta"], values["rope_scaling"])
-    # The MLA widths are fusedq's geometry row for DeepSeek-V3 (Kimi-K2 shares them).
+    # The MLA widths are fusedq's geometry row for DeepSeek-V3 (V3.2 and Kimi-K2 share them).
     g = b.geometry
     assert (g.qk_nope, g.qk_rope, g.kv_lora, g.v_head) == (
         values["qk_nope_head_dim"],
@@ -61,13 +62,20 @@ def test_base_is_the_published_config(base: str) -> None:
     assert all(s["address"].startswith("https://") for s in fixture["sources"])
 
 
-def test_transformers_defaults_are_deepseek_v3s_published_values() -> None:
-    """transformers' DeepseekV3Config defaults are DeepSeek-V3's widths: where installed, they
-    must still be the fixture's (a changed default is news to read)."""
+@pytest.mark.parametrize(
+    ("base", "config_class"),
+    [("deepseek-v3", "DeepseekV3Config"), ("deepseek-v32", "DeepseekV32Config")],
+)
+def test_transformers_defaults_are_the_published_values(base: str, config_class: str) -> None:
+    """transformers' DeepseekV3Config and DeepseekV32Config defaults are the published widths
+    (V3.2's written from deepseek-ai/DeepSeek-V3.2-Exp): where installed, they must still be
+    the fixture's (a changed default is news to read)."""
     transformers = pytest.importorskip("transformers")
-    fixture = published("deepseek-v3")
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    fixture = published(base)
     keys = next(s["keys"] for s in fixture["sources"] if "transformers" in s["address"])
-    defaults = transformers.DeepseekV3Config()
+    defaults = getattr(transformers, config_class)()
     assert {k: getattr(defaults, k) for k in keys} == {k: fixture["config"][k] for k in keys}
 
 
@@ -84,9 +92,10 @@ def test_one_rank_of_tp1_with_every_expert_is_the_published_model(base: str) -> 
         values["rope_theta"],
         values["rope_scaling"],
     )
-    assert cfg["architectures"] == fixture["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["architectures"] == fixture["architectures"]
     # Kimi-K2's own type (kimi_k2) is no transformers type: the stand-in says deepseek_v3.
-    assert cfg["model_type"] == "deepseek_v3"
+    model_type = "deepseek_v3" if base == "kimi-k2" else fixture["model_type"]
+    assert cfg["model_type"] == model_type
 
 
 @pytest.mark.parametrize(
@@ -95,6 +104,9 @@ def test_one_rank_of_tp1_with_every_expert_is_the_published_model(base: str) -> 
         ("deepseek-v3", 8, 16, 2304, 256, 136, 1),
         ("deepseek-v3", 4, 32, 4608, 512, 64, 1),
         ("deepseek-v3", 6, 22, 3072, 352, 96, 1),
+        # The indexer (~1.5 GiB at 61 + 1 layers, whole on every rank) costs a step of 8.
+        ("deepseek-v32", 8, 16, 2304, 256, 128, 1),
+        ("deepseek-v32", 4, 32, 4608, 512, 64, 1),
         ("kimi-k2", 8, 8, 2304, 256, 136, 0),
         ("kimi-k2", 4, 16, 4608, 512, 64, 0),
     ],
@@ -116,7 +128,11 @@ def test_one_ranks_share_of_the_base(
         "first_k_dense_replace",
     ):
         assert cfg[key] == b.config[key], key
-    assert not set(standins.DSA_KEYS) & set(cfg)
+    # vLLM builds the indexer replicated (ReplicatedLinear wq_b, wk_weights_proj with
+    # disable_tp, deepseek_v2.py:666-683): a rank holds all of it, so nothing of it is cut.
+    assert {k: cfg[k] for k in standins.DSA_KEYS if k in cfg} == {
+        k: b.config[k] for k in standins.DSA_KEYS if b.has_dsa
+    }
     assert standins.standin_tp_for_heads(heads, base) == tp
     assert standins.heads_per_rank(tp, base) == heads
 
@@ -131,7 +147,7 @@ def test_experts_are_the_most_that_fit_the_budget(base: str, tp: int) -> None:
 
     def size(experts: int) -> int:
         return standins.weight_bytes(
-            standin_tp=tp, layers=61, experts=experts, dsa=False, mtp=mtp, base=base
+            standin_tp=tp, layers=61, experts=experts, dsa=b.has_dsa, mtp=mtp, base=base
         )
 
     assert 8 <= e < b.config["n_routed_experts"] and e % 8 == 0
@@ -145,6 +161,29 @@ def test_kimi_k2_has_no_mtp_layer_to_keep() -> None:
     assert standins.config("deepseek-v3", standin_tp=8, mtp=False)["num_nextn_predict_layers"] == 0
     assert "8 heads, 61 layers, dense MLP" in standins.describe("kimi-k2", standin_tp=8)
     assert "16 heads, 61 layers + 1 MTP, " in standins.describe("deepseek-v3", standin_tp=8)
+
+
+def test_deepseek_v32_is_what_vllm_builds_a_dsa_model_from() -> None:
+    """The V3.2 stand-in's config as vLLM 0.26 reads it: DeepseekV32ForCausalLM (registry.py:93,
+    deepseek_v2's DeepseekV3ForCausalLM), model_type deepseek_v32 loaded with transformers'
+    DeepseekV3Config (transformers_utils/config.py:88), which must keep index_topk for
+    `hasattr(config, "index_topk")` to take the sparse path; per-rank heads, the whole
+    indexer, and its rope left NeoX-style as published (no indexer_rope_interleave)."""
+    cfg = standins.config("deepseek-v32", standin_tp=8)
+    assert (cfg["architectures"], cfg["model_type"]) == (["DeepseekV32ForCausalLM"], "deepseek_v32")
+    assert cfg["num_attention_heads"] == cfg["num_key_value_heads"] == 16
+    assert {k: cfg[k] for k in standins.DSA_KEYS} == {
+        "index_topk": 2048,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+    }
+    assert "indexer_rope_interleave" not in cfg
+    assert standins.config("glm5-dsa", standin_tp=8)["indexer_rope_interleave"] is True
+    # The dense DeepSeek-V3 stand-in keeps no indexer and its own expert count.
+    assert not set(standins.DSA_KEYS) & set(standins.config("deepseek-v3", standin_tp=8))
+    transformers = pytest.importorskip("transformers")
+    read = transformers.DeepseekV3Config.from_dict(cfg)
+    assert (read.index_topk, read.index_n_heads, read.num_attention_heads) == (2048, 64, 16)
 
 
 def test_bad_sizes_are_refused_against_the_base() -> None:
@@ -197,6 +236,7 @@ workloads:
     [
         ("deepseek-v3", 16, 8, 163840),
         ("deepseek-v3", 32, 4, 163840),
+        ("deepseek-v32", 16, 8, 163840),
         ("kimi-k2", 8, 8, 131072),
         ("kimi-k2", 16, 4, 131072),
     ],
@@ -290,22 +330,33 @@ def test_plan_of_a_checkpoint_names_every_geometrys_heads(tmp_path) -> None:
     )
 
 
-def test_plan_of_the_deepseek_matrix_without_torch() -> None:
-    """`plan` of the committed DeepSeek-V3 matrix, in a fresh interpreter: what the stand-in
-    is, a batch past 32, and nothing heavy imported."""
+@pytest.mark.parametrize(
+    ("name", "title", "what"),
+    [
+        ("h200-deepseek-v3-paired", "DeepSeek-V3", "MLA 128/64/128"),
+        ("h200-deepseek-v32-paired", "DeepSeek-V3.2", "FLASH_ATTN_MLA_SPARSE on sm_90"),
+    ],
+)
+def test_plan_of_the_deepseek_matrices_without_torch(name: str, title: str, what: str) -> None:
+    """`plan` of the committed DeepSeek matrices, in a fresh interpreter: what the stand-in
+    is, its 16 heads qualified for the fused variant, a batch past 32, and nothing heavy
+    imported."""
     code = (
         "import json, sys\n"
         "from orchestrator.plan.render import plan_matrix\n"
-        "p = plan_matrix('matrices/h200-deepseek-v3-paired.yaml')\n"
+        f"p = plan_matrix('matrices/{name}.yaml')\n"
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers', 'vllm', 'ray') if m in sys.modules]\n"
         "print(json.dumps({'notes': p['notes'], 'heavy': heavy, 'cases': len(p['cases']),\n"
-        "  'workloads': p['workloads']}))\n"
+        "  'fusedq': [c['fusedq'] for c in p['cases']], 'workloads': p['workloads']}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
     )
     plan = json.loads(out.stdout)
     assert plan["heavy"] == []
-    assert any("one rank of DeepSeek-V3 at TP8" in n and "16 heads" in n for n in plan["notes"])
+    assert any(
+        f"one rank of {title} at TP8" in n and "16 heads" in n and what in n for n in plan["notes"]
+    )
     assert plan["cases"] == 2
+    assert plan["fusedq"] == ["staged: FUSEDQ_MLA_QUERY=0", "qualified"]
     assert max(w["concurrency"] for w in plan["workloads"]) > 32
