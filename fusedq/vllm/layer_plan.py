@@ -284,8 +284,7 @@ def capture_sizes(layer) -> tuple[list[int] | None, str]:
 
 def prewarm_layer(layer, plan: LayerPlan) -> tuple[str, list[int]]:
     """Prewarm the graph sizes' M values; returns (what the enabled line says, those M)."""
-    import fusedq
-    from fusedq.vllm.query import prewarm_values
+    from fusedq.vllm.query import prewarm, prewarm_values
 
     sizes, why = capture_sizes(layer)
     if sizes is None:
@@ -295,7 +294,7 @@ def prewarm_layer(layer, plan: LayerPlan) -> tuple[str, list[int]]:
     ms = prewarm_values(
         sizes, plan.num_heads, plan.weight_format, out_dtype, layer.W_UK_T.device, plan.geometry
     )
-    fusedq.prewarm(weight, ms, out_dtype=out_dtype)
+    prewarm(weight, ms, out_dtype=out_dtype)
     if not ms:
         return f"none [no capture size in the fused range; sizes {sizes[:4]}…]", []
     return ",".join(map(str, ms)), list(ms)

@@ -210,3 +210,36 @@ def test_capture_without_prewarm_fails_loudly_and_prewarm_fixes_it(monkeypatch):
         assert_matches(query, staged(q, w, None), "bf16")
     finally:
         dispatch.clear_plans()  # no plan bound against the emptied registry outlives the test
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_prewarm_compiles_what_the_hook_binds(monkeypatch, backend):
+    """The hook's prewarm compiles the CuTe variants only where its calls can bind them
+    (``BACKEND="auto"``); with the default ``"triton"`` it compiles the Triton variants alone,
+    which a capture then runs without compiling."""
+    from fusedq import capability, dispatch
+    from fusedq.kernels import cute_mla_query
+    from fusedq.kernels import triton_launch as kernel
+    from fusedq.vllm import query
+
+    if capability.cute_problem("bf16", torch.bfloat16) is not None:
+        pytest.skip("the CuTe DSL kernel cannot run here: nothing to tell apart")
+    h = 16
+    gen = torch.Generator().manual_seed(7)
+    w = vllm_w_uk_t(kv_b_proj_weight(h, gen), h)
+    monkeypatch.setattr(query, "BACKEND", backend)
+    monkeypatch.setattr(kernel, "_compiled", set())
+    monkeypatch.setattr(cute_mla_query, "_compiled", {})
+    dispatch.clear_plans()
+    try:
+        assert query.prewarm(w, [1, 2, 4], out_dtype=torch.bfloat16) > 0
+        assert bool(cute_mla_query._compiled) == (backend == "auto")
+        q = q_buffer(2, h, gen)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused(q, w)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, staged(q, w, None), "bf16")
+    finally:
+        dispatch.clear_plans()

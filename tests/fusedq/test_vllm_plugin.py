@@ -157,6 +157,24 @@ def test_prewarm_values_keep_only_fused_capture_sizes(device):
     assert query.prewarm_values(sizes, 4, "bf16", torch.bfloat16, device) == []
 
 
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_hook_prewarm_compiles_the_fused_ms_variants(monkeypatch, device, backend):
+    """The hook's prewarm compiles (here: registers, under the interpreter) each M's Triton
+    variant for the qualified M only, for either hook backend; the GPU test shows the CuTe
+    variants stay out under "triton"."""
+    from fusedq.kernels import triton_launch
+
+    h = 8
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(h, P, L, generator=gen) * 0.05).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(query, "BACKEND", backend)
+    monkeypatch.setattr(triton_launch, "_compiled", set())
+    assert query.prewarm(w, [1, 2, 2, 48], out_dtype=torch.bfloat16) > 0
+    rows = {k.config.block_m for k in triton_launch.compiled_keys()}
+    assert rows and max(rows) <= 32  # M=48 is past GLM-5's qualified M: staged, none compiled
+    assert query.prewarm(w, [1, 2, 48], out_dtype=torch.bfloat16) == 0  # nothing new
+
+
 def test_plugin_and_hook_import_without_vllm():
     """The GPU tests drive these modules on a machine without vLLM: importing them (and
     reading the hook) must not import vLLM; only register() does."""
