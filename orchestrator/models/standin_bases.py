@@ -2,6 +2,8 @@
 published them, that a stand-in keeps or cuts (orchestrator.models.standins).
 
 - ``glm5``: GLM-5 (zai-org/GLM-5), dense MLA widths 192 / 64 / 256, the DSA indexer.
+- ``glm47-flash``: GLM-4.7-Flash (zai-org/GLM-4.7-Flash), GLM-5's MLA widths at 20 heads,
+  hidden 2048, 64 experts top-4, one dense layer, one MTP layer.
 - ``deepseek-v3``: DeepSeek-V3 (deepseek-ai/DeepSeek-V3), 128 heads of 128 / 64 / 128.
 - ``deepseek-v32``: DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2-Exp, DeepSeek-V3.2), DeepSeek-V3's
   values plus the DSA lightning indexer: 64 indexer heads of 128, top 2048.
@@ -48,6 +50,39 @@ GLM5: dict[str, Any] = {
     "index_topk": 2048,
     "index_n_heads": 32,
     "index_head_dim": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 202752,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+# GLM-4.7-Flash as published (zai-org/GLM-4.7-Flash: transformers' Glm4MoeLiteConfig defaults
+# and the checkpoint's config.json as vLLM's and other engines' tests copy it; the fixture
+# names each source): GLM-5's MLA widths at 20 heads and hidden 2048, 64 experts of 1536
+# routed top-4, only layer 0 dense, one MTP layer.
+GLM47_FLASH: dict[str, Any] = {
+    "vocab_size": 154880,
+    "hidden_size": 2048,
+    "num_hidden_layers": 47,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 20,
+    "q_lora_rank": 768,
+    "kv_lora_rank": contract.GLM5.kv_lora,
+    "qk_nope_head_dim": contract.GLM5.qk_nope,
+    "qk_rope_head_dim": contract.GLM5.qk_rope,
+    "v_head_dim": contract.GLM5.v_head,
+    "intermediate_size": 10240,
+    "moe_intermediate_size": 1536,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "first_k_dense_replace": 1,
+    "num_nextn_predict_layers": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.8,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 202752,
@@ -179,6 +214,12 @@ BASES: dict[str, Base] = {
         {"rope_theta": 10000.0, "rope_type": "default"},
         contract.GLM5,
         indexer_rope_interleave=True,
+    ),
+    "glm47-flash": Base(
+        "GLM-4.7-Flash",
+        GLM47_FLASH,
+        {"rope_theta": 1000000.0, "rope_type": "default"},
+        contract.GLM5,
     ),
     "deepseek-v3": Base(
         "DeepSeek-V3", DEEPSEEK_V3, _yarn(10000.0, 40.0, 32.0, 1.0), contract.DEEPSEEK_V3

@@ -16,6 +16,9 @@ orchestrator.models.standin_bases), whose published values every size here is re
 - ``glm5-dsa``: GLM-5's own architecture (``GlmMoeDsaForCausalLM``) with its DSA indexer
   (``index_topk`` 2048, 32 indexer heads of 128): vLLM 0.26 takes its sparse-MLA path
   (``FLASH_ATTN_MLA_SPARSE`` on sm_90) whenever the config has ``index_topk``.
+- ``glm47-flash``: GLM-4.7-Flash (GLM-5's MLA widths at 20 heads, hidden 2048, 47 layers
+  + 1 MTP layer, 64 experts top-4, one dense layer), as its own architecture
+  (``Glm4MoeLiteForCausalLM``), whose attention is vLLM's DeepSeek MLA layer.
 - ``deepseek-v3``: DeepSeek-V3 (128 heads, MLA 128/64/128, 61 layers + 1 MTP layer, 256
   experts in 8 groups, YaRN rope).
 - ``deepseek-v32``: DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): DeepSeek-V3's model with its
@@ -83,6 +86,7 @@ BUILDER_VERSION = 1
 
 # The published models the stand-ins are cut from (orchestrator.models.standin_bases).
 GLM5 = bases.GLM5
+GLM47_FLASH = bases.GLM47_FLASH
 DEEPSEEK_V3 = bases.DEEPSEEK_V3
 DEEPSEEK_V32 = bases.DEEPSEEK_V32
 KIMI_K2 = bases.KIMI_K2
@@ -118,6 +122,17 @@ STANDINS: dict[str, dict[str, Any]] = {
         "dense": False,
         "summary": "GLM-5's DSA sparse attention (index_topk 2048): vLLM's sparse-MLA path",
         "base": "glm5",
+    },
+    "glm47-flash": {
+        # vLLM 0.26 builds it from glm4_moe_lite.py: its attention is DeepseekV2MLAAttention
+        # (MultiHeadLatentAttentionWrapper -> MLAAttention, the layer fusedq hooks) and its
+        # MoE is GLM-4.5's (sigmoid scores, correction bias, fp32 router), read from these.
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "model_type": "glm4_moe_lite",
+        "dsa": False,
+        "dense": False,
+        "summary": "MLA 192/64/256 at 20 heads: vLLM's MLAAttention decode path",
+        "base": "glm47-flash",
     },
     "deepseek-v3": {
         "architectures": ["DeepseekV3ForCausalLM"],

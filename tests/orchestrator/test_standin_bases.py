@@ -35,10 +35,17 @@ def rope_as_published(rope: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """transformers 5's rope_parameters as config.json publishes them: rope_theta beside a
     rope_scaling with `type`."""
     scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")}
+    if rope["rope_type"] == "default" and not scaling:
+        return rope["rope_theta"], None  # an unscaled rope publishes rope_scaling null
     return rope["rope_theta"], {**scaling, "type": rope["rope_type"]}
 
 
-@pytest.mark.parametrize("base", NEW)
+# The bases whose fixture is checked key by key: GLM-4.7-Flash's as well (GLM-5's widths at 20
+# heads, its own architecture; test_standin_glm47_flash.py has the rest of it).
+PUBLISHED = (*NEW, "glm47-flash")
+
+
+@pytest.mark.parametrize("base", PUBLISHED)
 def test_base_is_the_published_config(base: str) -> None:
     fixture = published(base)
     values = fixture["config"]
@@ -46,9 +53,13 @@ def test_base_is_the_published_config(base: str) -> None:
     flat = {k: v for k, v in values.items() if k not in ROPE_KEYS and k not in standins.ROUTER}
     assert set(flat) <= set(b.config)
     assert {k: b.config[k] for k in flat} == flat
-    assert {k: values[k] for k in standins.ROUTER} == standins.ROUTER
+    # The router keys a config publishes are the stand-ins' (GLM-4.7-Flash's has no
+    # scoring_func or moe_layer_freq: vLLM hard-codes sigmoid and defaults the frequency to 1).
+    router = {k: values[k] for k in standins.ROUTER if k in values}
+    assert router == {k: standins.ROUTER[k] for k in router}
     assert rope_as_published(b.rope) == (values["rope_theta"], values["rope_scaling"])
-    # The MLA widths are fusedq's geometry row for DeepSeek-V3 (V3.2 and Kimi-K2 share them).
+    # The MLA widths are fusedq's geometry row for DeepSeek-V3 (V3.2 and Kimi-K2 share them) or
+    # GLM-5 (GLM-4.7-Flash's).
     g = b.geometry
     assert (g.qk_nope, g.qk_rope, g.kv_lora, g.v_head) == (
         values["qk_nope_head_dim"],
@@ -79,7 +90,7 @@ def test_transformers_defaults_are_the_published_values(base: str, config_class:
     assert {k: getattr(defaults, k) for k in keys} == {k: fixture["config"][k] for k in keys}
 
 
-@pytest.mark.parametrize("base", NEW)
+@pytest.mark.parametrize("base", PUBLISHED)
 def test_one_rank_of_tp1_with_every_expert_is_the_published_model(base: str) -> None:
     fixture = published(base)
     routed = fixture["config"]["n_routed_experts"]
@@ -94,13 +105,17 @@ def test_one_rank_of_tp1_with_every_expert_is_the_published_model(base: str) -> 
     )
     assert cfg["architectures"] == fixture["architectures"]
     # Kimi-K2's own type (kimi_k2) is no transformers type: the stand-in says deepseek_v3.
-    model_type = "deepseek_v3" if base == "kimi-k2" else fixture["model_type"]
-    assert cfg["model_type"] == model_type
+    own = {"kimi_k2": "deepseek_v3"}.get(fixture["model_type"], fixture["model_type"])
+    assert cfg["model_type"] == own
 
 
 @pytest.mark.parametrize(
     ("base", "tp", "heads", "dense", "expert", "experts", "mtp"),
     [
+        # GLM-4.7-Flash: all 64 experts fit at every TP; 20 heads are 10 / 5 at TP2 / TP4.
+        ("glm47-flash", 1, 20, 10240, 1536, 64, 1),
+        ("glm47-flash", 2, 10, 5120, 768, 64, 1),
+        ("glm47-flash", 4, 5, 2560, 384, 64, 1),
         ("deepseek-v3", 8, 16, 2304, 256, 136, 1),
         ("deepseek-v3", 4, 32, 4608, 512, 64, 1),
         ("deepseek-v3", 6, 22, 3072, 352, 96, 1),
