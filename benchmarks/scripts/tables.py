@@ -657,12 +657,21 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
     )
 
 
+def _served_as(model: dict) -> str:
+    """A matrix model as the e2e table names it: its path, and its weight format where the
+    stand-in was served in one other than bf16 (an MXFP8 run is not the bf16 run's successor)."""
+    fmt = model.get("weight_format") or "bf16"
+    name = f"`{model.get('path')}`"
+    return name if fmt == "bf16" else f"{name} ({fmt})"
+
+
 def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
-    """The primary figure of the newest A/B run of each stand-in, head count and MTP."""
+    """The primary figure of the newest A/B run of each stand-in (and weight format), head
+    count and MTP."""
     newest: dict[tuple[str, int, int], tuple[Path, Row]] = {}
     for folder, report in ab_runs_found(root or VALIDATION):
         models = {
-            m.get("label"): (m.get("path"), m.get("num_heads"))
+            m.get("label"): (_served_as(m), m.get("num_heads"))
             for m in _run_matrix(report, folder).get("models") or []
         }
         for res in report["ab"]["results"]:
@@ -676,13 +685,15 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
             newest[(path, heads, _mtp(cases, topology) or 0)] = (folder, res)
     lines = [
         [
-            f"`{path}`",
+            path,
             str(heads),
             str(mtp),
             _ratio(res) + f": {_cell(res['verdict'])}",
             f"{_link(_rel(folder / 'report.md'), doc, folder.name)} ({folder.parent.name})",
         ]
-        for (path, heads, mtp), (folder, res) in sorted(newest.items())
+        for (path, heads, mtp), (folder, res) in sorted(
+            newest.items(), key=lambda kv: (kv[0][0].replace("`", ""), *kv[0][1:])
+        )
     ]
     if not lines:
         raise TableError("no committed A/B run has a primary figure")
@@ -690,7 +701,8 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
         [
             "The primary figure, ctx0 output tok/s fused/staged with its 95 % interval over "
             "paired rounds (at equal synthetic acceptance under MTP), of the newest committed "
-            "A/B run of each stand-in, head count and MTP, one switch-mode server each; every "
+            "A/B run of each stand-in (and weight format), head count and MTP, one switch-mode "
+            "server each; every "
             f"run and figure: {_link('docs/standins.md', doc)}, generated from each run's "
             "`report.json`.",
             "",
