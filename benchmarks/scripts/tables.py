@@ -657,43 +657,34 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
     )
 
 
-def _served_as(model: dict) -> str:
-    """A matrix model as the e2e table names it: its path, and its weight format where the
-    stand-in was served in one other than bf16 (an MXFP8 run is not the bf16 run's successor)."""
-    fmt = model.get("weight_format") or "bf16"
-    name = f"`{model.get('path')}`"
-    return name if fmt == "bf16" else f"{name} ({fmt})"
-
-
 def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
     """The primary figure of the newest A/B run of each stand-in (and weight format), head
     count and MTP."""
-    newest: dict[tuple[str, int, int], tuple[Path, Row]] = {}
+    # Keyed by the weight format too: an MXFP8 run is not the bf16 run's successor.
+    newest: dict[tuple[str, str, int, int], tuple[Path, Row]] = {}
     for folder, report in ab_runs_found(root or VALIDATION):
         models = {
-            m.get("label"): (_served_as(m), m.get("num_heads"))
+            m.get("label"): (m.get("path"), m.get("weight_format") or "bf16", m.get("num_heads"))
             for m in _run_matrix(report, folder).get("models") or []
         }
         for res in report["ab"]["results"]:
             if res.get("role") != "primary":
                 continue
             topology = res["topology_id"]
-            path, heads = models.get(topology.split("/")[0], ("?", 0))
+            path, fmt, heads = models.get(topology.split("/")[0], ("?", "bf16", 0))
             cases = [
                 c for c in report.get("cases") or [] if c["case_id"].startswith(topology + "/")
             ]
-            newest[(path, heads, _mtp(cases, topology) or 0)] = (folder, res)
+            newest[(path, fmt, heads, _mtp(cases, topology) or 0)] = (folder, res)
     lines = [
         [
-            path,
+            f"`{path}`" + ("" if fmt == "bf16" else f" ({fmt})"),
             str(heads),
             str(mtp),
             _ratio(res) + f": {_cell(res['verdict'])}",
             f"{_link(_rel(folder / 'report.md'), doc, folder.name)} ({folder.parent.name})",
         ]
-        for (path, heads, mtp), (folder, res) in sorted(
-            newest.items(), key=lambda kv: (kv[0][0].replace("`", ""), *kv[0][1:])
-        )
+        for (path, fmt, heads, mtp), (folder, res) in sorted(newest.items())
     ]
     if not lines:
         raise TableError("no committed A/B run has a primary figure")

@@ -207,6 +207,9 @@ def _yarn(theta: float, factor: float, beta_fast: float, beta_slow: float) -> di
     }
 
 
+# DeepSeek-V3's YaRN, which DeepSeek-V3.2 keeps unchanged.
+_DEEPSEEK_V3_ROPE = _yarn(10000.0, 40.0, 32.0, 1.0)
+
 BASES: dict[str, Base] = {
     "glm5": Base(
         "GLM-5",
@@ -221,11 +224,7 @@ BASES: dict[str, Base] = {
         {"rope_theta": 1000000.0, "rope_type": "default"},
         contract.GLM5,
     ),
-    "deepseek-v3": Base(
-        "DeepSeek-V3", DEEPSEEK_V3, _yarn(10000.0, 40.0, 32.0, 1.0), contract.DEEPSEEK_V3
-    ),
-    "deepseek-v32": Base(
-        "DeepSeek-V3.2", DEEPSEEK_V32, _yarn(10000.0, 40.0, 32.0, 1.0), contract.DEEPSEEK_V3
-    ),
+    "deepseek-v3": Base("DeepSeek-V3", DEEPSEEK_V3, _DEEPSEEK_V3_ROPE, contract.DEEPSEEK_V3),
+    "deepseek-v32": Base("DeepSeek-V3.2", DEEPSEEK_V32, _DEEPSEEK_V3_ROPE, contract.DEEPSEEK_V3),
     "kimi-k2": Base("Kimi-K2", KIMI_K2, _yarn(50000.0, 32.0, 1.0, 1.0), contract.DEEPSEEK_V3),
 }
