@@ -14,6 +14,9 @@ Two things depend on addresses and stay per call: ``out`` must not overlap an in
 extents are computed once, the comparison per call), and the pointers' alignment picks among
 the compiled variants (inside ``BoundLaunch``).
 
+The decode front (``fusedq.front``) keeps its plans in the same cache, through
+``cached_plan`` and ``keep_plan``.
+
 The selection depends on process-wide facts besides the signature (Triton importable, the
 device's capability, ``TRITON_INTERPRET``, what is installed); they do not change within a
 process, and ``clear_plans`` forgets every plan where a test changes them.
@@ -324,6 +327,35 @@ def _meta(t: torch.Tensor) -> tuple:
     return (type(t), t.dtype, t.shape, t.stride(), t.device)
 
 
+def meta(t: torch.Tensor | None) -> tuple | None:
+    """A tensor argument's part of a signature (None for an absent optional one); raises
+    for what is not a tensor (the full checks then name it)."""
+    return None if t is None else _meta(t)
+
+
+def cached_plan(key: tuple | None) -> tuple[tuple | None, object]:
+    """(``key``, the plan kept under it or None); the key comes back None where it cannot
+    be hashed (an unhashable option, which the full checks then name): nothing to keep."""
+    if key is None:
+        return None, None
+    try:
+        return key, _plans.get(key)
+    except TypeError:
+        return None, None
+
+
+def keep_plan(key: tuple | None, plan):
+    """Keep ``plan`` under ``key`` (as ``cached_plan`` returned it); returns ``plan``. The
+    query's and the decode front's plans share the cache (and ``MAX_PLANS``, and
+    ``clear_plans``: both depend on the same process-wide facts); a front key starts with
+    ``"decode_front"``, a query key with a bool."""
+    if key is not None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 def call(
     q_nope: torch.Tensor,
     values: torch.Tensor,
@@ -355,17 +387,16 @@ def call(
             backend,
             pdl,
         )
-        plan = _plans.get(key)
-    except Exception:  # an argument without tensor metadata, or unhashable: validate names it
-        key, plan = None, None
+    except Exception:  # an argument without tensor metadata: validate names it
+        key = None
+    key, plan = cached_plan(key)
     if plan is None:
-        plan = _new_plan(
-            q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl, real=real
+        plan = keep_plan(
+            key,
+            _new_plan(
+                q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl, real=real
+            ),
         )
-        if key is not None:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
     if not real and isinstance(plan, Plan) and _profiling():
         # Under torch's profiler the call goes through the custom op, so traces name it
         # (a cpu_op fusedq::mla_query_projection) as they did before the fast path: the trace
