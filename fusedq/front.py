@@ -44,7 +44,7 @@ from collections.abc import Iterable
 
 import torch
 
-from fusedq import capability, dispatch, reference
+from fusedq import capability, dispatch, ops, reference  # noqa: F401 (ops registers the ops)
 from fusedq.contract import (
     E4M3_MAX,
     KV_LORA,
@@ -98,10 +98,10 @@ class Checked:
     parts, ``k_pe`` as ``[M, 64]`` and the cache as E4M3 where it is fp8."""
 
     __slots__ = (
-        "cache",
         "cache_fp8",
         "geometry",
-        "k_pe",
+        "k_pe_arg",
+        "kv_cache",
         "m",
         "num_heads",
         "out_dtype",
@@ -113,13 +113,40 @@ class Checked:
         for name, value in fields.items():
             setattr(self, name, value)
 
+    # Views made where asked for: a traced call's checks would otherwise leave them as dead
+    # nodes in its graph.
+    @property
+    def k_pe(self) -> torch.Tensor:
+        k_pe = self.k_pe_arg
+        return k_pe.reshape(self.m, QK_ROPE) if k_pe.dim() == 3 else k_pe
+
+    @property
+    def cache(self) -> torch.Tensor:
+        return self.kv_cache.view(E4M3) if self.cache_fp8 else self.kv_cache
+
 
 def validate(
     q, kv_c, k_pe, positions, cos_sin_cache, weight, kv_cache, slot_mapping, *, is_neox,
     kv_cache_dtype="auto", k_scale=None, out=None, out_dtype=None, q_scale=None, backend="auto",
+    addresses=True,
 ) -> Checked:  # fmt: skip
     """Check every argument (``ValueError`` naming the first bad one, before anything is
-    written)."""
+    written). ``addresses=False`` leaves out the overlap checks, the only ones that read
+    addresses: tensors being traced (fake tensors) have none."""
+    values, scales = dispatch.split_weight(weight)
+    return check(
+        q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+        is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
+        out_dtype=out_dtype, q_scale=q_scale, backend=backend, addresses=addresses,
+    )  # fmt: skip
+
+
+def check(
+    q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping, *, is_neox,
+    kv_cache_dtype, k_scale, out, out_dtype, q_scale, backend, addresses,
+) -> Checked:  # fmt: skip
+    """``validate`` on the weight's parts (``dispatch.split_weight``), as the custom op
+    receives them."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} must be one of {BACKENDS}")
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -139,7 +166,6 @@ def validate(
         )
     _unit_last("q", q)
     m, num_heads, _ = q.shape
-    values, scales = dispatch.split_weight(weight)
     dispatch.check_weight_for(
         values, scales, geometry.qk_nope, num_heads, device, anchor="q", anchor_dim="qk_nope"
     )
@@ -188,31 +214,55 @@ def validate(
     dispatch.check_q_scale(q_scale, out_dtype, device, anchor="q")
     if out is not None:
         dispatch.check_out(out, m, num_heads, device, anchor="q")
-    inputs = {
-        "q": q, "kv_c": kv_c, "k_pe": k_pe, "positions": positions,
-        "cos_sin_cache": cos_sin_cache, "weight": values, "weight scales": scales,
-        "slot_mapping": slot_mapping, "k_scale": k_scale, "q_scale": q_scale,
-    }  # fmt: skip
-    for written, name in ((out, "out"), (kv_cache, "kv_cache")):
-        for other, t in inputs.items():
-            if _overlap(written, t):
-                raise ValueError(f"{name}: overlaps the memory of {other}; it must not alias it")
-    if _overlap(out, kv_cache):
-        raise ValueError("out: overlaps the memory of kv_cache")
+    if addresses:
+        inputs = (q, kv_c, k_pe, positions, cos_sin_cache, values, scales, slot_mapping, k_scale,
+                  q_scale)  # fmt: skip
+        check_overlaps(out, kv_cache, inputs, extents_of(out, kv_cache, inputs))
     return Checked(
         geometry=geometry, m=m, num_heads=num_heads, out_dtype=out_dtype, values=values,
-        scales=scales, k_pe=k_pe.reshape(m, QK_ROPE) if k_pe.dim() == 3 else k_pe,
-        cache=kv_cache.view(E4M3) if cache_fp8 else kv_cache, cache_fp8=cache_fp8,
+        scales=scales, k_pe_arg=k_pe, kv_cache=kv_cache, cache_fp8=cache_fp8,
     )  # fmt: skip
 
 
-def _overlap(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether the byte ranges the two tensors span intersect (None or empty: never)."""
-    ea, eb = dispatch._extent(a), dispatch._extent(b)
-    if not ea or not eb:
-        return False
-    lo_a, lo_b = a.data_ptr(), b.data_ptr()
-    return lo_a < lo_b + eb and lo_b < lo_a + ea
+# The inputs an overlap check compares ``out`` and ``kv_cache`` with, in this order.
+INPUT_NAMES = (
+    "q", "kv_c", "k_pe", "positions", "cos_sin_cache", "weight", "weight scales",
+    "slot_mapping", "k_scale", "q_scale",
+)  # fmt: skip
+
+
+def extents_of(out, kv_cache, inputs) -> tuple[int, int, tuple[int, ...]]:
+    """The byte extents (``dispatch._extent``: 0 where None or empty) of ``out``,
+    ``kv_cache`` and the inputs (``INPUT_NAMES`` order): metadata only, so a plan keeps
+    them."""
+    return (
+        dispatch._extent(out),
+        dispatch._extent(kv_cache),
+        tuple(dispatch._extent(t) for t in inputs),
+    )
+
+
+def check_overlaps(out, kv_cache, inputs, extents) -> None:
+    """``ValueError`` where the bytes ``out`` or ``kv_cache`` span intersect an input's, or
+    each other's: what the call writes must not alias what it reads, and the addresses
+    change from call to call, so this runs on every call."""
+    out_extent, cache_extent, input_extents = extents
+    for written, extent, name in ((out, out_extent, "out"), (kv_cache, cache_extent, "kv_cache")):
+        if not extent:
+            continue
+        lo = written.data_ptr()
+        hi = lo + extent
+        for t, size, other in zip(inputs, input_extents, INPUT_NAMES, strict=True):
+            if size:
+                start = t.data_ptr()
+                if start < hi and lo < start + size:
+                    raise ValueError(
+                        f"{name}: overlaps the memory of {other}; it must not alias it"
+                    )
+    if out_extent and cache_extent:
+        lo_out, lo_cache = out.data_ptr(), kv_cache.data_ptr()
+        if lo_out < lo_cache + cache_extent and lo_cache < lo_out + out_extent:
+            raise ValueError("out: overlaps the memory of kv_cache")
 
 
 # --- the fused path's selection ---------------------------------------------------------------
@@ -304,14 +354,148 @@ def write_cache(
     cache[slots // block_size, slots % block_size] = entries
 
 
-def _staged(c: Checked, q, kv_c, positions, cos_sin_cache, slot_mapping, is_neox, out, q_scale,
-            k_scale) -> torch.Tensor:  # fmt: skip
-    qk_nope = c.geometry.qk_nope
-    q_pe = rope(q[..., qk_nope:], positions, cos_sin_cache, is_neox)
-    k_pe = rope(c.k_pe, positions, cos_sin_cache, is_neox)
-    out = reference.staged(q[..., :qk_nope], c.values, c.scales, q_pe, out, q_scale)
-    write_cache(kv_c, k_pe, c.cache, slot_mapping, k_scale if c.cache_fp8 else None)
-    return out
+def _staged(qk_nope, q, values, scales, kv_c, k_pe, positions, cos_sin_cache, cache,
+            slot_mapping, out, q_scale, k_scale, *, neox) -> None:  # fmt: skip
+    """The staged path on checked operands (``k_pe`` ``[M, 64]``, an fp8 cache as E4M3 with
+    its ``k_scale``, else ``k_scale`` None)."""
+    q_pe = rope(q[..., qk_nope:], positions, cos_sin_cache, neox)
+    k_pe = rope(k_pe, positions, cos_sin_cache, neox)
+    reference.staged(q[..., :qk_nope], values, scales, q_pe, out, q_scale)
+    write_cache(kv_c, k_pe, cache, slot_mapping, k_scale)
+
+
+# --- plans: each call signature checked once (as the query's, dispatch.call) -----------------
+
+
+class FrontPlan:
+    """What every eager call of one signature runs: allocate ``out`` or check it and the
+    cache for overlaps, then the fused launch (``config``) or the staged path (None)."""
+
+    __slots__ = (
+        "cache_bytes", "cache_fp8", "config", "device", "extents", "flat_k_pe", "fused",
+        "m", "out_dtype", "out_shape", "qk_nope",
+    )  # fmt: skip
+
+    def __init__(self, c: Checked, config, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                 extents, device) -> None:  # fmt: skip
+        self.config = config
+        self.fused = config is not None
+        self.qk_nope = c.geometry.qk_nope
+        self.m = c.m
+        self.out_shape = (c.m, c.num_heads, QUERY_WIDTH)
+        self.out_dtype = c.out_dtype
+        self.device = device
+        self.cache_fp8 = c.cache_fp8
+        self.cache_bytes = kv_cache.dtype == torch.uint8  # viewed as E4M3 for the launch
+        self.flat_k_pe = k_pe.dim() == 3  # [M, 1, 64], viewed as [M, 64]
+        self.extents = extents  # extents_of(...) of the signature's tensors
+
+    def __call__(self, q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache,
+                 slot_mapping, k_scale, out, q_scale, neox) -> torch.Tensor:  # fmt: skip
+        inputs = (q, kv_c, k_pe, positions, cos_sin_cache, values, scales, slot_mapping, k_scale,
+                  q_scale)  # fmt: skip
+        check_overlaps(out, kv_cache, inputs, self.extents)
+        if out is None:  # (fresh memory: nothing to check it against)
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        if self.flat_k_pe:
+            k_pe = k_pe.view(self.m, QK_ROPE)
+        cache = kv_cache.view(E4M3) if self.cache_bytes else kv_cache
+        k_scale = k_scale if self.cache_fp8 else None
+        if self.config is None:
+            _staged(
+                self.qk_nope, q, values, scales, kv_c, k_pe, positions, cos_sin_cache, cache,
+                slot_mapping, out, q_scale, k_scale, neox=neox,
+            )  # fmt: skip
+        else:
+            front_launch.launch(
+                q, values, scales, kv_c, k_pe, positions, cos_sin_cache, cache, slot_mapping,
+                out, q_scale, k_scale, config=self.config, neox=neox,
+            )  # fmt: skip
+        return out
+
+
+class _FrontOpPlan:
+    """Tensor subclasses (fake, functional, ...) go through the custom op, whose fake twin
+    the active mode traces: no addresses to read, nothing to launch."""
+
+    __slots__ = ("backend", "kv_cache_dtype", "out_dtype", "out_shape")
+
+    def __init__(self, c: Checked, kv_cache_dtype: str, backend: str) -> None:
+        self.out_shape = (c.m, c.num_heads, QUERY_WIDTH)
+        self.out_dtype = c.out_dtype
+        self.kv_cache_dtype, self.backend = kv_cache_dtype, backend
+
+    def __call__(self, q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache,
+                 slot_mapping, k_scale, out, q_scale, neox) -> torch.Tensor:  # fmt: skip
+        if out is None:
+            out = q.new_empty(self.out_shape, dtype=self.out_dtype)
+        torch.ops.fusedq.mla_decode_front(
+            q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+            out, k_scale, q_scale, neox, self.kv_cache_dtype, self.backend,
+        )  # fmt: skip
+        return out
+
+
+def call(
+    q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping, *, is_neox,
+    kv_cache_dtype, k_scale, out, out_dtype, q_scale, backend, real=False,
+) -> torch.Tensor:  # fmt: skip
+    """Run the front eagerly through its signature's plan (``dispatch.cached_plan``); returns
+    the query. The signature: every tensor's type, dtype, shape, strides and device, and the
+    options (``is_neox`` with its type, so that ``1`` is still refused after ``True``).
+
+    ``real``: the caller is the custom op's real implementation, so the tensors are real and
+    must be launched on, never handed back to the custom op (which would call this again)."""
+    meta = dispatch.meta
+    try:
+        key = (
+            "decode_front", real, meta(q), meta(kv_c), meta(k_pe), meta(positions),
+            meta(cos_sin_cache), meta(values), meta(scales), meta(kv_cache), meta(slot_mapping),
+            meta(k_scale), meta(out), meta(q_scale), is_neox, type(is_neox), kv_cache_dtype,
+            out_dtype, backend,
+        )  # fmt: skip
+    except Exception:  # an argument without tensor metadata: validate names it
+        key = None
+    key, plan = dispatch.cached_plan(key)
+    if plan is None:
+        plan = dispatch.keep_plan(
+            key,
+            _new_plan(
+                q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache,
+                slot_mapping, is_neox, kv_cache_dtype, k_scale, out, out_dtype, q_scale,
+                backend, real,
+            ),
+        )  # fmt: skip
+    return plan(
+        q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+        k_scale, out, q_scale, is_neox,
+    )  # fmt: skip
+
+
+def _new_plan(q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+              is_neox, kv_cache_dtype, k_scale, out, out_dtype, q_scale, backend, real):  # fmt: skip
+    tensors = (q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+               k_scale, out, q_scale)  # fmt: skip
+    plain = real or all(not isinstance(t, torch.Tensor) or dispatch._is_plain(t) for t in tensors)
+    c = check(
+        q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+        is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
+        out_dtype=out_dtype, q_scale=q_scale, backend=backend, addresses=False,
+    )  # fmt: skip
+    if not plain:
+        return _FrontOpPlan(c, kv_cache_dtype, backend)
+    config = None
+    if backend != "staged":
+        config, why = choice(
+            c.num_heads, c.m, geometry=c.geometry,
+            weight_format="bf16" if c.scales is None else "mxfp8", out_dtype=c.out_dtype,
+            cache_fp8=c.cache_fp8, device=q.device, qualified=backend != "triton",
+        )  # fmt: skip
+        if config is None and backend == "triton":
+            raise ValueError(f"backend='triton' cannot run this call: {why}")
+    inputs = (q, kv_c, k_pe, positions, cos_sin_cache, values, scales, slot_mapping, k_scale,
+              q_scale)  # fmt: skip
+    return FrontPlan(c, config, k_pe, kv_cache, extents_of(out, kv_cache, inputs), q.device)
 
 
 # --- the public entry points ------------------------------------------------------------------
@@ -365,30 +549,39 @@ def mla_decode_front(
     Returns the query ``[M, H, 576]``. Bad input raises ``ValueError`` naming the argument
     before anything is written.
     """
-    c = validate(
-        q, kv_c, k_pe, positions, cos_sin_cache, weight, kv_cache, slot_mapping,
+    values, scales = dispatch.split_weight(weight)
+    if torch.compiler.is_compiling():
+        out = prepare_traced(
+            q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+            is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
+            out_dtype=out_dtype, q_scale=q_scale, backend=backend,
+        )  # fmt: skip
+        torch.ops.fusedq.mla_decode_front(
+            q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+            out, k_scale, q_scale, is_neox, kv_cache_dtype, backend,
+        )  # fmt: skip
+        return out
+    return call(
+        q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
         is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
         out_dtype=out_dtype, q_scale=q_scale, backend=backend,
     )  # fmt: skip
-    config = None
-    if backend != "staged":
-        config, why = choice(
-            c.num_heads, c.m, geometry=c.geometry,
-            weight_format="bf16" if c.scales is None else "mxfp8", out_dtype=c.out_dtype,
-            cache_fp8=c.cache_fp8, device=q.device, qualified=backend != "triton",
-        )  # fmt: skip
-        if config is None and backend == "triton":
-            raise ValueError(f"backend='triton' cannot run this call: {why}")
+
+
+def prepare_traced(
+    q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping, *, is_neox,
+    kv_cache_dtype, k_scale, out, out_dtype, q_scale, backend,
+) -> torch.Tensor:  # fmt: skip
+    """The traced path (``torch.compile``) before its custom-op call: the checks that read
+    metadata only (the overlaps and the backend's choice are the op's, when it runs), and
+    ``out`` allocated where None; returns ``out``."""
+    c = check(
+        q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+        is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
+        out_dtype=out_dtype, q_scale=q_scale, backend=backend, addresses=False,
+    )  # fmt: skip
     if out is None:
         out = torch.empty((c.m, c.num_heads, QUERY_WIDTH), dtype=c.out_dtype, device=q.device)
-    if config is None:
-        return _staged(
-            c, q, kv_c, positions, cos_sin_cache, slot_mapping, is_neox, out, q_scale, k_scale
-        )
-    front_launch.launch(
-        q, c.values, c.scales, kv_c, c.k_pe, positions, cos_sin_cache, c.cache, slot_mapping,
-        out, q_scale, k_scale if c.cache_fp8 else None, config=config, neox=is_neox,
-    )  # fmt: skip
     return out
 
 
@@ -411,6 +604,18 @@ def staged_decode_front(
 ) -> torch.Tensor:
     """The staged reference of ``mla_decode_front`` (same arguments and results): RoPE, then
     ``fusedq.reference.staged``, then vLLM's ``concat_and_cache_mla`` with torch ops."""
+    if torch.compiler.is_compiling():
+        values, scales = dispatch.split_weight(weight)
+        out = prepare_traced(
+            q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+            is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
+            out_dtype=out_dtype, q_scale=q_scale, backend="staged",
+        )  # fmt: skip
+        torch.ops.fusedq.staged_decode_front(
+            q, kv_c, k_pe, positions, cos_sin_cache, values, scales, kv_cache, slot_mapping,
+            out, k_scale, q_scale, is_neox, kv_cache_dtype,
+        )  # fmt: skip
+        return out
     return mla_decode_front(
         q, kv_c, k_pe, positions, cos_sin_cache, weight, kv_cache, slot_mapping,
         is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
