@@ -548,6 +548,11 @@ def mla_decode_front(
 
     Returns the query ``[M, H, 576]``. Bad input raises ``ValueError`` naming the argument
     before anything is written.
+
+    The first call with a signature (every tensor's type, dtype, shape, strides and device,
+    and the options) is checked in full and its plan cached; later calls with that signature
+    only check that ``out`` and ``kv_cache`` overlap no input. While ``torch.compile``
+    traces, the call is the custom op ``fusedq::mla_decode_front`` (``fusedq.ops``).
     """
     values, scales = dispatch.split_weight(weight)
     if torch.compiler.is_compiling():
