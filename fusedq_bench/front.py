@@ -62,6 +62,10 @@ VLLM_ROPE: dict[str, tuple[dict, int]] = {
 IS_NEOX = False
 # Row keys of the timed paths (each "<path>_us", "<path>_kernel"), in table order.
 PATHS = ("staged_front", "fused_front", "staged_query", "fused_query", "fused_query_dot")
+# Timed where vLLM's CUDA build has it: vLLM's own RoPE + cache-write fusion
+# (concat_and_cache_mla_rope_fused, what its fuse_rope_kvcache_cat_mla pass puts in) followed by
+# the served staged query, two launches: the stronger baseline (decision 0020).
+VLLM_FUSED = "vllm_fused_front"
 
 # (positions, q [M, H, W], k_pe [M, 64], k_rot [M, 64]) -> None: rotates q's rope slice in
 # place and writes the rotated k_pe into k_rot.
@@ -215,6 +219,21 @@ def index_cache_write(kv_c, k_pe, kv_cache, slot_mapping, k_scale) -> None:
     kv_cache[slot_mapping // block, slot_mapping % block] = entries
 
 
+def vllm_rope_cache_op(device):
+    """vLLM's ``concat_and_cache_mla_rope_fused`` (RoPE of q_pe and k_pe in place, then the cache
+    write, one launch), or ``None`` and why it is not there."""
+    if device.type != "cuda":
+        return None, "vLLM's concat_and_cache_mla_rope_fused is a CUDA op"
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+
+        torch.ops._C_cache_ops.concat_and_cache_mla_rope_fused  # noqa: B018 (raises if absent)
+    except Exception as exc:  # any import or registry failure: that path is not timed
+        return None, f"vLLM's concat_and_cache_mla_rope_fused: {type(exc).__name__}: {exc}"
+    return ops.concat_and_cache_mla_rope_fused, None
+
+
 def staged_cache_write(device) -> tuple[CacheWrite, str]:
     write, why = vllm_cache_write(device)
     if write is not None:
@@ -277,6 +296,22 @@ def staged_front_step(fr: Front) -> Callable[[int], object]:
     return step
 
 
+def vllm_fused_front_step(fr: Front, op) -> Callable[[int], object]:
+    """Layer i's front with vLLM's own fusion: ``op`` (concat_and_cache_mla_rope_fused) rotates
+    q's rope slice and k_pe in place and writes the cache, then the served staged query."""
+    query = staged_step(fr.lay, served_form(fr))
+    qk_nope = fr.lay.geometry.qk_nope
+
+    def step(i: int):
+        op(
+            fr.positions, fr.q[..., qk_nope:], fr.k_pe, fr.kv_c, fr.cos_sin, IS_NEOX,
+            fr.slot_mapping, fr.caches[i], "auto", fr.k_scale,
+        )  # fmt: skip
+        return query(i)
+
+    return step
+
+
 def fused_front_step(fr: Front, backend: str = "triton") -> Callable[[int], object]:
     """Layer i's front in one ``mla_decode_front`` launch (q is read unrotated)."""
     import fusedq
@@ -334,14 +369,17 @@ def kernel_names(fr: Front, fmt: str, config) -> dict[str, str]:
     }
 
 
-def front_steps(fr: Front, fmt: str) -> dict[str, Callable[[int], object]]:
-    return {
+def front_steps(fr: Front, fmt: str, vllm_op=None) -> dict[str, Callable[[int], object]]:
+    steps = {
         "staged_front": staged_front_step(fr),
         "fused_front": fused_front_step(fr),
         "staged_query": staged_step(fr.lay, served_form(fr)),
         "fused_query": fused_step(fr.lay),
         "fused_query_dot": fused_step(fr.lay, front_config(fr, fmt)),
     }
+    if vllm_op is not None:
+        steps[VLLM_FUSED] = vllm_fused_front_step(fr, vllm_op)
+    return steps
 
 
 def query_of(result, out) -> object:
@@ -404,12 +442,18 @@ def bench_front(fmt: str, h: int, m: int, opts: Options, device: str = "cuda") -
         fr = build_front(fmt, h, m, opts, device=device, why_not_vllm=why.splitlines()[0][:300])
         errors = front_errors(fr, fmt)
     lay = fr.lay
-    steps = front_steps(fr, fmt)
+    vllm_op, why_no_vllm_op = vllm_rope_cache_op(torch.device(device))
+    steps = front_steps(fr, fmt, vllm_op)
     graphs = {name: capture(every_layer(lay, step)) for name, step in steps.items()}
     times = time_graphs(graphs, opts.samples, opts.warmup)
     n = len(lay.fused_w)
     row = front_row(fmt, h, m, n, lay.weight_bytes, lay.geometry.name, times)
     row.update({f"{k}_kernel": v for k, v in kernel_names(fr, fmt, config).items()})
+    if vllm_op is not None:
+        query = row["staged_query_kernel"]
+        row[f"{VLLM_FUSED}_kernel"] = f"vllm concat_and_cache_mla_rope_fused; query: {query}"
+    else:
+        row[f"{VLLM_FUSED}_missing"] = why_no_vllm_op
     if lay.fused_backend != "auto":
         row["fused_backend"] = lay.fused_backend
     row.update(errors)
@@ -435,6 +479,8 @@ def front_row(
         row[f"{name}_p90_us"] = statistics.quantiles(ms, n=10)[-1] * 1000.0 / n
     row["fused_front_over_staged_front"] = row["fused_front_us"] / row["staged_front_us"]
     row["fused_query_over_staged_query"] = row["fused_query_us"] / row["staged_query_us"]
+    if f"{VLLM_FUSED}_us" in row:  # the stronger baseline, where vLLM has its fusion
+        row[f"fused_front_over_{VLLM_FUSED}"] = row["fused_front_us"] / row[f"{VLLM_FUSED}_us"]
     # (µs per layer; not "*_us" keys, which name timed paths to the results' ingest)
     row["front_us_saved"] = row["staged_front_us"] - row["fused_front_us"]
     row["query_us_saved"] = row["staged_query_us"] - row["fused_query_us"]
@@ -451,7 +497,14 @@ def summary(row: dict, seconds: float) -> str:
         f"µs ({row['fused_front_over_staged_front']:.3f}); staged-query "
         f"{row['staged_query_us']:.2f} µs, fused-query {row['fused_query_us']:.2f} µs "
         f"({row['fused_query_over_staged_query']:.3f}); fused-query-dot "
-        f"{row['fused_query_dot_us']:.2f} µs; err {row['fused_front_err']:.3g}, cache "
+        f"{row['fused_query_dot_us']:.2f} µs; "
+        + (
+            f"vllm-fused-front {row[f'{VLLM_FUSED}_us']:.2f} µs "
+            f"({row[f'fused_front_over_{VLLM_FUSED}']:.3f}); "
+            if f"{VLLM_FUSED}_us" in row
+            else ""
+        )
+        + f"err {row['fused_front_err']:.3g}, cache "
         f"{'equal' if row['fused_front_cache_equal'] else 'DIFFERS'} ({seconds:.1f} s)"
     )
 

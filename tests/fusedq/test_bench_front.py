@@ -76,6 +76,21 @@ def test_front_row_and_table():
     assert "fused-front 3.00 µs (0.400)" in front.summary(row, 1.0)
 
 
+def test_vllm_fused_baseline_where_vllm_has_it():
+    """vLLM's own RoPE + cache fusion is the stronger baseline: a row that timed it carries the
+    ratio against it and the line says so; where it is not there (here: a CPU) the row says
+    why, and no figure stands in for it."""
+    op, why = front.vllm_rope_cache_op(torch.device("cpu"))
+    assert op is None and "CUDA op" in why
+    n = 4
+    times = _times({**FIGURES, front.VLLM_FUSED: 6.0}, n)
+    row = front.front_row("bf16", 8, 4, n, 1 << 20, "glm5", times)
+    row.update(fused_front_err=0.0, fused_front_cache_equal=True)
+    assert row[f"fused_front_over_{front.VLLM_FUSED}"] == pytest.approx(3.0 / 6.0)
+    assert "vllm-fused-front 6.00 µs (0.500)" in front.summary(row, 1.0)
+    assert "vllm-fused-front" not in front.summary(_row(), 1.0)
+
+
 def _ingest():
     spec = importlib.util.spec_from_file_location(
         "bench_ingest_front", REPO / "benchmarks" / "scripts" / "ingest.py"
