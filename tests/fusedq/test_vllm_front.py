@@ -1,0 +1,278 @@
+"""The decode front's vLLM hook (``FUSEDQ_MLA_FRONT=1``): the source transforms and their
+guards against vLLM 0.32 (installed) and 0.26 (the wheel's text, tests/fusedq/fixtures), the
+per-step split between decode and prefill rows on CPU with vLLM's own rotary embedding, the
+query hand-off, and the start-up refusals. The real server run is
+``test_vllm_plugin.py::test_e2e_decode_front_matches_plain_vllm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedq.vllm import front_hook, hook, layer_plan, patch, plugin, releases, report
+
+FIXTURES = Path(__file__).parent / "fixtures"
+WRAPPER_026 = FIXTURES / "vllm-0.26.0-mla-wrapper-forward.py.txt"
+ATTN_026 = FIXTURES / "vllm-0.26.0-mla_attention-forward.py.txt"
+H, P, R, L = 8, 192, 64, 512
+
+
+def installed_release():
+    row = releases.release_for(patch._vllm_version()[1])
+    assert row is not None, "these tests run against a supported vLLM"
+    return row
+
+
+def sources(mla) -> dict[str, str]:
+    from vllm.model_executor.layers import mla as wrapper_module
+
+    wrapper = wrapper_module.MultiHeadLatentAttentionWrapper.forward
+    return {
+        "wrapper": textwrap.dedent(inspect.getsource(wrapper)),
+        "attn": textwrap.dedent(inspect.getsource(mla.MLAAttention.forward)),
+    }
+
+
+# --- the transforms and the guard -------------------------------------------------------------
+
+
+def test_front_guard_accepts_the_installed_vllm_and_touches_nothing(mla):
+    before = mla.MLAAttention.forward
+    found = front_hook.check_front(installed_release())
+    assert found.attn_forward.__wrapped__ is before
+    assert mla.MLAAttention.forward is before, "check only"
+    assert front_hook.FRONT_HOOK not in mla.__dict__
+    for fn in (found.wrapper_forward, found.attn_forward):
+        assert front_hook.POSITIONS_ARG in fn.__code__.co_varnames
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.26"])
+def test_transforms_move_rope_and_hand_on_the_positions(mla, version):
+    if version == "0.26":
+        src = {"wrapper": WRAPPER_026.read_text(), "attn": ATTN_026.read_text()}
+        src = {k: textwrap.dedent(v) for k, v in src.items()}
+    else:
+        src = sources(mla)
+    row = releases.release_for((0, int(version.split(".")[1])))
+    front_hook.guarded("wrapper", src["wrapper"], row.wrapper_forward, row)
+    front_hook.guarded("attn", src["attn"], row.attn_forward, row)
+    wrapper = front_hook.transform_wrapper_forward(src["wrapper"])
+    assert (
+        "    fusedq_positions = _fusedq_front_positions(self, positions, llama_4_scaling)\n"
+        "    if fusedq_positions is None:\n"
+        "        if self.rotary_emb is not None:\n"
+        "            q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(\n"
+    ) in wrapper
+    call = wrapper[wrapper.index("attn_out = self.mla_attn(") :]
+    assert "        fusedq_positions=fusedq_positions,\n    )\n" in call
+    attn = front_hook.transform_attn_forward(src["attn"])
+    assert "    fusedq_positions: torch.Tensor | None = None,\n) -> torch.Tensor:" in attn
+    at = attn.index("layer_slot_mapping = slot_mapping.get(self.layer_name)")
+    after = attn[at:]
+    # The front runs before vLLM's cache write reads the slot mapping it returns.
+    front = after.index("layer_slot_mapping = _fusedq_decode_front(")
+    write = after.index("do_kv_cache_update(" if version == "0.26" else "self.update_kv_cache(")
+    assert front < write
+    for name, text in (("wrapper", wrapper), ("attn", attn)):
+        namespace: dict = {}
+        exec(compile(text, f"<{version} {name}>", "exec"), mla.__dict__, namespace)
+
+
+def test_guard_rejects_a_changed_method(mla, monkeypatch):
+    rows = tuple(dataclasses.replace(r, attn_forward={"x": "0" * 64}) for r in releases.RELEASES)
+    monkeypatch.setattr(releases, "RELEASES", rows)
+    with pytest.raises(ValueError, match=r"MLAAttention\.forward differs .* decode front"):
+        front_hook.check_front(installed_release())
+
+
+@pytest.mark.parametrize(
+    "part,edit,match",
+    [
+        ("wrapper", lambda s: s.replace("if self.rotary_emb is not None:", "if True:"), "0 lines"),
+        ("wrapper", lambda s: s.replace("self.rotary_emb(", "rope("), "does not call"),
+        ("wrapper", lambda s: s.replace("attn_out = self.mla_attn(", "x = f("), "0 lines"),
+        ("attn", lambda s: s.replace("layer_slot_mapping = slot_mapping.get", "s = g"), "0 lines"),
+        (
+            "attn",
+            lambda s: s.replace(
+                "    q_dcp_replicated: torch.Tensor | None = None,\n",
+                "    q_dcp_replicated: torch.Tensor | None = None\n",
+            ),
+            "signature",
+        ),
+    ],
+)
+def test_transform_names_the_missing_expectation(mla, part, edit, match):
+    transform = {
+        "wrapper": front_hook.transform_wrapper_forward,
+        "attn": front_hook.transform_attn_forward,
+    }[part]
+    source = sources(mla)[part]
+    transform(source)
+    with pytest.raises(ValueError, match=match):
+        transform(edit(source))
+
+
+# --- the step: decode rows to the front, prefill rows to vLLM ---------------------------------
+
+
+def rotary():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    # The tiny model's (and DeepSeek-V3's) style: GPT-J pairs, bf16 cache; a default config
+    # picks the forward vLLM's CPU build runs.
+    with set_current_vllm_config(VllmConfig()):
+        return RotaryEmbedding(R, R, 4096, 10000.0, False, torch.bfloat16)
+
+
+def stand_in(rope, w_uk_t, *, split=False):
+    layer = types.SimpleNamespace(
+        layer_name="model.layers.0.self_attn.attn",
+        kv_cache_dtype="auto",
+        _k_scale=torch.ones(1),
+        _q_scale=torch.ones(1),
+    )
+    layer.__dict__[front_hook.FRONT_ATTR] = front_hook.FrontPlan(
+        rotary=rope, is_neox=False, weight=w_uk_t, out_dtype=torch.bfloat16, split=split
+    )
+    layer.__dict__[front_hook.ROTARY_ATTR] = rope
+    return layer
+
+
+def vllm_cache_write(kv_c, k_pe, cache, slots):
+    """vLLM 0.32 CPU_MLA's do_kv_cache_update: negative slots write nothing."""
+    flat = cache.view(-1, L + R)
+    keep = slots >= 0
+    flat[slots[keep], :L] = kv_c[keep]
+    flat[slots[keep], L:] = k_pe.squeeze(1)[keep]
+
+
+@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
+def test_decode_front_splits_decode_and_prefill_rows(n, t):
+    gen = torch.Generator().manual_seed(n * 10 + t)
+    rope = rotary()
+    w_uk_t = (torch.randn(H, P, L, generator=gen) / 16).bfloat16()
+    q = torch.randn(t, H, P + R, generator=gen).bfloat16()
+    kv_c = torch.randn(t, L, generator=gen).bfloat16()
+    k_pe = torch.randn(t, 1, R, generator=gen).bfloat16()
+    positions = torch.tensor([7, 300, 41, 2, 1000][:t])
+    slots = torch.tensor([3, 17, 9, 30, 12][:t])
+    cache = torch.zeros(4, 8, L + R, dtype=torch.bfloat16)
+    layer = stand_in(rope, w_uk_t)
+
+    # vLLM's staged path: RoPE of every row, the cache write of every row, the bmm.
+    want_q, want_k = rope(positions, q[..., P:].clone(), k_pe.clone())
+    want_cache = cache.clone()
+    vllm_cache_write(kv_c, want_k, want_cache, slots)
+    want_query = torch.cat([torch.bmm(q[:, :, :P].transpose(0, 1), w_uk_t).transpose(0, 1),
+                            want_q], dim=-1)  # fmt: skip
+
+    meta = types.SimpleNamespace(num_decode_tokens=n)
+    q_in, k_in, slots_in = q.clone(), k_pe.clone(), slots.clone()
+    rest = front_hook.decode_front(layer, q_in, kv_c, k_in, positions, cache, slots_in, meta)
+    assert torch.equal(slots_in, slots), "the step's shared slot mapping is left as it was"
+    assert rest[:n].eq(-1).all() and torch.equal(rest[n:], slots[n:])
+    vllm_cache_write(kv_c, k_in, cache, rest)
+    # Prefill rows: vLLM's own RoPE, bit for bit, and vLLM's cache write.
+    assert torch.equal(q_in[n:, :, P:], want_q[n:]) and torch.equal(k_in[n:], want_k[n:])
+    assert torch.equal(q_in[:, :, :P], q[:, :, :P])
+    # Decode rows: the front's RoPE is fp32, rounded once (Inductor's numerics); vLLM's CPU
+    # rotary may round differently by an ulp.
+    torch.testing.assert_close(cache.float(), want_cache.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(cache.view(-1, L + R)[slots, :L], kv_c)
+    query = front_hook.take_query(layer, n)
+    if n == 0:
+        assert query is None
+        return
+    torch.testing.assert_close(query.float(), want_query[:n].float(), atol=6e-2, rtol=2e-2)
+    assert front_hook.QUERY_ATTR not in layer.__dict__, "handed on once"
+
+
+def test_query_hook_hands_on_the_front_query_first(mla):
+    rope = rotary()
+    layer = stand_in(rope, torch.zeros(H, P, L, dtype=torch.bfloat16), split=True)
+    query = torch.randn(2, H, L + R).bfloat16()
+    layer.__dict__[front_hook.QUERY_ATTR] = query
+    q_nope, q_pe = torch.zeros(H, 2, P).bfloat16(), torch.zeros(2, H, R).bfloat16()
+    ql_nope, pe = hook.decode_query_hook(layer, q_nope, q_pe, False, False)
+    assert ql_nope.data_ptr() == query.data_ptr() and torch.equal(pe, query[..., L:])
+    layer.__dict__[front_hook.QUERY_ATTR] = query
+    with pytest.raises(RuntimeError, match="decode front ran on 2 tokens but forward_impl"):
+        hook.decode_query_hook(layer, torch.zeros(H, 3, P).bfloat16(), q_pe, False, False)
+
+
+# --- start-up: what the front refuses, and its lines ------------------------------------------
+
+
+def planned_layer(rope, **attrs):
+    impl = types.SimpleNamespace(is_sparse=False, dcp_world_size=1)
+    layer = types.SimpleNamespace(
+        impl=impl, use_direct_call=True, use_pcp=False, hisparse_cache=None,
+        calculate_kv_scales=False, kv_cache_dtype="auto",
+        W_UK_T=torch.zeros(H, P, L, dtype=torch.bfloat16), _vllm_config=None,
+    )  # fmt: skip
+    layer.__dict__[layer_plan.PLAN_ATTR] = layer_plan.LayerPlan(H, "bf16", None)
+    layer.__dict__[front_hook.ROTARY_ATTR] = rope
+    layer.__dict__[front_hook.WRAPPER_ATTR] = {"is_sparse": False, "dcp_q_replicate": False}
+    layer.__dict__.update(attrs)
+    return layer
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({}, None),
+        ({layer_plan.PLAN_ATTR: None}, "fused MLA query does not serve this layer"),
+        ({"use_direct_call": False}, "custom-op path"),
+        ({"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)}, "sparse"),
+        ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
+        ({"_vllm_config": types.SimpleNamespace(speculative_config=object())}, "MTP draft"),
+        ({"calculate_kv_scales": True}, "kv scales"),
+        ({front_hook.ROTARY_ATTR: torch.nn.Identity()}, "rotary embedding Identity"),
+    ],
+)
+def test_plan_front_refuses_naming_why(monkeypatch, change, reason):
+    monkeypatch.setitem(releases.installed, "front", object())
+    plan, why = front_hook.plan_front(planned_layer(rotary(), **change))
+    if reason is None:
+        assert plan is not None and plan.is_neox is False and why == ""
+    else:
+        assert plan is None and reason in why
+
+
+def test_register_installs_the_front_and_says_which_layers(mla, monkeypatch, caplog):
+    from vllm.model_executor.layers import mla as wrapper_module
+
+    monkeypatch.setenv(report.MODE_ENV, "auto")
+    monkeypatch.setenv(front_hook.FRONT_ENV, "1")
+    plugin.register()
+    wrapper = wrapper_module.MultiHeadLatentAttentionWrapper
+    assert wrapper.forward is releases.installed["front"].wrapper_forward
+    assert mla.MLAAttention.forward is releases.installed["front"].attn_forward
+    assert wrapper_module._fusedq_front_positions is front_hook.front_positions
+    rope = rotary()
+    front_hook.front_report.layers.update({"a": True, "b": False})
+    layer = planned_layer(rope)
+    layer.__dict__[front_hook.FRONT_ATTR] = None
+    fake = types.SimpleNamespace(mla_attn=layer, rotary_emb=rope)
+    with caplog.at_level(logging.INFO, logger="vllm.fusedq"):
+        assert front_hook.front_positions(fake, torch.arange(3), None) is None
+    assert "fusedq: MLA decode front enabled for 1 layers: a (1 others keep" in caplog.text
+
+
+def test_front_asked_for_without_the_query_plugin_says_why(mla, monkeypatch, caplog):
+    monkeypatch.setenv(report.MODE_ENV, "0")
+    monkeypatch.setenv(front_hook.FRONT_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="vllm.fusedq"):
+        plugin.register()
+    assert "fusedq: MLA decode front disabled: FUSEDQ_MLA_QUERY=0" in caplog.text
+    assert "front" not in releases.installed
