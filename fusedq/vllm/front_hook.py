@@ -10,24 +10,30 @@ recompiled from its own source and guarded by the sha256 of that source in the
   ``if self.rotary_emb is not None:`` block runs only where ``_fusedq_front_positions``
   returns ``None``; otherwise RoPE is left to the attention layer, and the positions are
   handed to it as ``self.mla_attn(..., fusedq_positions=positions)``;
-- ``MLAAttention.forward``: a ``fusedq_positions`` parameter, and in the direct-call branch,
-  after the layer's slot mapping is read and before vLLM's cache write,
-  ``layer_slot_mapping = _fusedq_decode_front(...)``: the front for the first
-  ``num_decode_tokens`` rows (their query kept on the layer for ``forward_impl``'s query hook,
-  their cache entries written), vLLM's own ``rotary_emb`` in place for the other rows, and a
-  slot mapping in which the decode rows are ``-1`` so vLLM's cache write (which skips
-  negative slots, its padding) writes the other rows only.
+- ``MLAAttention.forward``: a ``fusedq_positions`` parameter, and before vLLM's cache write
+  in each of its two branches the front's step: the front for the first ``num_decode_tokens``
+  rows (their query kept on the layer for ``forward_impl``'s query hook, their cache entries
+  written), vLLM's own ``rotary_emb`` in place for the other rows, and a slot mapping in which
+  the decode rows are ``-1`` so vLLM's cache write (which skips negative slots, its padding)
+  writes the other rows only. In the direct-call branch ``_fusedq_decode_front`` returns that
+  slot mapping after ``layer_slot_mapping = slot_mapping.get(...)``; in the custom-op branch
+  the ``torch.ops.vllm.unified_mla_kv_cache_update`` call runs inside
+  ``with _fusedq_front_scope(...)``, which puts that slot mapping in the forward context's
+  entry for the layer for the op's call (the op reads it there) and restores it after.
 
-Served: vLLM's direct-call path (``use_direct_call``: eager, the CPU build), tested on CPU
-vLLM 0.32 with a real server. Not served: the custom-op path that torch.compile and CUDA
-graphs run (``torch.ops.vllm.unified_mla_kv_cache_update`` and
-``unified_mla_attention_with_output``, vLLM 0.26 on the GPU): a layer there refuses the front
-at start-up and keeps the query plugin's behaviour. The 0.26 transforms are checked against
-0.26's source (the wheel's text, tests/fusedq/fixtures) but have never run in a 0.26 server.
+Served and tested: eager runs. CPU vLLM 0.32 takes the custom-op branch (its platform's
+attention op is opaque) under --enforce-eager; a real CPU server runs the front there
+(tests/fusedq/test_vllm_plugin.py). The direct-call branch is tested on a stand-in step only.
+Not served: torch.compile. Under compilation (vLLM 0.26 on the GPU: piecewise CUDA graphs,
+the cache update a splitting op) the front refuses at start-up and the wrapper keeps vLLM's
+RoPE; serving it needs the custom op decision 0020 describes, which is not written. The 0.26
+transforms are checked against 0.26's source (the wheel's text, tests/fusedq/fixtures) and
+compiled, but have never run in a 0.26 server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -48,7 +54,8 @@ ENABLED_LINE = "fusedq: MLA decode front enabled"
 DISABLED_LINE = "fusedq: MLA decode front disabled"
 
 POSITIONS_HOOK = "_fusedq_front_positions"  # in the wrapper's module
-FRONT_HOOK = "_fusedq_decode_front"  # in MLAAttention's module
+FRONT_HOOK = "_fusedq_decode_front"  # in MLAAttention's module (direct-call branch)
+OP_HOOK = "_fusedq_front_scope"  # in MLAAttention's module (custom-op branch)
 POSITIONS_ARG = "fusedq_positions"
 PATCH_MARK = "_fusedq_front_patched"
 
@@ -62,6 +69,7 @@ WRAPPER_ATTR = "_fusedq_wrapper_facts"  # on an MLAAttention: what its wrapper r
 ROPE_FIRST = "if self.rotary_emb is not None:"
 ATTN_CALL = "attn_out = self.mla_attn("
 SLOT_LINE = "layer_slot_mapping = slot_mapping.get(self.layer_name)"
+OP_CALL = "kv_cache_dummy_dep = torch.ops.vllm.unified_mla_kv_cache_update("
 FRONT_LOCALS = ("q", "kv_c_normed", "k_pe", "self_kv_cache", "layer_slot_mapping", "attn_metadata")
 # Rotary embeddings whose forward is the plain cos/sin rotation the front computes (its
 # DeepSeek scaling is baked into cos_sin_cache); any other class keeps vLLM's RoPE.
@@ -160,13 +168,24 @@ def transform_attn_forward(source: str) -> str:
         f"{ind}        layer_slot_mapping, attn_metadata,\n"
         f"{ind}    )\n"
     )
+    ops = [i for i, s in enumerate(stripped) if s.startswith(OP_CALL)]
+    if len(ops) != 1 or ops[0] < at:
+        raise ValueError(f"MLAAttention.forward has {len(ops)} lines {OP_CALL!r} after the slots")
+    op = ops[0]
+    op_ind = _indent(lines[op])
+    close = next(
+        (i for i in range(op + 1, len(lines))
+         if stripped[i] == ")" and _indent(lines[i]) == op_ind),
+        -1,
+    )  # fmt: skip
+    if close < 0:
+        raise ValueError(f"MLAAttention.forward's {OP_CALL!r} call has no closing ')'")
+    scope = f"{op_ind}with {OP_HOOK}(self, q, kv_c_normed, k_pe, {POSITIONS_ARG}):\n"
+    nested = "".join(("    " + ln) if ln.strip() else ln for ln in lines[op : close + 1])
     return (
-        "".join(lines[:end])
-        + param
-        + "".join(lines[end : at + 1])
-        + call
-        + "".join(lines[at + 1 :])
-    )
+        "".join(lines[:end]) + param + "".join(lines[end : at + 1]) + call
+        + "".join(lines[at + 1 : op]) + scope + nested + "".join(lines[close + 1 :])
+    )  # fmt: skip
 
 
 def compile_method(source: str, transform, name: str, module_globals: dict, *, filename: str,
@@ -258,6 +277,8 @@ def check_front(release: Release) -> FrontPatch:
             filename=f"<fusedq-front {inspect.getsourcefile(original)}>",
         )  # fmt: skip
         built.append(_finish(new, original))
+    if OP_HOOK in amod.__dict__:
+        raise ValueError(f"{MLA_MODULE} already defines {OP_HOOK}")
     missing = [n for n in FRONT_LOCALS if n not in built[1].__code__.co_varnames]
     if missing:
         raise ValueError(f"MLAAttention.forward has no locals {missing}")
@@ -276,6 +297,7 @@ def apply_front(fp: FrontPatch) -> None:
 
     setattr(fp.wrapper_module, POSITIONS_HOOK, front_positions)
     setattr(fp.attn_module, FRONT_HOOK, decode_front)
+    setattr(fp.attn_module, OP_HOOK, front_scope)
     fp.wrapper_cls.__init__ = __init__
     fp.wrapper_cls.forward = fp.wrapper_forward
     fp.attn_cls.forward = fp.attn_forward
@@ -350,12 +372,13 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
         return None, "hisparse cache (its own write target)"
     if getattr(layer, "calculate_kv_scales", False):
         return None, "kv scales calculated from the rotated q and k_pe"
-    if not getattr(layer, "use_direct_call", False):
-        return None, (
-            "custom-op path (torch.compile: unified_mla_kv_cache_update); the front serves "
-            "vLLM's direct-call path only"
-        )
     config = getattr(layer, "_vllm_config", None)
+    compile_mode = getattr(getattr(config, "compilation_config", None), "mode", None)
+    if compile_mode is not None and getattr(compile_mode, "name", str(compile_mode)) != "NONE":
+        return None, (
+            f"torch.compile (compilation mode {getattr(compile_mode, 'name', compile_mode)}): "
+            "the front's hooks are not traced yet; it serves eager runs (--enforce-eager)"
+        )
     if getattr(config, "speculative_config", None) is not None:
         return None, "speculative decoding (MTP draft and verify steps not validated)"
     if layer.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -394,6 +417,7 @@ class FrontReport:
         self.refused: str | None = None  # why the patch was not installed
         self.summary: str | None = None
         self.first_use = False
+        self.first_mixed = False
 
     def clear(self) -> None:
         self.__init__()
@@ -456,9 +480,42 @@ def front_positions(wrapper, positions, llama_4_scaling):
     # llama_4_scaling multiplies the rotated q: deferring RoPE past it would change rounding.
     if llama_4_scaling is not None or path_switch.path != "fused" or positions.dim() != 1:
         return None
-    if not attn.use_direct_call:  # the custom-op branch never runs the front
+    if torch.compiler.is_compiling():  # a traced graph keeps vLLM's RoPE (not served yet)
         return None
     return positions
+
+
+@contextlib.contextmanager
+def _swapped_slots(layer, q, kv_c_normed, k_pe, positions):
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    name = layer.layer_name
+    attn_metadata, _, kv_cache, slots = get_attention_context(name)
+    rest = decode_front(layer, q, kv_c_normed, k_pe, positions, kv_cache, slots, attn_metadata)
+    if rest is slots:
+        yield
+        return
+    # vLLM's own cache-update op reads the layer's slot mapping from the forward context: for
+    # its call, this layer's entry is the one with the front's rows at -1 (the tensor shared
+    # by other layers is not touched), and the step's entry is put back after.
+    table = get_forward_context().slot_mapping
+    table[name] = rest
+    try:
+        yield
+    finally:
+        table[name] = slots
+
+
+def front_scope(layer, q, kv_c_normed, k_pe, positions):
+    """The patched ``MLAAttention.forward``'s custom-op branch wraps vLLM's
+    ``unified_mla_kv_cache_update`` call in this: with positions handed on, the front (as
+    ``decode_front``) runs first and the op writes the other rows only. Eager calls only (CPU
+    vLLM 0.32 runs this branch, with --enforce-eager): under torch.compile the wrapper keeps
+    vLLM's RoPE and never hands the positions on."""
+    if positions is None:
+        return contextlib.nullcontext()
+    return _swapped_slots(layer, q, kv_c_normed, k_pe, positions)
 
 
 def _rope_rows(rotary, positions, q, k_pe, start: int) -> None:
@@ -516,6 +573,13 @@ def decode_front(layer, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapping,
         front_report.first_use = True
         logger.info(
             "fusedq: first MLA decode front (layer %s, M=%d of %d tokens)",
+            layer.layer_name, n, q.shape[0],
+        )  # fmt: skip
+    if n < q.shape[0] and not front_report.first_mixed:
+        # Proof in the log that a step split its rows between the front and vLLM.
+        front_report.first_mixed = True
+        logger.info(
+            "fusedq: first MLA decode front beside other rows (layer %s, M=%d of %d tokens)",
             layer.layer_name, n, q.shape[0],
         )  # fmt: skip
     rest = slot_mapping.clone()

@@ -47,6 +47,7 @@ def mla():
             delattr(c, mark)
     module.__dict__.pop(patch.HOOK_NAME, None)
     module.__dict__.pop(front_hook.FRONT_HOOK, None)
+    module.__dict__.pop(front_hook.OP_HOOK, None)
     wrapper_module.__dict__.pop(front_hook.POSITIONS_HOOK, None)
     front_hook.front_report.clear()
     releases.installed.clear()

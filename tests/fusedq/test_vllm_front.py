@@ -81,6 +81,11 @@ def test_transforms_move_rope_and_hand_on_the_positions(mla, version):
     front = after.index("layer_slot_mapping = _fusedq_decode_front(")
     write = after.index("do_kv_cache_update(" if version == "0.26" else "self.update_kv_cache(")
     assert front < write
+    # The custom-op branch: vLLM's cache-update op runs inside the front's scope.
+    assert (
+        "        with _fusedq_front_scope(self, q, kv_c_normed, k_pe, fusedq_positions):\n"
+        "            kv_cache_dummy_dep = torch.ops.vllm.unified_mla_kv_cache_update(\n"
+    ) in attn
     for name, text in (("wrapper", wrapper), ("attn", attn)):
         namespace: dict = {}
         exec(compile(text, f"<{version} {name}>", "exec"), mla.__dict__, namespace)
@@ -232,7 +237,18 @@ def planned_layer(rope, **attrs):
     [
         ({}, None),
         ({layer_plan.PLAN_ATTR: None}, "fused MLA query does not serve this layer"),
-        ({"use_direct_call": False}, "custom-op path"),
+        ({"use_direct_call": False}, None),  # eager custom-op branch: CPU vLLM's
+        (
+            {
+                "_vllm_config": types.SimpleNamespace(
+                    speculative_config=None,
+                    compilation_config=types.SimpleNamespace(
+                        mode=types.SimpleNamespace(name="VLLM_COMPILE")
+                    ),
+                )
+            },
+            "torch.compile (compilation mode VLLM_COMPILE)",
+        ),
         ({"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)}, "sparse"),
         ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
         ({"_vllm_config": types.SimpleNamespace(speculative_config=object())}, "MTP draft"),
