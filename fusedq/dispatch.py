@@ -14,7 +14,7 @@ Two things depend on addresses and stay per call: ``out`` must not overlap an in
 extents are computed once, the comparison per call), and the pointers' alignment picks among
 the compiled variants (inside ``BoundLaunch``).
 
-The decode front (``fusedq.front``) keeps its plans in the same cache, through
+The decode front (``fusedq.front_dispatch``) keeps its plans in the same cache, through
 ``cached_plan`` and ``keep_plan``.
 
 The selection depends on process-wide facts besides the signature (Triton importable, the

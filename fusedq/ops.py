@@ -11,7 +11,7 @@ Eager calls of the public API skip the dispatcher and call ``dispatch.call`` dir
 
 import torch
 
-from fusedq import dispatch
+from fusedq import dispatch, front_dispatch
 
 BACKENDS = dispatch.BACKENDS
 
@@ -56,7 +56,8 @@ def _staged_mla_query_fake(q_nope, w_values, w_scales, q_pe, out, q_scale) -> No
     return None
 
 
-# The decode front (``fusedq.front``): the query and the KV cache are both written.
+# The decode front (``fusedq.front``, run through ``front_dispatch.call``): the query and the
+# KV cache are both written.
 
 
 @torch.library.custom_op("fusedq::mla_decode_front", mutates_args=("out", "kv_cache"))
@@ -78,9 +79,7 @@ def mla_decode_front_op(
     backend: str,
 ) -> None:
     """The fused (or, per ``backend``, staged) decode front into ``out`` and ``kv_cache``."""
-    from fusedq import front  # (front imports this module to register the ops)
-
-    front.call(
+    front_dispatch.call(
         q, kv_c, k_pe, positions, cos_sin_cache, w_values, w_scales, kv_cache, slot_mapping,
         is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
         out_dtype=None, q_scale=q_scale, backend=backend, real=True,
@@ -114,9 +113,7 @@ def staged_decode_front_op(
 ) -> None:
     """The staged decode front (RoPE, bmm + cat + quant, the cache write) into ``out`` and
     ``kv_cache``."""
-    from fusedq import front
-
-    front.call(
+    front_dispatch.call(
         q, kv_c, k_pe, positions, cos_sin_cache, w_values, w_scales, kv_cache, slot_mapping,
         is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, out=out,
         out_dtype=None, q_scale=q_scale, backend="staged", real=True,

@@ -5,11 +5,11 @@ before it works; ``fusedq.mla_decode_front`` is one. Per shape, in the same ABBA
 
 - ``staged_front``: (1) RoPE of q_pe (in place, in q's rope slice) and k_pe: vLLM's own
   rotary embedding's ``forward_native`` under ``torch.compile``, the inductor kernel vLLM
-  serves (``fusedq.front.rope`` compiled the same way where vLLM does not import); (2) the
-  staged query in the form the served vLLM runs (``reference.SERVED_FORM``: the bmm alone for
-  BF16 out, bmm + one concat-and-quantise launch for E4M3); (3) the KV-cache write, vLLM's
-  ``concat_and_cache_mla`` CUDA op (torch indexing where it is not built). Each row names
-  what ran (``staged_front_kernel``).
+  serves (``fusedq.front_reference.rope`` compiled the same way where vLLM does not
+  import); (2) the staged query in the form the served vLLM runs (``reference.SERVED_FORM``:
+  the bmm alone for BF16 out, bmm + one concat-and-quantise launch for E4M3); (3) the
+  KV-cache write, vLLM's ``concat_and_cache_mla`` CUDA op (torch indexing where it is not
+  built). Each row names what ran (``staged_front_kernel``).
 - ``fused_front``: ``mla_decode_front(..., backend="triton")``, one launch.
 - ``staged_query`` / ``fused_query``: the query step alone (the served staged form; the
   product's ``mla_query_projection``), so a row shows the front's saving beside the query's;
@@ -152,12 +152,12 @@ def rope_fn(forward, qk_nope: int, *, upcast: bool = False, restore=None) -> Rop
 
 def staged_rope(geometry, device, *, compiled: bool = True, why_not_vllm: str | None = None):
     """(rope step, cos_sin_cache, what it is): vLLM's rotary embedding's ``forward_native``
-    where vLLM imports (and ``why_not_vllm`` is None), else ``fusedq.front.rope``; under
+    where vLLM imports (and ``why_not_vllm`` is None), else ``fusedq.front_reference.rope``; under
     ``torch.compile`` (the inductor kernel vLLM serves) or, ``compiled=False``, eager in fp32
     (the same bits on CPU)."""
     import torch
 
-    from fusedq import front
+    from fusedq import front_reference
 
     rotary, why = (None, why_not_vllm) if why_not_vllm else vllm_rotary(geometry.name, device)
     if rotary is not None:
@@ -172,12 +172,12 @@ def staged_rope(geometry, device, *, compiled: bool = True, why_not_vllm: str | 
         gen = torch.Generator().manual_seed(11)
         angle = torch.rand(MAX_POSITION, QK_ROPE // 2, generator=gen) * 6.3
         cos_sin = torch.cat([angle.cos(), angle.sin()], -1).to(torch.bfloat16).to(device)
-        source, restore = f"fusedq.front.rope; {why}", None
+        source, restore = f"fusedq.front_reference.rope; {why}", None
 
         def forward(positions, q_pe, k_pe):
             return (
-                front.rope(q_pe, positions, cos_sin, IS_NEOX),
-                front.rope(k_pe, positions, cos_sin, IS_NEOX),
+                front_reference.rope(q_pe, positions, cos_sin, IS_NEOX),
+                front_reference.rope(k_pe, positions, cos_sin, IS_NEOX),
             )
 
     if not compiled:
@@ -210,7 +210,7 @@ def vllm_cache_write(device) -> tuple[CacheWrite | None, str | None]:
 
 
 def index_cache_write(kv_c, k_pe, kv_cache, slot_mapping, k_scale) -> None:
-    """``fusedq.front.write_cache`` for slots that are all real: its filter of negative slots
+    """``fusedq.front_reference.write_cache`` for slots that are all real: its filter of negative slots
     indexes by a mask, which waits on the host and cannot be captured in a graph."""
     import torch
 
@@ -238,7 +238,7 @@ def staged_cache_write(device) -> tuple[CacheWrite, str]:
     write, why = vllm_cache_write(device)
     if write is not None:
         return write, "vllm concat_and_cache_mla"
-    return index_cache_write, f"torch index_put (fusedq.front.write_cache's); {why}"
+    return index_cache_write, f"torch index_put (fusedq.front_reference.write_cache's); {why}"
 
 
 # --- one shape's operands and steps -----------------------------------------------------------
@@ -330,12 +330,12 @@ def fused_front_step(fr: Front, backend: str = "triton") -> Callable[[int], obje
 
 def front_config(fr: Front, fmt: str):
     """The fused front's launch config at this shape (``backend="triton"``), or ValueError."""
-    from fusedq import front
+    from fusedq import front_dispatch
     from fusedq_bench.common import RECIPES
 
     lay = fr.lay
     m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
-    config, why = front.choice(
+    config, why = front_dispatch.choice(
         h, m, geometry=lay.geometry, weight_format=RECIPES[fmt][0], out_dtype=lay.out_dtype,
         cache_fp8=False, device=lay.q_nope.device, qualified=False,
     )  # fmt: skip

@@ -3,8 +3,8 @@ compiled variant is known by, the registry that keeps CUDA-graph capture from co
 ``prewarm``, as ``triton_launch`` does for the query kernels.
 
 The query part runs a ``triton_launch.LaunchConfig`` of the tl.dot kernel (the selection's
-choice, ``fusedq.front``); its key is the query kernel's ``KernelKey``, and the front adds
-what its own constexprs and pointer types depend on.
+choice, ``fusedq.front_dispatch``); its key is the query kernel's ``KernelKey``, and the front
+adds what its own constexprs and pointer types depend on.
 """
 
 from __future__ import annotations

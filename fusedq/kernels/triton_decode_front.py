@@ -23,7 +23,8 @@ launches with ``enable_fp_fusion=False`` so that no multiply and add is contract
 FMA: the products are rounded as the staged reference's separate torch ops round them.
 
 An fp8 cache stores ``E4M3(clamp(x / k_scale, ±448))`` of the bf16 value, the correctly
-rounded division, as vLLM's ``concat_and_cache_mla`` (``fusedq.front`` cites its source).
+rounded division, as vLLM's ``concat_and_cache_mla`` (``fusedq.front_reference`` cites its
+source).
 """
 
 from __future__ import annotations

@@ -170,11 +170,11 @@ def test_staged_front_step_is_the_reference(fmt, geometry, compiled):
 
 
 def test_staged_front_without_vllm(monkeypatch):
-    """Where vLLM does not import, the staged RoPE is fusedq.front.rope and the row says so;
-    the step still gives the reference's bits."""
+    """Where vLLM does not import, the staged RoPE is fusedq.front_reference.rope and the row
+    says so; the step still gives the reference's bits."""
     monkeypatch.setattr(front, "vllm_rotary", lambda g, d: (None, "vLLM does not import: x"))
     fr = front.build_front("bf16", H, M, CPU_OPTS, device="cpu", compiled=False)
-    assert fr.rope_name.startswith("fusedq.front.rope")
+    assert fr.rope_name.startswith("fusedq.front_reference.rope")
     assert fr.cache_name.startswith("torch index_put")  # (no CUDA op on CPU)
     q0 = fr.q.clone()
     ref_out, ref_cache = _reference(fr, q0, fr.lay.staged_w[0])

@@ -18,7 +18,7 @@ from fusedq_cases import E4M3, Q_SCALE, assert_matches, poison
 from test_geometry import kv_b_proj_w_uk_t
 
 import fusedq
-from fusedq import front
+from fusedq import front_dispatch, front_reference
 from fusedq.contract import DEEPSEEK_V3, GLM5, KV_LORA, QK_ROPE, QUERY_WIDTH, Geometry
 from fusedq.kernels import front_launch
 from fusedq.kernels.triton_launch import LaunchConfig
@@ -158,7 +158,7 @@ DIRECT = [
 def test_gpu_launch_configs(g, config, h, m, fmt, out_dtype, cache, device):
     case = make_case(g, h, m, fmt=fmt, out_dtype=out_dtype, cache=cache, device=device)
     staged = case.with_fresh_cache()
-    c = front.validate(*case.args, **case.kwargs, out=None, backend="triton")
+    c = front_dispatch.validate(*case.args, **case.kwargs, out=None, backend="triton")
     out = torch.empty(m, h, QUERY_WIDTH, dtype=out_dtype, device=device)
     poison(out)
     front_launch.launch(
@@ -239,7 +239,8 @@ def vllm_rope():
 def test_reference_rope_is_vllms(name, vllm_rope):
     """vLLM's rotary embedding, ``forward_native`` on fp32 copies of the bf16 operands (what
     inductor computes for it under torch.compile), rounded once to bf16, equals
-    ``front.rope`` bit for bit; vLLM's cache is bf16 (the model dtype), as it serves it."""
+    ``front_reference.rope`` bit for bit; vLLM's cache is bf16 (the model dtype), as it
+    serves it."""
     rotary, neox = vllm_rope(name)
     assert rotary.cos_sin_cache.dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(5)
@@ -249,8 +250,10 @@ def test_reference_rope_is_vllms(name, vllm_rope):
     positions = torch.randint(0, rotary.cos_sin_cache.shape[0], (m,), generator=gen)
     q_want, k_want = rotary.forward_native(positions, q_pe.float(), k_pe.float())
     cache = rotary.cos_sin_cache
-    assert torch.equal(_bits(q_want.bfloat16()), _bits(front.rope(q_pe, positions, cache, neox)))
-    got_k = front.rope(k_pe[:, 0], positions, cache, neox)
+    assert torch.equal(
+        _bits(q_want.bfloat16()), _bits(front_reference.rope(q_pe, positions, cache, neox))
+    )
+    got_k = front_reference.rope(k_pe[:, 0], positions, cache, neox)
     assert torch.equal(_bits(k_want.bfloat16().reshape(m, QK_ROPE)), _bits(got_k))
 
 
@@ -277,17 +280,18 @@ def _vllm_cache_op(fp8: bool):
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 def test_reference_cache_write_is_vllms(fp8, device):
-    """``front.write_cache`` and the fused kernel's cache against vLLM's own op, given the
-    rotated k_pe. (The CPU build's op ignores the cache's strides: a dense cache here.)"""
+    """``front_reference.write_cache`` and the fused kernel's cache against vLLM's own op,
+    given the rotated k_pe. (The CPU build's op ignores the cache's strides: a dense cache
+    here.)"""
     op = _vllm_cache_op(fp8)
     case = make_case(DEEPSEEK_V3, 8, 13, cache="fp8" if fp8 else "auto", device=device)
     q, kv_c, k_pe, positions, cos_sin, weight, _, slots = case.args
     dense = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, QUERY_WIDTH, dtype=case.cache.dtype, device=device)
     k_scale = case.kwargs.get("k_scale", torch.ones(1, device=device))
-    rotated = front.rope(k_pe[:, 0], positions, cos_sin, False)
+    rotated = front_reference.rope(k_pe[:, 0], positions, cos_sin, False)
     theirs, ours, fused = dense.clone(), dense.clone(), dense.clone()
     op(kv_c, rotated, theirs, slots, k_scale)
-    front.write_cache(kv_c, rotated, ours.view(E4M3) if fp8 else ours, slots, k_scale)
+    front_reference.write_cache(kv_c, rotated, ours.view(E4M3) if fp8 else ours, slots, k_scale)
     assert torch.equal(_bits(theirs), _bits(ours))
     fusedq.mla_decode_front(
         q, kv_c, k_pe, positions, cos_sin, weight, fused, slots, **case.kwargs, backend="triton"
@@ -302,12 +306,14 @@ def test_fp8_cache_divides_and_saturates():
 
     x = split_values().reshape(1, -1)
     scale = torch.tensor([TIE_SCALE])
-    got = front.quantize_cache_e4m3(x, scale).view(torch.uint8)
+    got = front_reference.quantize_cache_e4m3(x, scale).view(torch.uint8)
     want = (x.float() / TIE_SCALE).to(E4M3).view(torch.uint8)
     assert torch.equal(got, want)
     assert not torch.equal(got, fusedq.reference.quantize_e4m3(x, scale).view(torch.uint8))
     big = torch.tensor([[1e4, -1e4]]).bfloat16()
-    assert front.quantize_cache_e4m3(big, torch.ones(1)).float().tolist() == [[448.0, -448.0]]
+    assert front_reference.quantize_cache_e4m3(big, torch.ones(1)).float().tolist() == [
+        [448.0, -448.0]
+    ]
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from fusedq_cases import E4M3, poison
 from test_front import _bits, make_case
 
 import fusedq
-from fusedq import dispatch, front
+from fusedq import dispatch, front_dispatch
 from fusedq.contract import DEEPSEEK_V3, GLM5, KV_LORA, QUERY_WIDTH
 
 
@@ -22,21 +22,22 @@ def no_plans():
 
 @pytest.fixture
 def counted(monkeypatch):
-    """How often the full checks (front.check) and the kernel's choice (front.choice) ran."""
+    """How often the full checks (front_dispatch.check) and the kernel's choice
+    (front_dispatch.choice) ran."""
     counts = {"check": 0, "choice": 0}
     for name in counts:
-        real = getattr(front, name)
+        real = getattr(front_dispatch, name)
 
         def counting(*args, _real=real, _name=name, **kwargs):
             counts[_name] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(front, name, counting)
+        monkeypatch.setattr(front_dispatch, name, counting)
     return counts
 
 
 def front_plans() -> list:
-    return [p for p in dispatch._plans.values() if isinstance(p, front.FrontPlan)]
+    return [p for p in dispatch._plans.values() if isinstance(p, front_dispatch.FrontPlan)]
 
 
 # --- the custom ops under torch.compile --------------------------------------------------------
@@ -117,7 +118,7 @@ def test_fake_tensors_go_through_the_custom_op():
                   for k, v in case.kwargs.items()}  # fmt: skip
         out = fusedq.mla_decode_front(*args, **kwargs)
     assert out.shape == (2, 8, QUERY_WIDTH) and out.dtype == torch.bfloat16
-    assert any(isinstance(p, front._FrontOpPlan) for p in dispatch._plans.values())
+    assert any(isinstance(p, front_dispatch._FrontOpPlan) for p in dispatch._plans.values())
 
 
 # --- per-signature plans -----------------------------------------------------------------------
