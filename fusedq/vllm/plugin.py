@@ -31,7 +31,7 @@ every worker of a running server.
 
 from __future__ import annotations
 
-from fusedq.vllm import front_hook, releases
+from fusedq.vllm import front_hook, front_patch, releases
 from fusedq.vllm.patch import apply, check_vllm
 from fusedq.vllm.releases import MLA_MODULE
 from fusedq.vllm.report import (
@@ -87,7 +87,7 @@ def register() -> None:
         _front_not_served(f"the fused MLA query is not patched in: {reason}")
         return
     apply(patch)
-    front_hook.install(patch.release)
+    front_patch.install(patch.release)
     from fusedq.vllm import query
 
     query.BACKEND = backend

@@ -50,7 +50,7 @@ class Release:
     # Instance attributes of this release's MLAAttention that the plan reads besides
     # LAYER_ATTRS (checked per layer: the class-level guard cannot see instance state).
     layer_attrs: tuple[str, ...] = ()
-    # The decode front (fusedq.vllm.front_hook): vLLM version read -> sha256 of the dedented
+    # The decode front (fusedq.vllm.front_patch): vLLM version read -> sha256 of the dedented
     # source of MultiHeadLatentAttentionWrapper.forward and of MLAAttention.forward. The whole
     # methods are hashed, not a block: the front moves RoPE from one to the other and skips
     # part of the cache write, so any change in either can break what it relies on.

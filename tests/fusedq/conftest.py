@@ -30,7 +30,16 @@ def mla():
     module = pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
     from vllm.model_executor.layers import mla as wrapper_module
 
-    from fusedq.vllm import backends, front_hook, layer_plan, patch, releases, report, switch
+    from fusedq.vllm import (
+        backends,
+        front_hook,
+        front_patch,
+        layer_plan,
+        patch,
+        releases,
+        report,
+        switch,
+    )
 
     cls = module.MLAAttention
     wrapper = wrapper_module.MultiHeadLatentAttentionWrapper
@@ -42,13 +51,13 @@ def mla():
         setattr(cls, k, v)
     for k, v in saved_wrapper.items():
         setattr(wrapper, k, v)
-    for c, mark in ((cls, patch.PATCH_MARK), (cls, front_hook.PATCH_MARK), (wrapper, front_hook.PATCH_MARK)):  # fmt: skip
+    for c, mark in ((cls, patch.PATCH_MARK), (cls, front_patch.PATCH_MARK), (wrapper, front_patch.PATCH_MARK)):  # fmt: skip
         if mark in c.__dict__:
             delattr(c, mark)
     module.__dict__.pop(patch.HOOK_NAME, None)
-    module.__dict__.pop(front_hook.FRONT_HOOK, None)
-    module.__dict__.pop(front_hook.OP_HOOK, None)
-    wrapper_module.__dict__.pop(front_hook.POSITIONS_HOOK, None)
+    module.__dict__.pop(front_patch.FRONT_HOOK, None)
+    module.__dict__.pop(front_patch.OP_HOOK, None)
+    wrapper_module.__dict__.pop(front_patch.POSITIONS_HOOK, None)
     front_hook.front_report.clear()
     releases.installed.clear()
     switch.first_use.clear()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedq.vllm import front_hook, hook, layer_plan, patch, plugin, releases, report
+from fusedq.vllm import front_hook, front_patch, hook, layer_plan, patch, plugin, releases, report
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WRAPPER_026 = FIXTURES / "vllm-0.26.0-mla-wrapper-forward.py.txt"
@@ -46,12 +46,12 @@ def sources(mla) -> dict[str, str]:
 
 def test_front_guard_accepts_the_installed_vllm_and_touches_nothing(mla):
     before = mla.MLAAttention.forward
-    found = front_hook.check_front(installed_release())
+    found = front_patch.check_front(installed_release())
     assert found.attn_forward.__wrapped__ is before
     assert mla.MLAAttention.forward is before, "check only"
-    assert front_hook.FRONT_HOOK not in mla.__dict__
+    assert front_patch.FRONT_HOOK not in mla.__dict__
     for fn in (found.wrapper_forward, found.attn_forward):
-        assert front_hook.POSITIONS_ARG in fn.__code__.co_varnames
+        assert front_patch.POSITIONS_ARG in fn.__code__.co_varnames
 
 
 @pytest.mark.parametrize("version", ["0.32", "0.26"])
@@ -62,9 +62,9 @@ def test_transforms_move_rope_and_hand_on_the_positions(mla, version):
     else:
         src = sources(mla)
     row = releases.release_for((0, int(version.split(".")[1])))
-    front_hook.guarded("wrapper", src["wrapper"], row.wrapper_forward, row)
-    front_hook.guarded("attn", src["attn"], row.attn_forward, row)
-    wrapper = front_hook.transform_wrapper_forward(src["wrapper"])
+    front_patch.guarded("wrapper", src["wrapper"], row.wrapper_forward, row)
+    front_patch.guarded("attn", src["attn"], row.attn_forward, row)
+    wrapper = front_patch.transform_wrapper_forward(src["wrapper"])
     assert (
         "    fusedq_positions = _fusedq_front_positions(self, positions, llama_4_scaling)\n"
         "    if fusedq_positions is None:\n"
@@ -73,7 +73,7 @@ def test_transforms_move_rope_and_hand_on_the_positions(mla, version):
     ) in wrapper
     call = wrapper[wrapper.index("attn_out = self.mla_attn(") :]
     assert "        fusedq_positions=fusedq_positions,\n    )\n" in call
-    attn = front_hook.transform_attn_forward(src["attn"])
+    attn = front_patch.transform_attn_forward(src["attn"])
     assert "    fusedq_positions: torch.Tensor | None = None,\n) -> torch.Tensor:" in attn
     at = attn.index("layer_slot_mapping = slot_mapping.get(self.layer_name)")
     after = attn[at:]
@@ -95,7 +95,7 @@ def test_guard_rejects_a_changed_method(mla, monkeypatch):
     rows = tuple(dataclasses.replace(r, attn_forward={"x": "0" * 64}) for r in releases.RELEASES)
     monkeypatch.setattr(releases, "RELEASES", rows)
     with pytest.raises(ValueError, match=r"MLAAttention\.forward differs .* decode front"):
-        front_hook.check_front(installed_release())
+        front_patch.check_front(installed_release())
 
 
 @pytest.mark.parametrize(
@@ -117,8 +117,8 @@ def test_guard_rejects_a_changed_method(mla, monkeypatch):
 )
 def test_transform_names_the_missing_expectation(mla, part, edit, match):
     transform = {
-        "wrapper": front_hook.transform_wrapper_forward,
-        "attn": front_hook.transform_attn_forward,
+        "wrapper": front_patch.transform_wrapper_forward,
+        "attn": front_patch.transform_attn_forward,
     }[part]
     source = sources(mla)[part]
     transform(source)
