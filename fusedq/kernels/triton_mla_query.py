@@ -21,6 +21,10 @@ Alignment comes back as ``tl.multiple_of`` hints behind constexpr flags that the
 computes. Which configuration runs a problem is ``fusedq.selection``'s to say.
 """
 
+# long because the tl.dot and register kernels share their jit building blocks (the loads,
+# the MXFP8 dequantisation, the MMA chunks, the E4M3 epilogue) with the decode front's kernel
+# (triton_decode_front), and those blocks belong with the kernels they were cut from.
+
 from __future__ import annotations
 
 import triton
