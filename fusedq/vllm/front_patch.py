@@ -9,16 +9,19 @@ recompiled from its own source and guarded by the sha256 of that source in the
   ``if self.rotary_emb is not None:`` block runs only where ``_fusedq_front_positions``
   returns ``None``; otherwise RoPE is left to the attention layer, and the positions are
   handed to it as ``self.mla_attn(..., fusedq_positions=positions)``;
-- ``MLAAttention.forward``: a ``fusedq_positions`` parameter, and before vLLM's cache write
-  in each of its two branches the front's step: the front for the first ``num_decode_tokens``
-  rows (their query kept on the layer for ``forward_impl``'s query hook, their cache entries
-  written), vLLM's own ``rotary_emb`` in place for the other rows, and a slot mapping in which
-  the decode rows are ``-1`` so vLLM's cache write (which skips negative slots, its padding)
-  writes the other rows only. In the direct-call branch ``_fusedq_decode_front`` returns that
-  slot mapping after ``layer_slot_mapping = slot_mapping.get(...)``; in the custom-op branch
-  the ``torch.ops.vllm.unified_mla_kv_cache_update`` call runs inside
-  ``with _fusedq_front_scope(...)``, which puts that slot mapping in the forward context's
-  entry for the layer for the op's call (the op reads it there) and restores it after.
+- ``MLAAttention.forward``: a ``fusedq_positions`` parameter, and where positions are handed
+  on, the front's step in place of vLLM's RoPE and before or in place of its cache write: the
+  front for the first ``num_decode_tokens`` rows (their query kept on the layer for
+  ``forward_impl``'s query hook, their cache entries written), vLLM's RoPE in place for the
+  other rows (and for every row on the staged path). In the direct-call branch (eager only)
+  ``_fusedq_decode_front`` returns, after ``layer_slot_mapping = slot_mapping.get(...)``, a
+  slot mapping with the rows already written at ``-1`` (vLLM's cache write skips negative
+  slots, its padding). In the custom-op branch (every torch.compile run) the
+  ``torch.ops.vllm.unified_mla_kv_cache_update`` call becomes, where positions are handed on,
+  ``torch.ops.fusedq.vllm_mla_front_update``, which does the same and then vLLM's cache write
+  of the rows left, and whose dummy output orders the attention op after it. ``install`` adds
+  that op to vLLM's splitting ops (``CompilationConfig._attention_ops``, the list vLLM's
+  default ``splitting_ops`` copies) before vLLM builds its config.
 
 The wrapper's ``__init__`` is wrapped to store its rotary embedding on its attention layer.
 """
@@ -34,6 +37,7 @@ import textwrap
 
 from fusedq.vllm import releases
 from fusedq.vllm.front_hook import (
+    FRONT_OP,
     ROTARY_ATTR,
     WRAPPER_ATTR,
     decode_front,
@@ -41,7 +45,6 @@ from fusedq.vllm.front_hook import (
     front_mode,
     front_positions,
     front_report,
-    front_scope,
 )
 from fusedq.vllm.patch import _module_future_flags
 from fusedq.vllm.releases import MLA_MODULE, WRAPPER_MODULE, Release
@@ -49,7 +52,6 @@ from fusedq.vllm.report import logger
 
 POSITIONS_HOOK = "_fusedq_front_positions"  # in the wrapper's module
 FRONT_HOOK = "_fusedq_decode_front"  # in MLAAttention's module (direct-call branch)
-OP_HOOK = "_fusedq_front_scope"  # in MLAAttention's module (custom-op branch)
 POSITIONS_ARG = "fusedq_positions"
 PATCH_MARK = "_fusedq_front_patched"
 
@@ -151,7 +153,14 @@ def transform_attn_forward(source: str) -> str:
     )  # fmt: skip
     if close < 0:
         raise ValueError(f"MLAAttention.forward's {OP_CALL!r} call has no closing ')'")
-    scope = f"{op_ind}with {OP_HOOK}(self, q, kv_c_normed, k_pe, {POSITIONS_ARG}):\n"
+    front_op = FRONT_OP.replace("::", ".")
+    scope = (
+        f"{op_ind}if {POSITIONS_ARG} is not None:\n"
+        f"{op_ind}    kv_cache_dummy_dep = torch.ops.{front_op}(\n"
+        f"{op_ind}        q, kv_c_normed, k_pe, {POSITIONS_ARG}, self.layer_name\n"
+        f"{op_ind}    )\n"
+        f"{op_ind}else:\n"
+    )
     nested = "".join(("    " + ln) if ln.strip() else ln for ln in lines[op : close + 1])
     return (
         "".join(lines[:end]) + param + "".join(lines[end : at + 1]) + call
@@ -246,8 +255,6 @@ def check_front(release: Release) -> FrontPatch:
             filename=f"<fusedq-front {inspect.getsourcefile(original)}>",
         )  # fmt: skip
         built.append(_finish(new, original))
-    if OP_HOOK in amod.__dict__:
-        raise ValueError(f"{MLA_MODULE} already defines {OP_HOOK}")
     missing = [n for n in FRONT_LOCALS if n not in built[1].__code__.co_varnames]
     if missing:
         raise ValueError(f"MLAAttention.forward has no locals {missing}")
@@ -266,7 +273,6 @@ def apply_front(fp: FrontPatch) -> None:
 
     setattr(fp.wrapper_module, POSITIONS_HOOK, front_positions)
     setattr(fp.attn_module, FRONT_HOOK, decode_front)
-    setattr(fp.attn_module, OP_HOOK, front_scope)
     fp.wrapper_cls.__init__ = __init__
     fp.wrapper_cls.forward = fp.wrapper_forward
     fp.attn_cls.forward = fp.attn_forward
@@ -295,6 +301,7 @@ def install(release: Release) -> str | None:
         if front_mode() == "0":
             return None
         fp = check_front(release)
+        add_splitting_op()
     except Exception as exc:
         reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         front_report.refused = reason
@@ -302,3 +309,16 @@ def install(release: Release) -> str | None:
         return reason
     apply_front(fp)
     return None
+
+
+def add_splitting_op() -> None:
+    """Put the front's op among the ops vLLM splits its compiled graph at (the list its
+    default ``splitting_ops`` copies when it builds the config): piecewise CUDA graphs of
+    mixed batches then leave it out and it runs eagerly, reading the step's split."""
+    from vllm.config.compilation import CompilationConfig
+
+    ops = CompilationConfig.__dict__.get("_attention_ops")
+    if not isinstance(ops, list):
+        raise ValueError("vLLM's CompilationConfig has no _attention_ops list")
+    if FRONT_OP not in ops:
+        ops.append(FRONT_OP)

@@ -46,7 +46,11 @@ def mla():
     names = ("__init__", "forward", "forward_impl", "process_weights_after_loading")
     saved = {k: cls.__dict__[k] for k in names}
     saved_wrapper = {k: wrapper.__dict__[k] for k in ("__init__", "forward")}
+    from vllm.config.compilation import CompilationConfig
+
+    splitting = list(CompilationConfig._attention_ops)  # the front's install appends to it
     yield module
+    CompilationConfig._attention_ops[:] = splitting
     for k, v in saved.items():
         setattr(cls, k, v)
     for k, v in saved_wrapper.items():
@@ -56,7 +60,6 @@ def mla():
             delattr(c, mark)
     module.__dict__.pop(patch.HOOK_NAME, None)
     module.__dict__.pop(front_patch.FRONT_HOOK, None)
-    module.__dict__.pop(front_patch.OP_HOOK, None)
     wrapper_module.__dict__.pop(front_patch.POSITIONS_HOOK, None)
     front_hook.front_report.clear()
     releases.installed.clear()

@@ -81,9 +81,13 @@ def test_transforms_move_rope_and_hand_on_the_positions(mla, version):
     front = after.index("layer_slot_mapping = _fusedq_decode_front(")
     write = after.index("do_kv_cache_update(" if version == "0.26" else "self.update_kv_cache(")
     assert front < write
-    # The custom-op branch: vLLM's cache-update op runs inside the front's scope.
+    # The custom-op branch: the front's op in place of vLLM's cache-update op.
     assert (
-        "        with _fusedq_front_scope(self, q, kv_c_normed, k_pe, fusedq_positions):\n"
+        "        if fusedq_positions is not None:\n"
+        "            kv_cache_dummy_dep = torch.ops.fusedq.vllm_mla_front_update(\n"
+        "                q, kv_c_normed, k_pe, fusedq_positions, self.layer_name\n"
+        "            )\n"
+        "        else:\n"
         "            kv_cache_dummy_dep = torch.ops.vllm.unified_mla_kv_cache_update(\n"
     ) in attn
     for name, text in (("wrapper", wrapper), ("attn", attn)):
@@ -202,6 +206,90 @@ def test_decode_front_splits_decode_and_prefill_rows(n, t):
     assert front_hook.QUERY_ATTR not in layer.__dict__, "handed on once"
 
 
+def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32):
+    """The custom-op branch's step on CPU: ``torch.ops.fusedq.vllm_mla_front_update`` with
+    the step's attention context (metadata, layer, cache, slots) as vLLM's forward context
+    would give it, eagerly or inside ``torch.compile(fullgraph=True)``; returns what it wrote
+    beside vLLM's own path for the same inputs."""
+    from vllm.model_executor.layers.attention import attention
+
+    from fusedq.vllm import switch
+
+    gen = torch.Generator().manual_seed(n * 10 + t)
+    rope = rotary()
+    w_uk_t = (torch.randn(H, P, L, generator=gen) / 16).bfloat16()
+    q = torch.randn(t, H, P + R, generator=gen).bfloat16()
+    kv_c = torch.randn(t, L, generator=gen).bfloat16()
+    k_pe = torch.randn(t, 1, R, generator=gen).bfloat16()
+    positions = torch.tensor([7, 300, 41, 2, 1000][:t])
+    slots = torch.tensor([3, 17, 9, 30, 12][:t])
+    cache = torch.zeros(4, 8, L + R, dtype=torch.bfloat16)
+    layer = stand_in(rope, w_uk_t)
+    plan = layer.__dict__[front_hook.FRONT_ATTR]
+    layer.__dict__[front_hook.FRONT_ATTR] = dataclasses.replace(
+        plan, compiled=compiled, max_m=max_m
+    )
+    layer.impl = types.SimpleNamespace(
+        do_kv_cache_update=lambda kv, kp, c, sl, dtype, scale: vllm_cache_write(kv, kp, c, sl)
+    )
+    meta = types.SimpleNamespace(num_decode_tokens=n)
+    context = (meta, layer, cache, slots)
+    monkeypatch.setattr(attention, "get_attention_context", lambda name: context)
+    monkeypatch.setattr(switch.path_switch, "path", path)
+
+    def step(q, kv_c, k_pe, positions):
+        dep = torch.ops.fusedq.vllm_mla_front_update(q, kv_c, k_pe, positions, layer.layer_name)
+        return dep, q * 1, k_pe * 1  # later uses must see the op's in-place RoPE
+
+    run = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+    q_in, k_in = q.clone(), k_pe.clone()
+    dep, q_out, k_out = run(q_in, kv_c, k_in, positions)
+    assert dep.numel() == 0
+    # vLLM's path for every row: its RoPE (Inductor's numerics when compiled), cache write.
+    if compiled:
+        from fusedq import front_reference
+
+        want_q = front_reference.rope(q[..., P:], positions, rope.cos_sin_cache, False)
+        want_k = front_reference.rope(k_pe, positions, rope.cos_sin_cache, False)
+    else:
+        want_q, want_k = rope(positions, q[..., P:].clone(), k_pe.clone())
+    want_cache = torch.zeros_like(cache)
+    vllm_cache_write(kv_c, want_k, want_cache, slots)
+    return {
+        "layer": layer, "q": q, "q_out": q_out, "k_out": k_out, "cache": cache,
+        "want_q": want_q, "want_k": want_k, "want_cache": want_cache, "w": w_uk_t,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
+def test_front_op_runs_the_front_then_vllms_write_of_the_rest(mla, monkeypatch, n, t, compiled):
+    got = op_step(monkeypatch, n=n, t=t, compiled=compiled)
+    # Rows the front did not take: vLLM's RoPE in place, bit for bit, seen by later uses.
+    assert torch.equal(got["q_out"][n:, :, P:], got["want_q"][n:])
+    assert torch.equal(got["k_out"][n:], got["want_k"][n:])
+    assert torch.equal(got["q_out"][:, :, :P], got["q"][:, :, :P])
+    # Every row's cache entry written once: the front's (fp32 RoPE) and vLLM's write.
+    cache, want = got["cache"], got["want_cache"]
+    if compiled or n == 0:
+        assert torch.equal(cache, want)
+    else:
+        torch.testing.assert_close(cache.float(), want.float(), atol=2e-2, rtol=1e-2)
+    query = front_hook.take_query(got["layer"], n)
+    assert (query is None) is (n == 0)
+
+
+@pytest.mark.parametrize("path,max_m", [("staged", 32), ("fused", 2)], ids=["staged", "above-m"])
+def test_front_op_runs_vllms_path_when_staged_or_m_is_above_its_range(
+    mla, monkeypatch, path, max_m
+):
+    got = op_step(monkeypatch, n=3, t=4, compiled=True, path=path, max_m=max_m)
+    assert torch.equal(got["q_out"][:, :, P:], got["want_q"])
+    assert torch.equal(got["k_out"], got["want_k"])
+    assert torch.equal(got["cache"], got["want_cache"])
+    assert front_hook.take_query(got["layer"], 3) is None, "vLLM's query block runs"
+
+
 def test_query_hook_hands_on_the_front_query_first(mla):
     rope = rotary()
     layer = stand_in(rope, torch.zeros(H, P, L, dtype=torch.bfloat16), split=True)
@@ -216,6 +304,25 @@ def test_query_hook_hands_on_the_front_query_first(mla):
 
 
 # --- start-up: what the front refuses, and its lines ------------------------------------------
+
+
+def compiled_config(*, graphs="FULL_AND_PIECEWISE", splitting_ops=None):
+    """A vLLM config's compilation part as the front reads it: ``VLLM_COMPILE`` with vLLM's
+    own CUDA-graph mode enum (its mixed-batch mode decides) and, by default, the splitting
+    ops vLLM copies from its list after the front's install added its op."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    ops = splitting_ops if splitting_ops is not None else [
+        "vllm::unified_mla_attention_with_output", front_hook.FRONT_OP
+    ]  # fmt: skip
+    return types.SimpleNamespace(
+        speculative_config=None,
+        compilation_config=types.SimpleNamespace(
+            mode=types.SimpleNamespace(name="VLLM_COMPILE"),
+            cudagraph_mode=CUDAGraphMode[graphs],
+            splitting_ops=ops,
+        ),
+    )
 
 
 def planned_layer(rope, **attrs):
@@ -238,17 +345,12 @@ def planned_layer(rope, **attrs):
         ({}, None),
         ({layer_plan.PLAN_ATTR: None}, "fused MLA query does not serve this layer"),
         ({"use_direct_call": False}, None),  # eager custom-op branch: CPU vLLM's
+        ({"_vllm_config": compiled_config()}, None),  # vLLM's default splitting ops + ours
         (
-            {
-                "_vllm_config": types.SimpleNamespace(
-                    speculative_config=None,
-                    compilation_config=types.SimpleNamespace(
-                        mode=types.SimpleNamespace(name="VLLM_COMPILE")
-                    ),
-                )
-            },
-            "torch.compile (compilation mode VLLM_COMPILE)",
+            {"_vllm_config": compiled_config(splitting_ops=["vllm::unified_attention"])},
+            "piecewise CUDA graphs without fusedq::vllm_mla_front_update among the splitting",
         ),
+        ({"_vllm_config": compiled_config(graphs="FULL")}, "full CUDA graphs of mixed batches"),
         ({"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)}, "sparse"),
         ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
         ({"_vllm_config": types.SimpleNamespace(speculative_config=object())}, "MTP draft"),
@@ -258,9 +360,11 @@ def planned_layer(rope, **attrs):
 )
 def test_plan_front_refuses_naming_why(monkeypatch, change, reason):
     monkeypatch.setitem(releases.installed, "front", object())
-    plan, why = front_hook.plan_front(planned_layer(rotary(), **change))
+    layer = planned_layer(rotary(), **change)
+    plan, why = front_hook.plan_front(layer)
     if reason is None:
         assert plan is not None and plan.is_neox is False and why == ""
+        assert plan.compiled is (layer._vllm_config is not None) and plan.max_m == 32
     else:
         assert plan is None and reason in why
 
@@ -275,13 +379,26 @@ def test_register_installs_the_front_and_says_which_layers(mla, monkeypatch, cap
     assert wrapper.forward is releases.installed["front"].wrapper_forward
     assert mla.MLAAttention.forward is releases.installed["front"].attn_forward
     assert wrapper_module._fusedq_front_positions is front_hook.front_positions
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    assert front_hook.FRONT_OP in CompilationConfig._attention_ops
+    # A GPU config built after the plugin loaded splits its compiled graph at the front's op.
+    gpu = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    gpu.set_splitting_ops_for_v1("allgather_reducescatter")
+    assert front_hook.FRONT_OP in gpu.splitting_ops
     rope = rotary()
     front_hook.front_report.layers.update({"a": True, "b": False})
     layer = planned_layer(rope)
     layer.__dict__[front_hook.FRONT_ATTR] = None
     fake = types.SimpleNamespace(mla_attn=layer, rotary_emb=rope)
+    assert front_hook.front_positions(fake, torch.arange(3), None) is None
+    layer.__dict__[front_hook.FRONT_ATTR] = front_hook.plan_front(layer)[0]
+    assert front_hook.front_positions(fake, torch.arange(3), None) is not None
+    assert front_hook.front_positions(fake, torch.arange(3), torch.ones(1)) is None
     with caplog.at_level(logging.INFO, logger="vllm.fusedq"):
-        assert front_hook.front_positions(fake, torch.arange(3), None) is None
+        q, k_pe = torch.zeros(2, H, P + R).bfloat16(), torch.zeros(2, 1, R).bfloat16()
+        # No metadata (a profile run): vLLM's RoPE of every row, no cache entry written.
+        assert front_hook.front_rows(layer, q, None, k_pe, torch.arange(2), None, None, None) == 0
     assert "fusedq: MLA decode front enabled for 1 layers: a (1 others keep" in caplog.text
 
 

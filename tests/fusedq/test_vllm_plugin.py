@@ -22,6 +22,7 @@ import pytest
 import torch
 from fusedq_cases import E4M3, Q_SCALE, TOLERANCES, assert_matches, poison, staged_decode_query
 from tiny_vllm import (
+    CPU_ENGINE_ARGS,
     DISABLED,
     E2E_TIMEOUT_S,
     ENABLED,
@@ -926,13 +927,16 @@ def test_set_path_refuses_where_the_plugin_is_not_active(mla, monkeypatch):
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
-    """Plain vLLM (plugin not loaded): the fixed prompt's greedy run, and FRONT_PROMPTS' runs
-    sent together (the decode front's test reads them: a batch of requests of different
-    lengths puts decode and prefill tokens in one step)."""
+    """Plain vLLM (plugin not loaded): the fixed prompt's greedy run."""
     pytest.importorskip("vllm")
     base = tmp_path_factory.mktemp("vllm-plain")
     with vllm_server(base / "plain", {"VLLM_PLUGINS": ""}) as (port, log):
-        return {"plain": (greedy(port), log), "batch": greedy_batch(port, FRONT_PROMPTS)}
+        return {"plain": (greedy(port), log)}
+
+
+# The CPU build's engine arguments without --enforce-eager: vLLM traces the model with
+# torch.compile (Dynamo, then Inductor) as every GPU server does.
+COMPILED_ARGS = tuple(a for a in CPU_ENGINE_ARGS if a != "--enforce-eager")
 
 
 @pytest.fixture(scope="module")
@@ -964,15 +968,22 @@ FRONT_PROMPTS = (
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT_S)
-def test_e2e_decode_front_matches_plain_vllm(plain_run, tmp_path):
-    """FUSEDQ_MLA_QUERY=1 FUSEDQ_MLA_FRONT=1: the front serves both layers of the tiny model
-    (RoPE, query and cache write of the decode tokens in one call; vLLM's RoPE and cache
-    write for the prefill tokens of the same steps), with plain vLLM's greedy tokens."""
+def test_e2e_decode_front_matches_plain_vllm(tmp_path):
+    """FUSEDQ_MLA_QUERY=1 FUSEDQ_MLA_FRONT=1 under torch.compile: the front serves both
+    layers of the tiny model (RoPE, query and cache write of the decode tokens in one call,
+    vLLM's RoPE and cache write for the prefill tokens of the same steps, all in the custom
+    op that replaces the wrapper's traced RoPE), with plain compiled vLLM's greedy tokens (the
+    front rounds RoPE as Inductor does)."""
+    pytest.importorskip("vllm")
+    with vllm_server(tmp_path / "plain", {"VLLM_PLUGINS": ""}, engine_args=COMPILED_ARGS) as (port, _):  # fmt: skip
+        want_single = greedy(port)
+        want_batch = greedy_batch(port, FRONT_PROMPTS)
     env = {"FUSEDQ_MLA_QUERY": "1", "FUSEDQ_MLA_FRONT": "1", "TRITON_INTERPRET": "1"}
-    with vllm_server(tmp_path / "front", env) as (port, log_path):
+    with vllm_server(tmp_path / "front", env, engine_args=COMPILED_ARGS) as (port, log_path):
         single = greedy(port)
         batch = greedy_batch(port, FRONT_PROMPTS)
     log = log_path.read_text(errors="replace")
+    assert text_lines(log, "'mode': <CompilationMode.DYNAMO_TRACE_ONCE"), "a compiled server"
     enabled = text_lines(log, "fusedq: MLA decode front enabled for 2 layers: ")
     assert len(enabled) == 1, text_lines(log, "fusedq")
     assert "model.layers.0.self_attn.attn, model.layers.1.self_attn.attn" in enabled[0]
@@ -980,8 +991,10 @@ def test_e2e_decode_front_matches_plain_vllm(plain_run, tmp_path):
     assert text_lines(log, "fusedq: first MLA decode front beside other rows (layer ")
     assert not text_lines(log, "fusedq: MLA decode front disabled")
     assert not text_lines(log, "fusedq: MLA decode front failed")
-    assert_greedy_agree(single, plain_run["plain"][0])
-    for got, want in zip(batch, plain_run["batch"], strict=True):
+    # Bit for bit on this machine's ISA when written; the suite's near-tie rule keeps the
+    # test to what it proves on CPUs whose Inductor code contracts the products differently.
+    assert_greedy_agree(single, want_single)
+    for got, want in zip(batch, want_batch, strict=True):
         assert_greedy_agree(got, want)
 
 
