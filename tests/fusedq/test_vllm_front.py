@@ -8,6 +8,7 @@ query hand-off, and the start-up refusals. The real server run is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import textwrap
@@ -345,12 +346,20 @@ def planned_layer(rope, **attrs):
         ({}, None),
         ({layer_plan.PLAN_ATTR: None}, "fused MLA query does not serve this layer"),
         ({"use_direct_call": False}, None),  # eager custom-op branch: CPU vLLM's
-        ({"_vllm_config": compiled_config()}, None),  # vLLM's default splitting ops + ours
+        # Configs built at run time: collection must not need vLLM (the GPU record has none).
+        ({"_vllm_config": functools.partial(compiled_config)}, None),  # default splitting ops
         (
-            {"_vllm_config": compiled_config(splitting_ops=["vllm::unified_attention"])},
+            {
+                "_vllm_config": functools.partial(
+                    compiled_config, splitting_ops=["vllm::unified_attention"]
+                )
+            },
             "piecewise CUDA graphs without fusedq::vllm_mla_front_update among the splitting",
         ),
-        ({"_vllm_config": compiled_config(graphs="FULL")}, "full CUDA graphs of mixed batches"),
+        (
+            {"_vllm_config": functools.partial(compiled_config, graphs="FULL")},
+            "full CUDA graphs of mixed batches",
+        ),
         ({"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)}, "sparse"),
         ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
         ({"_vllm_config": types.SimpleNamespace(speculative_config=object())}, "MTP draft"),
@@ -360,6 +369,7 @@ def planned_layer(rope, **attrs):
 )
 def test_plan_front_refuses_naming_why(monkeypatch, change, reason):
     monkeypatch.setitem(releases.installed, "front", object())
+    change = {k: v() if isinstance(v, functools.partial) else v for k, v in change.items()}
     layer = planned_layer(rotary(), **change)
     plan, why = front_hook.plan_front(layer)
     if reason is None:
