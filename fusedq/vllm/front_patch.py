@@ -172,6 +172,10 @@ def compile_method(source: str, transform, name: str, module_globals: dict, *, f
                    first_line: int = 1, flags: int = 0):  # fmt: skip
     """``transform(source)`` compiled in the module's globals; returns the new function."""
     body = "\n" * (first_line - 1) + transform(source)
+    # vLLM's compile cache hashes each traced file's name and text; this one it cannot open
+    # (it warns "Failed to read file"), so the name carries the text's digest: a changed
+    # transform is a new cache key, never a stale graph.
+    filename = f"{filename[:-1]} {_digest(body)[:16]}>" if filename.endswith(">") else filename
     linecache.cache[filename] = (len(body), None, body.splitlines(True), filename)
     code = compile(body, filename, "exec", flags=flags, dont_inherit=True)
     namespace: dict = {}
