@@ -48,13 +48,16 @@ ROTARY_CLASSES = ("RotaryEmbedding", "DeepseekScalingRotaryEmbedding")
 FRONT_OP = "fusedq::vllm_mla_front_update"
 
 
-def front_max_m(num_heads: int) -> int:
-    """The largest decode M the front serves; above it the step runs vLLM's RoPE and cache
-    write and the fused query. Measured (``fusedq-bench --front``, H100, 2026-12-06,
-    ``benchmarks/results/h100.jsonl``): the front beats vLLM's three launches up to M 32 at
-    16 heads (0.70-0.78) but at 32 heads only to M 16 (1.09 at M 32); above 32 heads nothing
-    is measured, so the shorter range holds."""
-    return 32 if num_heads <= 16 else 16
+def front_max_m(num_heads: int, weight_format: str = "bf16") -> int:
+    """The largest decode M the front serves; above it the step runs vLLM's RoPE + cache-write
+    fusion and the fused query. Measured (``fusedq-bench --front``, H100, 2026-12-06, 61f44ea:
+    ``benchmarks/results/raw/h100/2026-12-06-{glm5,deepseek-v3}-front-61f44ea.json``) against
+    that alternative (vLLM's fusion + bmm, less the fused query's saving): BF16 wins to M 16 at
+    8-64 heads and loses at M 32 everywhere (1.28-1.65x vLLM's fusion + bmm); MXFP8 loses from
+    M 16 above 16 heads (and at DeepSeek-V3's 16 heads narrowly) and wins at M 4."""
+    if weight_format != "mxfp8":
+        return 16
+    return 8 if num_heads <= 16 else 4
 
 
 def front_mode() -> str:
@@ -82,7 +85,7 @@ class FrontPlan:
     out_dtype: torch.dtype
     split: bool  # the backend takes the (ql_nope, q_pe) pair of views
     compiled: bool = False  # vLLM traces the model: its RoPE is Inductor's (fp32, one rounding)
-    max_m: int = 32  # front_max_m of the layer's heads
+    max_m: int = 16  # front_max_m of the layer's heads and weight format
 
 
 def plan_front(layer) -> tuple[FrontPlan | None, str]:
@@ -137,7 +140,7 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
         out_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
         split=query_plan.form.split,
         compiled=_name(getattr(compilation, "mode", None)) not in ("", "NONE"),
-        max_m=front_max_m(query_plan.num_heads),
+        max_m=front_max_m(query_plan.num_heads, query_plan.weight_format),
     )
     return plan, ""
 

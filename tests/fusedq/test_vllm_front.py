@@ -294,6 +294,12 @@ def test_front_op_runs_vllms_path_when_staged_or_m_is_above_its_range(
     assert front_hook.take_query(got["layer"], 3) is None, "vLLM's query block runs"
 
 
+def test_front_max_m_follows_the_measured_table():
+    # BF16 to M 16 at every measured head count; MXFP8 shorter, shortest above 16 heads.
+    assert [front_hook.front_max_m(h) for h in (8, 16, 32, 64, 128)] == [16] * 5
+    assert [front_hook.front_max_m(h, "mxfp8") for h in (8, 16, 32, 64)] == [8, 8, 4, 4]
+
+
 def test_query_hook_hands_on_the_front_query_first(mla):
     rope = rotary()
     layer = stand_in(rope, torch.zeros(H, P, L, dtype=torch.bfloat16), split=True)
@@ -377,7 +383,7 @@ def test_plan_front_refuses_naming_why(monkeypatch, change, reason):
     plan, why = front_hook.plan_front(layer)
     if reason is None:
         assert plan is not None and plan.is_neox is False and why == ""
-        assert plan.compiled is (layer._vllm_config is not None) and plan.max_m == 32
+        assert plan.compiled is (layer._vllm_config is not None) and plan.max_m == 16
     else:
         assert plan is None and reason in why
 
