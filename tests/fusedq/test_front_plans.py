@@ -9,7 +9,7 @@ from fusedq_cases import E4M3, poison
 from test_front import _bits, make_case
 
 import fusedq
-from fusedq import dispatch, front_dispatch
+from fusedq import dispatch, front_dispatch, ops  # noqa: F401 (ops registers the custom ops)
 from fusedq.contract import DEEPSEEK_V3, GLM5, KV_LORA, QUERY_WIDTH
 
 
