@@ -169,10 +169,10 @@ def vllm_cache_write(kv_c, k_pe, cache, slots):
     flat[slots[keep], L:] = k_pe.squeeze(1)[keep]
 
 
-@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
-def test_decode_front_splits_decode_and_prefill_rows(n, t):
+def step_inputs(n: int, t: int):
+    """One step of ``t`` tokens (the first ``n`` decoding) at H 8: the rotary embedding,
+    W_UK_T, q, kv_c, k_pe, positions, slots and an empty cache."""
     gen = torch.Generator().manual_seed(n * 10 + t)
-    rope = rotary()
     w_uk_t = (torch.randn(H, P, L, generator=gen) / 16).bfloat16()
     q = torch.randn(t, H, P + R, generator=gen).bfloat16()
     kv_c = torch.randn(t, L, generator=gen).bfloat16()
@@ -180,6 +180,12 @@ def test_decode_front_splits_decode_and_prefill_rows(n, t):
     positions = torch.tensor([7, 300, 41, 2, 1000][:t])
     slots = torch.tensor([3, 17, 9, 30, 12][:t])
     cache = torch.zeros(4, 8, L + R, dtype=torch.bfloat16)
+    return rotary(), w_uk_t, q, kv_c, k_pe, positions, slots, cache
+
+
+@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
+def test_decode_front_splits_decode_and_prefill_rows(n, t):
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t)
     layer = stand_in(rope, w_uk_t)
 
     # vLLM's staged path: RoPE of every row, the cache write of every row, the bmm.
@@ -219,15 +225,7 @@ def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32):
 
     from fusedq.vllm import switch
 
-    gen = torch.Generator().manual_seed(n * 10 + t)
-    rope = rotary()
-    w_uk_t = (torch.randn(H, P, L, generator=gen) / 16).bfloat16()
-    q = torch.randn(t, H, P + R, generator=gen).bfloat16()
-    kv_c = torch.randn(t, L, generator=gen).bfloat16()
-    k_pe = torch.randn(t, 1, R, generator=gen).bfloat16()
-    positions = torch.tensor([7, 300, 41, 2, 1000][:t])
-    slots = torch.tensor([3, 17, 9, 30, 12][:t])
-    cache = torch.zeros(4, 8, L + R, dtype=torch.bfloat16)
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t)
     layer = stand_in(rope, w_uk_t)
     plan = layer.__dict__[front_hook.FRONT_ATTR]
     layer.__dict__[front_hook.FRONT_ATTR] = dataclasses.replace(
