@@ -1,4 +1,5 @@
-"""fusedq: the fused MLA decode query projection for vLLM (BF16 and MXFP8 weights).
+"""fusedq: the fused MLA decode query projection for vLLM (BF16 and MXFP8 weights), and the
+fused decode front (RoPE, the query projection and the KV-cache write in one launch).
 
 The public names load on first use (PEP 562): ``import fusedq.contract`` or
 ``fusedq.provenance`` then costs no torch or Triton, which the orchestrator's planning and
@@ -21,9 +22,12 @@ _EXPORTS = {
     "explain": "fusedq.capability",
     "kernel_choice": "fusedq.selection",
     "kernel_summary": "fusedq.selection",
+    "mla_decode_front": "fusedq.front",
     "mla_query_projection": "fusedq.api",
     "prewarm": "fusedq.api",
+    "prewarm_decode_front": "fusedq.front",
     "quantize_mxfp8": "fusedq.mxfp8",
+    "staged_decode_front": "fusedq.front",
     "staged_mla_query": "fusedq.api",
 }
 
@@ -35,15 +39,19 @@ __all__ = [
     "explain",
     "kernel_choice",
     "kernel_summary",
+    "mla_decode_front",
     "mla_query_projection",
     "prewarm",
+    "prewarm_decode_front",
     "quantize_mxfp8",
+    "staged_decode_front",
     "staged_mla_query",
 ]
 
 if TYPE_CHECKING:
     from fusedq.api import mla_query_projection, prewarm, staged_mla_query
     from fusedq.capability import can_implement, explain
+    from fusedq.front import mla_decode_front, prewarm_decode_front, staged_decode_front
     from fusedq.mxfp8 import MXFP8Weight, dequantize_mxfp8, quantize_mxfp8
     from fusedq.selection import kernel_choice, kernel_summary
 

@@ -107,14 +107,19 @@ def prewarm(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     pdl: bool | None = None,
+    backend: str = "auto",
 ) -> int:
     """Compile every kernel variant that calls with these M values (and this weight, and
-    ``pdl`` as the calls pass it) need.
+    ``pdl`` and ``backend`` as the calls pass them) need.
 
     Run it before capturing CUDA graphs: a fused call whose variant is not compiled raises
     under capture instead of compiling. M values the fused kernel does not serve (they fall
-    back to the staged path) need nothing. Returns how many variants were compiled now.
+    back to the staged path) need nothing. ``backend="triton"`` calls never bind the CuTe
+    kernel, so its variants are not compiled for them. Returns how many variants were
+    compiled now.
     """
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend={backend!r}: prewarm takes 'auto' or 'triton'")
     values, scales = dispatch.split_weight(weight)
     geometry = dispatch.check_weight(values, scales)
     weight_format = "bf16" if scales is None else "mxfp8"
@@ -130,7 +135,7 @@ def prewarm(
             continue
         compiled += triton_launch.prewarm(values, scales, m, out_dtype, chosen.config)
         if (
-            chosen.path == "cute"
+            chosen.path == "cute" and backend == "auto"
         ):  # the Triton variants stay compiled: the eager/misaligned fallback
             from fusedq.kernels import cute_mla_query
 

@@ -14,6 +14,9 @@ Two things depend on addresses and stay per call: ``out`` must not overlap an in
 extents are computed once, the comparison per call), and the pointers' alignment picks among
 the compiled variants (inside ``BoundLaunch``).
 
+The decode front (``fusedq.front_dispatch``) keeps its plans in the same cache, through
+``cached_plan`` and ``keep_plan``.
+
 The selection depends on process-wide facts besides the signature (Triton importable, the
 device's capability, ``TRITON_INTERPRET``, what is installed); they do not change within a
 process, and ``clear_plans`` forgets every plan where a test changes them.
@@ -123,6 +126,30 @@ def check_weight(values: object, scales: object) -> Geometry:
     return geometry
 
 
+def check_weight_for(
+    values: object,
+    scales: object,
+    qk_nope: int,
+    num_heads: int,
+    device: torch.device,
+    anchor: str = "q_nope",
+    anchor_dim: str = "last dim",
+) -> Geometry:
+    """``check_weight``, then that the weight is the query's: its geometry (the ``qk_nope`` the
+    argument named ``anchor`` shows as its ``anchor_dim``), heads and device."""
+    geometry = check_weight(values, scales)
+    if geometry.qk_nope != qk_nope:
+        raise ValueError(
+            f"weight: shape {tuple(values.shape)} is {geometry.name}'s [H, {geometry.qk_nope}, "
+            f"{KV_LORA}], {anchor}'s {anchor_dim} {qk_nope} is {geometry_of(qk_nope).name}'s"
+        )
+    if values.shape[0] != num_heads:
+        raise ValueError(f"weight: {values.shape[0]} heads, {anchor} has {num_heads}")
+    if values.device != device:
+        raise ValueError(f"weight: device {values.device} differs from {anchor}'s {device}")
+    return geometry
+
+
 def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.dtype:
     """``out_dtype``, or when it is ``None`` the dtype of ``out`` (BF16 without ``out``);
     ``ValueError`` naming both dtypes when they disagree or naming the unsupported one."""
@@ -142,7 +169,11 @@ def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None) -
     return out_dtype
 
 
-def _check_q_scale(q_scale: object, out_dtype: torch.dtype, device: torch.device) -> None:
+def check_q_scale(
+    q_scale: object, out_dtype: torch.dtype, device: torch.device, anchor: str = "q_nope"
+) -> None:
+    """``q_scale`` for the output dtype: a one-element fp32 tensor on ``device`` (that of the
+    argument named ``anchor``) for E4M3, None for BF16."""
     if out_dtype == torch.bfloat16:
         if q_scale is not None:
             raise ValueError("q_scale: must be None for bf16 output (it is for E4M3 only)")
@@ -157,16 +188,19 @@ def _check_q_scale(q_scale: object, out_dtype: torch.dtype, device: torch.device
             "one-element torch.float32 tensor"
         )
     if q_scale.device != device:
-        raise ValueError(f"q_scale: device {q_scale.device} differs from q_nope's {device}")
+        raise ValueError(f"q_scale: device {q_scale.device} differs from {anchor}'s {device}")
 
 
-def _check_out(out: object, m: int, num_heads: int, device: torch.device) -> None:
+def check_out(
+    out: object, m: int, num_heads: int, device: torch.device, anchor: str = "q_nope"
+) -> None:
+    """A given ``out``: ``[m, num_heads, 576]`` with a unit last stride on ``device``."""
     if tuple(out.shape) != (m, num_heads, QUERY_WIDTH):
         raise ValueError(f"out: shape {tuple(out.shape)} must be [{m}, {num_heads}, {QUERY_WIDTH}]")
     if out.stride(2) != 1:
         raise ValueError(f"out: last-dim stride {out.stride(2)} must be 1")
     if out.device != device:
-        raise ValueError(f"out: device {out.device} differs from q_nope's {device}")
+        raise ValueError(f"out: device {out.device} differs from {anchor}'s {device}")
 
 
 def validate(
@@ -192,22 +226,13 @@ def validate(
     _check_activation("q_pe", q_pe, QK_ROPE, device)
     if tuple(q_pe.shape[:2]) != (m, num_heads):
         raise ValueError(f"q_pe: shape {tuple(q_pe.shape)} must be [{m}, {num_heads}, {QK_ROPE}]")
-    geometry = check_weight(values, scales)
-    if geometry.qk_nope != qk_nope:
-        raise ValueError(
-            f"weight: shape {tuple(values.shape)} is {geometry.name}'s [H, {geometry.qk_nope}, "
-            f"{KV_LORA}], q_nope's last dim {qk_nope} is {geometry_of(qk_nope).name}'s"
-        )
-    if values.shape[0] != num_heads:
-        raise ValueError(f"weight: {values.shape[0]} heads, q_nope has {num_heads}")
-    if values.device != device:
-        raise ValueError(f"weight: device {values.device} differs from q_nope's {device}")
+    check_weight_for(values, scales, qk_nope, num_heads, device)
     if out is not None and not isinstance(out, torch.Tensor):
         raise ValueError(f"out: {type(out).__name__} is not a tensor")
     out_dtype = resolve_out_dtype(out, out_dtype)
-    _check_q_scale(q_scale, out_dtype, device)
+    check_q_scale(q_scale, out_dtype, device)
     if out is not None:
-        _check_out(out, m, num_heads, device)
+        check_out(out, m, num_heads, device)
     return out_dtype, DEFAULT_PDL if pdl is None else bool(pdl)
 
 
@@ -302,6 +327,35 @@ def _meta(t: torch.Tensor) -> tuple:
     return (type(t), t.dtype, t.shape, t.stride(), t.device)
 
 
+def meta(t: torch.Tensor | None) -> tuple | None:
+    """A tensor argument's part of a signature (None for an absent optional one); raises
+    for what is not a tensor (the full checks then name it)."""
+    return None if t is None else _meta(t)
+
+
+def cached_plan(key: tuple | None) -> tuple[tuple | None, object]:
+    """(``key``, the plan kept under it or None); the key comes back None where it cannot
+    be hashed (an unhashable option, which the full checks then name): nothing to keep."""
+    if key is None:
+        return None, None
+    try:
+        return key, _plans.get(key)
+    except TypeError:
+        return None, None
+
+
+def keep_plan(key: tuple | None, plan):
+    """Keep ``plan`` under ``key`` (as ``cached_plan`` returned it); returns ``plan``. The
+    query's and the decode front's plans share the cache (and ``MAX_PLANS``, and
+    ``clear_plans``: both depend on the same process-wide facts); a front key starts with
+    ``"decode_front"``, a query key with a bool."""
+    if key is not None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 def call(
     q_nope: torch.Tensor,
     values: torch.Tensor,
@@ -333,17 +387,16 @@ def call(
             backend,
             pdl,
         )
-        plan = _plans.get(key)
-    except Exception:  # an argument without tensor metadata, or unhashable: validate names it
-        key, plan = None, None
+    except Exception:  # an argument without tensor metadata: validate names it
+        key = None
+    key, plan = cached_plan(key)
     if plan is None:
-        plan = _new_plan(
-            q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl, real=real
+        plan = keep_plan(
+            key,
+            _new_plan(
+                q_nope, values, scales, q_pe, out, out_dtype, q_scale, backend, pdl, real=real
+            ),
         )
-        if key is not None:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
     if not real and isinstance(plan, Plan) and _profiling():
         # Under torch's profiler the call goes through the custom op, so traces name it
         # (a cpu_op fusedq::mla_query_projection) as they did before the fast path: the trace

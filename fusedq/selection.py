@@ -190,10 +190,12 @@ def launch_config(
     allow_fma: bool = True,
     pdl: bool | None = None,
     geometry: Geometry = GLM5,
+    allow_gluon: bool = True,
 ) -> LaunchConfig:
     """The Triton-family configuration for ``m`` tokens of ``num_heads`` heads of ``geometry``
     (rule 4 of the module docstring, or the interpreter's); ``allow_fma=False`` gives the MMA
-    kernels' choice. ``pdl=None`` is ``DEFAULT_PDL``."""
+    kernels' choice, and with ``allow_gluon=False`` too the tl.dot kernel's (the decode
+    front, which is built on it). ``pdl=None`` is ``DEFAULT_PDL``."""
     pdl = DEFAULT_PDL if pdl is None else pdl
     tables = TABLES[geometry.name]
     fma_m = triton.next_power_of_2(max(m, 1))
@@ -208,7 +210,7 @@ def launch_config(
         block_n, num_warps = fma[num_heads]
         return LaunchConfig(fma_m, block_n, num_warps=num_warps, pdl=pdl, fma=True)
     choice = gluon_choice(weight_format, out_fp8, num_heads, m, geometry)
-    if choice is not None and m <= TABLES_MAX_M and gluon_mla_query.AVAILABLE:
+    if choice is not None and allow_gluon and m <= TABLES_MAX_M and gluon_mla_query.AVAILABLE:
         return LaunchConfig(
             block_m, choice.block_n, num_warps=choice.num_warps, pdl=pdl, gluon=True,
             gluon_operands=choice.operands, e4m3_epilogue="wide" if choice.wide_store else "mul",

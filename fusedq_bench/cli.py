@@ -38,6 +38,11 @@ kernel's own CTA count), ``split_k`` (the read floor's grid joined over K by ato
 ``view`` (the fused kernel's own tiles of the real weight view, no math) and, on sm_90+ with
 Gluon, ``view_tma`` (those tiles read by TMA bulk copies); see FLOOR_SPLIT_K.
 
+``--front`` times the whole decode front per layer instead (``fusedq_bench.front``):
+``staged_front``, vLLM's three launches (its rotary embedding compiled by inductor, the served
+staged query, its ``concat_and_cache_mla``), against ``fused_front``, one
+``mla_decode_front`` launch, with the query alone of each beside them.
+
 ``--eager`` measures something else: host time per call outside graphs (``eager``).
 """
 
@@ -52,7 +57,7 @@ import time
 from collections.abc import Sequence
 
 from fusedq import provenance
-from fusedq_bench import eager
+from fusedq_bench import eager, front
 from fusedq_bench.bars import floor_bars, format_floor_bars
 from fusedq_bench.common import (
     FORMATS,
@@ -134,6 +139,8 @@ def run(opts: Options) -> dict:
 
 
 def _one(fmt: str, h: int, m: int, opts: Options, t0: float) -> list[dict]:
+    if opts.front:
+        return front.run_front(fmt, h, m, opts)
     if opts.sweep:
         new = sweep_shape(fmt, h, m, opts)
         baselines = {r["variant"]: r["us"] for r in new if r["variant"] in ("staged", "bmm")}
@@ -262,6 +269,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         "scheduling fence after the loads flipped (on for the register path, off for Gluon)",
     )
     p.add_argument(
+        "--front",
+        action="store_true",
+        help="time the decode front (RoPE, query, KV-cache write): vLLM's three launches "
+        "against one mla_decode_front launch, and the query alone of each",
+    )
+    p.add_argument(
         "--eager",
         action="store_true",
         help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
@@ -278,9 +291,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--json", default=None, help="write every figure to this path")
     a = p.parse_args(argv)
     if a.eager:
-        clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
+        clash = [f for f in ("chain", "sweep", "floors", "front") if getattr(a, f)]
         if clash:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
+    if a.front:
+        clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
+        if clash:
+            p.error(f"--front times its own set of paths; it does not combine with --{clash[0]}")
     for flag in ("sweep_cute", "sweep_e4m3", "sweep_fence"):
         if getattr(a, flag) and not a.sweep:
             name = "--" + flag.replace("_", "-")
@@ -303,7 +320,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         heads=tuple(heads), ms=tuple(ms), geometry=a.geometry, formats=tuple(a.formats),
         samples=a.samples,
         warmup=a.warmup, l2_mb=a.l2_mb, l2_factor=a.l2_factor, chain=a.chain, sweep=a.sweep,
-        floors=a.floors, eager=a.eager, eager_calls=a.calls, eager_repeats=a.repeats,
+        floors=a.floors, front=a.front, eager=a.eager, eager_calls=a.calls,
+        eager_repeats=a.repeats,
         sweep_block_n=tuple(a.sweep_block_n), sweep_warps=tuple(a.sweep_warps),
         sweep_block_k=tuple(a.sweep_block_k), sweep_pdl=tuple(a.sweep_pdl),
         sweep_block_m=tuple(a.sweep_block_m),
@@ -324,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if opts.eager:
         print(eager.format_table(result["eager"]))
+    elif opts.front:
+        print(front.format_front_table(result["rows"]))
     elif not opts.sweep:
         print(format_table(result["rows"]))
         print(SERVED_NOTE)

@@ -57,6 +57,9 @@ class Options:
     # the loads flipped (LaunchConfig.load_fence), as "<name>_fence" or "<name>_nofence".
     sweep_fence: bool = False
     floors: bool = False
+    # --front: the decode front (RoPE, query, KV-cache write) fused against vLLM's three
+    # launches, and the query alone beside it (the front module).
+    front: bool = False
     # --eager: host time per call outside graphs (the eager module), calls per run, runs per
     # path.
     eager: bool = False

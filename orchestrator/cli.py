@@ -306,6 +306,12 @@ def _print_summary(run_dir: Path) -> None:
 @app.command(short_help="Rebuild the reports of a run directory.")
 def report(
     run_dir: Path = typer.Argument(..., metavar="RUN-DIR", help="A run directory (logs/<run-id>)."),
+    reread_traces: bool = typer.Option(
+        False,
+        "--reread-traces",
+        help="First read every profiled case's traces again with this version's kernel names "
+        "and store their figures in results.jsonl (the trace files must still be there).",
+    ),
 ) -> None:
     """Rebuild report.md, report.json, report.html and junit.xml of a run; print the Markdown."""
     from orchestrator.reports import write_reports
@@ -314,6 +320,13 @@ def report(
     try:
         store = RunStore.read(run_dir)
         _warn_torn(store)
+        if reread_traces:
+            from orchestrator.results.reread import reread_traces as reread
+
+            changed = reread(store)
+            typer.echo(
+                f"orchestrator: re-read the traces: {changed} profiled rows changed", err=True
+            )
         write_reports(store)
     except StoreError as exc:
         raise _fail(str(exc)) from None

@@ -33,7 +33,8 @@ of sources that predate it have none and are GLM-5's.
 ``recipe`` is fusedq-bench's format name: ``bf16`` (bf16 weights, BF16 out), ``mxfp8``,
 ``e4m3`` (bf16 weights, E4M3 out), ``mxfp8-e4m3``. ``kernel`` is what was timed: ``fused``
 (backend="auto"), ``staged`` (vLLM's path), a forced backend, ``--front``'s paths
-(``staged_front``, ``fused_front``, ``staged_query``, ``fused_query``, ``fused_query_dot``),
+(``staged_front``, ``fused_front``, ``staged_query``, ``fused_query``, ``fused_query_dot``,
+``vllm_fused_front``),
 a floor (``read``, ``store``, ``empty``, ``grid``, ``view``, ...), a sweep or A/B variant,
 or a server's variant;
 ``kernel_name`` what ran where the source says (the fused kernel, the read floor's best

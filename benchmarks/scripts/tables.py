@@ -657,11 +657,16 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
     )
 
 
+# What e2e_now's stand-in cell leaves unsaid: the bf16 weights and the fused query.
+NOT_NAMED = ("bf16", "candidate `fused`")
+
+
 def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
     """The primary figure of the newest A/B run of each stand-in (and weight format), head
     count and MTP."""
-    # Keyed by the weight format too: an MXFP8 run is not the bf16 run's successor.
-    newest: dict[tuple[str, str, int, int], tuple[Path, Row]] = {}
+    # Keyed by the weight format and the candidate too: an MXFP8 run is not the bf16 run's
+    # successor, nor a run of another candidate (the decode front) the fused query's.
+    newest: dict[tuple[str, str, str, int, int], tuple[Path, Row]] = {}
     for folder, report in ab_runs_found(root or VALIDATION):
         models = {
             m.get("label"): (m.get("path"), m.get("weight_format") or "bf16", m.get("num_heads"))
@@ -675,16 +680,18 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
             cases = [
                 c for c in report.get("cases") or [] if c["case_id"].startswith(topology + "/")
             ]
-            newest[(path, fmt, heads, _mtp(cases, topology) or 0)] = (folder, res)
+            cand = (res.get("candidate") or {}).get("variant") or "fused"
+            newest[(path, fmt, cand, heads, _mtp(cases, topology) or 0)] = (folder, res)
     lines = [
         [
-            f"`{path}`" + ("" if fmt == "bf16" else f" ({fmt})"),
+            f"`{path}`"
+            + "".join(f" ({x})" for x in (fmt, f"candidate `{cand}`") if x not in NOT_NAMED),
             str(heads),
             str(mtp),
             _ratio(res) + f": {_cell(res['verdict'])}",
             f"{_link(_rel(folder / 'report.md'), doc, folder.name)} ({folder.parent.name})",
         ]
-        for (path, fmt, heads, mtp), (folder, res) in sorted(newest.items())
+        for (path, fmt, cand, heads, mtp), (folder, res) in sorted(newest.items())
     ]
     if not lines:
         raise TableError("no committed A/B run has a primary figure")
@@ -692,8 +699,8 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
         [
             "The primary figure, ctx0 output tok/s fused/staged with its 95 % interval over "
             "paired rounds (at equal synthetic acceptance under MTP), of the newest committed "
-            "A/B run of each stand-in (and weight format), head count and MTP, one switch-mode "
-            "server each; every "
+            "A/B run of each stand-in (and weight format, and candidate where it is not the "
+            "fused query), head count and MTP, one switch-mode server each; every "
             f"run and figure: {_link('docs/standins.md', doc)}, generated from each run's "
             "`report.json`.",
             "",

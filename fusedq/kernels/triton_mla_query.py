@@ -21,6 +21,10 @@ Alignment comes back as ``tl.multiple_of`` hints behind constexpr flags that the
 computes. Which configuration runs a problem is ``fusedq.selection``'s to say.
 """
 
+# long because the tl.dot and register kernels share their jit building blocks (the loads,
+# the MXFP8 dequantisation, the MMA chunks, the E4M3 epilogue) with the decode front's kernel
+# (triton_decode_front), and those blocks belong with the kernels they were cut from.
+
 from __future__ import annotations
 
 import triton
@@ -184,6 +188,107 @@ def _dot(q, w, acc, INTERPRET: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _load_weight_chunks(
+    w_head, ws_head, offs_k, offs_n, k_mask, pid_n, stride_wk, stride_wn, stride_sk, stride_sn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, NUM_K: tl.constexpr,
+    MXFP8: tl.constexpr, W_LAYOUT: tl.constexpr, W_ALIGNED: tl.constexpr,
+):  # fmt: skip
+    # One head's [K, BLOCK_N] weight tile as the tl.dot kernels load it: one masked chunk
+    # (SINGLE) or NUM_K exact BLOCK_K chunks, MXFP8 scales before their values. Chunks and
+    # scales a variant does not use come back as placeholders that are never read.
+    s0 = 0
+    s1 = 0
+    s2 = 0
+    if SINGLE:
+        if MXFP8:
+            s0 = _load_scales(
+                ws_head, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn, BLOCK_N, True
+            )
+        w0 = _load_w(
+            w_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, True
+        )
+        w1 = w0
+        w2 = w0
+    else:
+        if MXFP8:
+            s0 = _load_scales(
+                ws_head, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn, BLOCK_N, False
+            )
+            s1 = _load_scales(
+                ws_head + BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk,
+                stride_sn, BLOCK_N, False,
+            )  # fmt: skip
+            if NUM_K > 2:
+                s2 = _load_scales(
+                    ws_head + 2 * BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk,
+                    stride_sn, BLOCK_N, False,
+                )  # fmt: skip
+        w1_head = w_head + BLOCK_K * stride_wk
+        w2_head = w_head + 2 * BLOCK_K * stride_wk
+        w0 = _load_w(
+            w_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
+        )
+        w1 = _load_w(
+            w1_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
+        )
+        if NUM_K > 2:
+            w2 = _load_w(
+                w2_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
+            )
+        else:
+            w2 = w0
+    return w0, w1, w2, s0, s1, s2
+
+
+@triton.jit
+def _dot_chunks(
+    q0, q1, q2, w0, w1, w2, s0, s1, s2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr, NUM_K: tl.constexpr, MXFP8: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # The fp32 [BLOCK_M, BLOCK_N] accumulator of q @ W over the chunks _load_weight_chunks
+    # loaded (MXFP8 dequantised in registers first, exactly).
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SINGLE:
+        if MXFP8:
+            w0 = _dequant(w0, s0, INTERPRET)
+        acc = _dot(q0, w0, acc, INTERPRET)
+    else:
+        if MXFP8:
+            w0 = _dequant(w0, s0, INTERPRET)
+            w1 = _dequant(w1, s1, INTERPRET)
+            if NUM_K > 2:
+                w2 = _dequant(w2, s2, INTERPRET)
+        acc = _dot(q0, w0, acc, INTERPRET)
+        acc = _dot(q1, w1, acc, INTERPRET)
+        if NUM_K > 2:
+            acc = _dot(q2, w2, acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _store_latent(
+    acc, out_ptr, offs_m, offs_n, m_mask, h, stride_om, stride_oh, q_scale,
+    IO_ALIGNED: tl.constexpr, OUT_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # out[m, h, offs_n] of the 512-wide part: the accumulator rounded to bf16, or for E4M3
+    # out that bf16 value quantised with q_scale's factor (_e4m3_factor).
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
+    o_ptrs = o_ptrs + offs_n[None, :]
+    if IO_ALIGNED:
+        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+    if OUT_FP8:
+        # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
+        y = _to_bf16(acc, INTERPRET).to(tl.float32)
+        if OUT_FP8 == _OUT_E4M3_DIV:
+            # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
+            y = tl.where(m_mask[:, None], y, 1.0)
+        y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
+        tl.store(o_ptrs, y, mask=m_mask[:, None])
+    else:
+        tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
+
+
 @triton.jit(**JIT_OPTIONS)
 def _mla_query_kernel(
     q_ptr,
@@ -250,40 +355,10 @@ def _mla_query_kernel(
         q_rows = tl.multiple_of(q_rows, [16, 16])
     if not USE_PDL:
         q0, q1, q2 = _load_q(q_rows, m_mask, k_mask, BLOCK_K, SINGLE, NUM_K)
-    if SINGLE:
-        if MXFP8:
-            s0 = _load_scales(
-                ws_head, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn, BLOCK_N, True
-            )
-        w0 = _load_w(
-            w_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, True
-        )
-    else:
-        if MXFP8:
-            s0 = _load_scales(
-                ws_head, offs_k, offs_n, k_mask, pid_n, stride_sk, stride_sn, BLOCK_N, False
-            )
-            s1 = _load_scales(
-                ws_head + BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk,
-                stride_sn, BLOCK_N, False,
-            )  # fmt: skip
-            if NUM_K > 2:
-                s2 = _load_scales(
-                    ws_head + 2 * BLOCK_K * stride_sk, offs_k, offs_n, k_mask, pid_n, stride_sk,
-                    stride_sn, BLOCK_N, False,
-                )  # fmt: skip
-        w1_head = w_head + BLOCK_K * stride_wk
-        w2_head = w_head + 2 * BLOCK_K * stride_wk
-        w0 = _load_w(
-            w_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
-        )
-        w1 = _load_w(
-            w1_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
-        )
-        if NUM_K > 2:
-            w2 = _load_w(
-                w2_head, offs_k, offs_n, k_mask, stride_wk, stride_wn, W_LAYOUT, W_ALIGNED, False
-            )
+    w0, w1, w2, s0, s1, s2 = _load_weight_chunks(
+        w_head, ws_head, offs_k, offs_n, k_mask, pid_n, stride_wk, stride_wn, stride_sk,
+        stride_sn, BLOCK_N, BLOCK_K, SINGLE, NUM_K, MXFP8, W_LAYOUT, W_ALIGNED,
+    )  # fmt: skip
     if USE_PDL:
         # Weights depend on no earlier kernel; q, q_pe, q_scale and out may (RAW and WAR).
         gdc_wait()
@@ -310,36 +385,15 @@ def _mla_query_kernel(
             pe = tl.load(pe_ptrs, mask=m_mask[:, None], other=0.0)
         tl.store(pe_out, pe, mask=m_mask[:, None])
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SINGLE:
-        if MXFP8:
-            w0 = _dequant(w0, s0, INTERPRET)
-        acc = _dot(q0, w0, acc, INTERPRET)
-    else:
-        if MXFP8:
-            w0 = _dequant(w0, s0, INTERPRET)
-            w1 = _dequant(w1, s1, INTERPRET)
-            if NUM_K > 2:
-                w2 = _dequant(w2, s2, INTERPRET)
-        acc = _dot(q0, w0, acc, INTERPRET)
-        acc = _dot(q1, w1, acc, INTERPRET)
-        if NUM_K > 2:
-            acc = _dot(q2, w2, acc, INTERPRET)
-
-    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + h * stride_oh
-    o_ptrs = o_ptrs + offs_n[None, :]
-    if IO_ALIGNED:
-        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-    if OUT_FP8:
-        # vLLM's staged path rounds the bmm result to bf16 before quantising: so do we.
-        y = _to_bf16(acc, INTERPRET).to(tl.float32)
-        if OUT_FP8 == _OUT_E4M3_DIV:
-            # Padding rows divide 1, not 0 (div.rn's slow path); they are not stored anyway.
-            y = tl.where(m_mask[:, None], y, 1.0)
-        y = _to_e4m3(y, q_scale, out_ptr.dtype.element_ty, INTERPRET, OUT_FP8)
-        tl.store(o_ptrs, y, mask=m_mask[:, None])
-    else:
-        tl.store(o_ptrs, _to_bf16(acc, INTERPRET), mask=m_mask[:, None])
+    acc = _dot_chunks(
+        q0, q1, q2, w0, w1, w2, s0, s1, s2, BLOCK_M, BLOCK_N, SINGLE, NUM_K, MXFP8, INTERPRET
+    )
+    if not OUT_FP8:
+        q_scale = 0.0  # (no E4M3 epilogue: never read)
+    _store_latent(
+        acc, out_ptr, offs_m, offs_n, m_mask, h, stride_om, stride_oh, q_scale, IO_ALIGNED,
+        OUT_FP8, INTERPRET,
+    )  # fmt: skip
 
 
 @triton.jit

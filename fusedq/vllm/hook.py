@@ -13,6 +13,13 @@ def decode_query_hook(layer, mqa_q_nope, mqa_q_pe, qrep_decode, fp8_attention):
     """Called by the patched forward_impl in place of its query block: the finished query (one
     tensor, or the pair of views into it for a backend that takes only a pair), or ``None``
     to run vLLM's block unchanged."""
+    from fusedq.vllm.front_hook import take_query
+
+    # The decode front already wrote this step's query (and left the decode rows' q_pe
+    # un-rotated, so vLLM's block must not run): hand it on.
+    front = take_query(layer, mqa_q_nope.shape[1])
+    if front is not None:
+        return front
     plan = layer.__dict__.get(PLAN_ATTR)
     if plan is None or qrep_decode:
         return None

@@ -14,6 +14,7 @@ import textwrap
 import torch
 
 from fusedq.vllm import releases
+from fusedq.vllm.front_hook import setup_front
 from fusedq.vllm.hook import decode_query_hook
 from fusedq.vllm.layer_plan import setup_layer, watch_kv_b_proj
 from fusedq.vllm.releases import BEFORE_BLOCK, BLOCK_FIRST, BLOCK_LAST, MLA_MODULE, Release
@@ -223,6 +224,7 @@ def apply(patch: Patch) -> None:
     def process_weights_after_loading(self, act_dtype: torch.dtype):
         result = original(self, act_dtype)
         setup_layer(self)
+        setup_front(self)  # after the query plan: the front serves only where it does
         return result
 
     original_init = patch.init

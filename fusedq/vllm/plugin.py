@@ -31,7 +31,7 @@ every worker of a running server.
 
 from __future__ import annotations
 
-from fusedq.vllm import releases
+from fusedq.vllm import front_hook, front_patch, releases
 from fusedq.vllm.patch import apply, check_vllm
 from fusedq.vllm.releases import MLA_MODULE
 from fusedq.vllm.report import (
@@ -45,6 +45,18 @@ from fusedq.vllm.report import (
 )
 
 
+def _front_not_served(reason: str) -> None:
+    """Where FUSEDQ_MLA_FRONT=1 asks for the front but the query plugin is not active: say
+    why, once per process (the front is off)."""
+    try:
+        wanted = front_hook.front_mode() == "1"
+    except ValueError as exc:
+        logger.warning(front_hook.disabled_line(str(exc)))
+        return
+    if wanted:
+        logger.warning(front_hook.disabled_line(reason))
+
+
 def register() -> None:
     """vLLM's general-plugin entry point (runs in every vLLM process)."""
     try:
@@ -53,6 +65,7 @@ def register() -> None:
         logger.warning(disabled_line(str(exc)))
         return
     if current == "0":
+        _front_not_served(f"{MODE_ENV}=0 (the front hands its query to the query plugin)")
         return
     try:
         backend = hook_backend()
@@ -71,8 +84,10 @@ def register() -> None:
         if current == "1":
             raise FusedqRequiredError(f"{MODE_ENV}=1 but vLLM cannot be patched: {reason}") from exc
         logger.warning(disabled_line(reason))
+        _front_not_served(f"the fused MLA query is not patched in: {reason}")
         return
     apply(patch)
+    front_patch.install(patch.release)
     from fusedq.vllm import query
 
     query.BACKEND = backend

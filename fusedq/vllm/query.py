@@ -196,30 +196,11 @@ def prewarm_values(
 
 
 def prewarm(weight: Weight, ms: Iterable[int], *, out_dtype: torch.dtype) -> int:
-    """Compile what the hook's calls will run at ``ms`` (before CUDA-graph capture); returns
-    how many variants were compiled now.
-
-    ``BACKEND="auto"``: ``fusedq.prewarm``'s set, the CuTe kernel included where picked.
-    ``"triton"`` (the default): the Triton variants alone. The calls never bind CuTe then, and
-    ``fusedq.prewarm`` would still compile its variants wherever the CUTLASS DSL is installed
-    (vLLM 0.26 brings it), seconds of start-up for kernels no step runs."""
-    if BACKEND == "auto":
-        return api.prewarm(weight, ms, out_dtype=out_dtype)
-    from fusedq import dispatch
-    from fusedq.kernels import triton_launch
-
-    values, scales = dispatch.split_weight(weight)
-    geometry = dispatch.check_weight(values, scales)
-    compiled = 0
-    for m in sorted({int(m) for m in ms}):
-        # What backend="triton" binds at a qualified M: the selection's Triton configuration.
-        chosen = selection.select(
-            values.shape[0], m, geometry=geometry, weight_format=weight_format(weight),
-            out_dtype=out_dtype, device=values.device, pdl=triton_launch.DEFAULT_PDL,
-        )  # fmt: skip
-        if chosen.path != "staged":
-            compiled += triton_launch.prewarm(values, scales, m, out_dtype, chosen.config)
-    return compiled
+    """Compile what the hook's calls will run at ``ms`` (before CUDA-graph capture), for the
+    hook's ``BACKEND``: under the default ``"triton"`` not the CuTe kernel's variants, which
+    the calls never bind and which would cost seconds of start-up wherever the CUTLASS DSL is
+    installed (vLLM 0.26 brings it). Returns how many variants were compiled now."""
+    return api.prewarm(weight, ms, out_dtype=out_dtype, backend=BACKEND)
 
 
 def mxfp8_w_uk_t(

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from keyword import iskeyword
 
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+# Where MultiHeadLatentAttentionWrapper lives (it runs RoPE; the decode front moves that).
+WRAPPER_MODULE = "vllm.model_executor.layers.mla"
 # The query-side block of MLAAttention.forward_impl this plugin nests under its fallback:
 # from the first line to the last (inclusive), dedented. Both lines are the same in every
 # release read so far; what sits around the block differs (see RELEASES).
@@ -48,6 +50,12 @@ class Release:
     # Instance attributes of this release's MLAAttention that the plan reads besides
     # LAYER_ATTRS (checked per layer: the class-level guard cannot see instance state).
     layer_attrs: tuple[str, ...] = ()
+    # The decode front (fusedq.vllm.front_patch): vLLM version read -> sha256 of the dedented
+    # source of MultiHeadLatentAttentionWrapper.forward and of MLAAttention.forward. The whole
+    # methods are hashed, not a block: the front moves RoPE from one to the other and skips
+    # part of the cache write, so any change in either can break what it relies on.
+    wrapper_forward: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    attn_forward: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def hook_locals(self) -> tuple[str, ...]:
@@ -71,6 +79,10 @@ RELEASES: tuple[Release, ...] = (
         ),
         hook_args=("mqa_q_nope", "mqa_q_pe", "qrep_decode", "fp8_attention"),
         layer_attrs=("is_amx_bmm_enabled",),
+        wrapper_forward={
+            "0.32.0": "5a50465cfb8f9cae02cad26f1e29599e607a43fa16ef97d73e369c284dd25bef"
+        },
+        attn_forward={"0.32.0": "3286ef1841cd7b702c94b3dfce177b103a37fe39d03281237e62e925baecae0a"},
     ),
     # 0.26 (the newest release built for torch 2.11 + CUDA 13, the H200 image's stack): no AMX
     # branch, the bmm writes an (N, B, L) buffer and transposes it, and DCP concatenates a
@@ -86,6 +98,10 @@ RELEASES: tuple[Release, ...] = (
             "self.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, self)",
         ),
         hook_args=("mqa_q_nope", "mqa_q_pe", "False", "fp8_attention"),
+        wrapper_forward={
+            "0.26.0": "89628187c651bba8dd3d97a14dc35fc133c696d60689c95cf8a2a9ceab7b51f4"
+        },
+        attn_forward={"0.26.0": "bd093dac0d7f6e2aa478d2da11fdd06731fe4fa339ea0bc4c029799681d43fcb"},
     ),
 )
 

@@ -22,9 +22,18 @@ from fusedq import contract
 
 # fusedq's kernels and its op, named in fusedq/contract.py (which imports no torch). Not \b:
 # the CuTe symbol has the name between underscores (kernel_cutlass__mla_query_cute_kernel_...).
+# The decode front (fusedq/front.py): its one kernel (kernels/triton_decode_front.py) and its
+# ops, the kernel API's and the vLLM hook's. Its launch is the layer's query step, RoPE and
+# cache write included: the rule below must count it, or the last GEMM before attention
+# stands in for it.
+FRONT_KERNEL_NAMES = ("_mla_decode_front_kernel",)
+FRONT_OP_NAMES = ("fusedq::mla_decode_front", "fusedq::vllm_mla_front_update")
 FUSED_NAMES = (
-    *(rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])" for n in contract.KERNEL_NAMES),
-    re.escape(contract.OP_NAME),
+    *(
+        rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])"
+        for n in (*contract.KERNEL_NAMES, *FRONT_KERNEL_NAMES)
+    ),
+    *(re.escape(n) for n in (contract.OP_NAME, *FRONT_OP_NAMES)),
 )
 
 # Decode attention: FlashAttention (FA2 flash_fwd*, FA3 FlashAttnFwdSm90 and its combine),

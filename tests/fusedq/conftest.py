@@ -28,18 +28,40 @@ def device() -> torch.device:
 def mla():
     """vLLM's mla_attention module, restored to its unpatched state after the test."""
     module = pytest.importorskip("vllm.model_executor.layers.attention.mla_attention")
-    from fusedq.vllm import backends, layer_plan, patch, releases, report, switch
+    from vllm.model_executor.layers import mla as wrapper_module
+
+    from fusedq.vllm import (
+        backends,
+        front_hook,
+        front_patch,
+        layer_plan,
+        patch,
+        releases,
+        report,
+        switch,
+    )
 
     cls = module.MLAAttention
-    saved = {
-        k: cls.__dict__[k] for k in ("__init__", "forward_impl", "process_weights_after_loading")
-    }
+    wrapper = wrapper_module.MultiHeadLatentAttentionWrapper
+    names = ("__init__", "forward", "forward_impl", "process_weights_after_loading")
+    saved = {k: cls.__dict__[k] for k in names}
+    saved_wrapper = {k: wrapper.__dict__[k] for k in ("__init__", "forward")}
+    from vllm.config.compilation import CompilationConfig
+
+    splitting = list(CompilationConfig._attention_ops)  # the front's install appends to it
     yield module
+    CompilationConfig._attention_ops[:] = splitting
     for k, v in saved.items():
         setattr(cls, k, v)
-    if patch.PATCH_MARK in cls.__dict__:
-        delattr(cls, patch.PATCH_MARK)
+    for k, v in saved_wrapper.items():
+        setattr(wrapper, k, v)
+    for c, mark in ((cls, patch.PATCH_MARK), (cls, front_patch.PATCH_MARK), (wrapper, front_patch.PATCH_MARK)):  # fmt: skip
+        if mark in c.__dict__:
+            delattr(c, mark)
     module.__dict__.pop(patch.HOOK_NAME, None)
+    module.__dict__.pop(front_patch.FRONT_HOOK, None)
+    wrapper_module.__dict__.pop(front_patch.POSITIONS_HOOK, None)
+    front_hook.front_report.clear()
     releases.installed.clear()
     switch.first_use.clear()
     r = report.worker_report

@@ -22,6 +22,7 @@ import pytest
 import torch
 from fusedq_cases import E4M3, Q_SCALE, TOLERANCES, assert_matches, poison, staged_decode_query
 from tiny_vllm import (
+    CPU_ENGINE_ARGS,
     DISABLED,
     E2E_TIMEOUT_S,
     ENABLED,
@@ -30,6 +31,7 @@ from tiny_vllm import (
     PROFILE_STEPS,
     assert_greedy_agree,
     greedy,
+    greedy_batch,
     log_lines,
     profile_decode,
     text_lines,
@@ -924,19 +926,76 @@ def test_set_path_refuses_where_the_plugin_is_not_active(mla, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def plain_run(tmp_path_factory):
+    """Plain vLLM (plugin not loaded): the fixed prompt's greedy run."""
+    pytest.importorskip("vllm")
+    base = tmp_path_factory.mktemp("vllm-plain")
+    with vllm_server(base / "plain", {"VLLM_PLUGINS": ""}) as (port, log):
+        return {"plain": (greedy(port), log)}
+
+
+# The CPU build's engine arguments without --enforce-eager: vLLM traces the model with
+# torch.compile (Dynamo, then Inductor) as every GPU server does.
+COMPILED_ARGS = tuple(a for a in CPU_ENGINE_ARGS if a != "--enforce-eager")
+
+
+@pytest.fixture(scope="module")
+def runs(plain_run, tmp_path_factory):
     """One launch per configuration this module alone reads: plain vLLM (plugin not loaded)
     and FUSEDQ_MLA_QUERY=0, profiled. The plugin in auto mode with the kernel in Triton's
     interpreter is the shared switch server's start-up path (tests/fusedq/conftest.py)."""
     pytest.importorskip("vllm")
     base = tmp_path_factory.mktemp("vllm-e2e")
-    results = {}
-    with vllm_server(base / "plain", {"VLLM_PLUGINS": ""}) as (port, log):
-        results["plain"] = (greedy(port), log)
+    results = {"plain": plain_run["plain"]}
     with vllm_server(base / "off", {"FUSEDQ_MLA_QUERY": "0"}, profile_dir=base / "off" / "profile") as (port, log):  # fmt: skip
         results["off"] = (greedy(port), log)
         profile_decode(port)  # test_e2e_profile_...
     return results
+
+
+# Prompts of different lengths and output lengths, sent at once: later steps hold some
+# requests' decode tokens beside another's prefill (max-num-seqs 4 admits the fifth only when
+# one finishes), so the front's split between decode and prefill rows is exercised.
+FRONT_PROMPTS = (
+    ([5, 17, 99, 123, 7, 300, 42, 8, 1000, 64, 11, 512], 12),
+    ([3, 1400, 22], 4),
+    ([77, 8, 911, 1500, 6, 250, 31], 8),
+    ([640, 2, 19, 1200, 45], 6),
+    ([9, 300, 1024, 18, 700, 52, 88, 3, 460], 6),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(E2E_TIMEOUT_S)
+def test_e2e_decode_front_matches_plain_vllm(tmp_path):
+    """FUSEDQ_MLA_QUERY=1 FUSEDQ_MLA_FRONT=1 under torch.compile: the front serves both
+    layers of the tiny model (RoPE, query and cache write of the decode tokens in one call,
+    vLLM's RoPE and cache write for the prefill tokens of the same steps, all in the custom
+    op that replaces the wrapper's traced RoPE), with plain compiled vLLM's greedy tokens (the
+    front rounds RoPE as Inductor does)."""
+    pytest.importorskip("vllm")
+    with vllm_server(tmp_path / "plain", {"VLLM_PLUGINS": ""}, engine_args=COMPILED_ARGS) as (port, _):  # fmt: skip
+        want_single = greedy(port)
+        want_batch = greedy_batch(port, FRONT_PROMPTS)
+    env = {"FUSEDQ_MLA_QUERY": "1", "FUSEDQ_MLA_FRONT": "1", "TRITON_INTERPRET": "1"}
+    with vllm_server(tmp_path / "front", env, engine_args=COMPILED_ARGS) as (port, log_path):
+        single = greedy(port)
+        batch = greedy_batch(port, FRONT_PROMPTS)
+    log = log_path.read_text(errors="replace")
+    assert text_lines(log, "'mode': <CompilationMode.DYNAMO_TRACE_ONCE"), "a compiled server"
+    enabled = text_lines(log, "fusedq: MLA decode front enabled for 2 layers: ")
+    assert len(enabled) == 1, text_lines(log, "fusedq")
+    assert "model.layers.0.self_attn.attn, model.layers.1.self_attn.attn" in enabled[0]
+    assert text_lines(log, "fusedq: first MLA decode front (layer ")
+    assert text_lines(log, "fusedq: first MLA decode front beside other rows (layer ")
+    assert not text_lines(log, "fusedq: MLA decode front disabled")
+    assert not text_lines(log, "fusedq: MLA decode front failed")
+    # Bit for bit on this machine's ISA when written; the suite's near-tie rule keeps the
+    # test to what it proves on CPUs whose Inductor code contracts the products differently.
+    assert_greedy_agree(single, want_single)
+    for got, want in zip(batch, want_batch, strict=True):
+        assert_greedy_agree(got, want)
 
 
 @pytest.mark.slow

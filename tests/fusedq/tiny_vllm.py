@@ -91,7 +91,7 @@ def vllm_server(
     full_env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("TRITON_INTERPRET", "FUSEDQ_MLA_QUERY", "VLLM_PLUGINS")
+        if k not in ("TRITON_INTERPRET", "FUSEDQ_MLA_QUERY", "FUSEDQ_MLA_FRONT", "VLLM_PLUGINS")
     }
     # vLLM binds ZeroMQ IPC sockets under TMPDIR and a socket path holds at most 107 bytes;
     # pytest's tmp_path is deeper than that, so the server gets a short private temp dir.
@@ -176,6 +176,32 @@ def greedy(port: int) -> tuple[list[int], list[float]]:
     lp = reply.json()["choices"][0]["logprobs"]
     ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
     return ids, lp["token_logprobs"]
+
+
+def greedy_batch(
+    port: int, prompts: Sequence[tuple[list[int], int]]
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and logprobs of each ``(prompt, max_tokens)``, all requests sent at
+    once (one thread each), so the server batches them and steps mix decode and prefill."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def one(case: tuple[list[int], int]) -> tuple[list[int], list[float]]:
+        prompt, max_tokens = case
+        body = {
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
+        }  # fmt: skip
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=900)
+        reply.raise_for_status()
+        lp = reply.json()["choices"][0]["logprobs"]
+        return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
 
 
 # Decode steps the staged and fused servers are profiled for (interpreted fused query: ~1 s

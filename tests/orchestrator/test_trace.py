@@ -47,6 +47,9 @@ LAYER = [
 UK_NAME = "nvjet_sm90_tss_64x8_64x16_4x1_v_bz_TNN"
 CAT_NAME = "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>"
 FUSED_NAME = "_mla_query_kernel"
+FRONT_NAME = "_mla_decode_front_kernel"
+# The layer's RoPE and KV-cache write, which the decode front's one launch takes over.
+ABSORBED = ("rotary_embedding", "concat_and_cache")
 
 
 def decode_trace(
@@ -58,8 +61,10 @@ def decode_trace(
     graphs: bool = True,
     rank: int = 0,
     slow: float = 0.0,
+    front: bool = False,
 ) -> Path:
-    """A decode trace: `steps` steps of `layers` layers. Graph mode: each step is one
+    """A decode trace: `steps` steps of `layers` layers (`front`: the fused query step is the
+    decode front's kernel, and the layer's RoPE and KV-cache write kernels are gone). Graph mode: each step is one
     cudaGraphLaunch (its kernels share that call's correlation) beside 3 stream waits and 2
     event records; eager mode: each kernel launched by cudaLaunchKernel inside its CPU op.
     `slow` lengthens every kernel (a slower rank)."""
@@ -85,13 +90,17 @@ def decode_trace(
                 x("cuda_runtime", "cudaEventRecord", cpu_t + 11 + i, 0.5, pid=1, tid=1)
         for _ in range(layers):
             for name, dur, op in LAYER:
+                if front and any(a in name for a in ABSORBED):
+                    continue
                 if name == "W_UK_T":
-                    if fused:
+                    if front:
+                        name, dur, op = FRONT_NAME, FUSED, "fusedq::vllm_mla_front_update"
+                    elif fused:
                         name, dur, op = FUSED_NAME, FUSED, "fusedq::mla_query_projection"
                     else:
                         name = UK_NAME
                 elif name == "QUERY_TAIL":
-                    if fused:
+                    if fused or front:
                         continue
                     name = CAT_NAME
                 if not graphs:
@@ -276,11 +285,13 @@ def test_truncated_gzip_trace(tmp_path):
 # --------------------------------------------------------------------------- the paired table
 
 
-def _profile(tmp_path: Path, name: str, *, fused: bool, ranks: int, layers: int = 3):
+def _profile(
+    tmp_path: Path, name: str, *, fused: bool, ranks: int, layers: int = 3, front: bool = False
+):
     d = tmp_path / name
     d.mkdir()
     traces = [
-        read_trace(decode_trace(d, layers=layers, fused=fused, rank=r, slow=0.1 * r))
+        read_trace(decode_trace(d, layers=layers, fused=fused, rank=r, slow=0.1 * r, front=front))
         for r in range(ranks)
     ]
     return ProfileResult(decode_steps=4, layers=layers, traces=traces)
@@ -317,6 +328,47 @@ def test_paired_table_identity_and_sync(tmp_path):
     # One kernel replaced by one (the bmm alone against the fused kernel): 0 expected.
     same = ProfilePair("t", "a", "b", pair.base, pair.base)
     assert "0 expected, the identity holds" in same.identity()
+
+
+def test_the_decode_front_is_the_query_step_and_takes_rope_and_the_cache_write(tmp_path):
+    """The front's one kernel per layer is counted as the query step (not the last GEMM before
+    attention), and the identity expects the RoPE and cache-write launches gone as well."""
+    assert DEFAULT_RULE.classify(FRONT_NAME) == "fused"
+    assert DEFAULT_RULE.classify("fusedq::vllm_mla_front_update") == "fused"
+    pair = ProfilePair(
+        "m/tp1-dcp1-mtp0",
+        "staged",
+        "front",
+        _profile(tmp_path, "s", fused=False, ranks=1),
+        _profile(tmp_path, "f", fused=False, front=True, ranks=1),
+    )
+    front = pair.cand.traces[0].query
+    assert front.path == "fused" and front.names == {FRONT_NAME: 12}
+    assert front.per_layer_us == pytest.approx(FUSED)
+    assert pair.identity() == (
+        "Removed events: 36.0 per rank (mean over ranks); the query step's own 24 -> 12, 1 a "
+        "layer and step over layers x steps = 3 x 4 = 12; the decode front also takes the RoPE "
+        "and KV-cache writes, 24 -> 0: 36 expected, the identity holds."
+    )
+
+
+def test_the_front_kernel_name_is_the_real_one():
+    from orchestrator.analysis.kernel_names import FRONT_KERNEL_NAMES, FRONT_OP_NAMES
+
+    source = Path(__file__).parents[2] / "fusedq" / "kernels" / "triton_decode_front.py"
+    assert re.findall(r"^def (_mla_decode_front_kernel)\(", source.read_text(), re.M) == list(
+        FRONT_KERNEL_NAMES
+    )
+    pytest.importorskip("vllm")
+    import importlib
+
+    import torch
+
+    for module in ("fusedq.ops", "fusedq.vllm.front_hook"):  # importing registers the ops
+        importlib.import_module(module)
+    for op in FRONT_OP_NAMES:
+        ns, name = op.split("::")
+        assert hasattr(getattr(torch.ops, ns), name), op
 
 
 def test_spread_text():
@@ -370,6 +422,45 @@ def test_reports_show_the_paired_profile(tmp_path):
     # Read back from results.jsonl: the typed rows keep every rank's figures.
     again = Run.load(store).ordered[1].profile
     assert again is not None and again.traces[1].query.path == "fused"
+
+
+def test_report_rereads_the_traces_a_run_kept(tmp_path):
+    """`report --reread-traces`: a row stored by a version that did not know the front's
+    kernel (its query step the last GEMM before attention) gets figures read anew from the
+    trace its case directory kept; the other rows' lines stay byte for byte. A trace that is
+    gone is named, and results.jsonl is left as it was."""
+    m = parse_matrix(MATRIX, "p.yaml")
+    cases = expand(m)
+    store = RunStore.create(tmp_path, "run")
+    store.write_manifest(
+        {"run_id": "run", "matrix_path": "p.yaml", "matrix": m.model_dump(mode="json"),
+         "cases": [c.to_dict() for c in cases]}
+    )  # fmt: skip
+    staged, front = cases
+    store.append_result(CaseResult.model_validate({**staged.to_dict(), "status": "passed"}))
+    case_dir = store.case_dir("front-case")
+    trace = decode_trace(case_dir, front=True)
+    old = read_trace(trace)
+    # What the run stored before the front's name was known: a GEMM as its query step.
+    stale = old.model_copy(
+        update={"file": trace.name, "query": old.query.model_copy(update={"names": {"x": 1}})}
+    )
+    row = {**front.to_dict(), "case_id": "front-case", "status": "passed",
+           "profile": {"decode_steps": 4, "layers": 3, "traces": [stale.model_dump(mode="json")]}}  # fmt: skip
+    store.append_result(CaseResult.model_validate(row))
+    before = store.results_path.read_text().splitlines()
+    done = run_cli("report", "--reread-traces", str(store.root), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "re-read the traces: 1 profiled rows changed" in done.stderr
+    after = store.results_path.read_text().splitlines()
+    assert after[0] == before[0] and after[1] != before[1]
+    fresh = json.loads(after[1])["profile"]["traces"][0]
+    assert fresh["query"]["names"] == {FRONT_NAME: 12} and fresh["file"] == trace.name
+    trace.unlink()
+    text = store.results_path.read_bytes()
+    gone = run_cli("report", "--reread-traces", str(store.root), timeout=120)
+    assert gone.returncode != 0 and f"trace {trace.name} is not in" in gone.stderr
+    assert store.results_path.read_bytes() == text
 
 
 def test_matrix_profile_key():

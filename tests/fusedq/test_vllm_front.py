@@ -1,0 +1,428 @@
+"""The decode front's vLLM hook (``FUSEDQ_MLA_FRONT=1``): the source transforms and their
+guards against vLLM 0.32 (installed) and 0.26 (the wheel's text, tests/fusedq/fixtures), the
+per-step split between decode and prefill rows on CPU with vLLM's own rotary embedding, the
+query hand-off, and the start-up refusals. The real server run is
+``test_vllm_plugin.py::test_e2e_decode_front_matches_plain_vllm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import re
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedq.vllm import front_hook, front_patch, hook, layer_plan, patch, plugin, releases, report
+
+FIXTURES = Path(__file__).parent / "fixtures"
+WRAPPER_026 = FIXTURES / "vllm-0.26.0-mla-wrapper-forward.py.txt"
+ATTN_026 = FIXTURES / "vllm-0.26.0-mla_attention-forward.py.txt"
+H, P, R, L = 8, 192, 64, 512
+
+
+def installed_release():
+    row = releases.release_for(patch._vllm_version()[1])
+    assert row is not None, "these tests run against a supported vLLM"
+    return row
+
+
+def sources(mla) -> dict[str, str]:
+    from vllm.model_executor.layers import mla as wrapper_module
+
+    wrapper = wrapper_module.MultiHeadLatentAttentionWrapper.forward
+    return {
+        "wrapper": textwrap.dedent(inspect.getsource(wrapper)),
+        "attn": textwrap.dedent(inspect.getsource(mla.MLAAttention.forward)),
+    }
+
+
+# --- the transforms and the guard -------------------------------------------------------------
+
+
+def test_front_guard_accepts_the_installed_vllm_and_touches_nothing(mla):
+    before = mla.MLAAttention.forward
+    found = front_patch.check_front(installed_release())
+    assert found.attn_forward.__wrapped__ is before
+    assert mla.MLAAttention.forward is before, "check only"
+    assert front_patch.FRONT_HOOK not in mla.__dict__
+    for fn in (found.wrapper_forward, found.attn_forward):
+        assert front_patch.POSITIONS_ARG in fn.__code__.co_varnames
+        # vLLM's compile cache hashes the name of a file it cannot read: the text's digest.
+        assert re.fullmatch(r"<fusedq-front \S+\.py [0-9a-f]{16}>", fn.__code__.co_filename)
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.26"])
+def test_transforms_move_rope_and_hand_on_the_positions(mla, version):
+    if version == "0.26":
+        src = {"wrapper": WRAPPER_026.read_text(), "attn": ATTN_026.read_text()}
+        src = {k: textwrap.dedent(v) for k, v in src.items()}
+    else:
+        src = sources(mla)
+    row = releases.release_for((0, int(version.split(".")[1])))
+    front_patch.guarded("wrapper", src["wrapper"], row.wrapper_forward, row)
+    front_patch.guarded("attn", src["attn"], row.attn_forward, row)
+    wrapper = front_patch.transform_wrapper_forward(src["wrapper"])
+    assert (
+        "    fusedq_positions = _fusedq_front_positions(self, positions, llama_4_scaling)\n"
+        "    if fusedq_positions is None:\n"
+        "        if self.rotary_emb is not None:\n"
+        "            q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(\n"
+    ) in wrapper
+    call = wrapper[wrapper.index("attn_out = self.mla_attn(") :]
+    assert "        fusedq_positions=fusedq_positions,\n    )\n" in call
+    attn = front_patch.transform_attn_forward(src["attn"])
+    assert "    fusedq_positions: torch.Tensor | None = None,\n) -> torch.Tensor:" in attn
+    at = attn.index("layer_slot_mapping = slot_mapping.get(self.layer_name)")
+    after = attn[at:]
+    # The front runs before vLLM's cache write reads the slot mapping it returns.
+    front = after.index("layer_slot_mapping = _fusedq_decode_front(")
+    write = after.index("do_kv_cache_update(" if version == "0.26" else "self.update_kv_cache(")
+    assert front < write
+    # The custom-op branch: the front's op in place of vLLM's cache-update op.
+    assert (
+        "        if fusedq_positions is not None:\n"
+        "            kv_cache_dummy_dep = torch.ops.fusedq.vllm_mla_front_update(\n"
+        "                q, kv_c_normed, k_pe, fusedq_positions, self.layer_name\n"
+        "            )\n"
+        "        else:\n"
+        "            kv_cache_dummy_dep = torch.ops.vllm.unified_mla_kv_cache_update(\n"
+    ) in attn
+    for name, text in (("wrapper", wrapper), ("attn", attn)):
+        namespace: dict = {}
+        exec(compile(text, f"<{version} {name}>", "exec"), mla.__dict__, namespace)
+
+
+def test_guard_rejects_a_changed_method(mla, monkeypatch):
+    rows = tuple(dataclasses.replace(r, attn_forward={"x": "0" * 64}) for r in releases.RELEASES)
+    monkeypatch.setattr(releases, "RELEASES", rows)
+    with pytest.raises(ValueError, match=r"MLAAttention\.forward differs .* decode front"):
+        front_patch.check_front(installed_release())
+
+
+@pytest.mark.parametrize(
+    "part,edit,match",
+    [
+        ("wrapper", lambda s: s.replace("if self.rotary_emb is not None:", "if True:"), "0 lines"),
+        ("wrapper", lambda s: s.replace("self.rotary_emb(", "rope("), "does not call"),
+        ("wrapper", lambda s: s.replace("attn_out = self.mla_attn(", "x = f("), "0 lines"),
+        ("attn", lambda s: s.replace("layer_slot_mapping = slot_mapping.get", "s = g"), "0 lines"),
+        (
+            "attn",
+            lambda s: s.replace(
+                "    q_dcp_replicated: torch.Tensor | None = None,\n",
+                "    q_dcp_replicated: torch.Tensor | None = None\n",
+            ),
+            "signature",
+        ),
+    ],
+)
+def test_transform_names_the_missing_expectation(mla, part, edit, match):
+    transform = {
+        "wrapper": front_patch.transform_wrapper_forward,
+        "attn": front_patch.transform_attn_forward,
+    }[part]
+    source = sources(mla)[part]
+    transform(source)
+    with pytest.raises(ValueError, match=match):
+        transform(edit(source))
+
+
+# --- the step: decode rows to the front, prefill rows to vLLM ---------------------------------
+
+
+def rotary():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    # The tiny model's (and DeepSeek-V3's) style: GPT-J pairs, bf16 cache; a default config
+    # picks the forward vLLM's CPU build runs.
+    with set_current_vllm_config(VllmConfig()):
+        return RotaryEmbedding(R, R, 4096, 10000.0, False, torch.bfloat16)
+
+
+def stand_in(rope, w_uk_t, *, split=False):
+    layer = types.SimpleNamespace(
+        layer_name="model.layers.0.self_attn.attn",
+        kv_cache_dtype="auto",
+        _k_scale=torch.ones(1),
+        _q_scale=torch.ones(1),
+    )
+    layer.__dict__[front_hook.FRONT_ATTR] = front_hook.FrontPlan(
+        rotary=rope, is_neox=False, weight=w_uk_t, out_dtype=torch.bfloat16, split=split
+    )
+    layer.__dict__[front_hook.ROTARY_ATTR] = rope
+    return layer
+
+
+def vllm_cache_write(kv_c, k_pe, cache, slots):
+    """vLLM 0.32 CPU_MLA's do_kv_cache_update: negative slots write nothing."""
+    flat = cache.view(-1, L + R)
+    keep = slots >= 0
+    flat[slots[keep], :L] = kv_c[keep]
+    flat[slots[keep], L:] = k_pe.squeeze(1)[keep]
+
+
+def step_inputs(n: int, t: int):
+    """One step of ``t`` tokens (the first ``n`` decoding) at H 8: the rotary embedding,
+    W_UK_T, q, kv_c, k_pe, positions, slots and an empty cache."""
+    gen = torch.Generator().manual_seed(n * 10 + t)
+    w_uk_t = (torch.randn(H, P, L, generator=gen) / 16).bfloat16()
+    q = torch.randn(t, H, P + R, generator=gen).bfloat16()
+    kv_c = torch.randn(t, L, generator=gen).bfloat16()
+    k_pe = torch.randn(t, 1, R, generator=gen).bfloat16()
+    positions = torch.tensor([7, 300, 41, 2, 1000][:t])
+    slots = torch.tensor([3, 17, 9, 30, 12][:t])
+    cache = torch.zeros(4, 8, L + R, dtype=torch.bfloat16)
+    return rotary(), w_uk_t, q, kv_c, k_pe, positions, slots, cache
+
+
+@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
+def test_decode_front_splits_decode_and_prefill_rows(n, t):
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t)
+    layer = stand_in(rope, w_uk_t)
+
+    # vLLM's staged path: RoPE of every row, the cache write of every row, the bmm.
+    want_q, want_k = rope(positions, q[..., P:].clone(), k_pe.clone())
+    want_cache = cache.clone()
+    vllm_cache_write(kv_c, want_k, want_cache, slots)
+    want_query = torch.cat([torch.bmm(q[:, :, :P].transpose(0, 1), w_uk_t).transpose(0, 1),
+                            want_q], dim=-1)  # fmt: skip
+
+    meta = types.SimpleNamespace(num_decode_tokens=n)
+    q_in, k_in, slots_in = q.clone(), k_pe.clone(), slots.clone()
+    rest = front_hook.decode_front(layer, q_in, kv_c, k_in, positions, cache, slots_in, meta)
+    assert torch.equal(slots_in, slots), "the step's shared slot mapping is left as it was"
+    assert rest[:n].eq(-1).all() and torch.equal(rest[n:], slots[n:])
+    vllm_cache_write(kv_c, k_in, cache, rest)
+    # Prefill rows: vLLM's own RoPE, bit for bit, and vLLM's cache write.
+    assert torch.equal(q_in[n:, :, P:], want_q[n:]) and torch.equal(k_in[n:], want_k[n:])
+    assert torch.equal(q_in[:, :, :P], q[:, :, :P])
+    # Decode rows: the front's RoPE is fp32, rounded once (Inductor's numerics); vLLM's CPU
+    # rotary may round differently by an ulp.
+    torch.testing.assert_close(cache.float(), want_cache.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(cache.view(-1, L + R)[slots, :L], kv_c)
+    query = front_hook.take_query(layer, n)
+    if n == 0:
+        assert query is None
+        return
+    torch.testing.assert_close(query.float(), want_query[:n].float(), atol=6e-2, rtol=2e-2)
+    assert front_hook.QUERY_ATTR not in layer.__dict__, "handed on once"
+
+
+def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32):
+    """The custom-op branch's step on CPU: ``torch.ops.fusedq.vllm_mla_front_update`` with
+    the step's attention context (metadata, layer, cache, slots) as vLLM's forward context
+    would give it, eagerly or inside ``torch.compile(fullgraph=True)``; returns what it wrote
+    beside vLLM's own path for the same inputs."""
+    from vllm.model_executor.layers.attention import attention
+
+    from fusedq.vllm import switch
+
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t)
+    layer = stand_in(rope, w_uk_t)
+    plan = layer.__dict__[front_hook.FRONT_ATTR]
+    layer.__dict__[front_hook.FRONT_ATTR] = dataclasses.replace(
+        plan, compiled=compiled, max_m=max_m
+    )
+    layer.impl = types.SimpleNamespace(
+        do_kv_cache_update=lambda kv, kp, c, sl, dtype, scale: vllm_cache_write(kv, kp, c, sl)
+    )
+    meta = types.SimpleNamespace(num_decode_tokens=n)
+    context = (meta, layer, cache, slots)
+    monkeypatch.setattr(attention, "get_attention_context", lambda name: context)
+    monkeypatch.setattr(switch.path_switch, "path", path)
+
+    def step(q, kv_c, k_pe, positions):
+        dep = torch.ops.fusedq.vllm_mla_front_update(q, kv_c, k_pe, positions, layer.layer_name)
+        return dep, q * 1, k_pe * 1  # later uses must see the op's in-place RoPE
+
+    run = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+    q_in, k_in = q.clone(), k_pe.clone()
+    dep, q_out, k_out = run(q_in, kv_c, k_in, positions)
+    assert dep.numel() == 0
+    # vLLM's path for every row: its RoPE (Inductor's numerics when compiled), cache write.
+    if compiled:
+        from fusedq import front_reference
+
+        want_q = front_reference.rope(q[..., P:], positions, rope.cos_sin_cache, False)
+        want_k = front_reference.rope(k_pe, positions, rope.cos_sin_cache, False)
+    else:
+        want_q, want_k = rope(positions, q[..., P:].clone(), k_pe.clone())
+    want_cache = torch.zeros_like(cache)
+    vllm_cache_write(kv_c, want_k, want_cache, slots)
+    return {
+        "layer": layer, "q": q, "q_out": q_out, "k_out": k_out, "cache": cache,
+        "want_q": want_q, "want_k": want_k, "want_cache": want_cache, "w": w_uk_t,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
+def test_front_op_runs_the_front_then_vllms_write_of_the_rest(mla, monkeypatch, n, t, compiled):
+    got = op_step(monkeypatch, n=n, t=t, compiled=compiled)
+    # Rows the front did not take: vLLM's RoPE in place, bit for bit, seen by later uses.
+    assert torch.equal(got["q_out"][n:, :, P:], got["want_q"][n:])
+    assert torch.equal(got["k_out"][n:], got["want_k"][n:])
+    assert torch.equal(got["q_out"][:, :, :P], got["q"][:, :, :P])
+    # Every row's cache entry written once: the front's (fp32 RoPE) and vLLM's write.
+    cache, want = got["cache"], got["want_cache"]
+    if compiled or n == 0:
+        assert torch.equal(cache, want)
+    else:
+        torch.testing.assert_close(cache.float(), want.float(), atol=2e-2, rtol=1e-2)
+    query = front_hook.take_query(got["layer"], n)
+    assert (query is None) is (n == 0)
+
+
+@pytest.mark.parametrize("path,max_m", [("staged", 32), ("fused", 2)], ids=["staged", "above-m"])
+def test_front_op_runs_vllms_path_when_staged_or_m_is_above_its_range(
+    mla, monkeypatch, path, max_m
+):
+    got = op_step(monkeypatch, n=3, t=4, compiled=True, path=path, max_m=max_m)
+    assert torch.equal(got["q_out"][:, :, P:], got["want_q"])
+    assert torch.equal(got["k_out"], got["want_k"])
+    assert torch.equal(got["cache"], got["want_cache"])
+    assert front_hook.take_query(got["layer"], 3) is None, "vLLM's query block runs"
+
+
+def test_front_max_m_follows_the_measured_table():
+    # BF16 to M 16 at every measured head count; MXFP8 shorter, shortest above 16 heads.
+    assert [front_hook.front_max_m(h) for h in (8, 16, 32, 64, 128)] == [16] * 5
+    assert [front_hook.front_max_m(h, "mxfp8") for h in (8, 16, 32, 64)] == [8, 8, 4, 4]
+
+
+def test_query_hook_hands_on_the_front_query_first(mla):
+    rope = rotary()
+    layer = stand_in(rope, torch.zeros(H, P, L, dtype=torch.bfloat16), split=True)
+    query = torch.randn(2, H, L + R).bfloat16()
+    layer.__dict__[front_hook.QUERY_ATTR] = query
+    q_nope, q_pe = torch.zeros(H, 2, P).bfloat16(), torch.zeros(2, H, R).bfloat16()
+    ql_nope, pe = hook.decode_query_hook(layer, q_nope, q_pe, False, False)
+    assert ql_nope.data_ptr() == query.data_ptr() and torch.equal(pe, query[..., L:])
+    layer.__dict__[front_hook.QUERY_ATTR] = query
+    with pytest.raises(RuntimeError, match="decode front ran on 2 tokens but forward_impl"):
+        hook.decode_query_hook(layer, torch.zeros(H, 3, P).bfloat16(), q_pe, False, False)
+
+
+# --- start-up: what the front refuses, and its lines ------------------------------------------
+
+
+def compiled_config(*, graphs="FULL_AND_PIECEWISE", splitting_ops=None):
+    """A vLLM config's compilation part as the front reads it: ``VLLM_COMPILE`` with vLLM's
+    own CUDA-graph mode enum (its mixed-batch mode decides) and, by default, the splitting
+    ops vLLM copies from its list after the front's install added its op."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    ops = splitting_ops if splitting_ops is not None else [
+        "vllm::unified_mla_attention_with_output", front_hook.FRONT_OP
+    ]  # fmt: skip
+    return types.SimpleNamespace(
+        speculative_config=None,
+        compilation_config=types.SimpleNamespace(
+            mode=types.SimpleNamespace(name="VLLM_COMPILE"),
+            cudagraph_mode=CUDAGraphMode[graphs],
+            splitting_ops=ops,
+        ),
+    )
+
+
+def planned_layer(rope, **attrs):
+    impl = types.SimpleNamespace(is_sparse=False, dcp_world_size=1)
+    layer = types.SimpleNamespace(
+        impl=impl, use_direct_call=True, use_pcp=False, hisparse_cache=None,
+        calculate_kv_scales=False, kv_cache_dtype="auto",
+        W_UK_T=torch.zeros(H, P, L, dtype=torch.bfloat16), _vllm_config=None,
+    )  # fmt: skip
+    layer.__dict__[layer_plan.PLAN_ATTR] = layer_plan.LayerPlan(H, "bf16", None)
+    layer.__dict__[front_hook.ROTARY_ATTR] = rope
+    layer.__dict__[front_hook.WRAPPER_ATTR] = {"is_sparse": False, "dcp_q_replicate": False}
+    layer.__dict__.update(attrs)
+    return layer
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({}, None),
+        ({layer_plan.PLAN_ATTR: None}, "fused MLA query does not serve this layer"),
+        ({"use_direct_call": False}, None),  # eager custom-op branch: CPU vLLM's
+        # Configs built at run time: collection must not need vLLM (the GPU record has none).
+        ({"_vllm_config": functools.partial(compiled_config)}, None),  # default splitting ops
+        (
+            {
+                "_vllm_config": functools.partial(
+                    compiled_config, splitting_ops=["vllm::unified_attention"]
+                )
+            },
+            "piecewise CUDA graphs without fusedq::vllm_mla_front_update among the splitting",
+        ),
+        (
+            {"_vllm_config": functools.partial(compiled_config, graphs="FULL")},
+            "full CUDA graphs of mixed batches",
+        ),
+        ({"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)}, "sparse"),
+        ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
+        ({"_vllm_config": types.SimpleNamespace(speculative_config=object())}, "MTP draft"),
+        ({"calculate_kv_scales": True}, "kv scales"),
+        ({front_hook.ROTARY_ATTR: torch.nn.Identity()}, "rotary embedding Identity"),
+    ],
+)
+def test_plan_front_refuses_naming_why(monkeypatch, change, reason):
+    monkeypatch.setitem(releases.installed, "front", object())
+    change = {k: v() if isinstance(v, functools.partial) else v for k, v in change.items()}
+    layer = planned_layer(rotary(), **change)
+    plan, why = front_hook.plan_front(layer)
+    if reason is None:
+        assert plan is not None and plan.is_neox is False and why == ""
+        assert plan.compiled is (layer._vllm_config is not None) and plan.max_m == 16
+    else:
+        assert plan is None and reason in why
+
+
+def test_register_installs_the_front_and_says_which_layers(mla, monkeypatch, caplog):
+    from vllm.model_executor.layers import mla as wrapper_module
+
+    monkeypatch.setenv(report.MODE_ENV, "auto")
+    monkeypatch.setenv(front_hook.FRONT_ENV, "1")
+    plugin.register()
+    wrapper = wrapper_module.MultiHeadLatentAttentionWrapper
+    assert wrapper.forward is releases.installed["front"].wrapper_forward
+    assert mla.MLAAttention.forward is releases.installed["front"].attn_forward
+    assert wrapper_module._fusedq_front_positions is front_hook.front_positions
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    assert front_hook.FRONT_OP in CompilationConfig._attention_ops
+    # A GPU config built after the plugin loaded splits its compiled graph at the front's op.
+    gpu = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    gpu.set_splitting_ops_for_v1("allgather_reducescatter")
+    assert front_hook.FRONT_OP in gpu.splitting_ops
+    rope = rotary()
+    front_hook.front_report.layers.update({"a": True, "b": False})
+    layer = planned_layer(rope)
+    layer.__dict__[front_hook.FRONT_ATTR] = None
+    fake = types.SimpleNamespace(mla_attn=layer, rotary_emb=rope)
+    assert front_hook.front_positions(fake, torch.arange(3), None) is None
+    layer.__dict__[front_hook.FRONT_ATTR] = front_hook.plan_front(layer)[0]
+    assert front_hook.front_positions(fake, torch.arange(3), None) is not None
+    assert front_hook.front_positions(fake, torch.arange(3), torch.ones(1)) is None
+    with caplog.at_level(logging.INFO, logger="vllm.fusedq"):
+        q, k_pe = torch.zeros(2, H, P + R).bfloat16(), torch.zeros(2, 1, R).bfloat16()
+        # No metadata (a profile run): vLLM's RoPE of every row, no cache entry written.
+        assert front_hook.front_rows(layer, q, None, k_pe, torch.arange(2), None, None, None) == 0
+    assert "fusedq: MLA decode front enabled for 1 layers: a (1 others keep" in caplog.text
+
+
+def test_front_asked_for_without_the_query_plugin_says_why(mla, monkeypatch, caplog):
+    monkeypatch.setenv(report.MODE_ENV, "0")
+    monkeypatch.setenv(front_hook.FRONT_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="vllm.fusedq"):
+        plugin.register()
+    assert "fusedq: MLA decode front disabled: FUSEDQ_MLA_QUERY=0" in caplog.text
+    assert "front" not in releases.installed
