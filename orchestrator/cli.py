@@ -321,7 +321,7 @@ def report(
         store = RunStore.read(run_dir)
         _warn_torn(store)
         if reread_traces:
-            from orchestrator.results.reread import reread_traces as reread
+            from orchestrator.analysis.reread import reread_traces as reread
 
             changed = reread(store)
             typer.echo(
