@@ -102,7 +102,13 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
         return None, "not built by a MultiHeadLatentAttentionWrapper (its RoPE is elsewhere)"
     facts = layer.__dict__.get(WRAPPER_ATTR, {})
     if facts.get("is_sparse") or getattr(layer.impl, "is_sparse", False):
-        return None, "sparse MLA backend (its indexer and top-k read the rotated q)"
+        # vLLM 0.26's forward_impl sends a sparse layer's prefill rows through the absorbed
+        # (MQA) path too when the prefill is longer than top-k: its query rows are then more
+        # than num_decode_tokens, the split the front follows.
+        return None, (
+            "sparse MLA backend (prefill rows may take the absorbed path beside the decode rows, "
+            "so its query rows are not the step's decode tokens)"
+        )
     if facts.get("dcp_q_replicate") or getattr(layer.impl, "dcp_world_size", 1) > 1:
         return None, "decode context parallel (DCP > 1)"
     if getattr(layer, "use_pcp", False):
