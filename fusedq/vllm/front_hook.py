@@ -86,6 +86,9 @@ class FrontPlan:
     split: bool  # the backend takes the (ql_nope, q_pe) pair of views
     compiled: bool = False  # vLLM traces the model: its RoPE is Inductor's (fp32, one rounding)
     max_m: int = 16  # front_max_m of the layer's heads and weight format
+    # vLLM's CUDA RoPE + cache-write fusion where the staged path runs it (compiled, on CUDA,
+    # vLLM's build has it), found once at set-up; None: vLLM's RoPE, then its cache write.
+    vllm_rope_cache: object = None
 
 
 def plan_front(layer) -> tuple[FrontPlan | None, str]:
@@ -148,6 +151,8 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
         compiled=_name(getattr(compilation, "mode", None)) not in ("", "NONE"),
         max_m=front_max_m(query_plan.num_heads, query_plan.weight_format),
     )
+    if plan.compiled and layer.W_UK_T.is_cuda:
+        plan = dataclasses.replace(plan, vllm_rope_cache=_vllm_rope_cache_op())
     return plan, ""
 
 
@@ -325,10 +330,10 @@ def _vllm_rope_cache_op():
 
 
 def _vllm_rows(layer, plan, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapping) -> int:
-    """vLLM's path for every row of the step: on CUDA under torch.compile its own RoPE +
-    cache-write fusion (which writes every row: returns M), else its RoPE in place (returns
-    0: vLLM's cache write follows)."""
-    op = _vllm_rope_cache_op() if plan.compiled and q.is_cuda else None
+    """vLLM's path for every row of the step: its RoPE + cache-write fusion where the plan
+    found it (it writes every row: returns M), else its RoPE in place (returns 0: vLLM's
+    cache write follows)."""
+    op = plan.vllm_rope_cache
     if not front_report.first_vllm:
         # Which of vLLM's paths a staged step runs: what a switch's baseline measured.
         front_report.first_vllm = True

@@ -11,24 +11,16 @@ Every other byte of a row, and every row without a profile, is kept as it was wr
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+from orchestrator.analysis.step_compare import kept_trace, server_case_dir
 from orchestrator.analysis.trace import TraceError, read_trace
 from orchestrator.results.rows import CaseResult
 from orchestrator.results.store import (
     RunStore,
     StoreError,
-    case_slug,
     read_jsonl_numbered,
     write_text_atomic,
 )
-
-
-def _server_dir(store: RunStore, row: CaseResult) -> Path:
-    """The case directory whose server wrote the row's traces (a switch server's for every
-    variant it served)."""
-    server = row.switch.server_case if row.switch and row.switch.server_case else row.case_id
-    return store.root / "cases" / case_slug(server)
 
 
 def reread_traces(store: RunStore) -> int:
@@ -43,12 +35,12 @@ def reread_traces(store: RunStore) -> int:
             lines.append(json.dumps(raw, default=str, separators=(",", ":")))
             continue
         row = CaseResult.model_validate(raw)
-        case_dir = _server_dir(store, row).resolve()
+        case_dir = server_case_dir(row, store.root).resolve()
         figures = []
         for stored in row.profile.traces:
-            path = (case_dir / stored.file).resolve()
+            path = kept_trace(case_dir, stored.file)
             where = f"{store.results_path}:{number} ({row.case_id})"
-            if not path.is_relative_to(case_dir) or not path.is_file():
+            if path is None:
                 raise StoreError(f"{where}: trace {stored.file} is not in {case_dir}")
             try:
                 fresh = read_trace(path)

@@ -218,18 +218,31 @@ def row_steps(row: CaseResult, root: Path | None) -> list[list[StepWork]]:
     profile = row.profile
     if profile is None:
         return []
-    server = row.switch.server_case if row.switch and row.switch.server_case else row.case_id
-    case_dir = None if root is None else Path(root) / CASES / case_slug(server)
+    case_dir = None if root is None else server_case_dir(row, Path(root))
     return [_trace_steps(t, case_dir) for t in profile.traces]
+
+
+def server_case_dir(row: CaseResult, root: Path) -> Path:
+    """The case directory of the server that wrote a row's traces under the run directory
+    `root` (a switch server's, for every variant it served)."""
+    server = row.switch.server_case if row.switch and row.switch.server_case else row.case_id
+    return root / CASES / case_slug(server)
+
+
+def kept_trace(case_dir: Path, file: str) -> Path | None:
+    """A row's trace file (named relative to its case directory) where it is still there;
+    None for one that is gone or points elsewhere (docs/security.md: what the reports read)."""
+    path = (case_dir / file).resolve()
+    if not path.is_relative_to(case_dir.resolve()) or not path.is_file():
+        return None
+    return path
 
 
 def _trace_steps(t: TraceFigures, case_dir: Path | None) -> list[StepWork]:
     if t.steps or t.domain != "kernel" or case_dir is None or not t.file:
         return list(t.steps)
-    path = (case_dir / t.file).resolve()
-    # A row names its trace relative to its case directory; one that points elsewhere is
-    # not read (docs/security.md: what the reports read).
-    if not path.is_relative_to(case_dir.resolve()) or not path.is_file():
+    path = kept_trace(case_dir, t.file)
+    if path is None:
         return []
     stat = path.stat()
     return list(_read_steps(str(path), stat.st_mtime_ns, stat.st_size))
