@@ -67,8 +67,8 @@ class ModelSpec(_EnvArgs):
     path: str = Field(
         min_length=1,
         description="Checkpoint path, or builtin:tiny-mla / tiny-glm5 (tiny random models), "
-        "builtin:glm5 / glm5-dense / glm5-dsa / glm47-flash / deepseek-v3 / deepseek-v32 / kimi-k2 "
-        "(stand-ins, config only: docs/standins.md).",
+        "builtin:glm5 / glm5-dense / glm5-dsa / glm5-dsa-dense / glm47-flash / deepseek-v3 / "
+        "deepseek-v32 / kimi-k2 (stand-ins, config only: docs/standins.md).",
     )
     num_heads: int = Field(
         gt=0, description="Total attention heads of the model (a built-in model is built so)."

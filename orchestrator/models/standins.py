@@ -16,6 +16,10 @@ orchestrator.models.standin_bases), whose published values every size here is re
 - ``glm5-dsa``: GLM-5's own architecture (``GlmMoeDsaForCausalLM``) with its DSA indexer
   (``index_topk`` 2048, 32 indexer heads of 128): vLLM 0.26 takes its sparse-MLA path
   (``FLASH_ATTN_MLA_SPARSE`` on sm_90) whenever the config has ``index_topk``.
+- ``glm5-dsa-dense``: ``glm5-dsa`` cut as ``glm5-dense`` is cut from ``glm5``: the DSA
+  indexer and the sparse-MLA path, with a dense MLP of one rank's width in every layer (the
+  MTP layer's too) and no experts: the sparse path's decode step without simulated routing,
+  small enough (~25 GiB at the TP4 rank) for an 80 GB GPU.
 - ``glm47-flash``: GLM-4.7-Flash (GLM-5's MLA widths at 20 heads, hidden 2048, 47 layers
   + 1 MTP layer, 64 experts top-4, one dense layer), as its own architecture
   (``Glm4MoeLiteForCausalLM``), whose attention is vLLM's DeepSeek MLA layer.
@@ -121,6 +125,28 @@ STANDINS: dict[str, dict[str, Any]] = {
         "dsa": True,
         "dense": False,
         "summary": "GLM-5's DSA sparse attention (index_topk 2048): vLLM's sparse-MLA path",
+        "base": "glm5",
+    },
+    "glm5-dsa-dense": {
+        # Every layer's MLP dense, the MTP layer's too, by first_k_dense_replace = layers + 1
+        # (config() below). vLLM decides it per layer in the decoder layer's constructor:
+        # 0.32 (CUDA: vllm/models/deepseek_v32/__init__.py imports nvidia/model.py's
+        # DeepseekV32ForCausalLM as GlmMoeDsaForCausalLM) builds DeepseekV2MoE only where
+        # `n_routed_experts is not None and layer_idx >= first_k_dense_replace and
+        # layer_idx % moe_layer_freq == 0` (deepseek_v32/nvidia/model.py:91-95), else
+        # DeepseekV2MLP of intermediate_size (:106-115); its MTP layer is the same decoder
+        # layer at index num_hidden_layers (nvidia/mtp.py:94-100, 176-186). 0.26
+        # (registry.py:116: deepseek_v2.GlmMoeDsaForCausalLM) has the same test
+        # (deepseek_v2.py:1219-1223, the MLP at :1258-1265; the MTP layer deepseek_mtp.py:
+        # 112-117 at index num_hidden_layers, :160-173). So no layer allocates experts.
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "dsa": True,
+        "dense": True,
+        "summary": (
+            "GLM-5's DSA sparse attention (index_topk 2048) with a dense MLP in every layer "
+            "(no experts, no routing): vLLM's sparse-MLA path"
+        ),
         "base": "glm5",
     },
     "glm47-flash": {

@@ -90,6 +90,57 @@ def test_dense_stand_in_has_no_indexer_and_the_dsa_one_has_glm5s() -> None:
     assert dense["n_routed_experts"] == dsa["n_routed_experts"]
 
 
+def test_the_dense_dsa_stand_in_is_glm5_dsa_cut_as_glm5_dense() -> None:
+    """glm5-dsa-dense: GLM-5's DSA architecture and indexer, with glm5-dense's MLP (one rank's
+    dense width in every layer and the MTP layer, no experts)."""
+    cfg = standins.config("glm5-dsa-dense", standin_tp=4)
+    dsa = standins.config("glm5-dsa", standin_tp=4)
+    dense = standins.config("glm5-dense", standin_tp=4)
+    assert (cfg["architectures"], cfg["model_type"]) == (["GlmMoeDsaForCausalLM"], "glm_moe_dsa")
+    assert {k: cfg[k] for k in standins.DSA_KEYS} == {
+        "index_topk": 2048,
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+    }
+    assert cfg["indexer_rope_interleave"] is True
+    assert (cfg["num_attention_heads"], cfg["num_hidden_layers"]) == (16, 78)
+    assert cfg["intermediate_size"] == 12288 // 4
+    # vLLM builds a layer's MoE only where its index >= first_k_dense_replace: 79 is past the
+    # MTP layer's index (78), so no layer has experts.
+    assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"] + 1 == 79
+    assert cfg["num_nextn_predict_layers"] == 1
+    # glm5-dsa's config but for the MLP keys; glm5-dense's but for the architecture and DSA.
+    mlp = {"first_k_dense_replace", "n_routed_experts"}
+    assert {k: v for k, v in cfg.items() if k not in mlp} == {
+        k: v for k, v in dsa.items() if k not in mlp
+    }
+    dsa_only = {"architectures", "model_type", "indexer_rope_interleave", *standins.DSA_KEYS}
+    assert {k: v for k, v in cfg.items() if k not in dsa_only} == {
+        k: v for k, v in dense.items() if k not in dsa_only
+    }
+    with pytest.raises(ValueError, match="experts=32 is for MoE stand-ins"):
+        standins.config("glm5-dsa-dense", standin_tp=4, experts=32)
+
+
+@pytest.mark.parametrize("tp", [8, 4])
+def test_the_dense_dsa_stand_in_weighs_the_dense_one_and_the_indexer(tp: int) -> None:
+    """What `plan` prints it weighs: glm5-dense's bytes plus the indexer's, replicated in every
+    layer and the MTP layer (wq_b, and wk fused with the head weights)."""
+    g = standins.GLM5
+    indexer = g["q_lora_rank"] * g["index_n_heads"] * g["index_head_dim"]
+    indexer += g["hidden_size"] * (g["index_head_dim"] + g["index_n_heads"])
+    kwargs = {"standin_tp": tp, "layers": 78, "experts": 8, "dense": True}
+    dense = standins.weight_bytes(dsa=False, **kwargs)
+    ours = standins.weight_bytes(dsa=True, **kwargs)
+    assert ours - dense == (78 + 1) * indexer * standins.BF16_BYTES
+    note = standins.describe("glm5-dsa-dense", standin_tp=tp)
+    assert f"~{ours / 2**30:.0f} GiB bf16 weights" in note
+    assert f"dense MLP {12288 // tp} in every layer, no experts" in note
+    assert "sparse-MLA path" in note
+    # One TP4 rank fits an 80 GB GPU with room for its KV cache.
+    assert ours < 26 * 2**30
+
+
 @pytest.mark.parametrize("tp", [8, 6, 4])
 def test_experts_are_the_most_that_fit_the_budget(tp: int) -> None:
     budget = standins.WEIGHT_BUDGET_GIB * 2**30
