@@ -346,8 +346,16 @@ def test_acceptance_on_cpu_is_refused_with_vllms_reason() -> None:
         parse_matrix(text.replace("builtin:glm5, num_heads: 16", "builtin:tiny-mla, num_heads: 8"))
 
 
-@pytest.mark.parametrize("name", ["h200-glm5", "h200-glm5-dsa", "h200-glm5-headline"])
-def test_plan_shows_the_stand_ins_without_torch(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "cases"),
+    [
+        ("h200-glm5", 12),
+        ("h200-glm5-dsa", 12),
+        ("h200-glm5-headline", 2),
+        ("h200-glm5-dsa-front", 2),
+    ],
+)
+def test_plan_shows_the_stand_ins_without_torch(name: str, cases: int) -> None:
     """`plan` of the committed matrices, in a fresh interpreter: what each stand-in is, and
     nothing heavy imported (plan answers in well under a second)."""
     code = (
@@ -363,4 +371,4 @@ def test_plan_shows_the_stand_ins_without_torch(name: str) -> None:
     plan = json.loads(out.stdout)
     assert plan["heavy"] == []
     assert any("one rank of GLM-5 at TP4" in n for n in plan["notes"])
-    assert plan["cases"] == (2 if name.endswith("headline") else 12)
+    assert plan["cases"] == cases
