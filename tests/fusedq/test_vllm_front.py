@@ -24,7 +24,8 @@ from fusedq.vllm import front_hook, front_patch, hook, layer_plan, patch, plugin
 FIXTURES = Path(__file__).parent / "fixtures"
 WRAPPER_026 = FIXTURES / "vllm-0.26.0-mla-wrapper-forward.py.txt"
 ATTN_026 = FIXTURES / "vllm-0.26.0-mla_attention-forward.py.txt"
-H, P, R, L = 8, 192, 64, 512
+FORWARD_IMPL_026 = FIXTURES / "vllm-0.26.0-mla_attention-forward_impl.py.txt"
+H, P, R, L, V = 8, 192, 64, 512, 128
 
 
 def installed_release():
@@ -52,6 +53,7 @@ def test_front_guard_accepts_the_installed_vllm_and_touches_nothing(mla):
     assert found.attn_forward.__wrapped__ is before
     assert mla.MLAAttention.forward is before, "check only"
     assert front_patch.FRONT_HOOK not in mla.__dict__
+    assert found.sparse_rule is True, "0.32's forward_impl asks _use_sparse_mha"
     for fn in (found.wrapper_forward, found.attn_forward):
         assert front_patch.POSITIONS_ARG in fn.__code__.co_varnames
         # vLLM's compile cache hashes the name of a file it cannot read: the text's digest.
@@ -132,6 +134,72 @@ def test_transform_names_the_missing_expectation(mla, part, edit, match):
     transform(source)
     with pytest.raises(ValueError, match=match):
         transform(edit(source))
+
+
+def forward_impl_sources(mla) -> dict[str, str]:
+    """MLAAttention.forward_impl, dedented: 0.26's (the wheel's text) and the installed 0.32's."""
+    return {
+        "0.26": textwrap.dedent(FORWARD_IMPL_026.read_text()),
+        "0.32": textwrap.dedent(inspect.getsource(mla.MLAAttention.forward_impl)),
+    }
+
+
+def forward_impl_from(mla, source: str):
+    """A forward_impl compiled from ``source``, its text in linecache (the guard reads it)."""
+    import linecache
+
+    filename = f"<test forward_impl {len(linecache.cache)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict = {}
+    exec(compile(source, filename, "exec"), mla.__dict__, namespace)
+    return namespace["forward_impl"]
+
+
+def test_sparse_rule_is_found_in_both_releases_forward_impl(mla):
+    # 0.26 decides inline; 0.32 asks the layer's _use_sparse_mha.
+    src = forward_impl_sources(mla)
+    assert front_patch.sparse_rule_in(src["0.26"]) == "inline"
+    assert front_patch.sparse_rule_in(src["0.32"]) == "call"
+
+
+@pytest.mark.parametrize(
+    "version,old,new",
+    [
+        ("0.26", "<= attn_metadata.topk_tokens", "< attn_metadata.topk_tokens"),
+        ("0.26", "    and not self._vllm_config.attention_config.sparse_mla_force_mqa\n", ""),
+        ("0.26", "self.prefill_backend is not None\n", "True\n"),
+        ("0.32", "use_mha = self._use_sparse_mha(attn_metadata)", "use_mha = False"),
+        ("0.32", "num_mqa_tokens = q.size(0)\n", "num_mqa_tokens = q.size(0) - 1\n"),
+        ("0.32", "q = q[:num_actual_toks, ...]", "q = q[: num_actual_toks + 1, ...]"),
+        ("0.26", "    if num_mha_tokens > 0:\n", "    num_mqa_tokens += 0\n    if num_mha_tokens > 0:\n"),
+        ("0.32", "    if num_mha_tokens > 0:\n", "    num_mqa_tokens = 1\n    if num_mha_tokens > 0:\n"),
+    ],
+    ids=["top-k-bound", "force-mqa", "prefill-backend", "call", "mqa-rows", "actual-rows",
+         "026-reassigned", "032-reassigned"],
+)  # fmt: skip
+def test_sparse_rule_is_not_found_in_a_changed_forward_impl(mla, version, old, new):
+    source = forward_impl_sources(mla)[version]
+    assert old in source
+    assert front_patch.sparse_rule_in(source.replace(old, new, 1)) == ""
+
+
+def test_front_guard_records_the_rule_and_builds_without_it(mla, monkeypatch):
+    release = installed_release()
+    # Under the query patch (as at start-up) the guard reads the forward_impl it wraps.
+    patch.apply(patch.check_vllm())
+    assert front_patch.check_front(release).sparse_rule is True
+    # 0.26's inline rule in a class with _use_sparse_mha: absorbed_rows would ask the method,
+    # which that forward_impl never calls.
+    src26 = forward_impl_sources(mla)["0.26"]
+    monkeypatch.setattr(mla.MLAAttention, "forward_impl", forward_impl_from(mla, src26))
+    assert front_patch.check_front(release).sparse_rule is False
+    monkeypatch.delattr(mla.MLAAttention, front_patch.SPARSE_RULE_METHOD)
+    assert front_patch.check_front(release).sparse_rule is True
+    # No rule: the front is still built (dense layers are served), without sparse ones.
+    changed = src26.replace("<= attn_metadata.topk_tokens", "< attn_metadata.topk_tokens")
+    monkeypatch.setattr(mla.MLAAttention, "forward_impl", forward_impl_from(mla, changed))
+    found = front_patch.check_front(release)
+    assert found.sparse_rule is False and found.attn_forward.__wrapped__ is mla.MLAAttention.forward
 
 
 # --- the step: decode rows to the front, prefill rows to vLLM ---------------------------------
