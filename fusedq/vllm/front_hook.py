@@ -1,6 +1,9 @@
 """The decode front in vLLM (``FUSEDQ_MLA_FRONT=1``): ``fusedq.mla_decode_front`` runs RoPE
-of q_pe and k_pe, the absorbed query and the KV-cache write of a step's decode tokens in one
-launch, where vLLM runs its rotary embedding, ``torch.bmm`` + concat and the cache write.
+of q_pe and k_pe, the absorbed query and the KV-cache write of the rows a step sends through
+the absorbed (MQA) path in one launch, where vLLM runs its rotary embedding, ``torch.bmm`` +
+concat and the cache write. Those rows are ``forward_impl``'s, by its own rule
+(``absorbed_rows``): the decode tokens, and for a sparse (DSA) layer every actual token of a
+step whose prefill rows take the absorbed path too.
 
 This module holds what the patched vLLM methods (``fusedq.vllm.front_patch``, which rewrites
 them) call: per layer, whether the front serves it (``plan_front``, from ``setup_front``) and
@@ -104,13 +107,13 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
     if ROTARY_ATTR not in layer.__dict__:
         return None, "not built by a MultiHeadLatentAttentionWrapper (its RoPE is elsewhere)"
     facts = layer.__dict__.get(WRAPPER_ATTR, {})
-    if facts.get("is_sparse") or getattr(layer.impl, "is_sparse", False):
-        # vLLM 0.26's forward_impl sends a sparse layer's prefill rows through the absorbed
-        # (MQA) path too when the prefill is longer than top-k: its query rows are then more
-        # than num_decode_tokens, the split the front follows.
+    sparse = facts.get("is_sparse") or getattr(layer.impl, "is_sparse", False)
+    if sparse and not getattr(releases.installed.get("front"), "sparse_rule", False):
+        # A sparse layer's forward_impl may send prefill rows through the absorbed path too
+        # (absorbed_rows); the front follows that split only where the guard found the rule.
         return None, (
-            "sparse MLA backend (prefill rows may take the absorbed path beside the decode rows, "
-            "so its query rows are not the step's decode tokens)"
+            "sparse MLA backend: this vLLM's forward_impl does not split absorbed rows by the "
+            "rule the front reads"
         )
     if facts.get("dcp_q_replicate") or getattr(layer.impl, "dcp_world_size", 1) > 1:
         return None, "decode context parallel (DCP > 1)"
@@ -355,20 +358,50 @@ def _vllm_rows(layer, plan, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapp
     return q.shape[0]
 
 
+def absorbed_rows(layer, attn_metadata) -> int:
+    """How many leading rows of this step ``MLAAttention.forward_impl`` sends through the
+    absorbed (MQA) path, by its own rule (``front_patch.SPARSE_MQA_RULE`` and
+    ``SPARSE_MQA_RULE_CALL``, which the guard finds in its source): the decode tokens; for a
+    sparse layer with prefill rows, every actual token unless its prefill takes the MHA path.
+    The front's query must have exactly these rows: the query hook hands it on for them."""
+    n = int(attn_metadata.num_decode_tokens or 0)
+    if not layer.impl.is_sparse:
+        return n
+    total = int(attn_metadata.num_actual_tokens)  # forward_impl's q.size(0): q[:num_actual]
+    if total - n <= 0:
+        return n
+    decide = getattr(layer, "_use_sparse_mha", None)
+    if decide is not None:
+        # vLLM 0.32 asks the layer (a subclass may override it): the same call, same answer.
+        use_mha = decide(attn_metadata)
+    else:
+        # vLLM 0.26 decides inline, in this order.
+        use_mha = (
+            layer.prefill_backend is not None
+            and attn_metadata.prefill_max_seq_len <= attn_metadata.topk_tokens
+            and not layer._vllm_config.attention_config.sparse_mla_force_mqa
+        )
+    return n if use_mha else total
+
+
 def front_rows(layer, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapping, attn_metadata):
-    """One step of a layer whose wrapper handed its positions on: the front for the decode
-    rows, vLLM's RoPE for the rest, q's rope part and k_pe rotated in place for those rows.
-    Returns how many leading rows' cache entries are written (vLLM's cache write does the
-    rest)."""
+    """One step of a layer whose wrapper handed its positions on: the front for the rows
+    ``forward_impl`` absorbs (``absorbed_rows``: the decode rows, or every actual row of a
+    sparse layer whose prefill takes the absorbed path too), vLLM's RoPE for the rest, q's rope
+    part and k_pe rotated in place for those rows. Returns how many leading rows' cache
+    entries are written (vLLM's cache write does the rest)."""
     _log_summary()
     plan = layer.__dict__.get(FRONT_ATTR)
     layer.__dict__.pop(QUERY_ATTR, None)
-    n = 0 if attn_metadata is None else int(attn_metadata.num_decode_tokens or 0)
+    # The query hook's M is forward_impl's MQA rows (take_query raises on any other count),
+    # so the front takes exactly those, not simply num_decode_tokens.
+    n = 0 if attn_metadata is None or plan is None else absorbed_rows(layer, attn_metadata)
     if (
         plan is None or n == 0 or slot_mapping is None or not isinstance(kv_cache, torch.Tensor)
         or kv_cache.numel() == 0
     ):  # fmt: skip
-        # Profile run, a prefill-only step, no cache yet: vLLM's RoPE on every row.
+        # Profile run, no absorbed rows (a dense prefill-only step), no cache yet: vLLM's RoPE
+        # on every row.
         _rope_rows(layer, plan, positions, q, k_pe, 0)
         return 0
     from fusedq.vllm.switch import path_switch

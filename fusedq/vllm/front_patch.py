@@ -11,9 +11,10 @@ recompiled from its own source and guarded by the sha256 of that source in the
   handed to it as ``self.mla_attn(..., fusedq_positions=positions)``;
 - ``MLAAttention.forward``: a ``fusedq_positions`` parameter, and where positions are handed
   on, the front's step in place of vLLM's RoPE and before or in place of its cache write: the
-  front for the first ``num_decode_tokens`` rows (their query kept on the layer for
-  ``forward_impl``'s query hook, their cache entries written), vLLM's RoPE in place for the
-  other rows (and for every row on the staged path). In the direct-call branch (eager only)
+  front for the rows ``forward_impl`` sends through the absorbed path
+  (``front_hook.absorbed_rows``; their query kept on the layer for ``forward_impl``'s query
+  hook, their cache entries written), vLLM's RoPE in place for the other rows (and for every
+  row on the staged path). In the direct-call branch (eager only)
   ``_fusedq_decode_front`` returns, after ``layer_slot_mapping = slot_mapping.get(...)``, a
   slot mapping with the rows already written at ``-1`` (vLLM's cache write skips negative
   slots, its padding). In the custom-op branch (every torch.compile run) the
@@ -24,10 +25,19 @@ recompiled from its own source and guarded by the sha256 of that source in the
   default ``splitting_ops`` copies) before vLLM builds its config.
 
 The wrapper's ``__init__`` is wrapped to store its rotary embedding on its attention layer.
+
+Which rows take the absorbed path is decided in ``MLAAttention.forward_impl``, outside the
+methods hashed here: the decode tokens, and for a sparse (DSA) layer with prefill rows every
+actual token unless the prefill takes the MHA path. ``check_front`` looks for that rule's
+lines in the unpatched ``forward_impl`` (``SPARSE_MQA_RULE``, vLLM 0.26's inline form, or
+``SPARSE_MQA_RULE_CALL``, vLLM 0.32's call of ``MLAAttention._use_sparse_mha``) and records
+whether it found one (``FrontPatch.sparse_rule``): without it the front still serves dense
+layers, and refuses sparse ones.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -62,6 +72,43 @@ ATTN_CALL = "attn_out = self.mla_attn("
 SLOT_LINE = "layer_slot_mapping = slot_mapping.get(self.layer_name)"
 OP_CALL = "kv_cache_dummy_dep = torch.ops.vllm.unified_mla_kv_cache_update("
 FRONT_LOCALS = ("q", "kv_c_normed", "k_pe", "self_kv_cache", "layer_slot_mapping", "attn_metadata")
+
+# MLAAttention.forward_impl's split between absorbed (MQA) and MHA rows, which
+# front_hook.absorbed_rows computes before forward_impl runs: each form as its run of code
+# lines (stripped, comments dropped), found once and contiguous in the unpatched source,
+# after ROWS_BEFORE_RULE (q is cut to the step's actual tokens: q.size(0) is
+# num_actual_tokens), and with no other assignment of num_mqa_tokens.
+ROWS_BEFORE_RULE = (
+    "num_actual_toks = attn_metadata.num_actual_tokens",
+    "q = q[:num_actual_toks, ...]",
+)
+# vLLM 0.26: decided inline.
+SPARSE_MQA_RULE = (
+    "num_mqa_tokens = attn_metadata.num_decode_tokens",
+    "num_mha_tokens = q.size(0) - num_mqa_tokens",
+    "if self.impl.is_sparse and num_mha_tokens > 0:",
+    "prefill_max_seq_len = attn_metadata.prefill_max_seq_len",
+    "use_mha = (",
+    "self.prefill_backend is not None",
+    "and prefill_max_seq_len <= attn_metadata.topk_tokens",
+    "and not self._vllm_config.attention_config.sparse_mla_force_mqa",
+    ")",
+    "if not use_mha:",
+    "num_mqa_tokens = q.size(0)",
+    "num_mha_tokens = 0",
+)
+# vLLM 0.32: decided by the layer's _use_sparse_mha, which absorbed_rows calls in turn.
+SPARSE_MQA_RULE_CALL = (
+    "num_mqa_tokens = attn_metadata.num_decode_tokens",
+    "num_mha_tokens = q.size(0) - num_mqa_tokens",
+    "use_mha = True",
+    "if self.impl.is_sparse and num_mha_tokens > 0:",
+    "use_mha = self._use_sparse_mha(attn_metadata)",
+    "if not use_mha:",
+    "num_mqa_tokens = q.size(0)",
+    "num_mha_tokens = 0",
+)
+SPARSE_RULE_METHOD = "_use_sparse_mha"
 
 
 def _digest(source: str) -> str:
@@ -204,6 +251,9 @@ class FrontPatch:
     attn_module: object
     attn_cls: type
     attn_forward: object
+    # forward_impl splits absorbed rows by a rule front_hook.absorbed_rows follows: the
+    # front may serve sparse layers.
+    sparse_rule: bool = False
 
 
 def _method(cls: type, name: str, module, hook: str):
@@ -232,9 +282,51 @@ def _finish(new, original):
     return new
 
 
+def _code_lines(source: str) -> list[str]:
+    return [s for s in (ln.split("#", 1)[0].strip() for ln in source.splitlines()) if s]
+
+
+def sparse_rule_in(source: str) -> str:
+    """Which form of the absorbed-rows rule ``forward_impl``'s (dedented) source holds:
+    ``"inline"`` (``SPARSE_MQA_RULE``), ``"call"`` (``SPARSE_MQA_RULE_CALL``) or ``""``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ""
+    # Every binding of num_mqa_tokens (=, +=, unpacking, ...): only the rule's may set it.
+    stores = sum(
+        isinstance(node, ast.Name) and node.id == "num_mqa_tokens"
+        and isinstance(node.ctx, ast.Store)
+        for node in ast.walk(tree)
+    )  # fmt: skip
+    lines = _code_lines(source)
+    for form, rule in (("inline", SPARSE_MQA_RULE), ("call", SPARSE_MQA_RULE_CALL)):
+        at = [i for i in range(len(lines)) if tuple(lines[i : i + len(rule)]) == rule]
+        if len(at) != 1 or stores != sum(s.startswith("num_mqa_tokens =") for s in rule):
+            continue
+        if all(ln in lines[: at[0]] for ln in ROWS_BEFORE_RULE):
+            return form
+    return ""
+
+
+def sparse_rule_found(acls: type) -> bool:
+    """Whether ``MLAAttention.forward_impl`` as vLLM ships it (under the query patch, the
+    function it wraps) splits absorbed rows by a rule ``front_hook.absorbed_rows`` follows,
+    which takes the form from whether the layer has ``_use_sparse_mha``: the inline rule where
+    the class has no such method, the call where it has."""
+    func = inspect.unwrap(acls.__dict__.get("forward_impl"))
+    try:
+        form = sparse_rule_in(textwrap.dedent(inspect.getsource(func)))
+    except (OSError, TypeError):
+        return False
+    method = callable(getattr(acls, SPARSE_RULE_METHOD, None))
+    return form == ("call" if method else "inline")
+
+
 def check_front(release: Release) -> FrontPatch:
     """The front's guard: both methods' sources hash to ``release``'s values and transform;
-    touches nothing in vLLM."""
+    touches nothing in vLLM. Whether ``forward_impl`` holds the absorbed-rows rule is
+    recorded, not required (only sparse layers need it)."""
     import importlib
 
     wmod = importlib.import_module(WRAPPER_MODULE)
@@ -262,7 +354,10 @@ def check_front(release: Release) -> FrontPatch:
     missing = [n for n in FRONT_LOCALS if n not in built[1].__code__.co_varnames]
     if missing:
         raise ValueError(f"MLAAttention.forward has no locals {missing}")
-    return FrontPatch(wmod, wcls, built[0], wcls.__dict__["__init__"], amod, acls, built[1])
+    return FrontPatch(
+        wmod, wcls, built[0], wcls.__dict__["__init__"], amod, acls, built[1],
+        sparse_rule=sparse_rule_found(acls),
+    )  # fmt: skip
 
 
 def apply_front(fp: FrontPatch) -> None:

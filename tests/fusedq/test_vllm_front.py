@@ -24,7 +24,8 @@ from fusedq.vllm import front_hook, front_patch, hook, layer_plan, patch, plugin
 FIXTURES = Path(__file__).parent / "fixtures"
 WRAPPER_026 = FIXTURES / "vllm-0.26.0-mla-wrapper-forward.py.txt"
 ATTN_026 = FIXTURES / "vllm-0.26.0-mla_attention-forward.py.txt"
-H, P, R, L = 8, 192, 64, 512
+FORWARD_IMPL_026 = FIXTURES / "vllm-0.26.0-mla_attention-forward_impl.py.txt"
+H, P, R, L, V = 8, 192, 64, 512, 128
 
 
 def installed_release():
@@ -52,6 +53,7 @@ def test_front_guard_accepts_the_installed_vllm_and_touches_nothing(mla):
     assert found.attn_forward.__wrapped__ is before
     assert mla.MLAAttention.forward is before, "check only"
     assert front_patch.FRONT_HOOK not in mla.__dict__
+    assert found.sparse_rule is True, "0.32's forward_impl asks _use_sparse_mha"
     for fn in (found.wrapper_forward, found.attn_forward):
         assert front_patch.POSITIONS_ARG in fn.__code__.co_varnames
         # vLLM's compile cache hashes the name of a file it cannot read: the text's digest.
@@ -134,6 +136,72 @@ def test_transform_names_the_missing_expectation(mla, part, edit, match):
         transform(edit(source))
 
 
+def forward_impl_sources(mla) -> dict[str, str]:
+    """MLAAttention.forward_impl, dedented: 0.26's (the wheel's text) and the installed 0.32's."""
+    return {
+        "0.26": textwrap.dedent(FORWARD_IMPL_026.read_text()),
+        "0.32": textwrap.dedent(inspect.getsource(mla.MLAAttention.forward_impl)),
+    }
+
+
+def forward_impl_from(mla, source: str):
+    """A forward_impl compiled from ``source``, its text in linecache (the guard reads it)."""
+    import linecache
+
+    filename = f"<test forward_impl {len(linecache.cache)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict = {}
+    exec(compile(source, filename, "exec"), mla.__dict__, namespace)
+    return namespace["forward_impl"]
+
+
+def test_sparse_rule_is_found_in_both_releases_forward_impl(mla):
+    # 0.26 decides inline; 0.32 asks the layer's _use_sparse_mha.
+    src = forward_impl_sources(mla)
+    assert front_patch.sparse_rule_in(src["0.26"]) == "inline"
+    assert front_patch.sparse_rule_in(src["0.32"]) == "call"
+
+
+@pytest.mark.parametrize(
+    "version,old,new",
+    [
+        ("0.26", "<= attn_metadata.topk_tokens", "< attn_metadata.topk_tokens"),
+        ("0.26", "    and not self._vllm_config.attention_config.sparse_mla_force_mqa\n", ""),
+        ("0.26", "self.prefill_backend is not None\n", "True\n"),
+        ("0.32", "use_mha = self._use_sparse_mha(attn_metadata)", "use_mha = False"),
+        ("0.32", "num_mqa_tokens = q.size(0)\n", "num_mqa_tokens = q.size(0) - 1\n"),
+        ("0.32", "q = q[:num_actual_toks, ...]", "q = q[: num_actual_toks + 1, ...]"),
+        ("0.26", "    if num_mha_tokens > 0:\n", "    num_mqa_tokens += 0\n    if num_mha_tokens > 0:\n"),
+        ("0.32", "    if num_mha_tokens > 0:\n", "    num_mqa_tokens = 1\n    if num_mha_tokens > 0:\n"),
+    ],
+    ids=["top-k-bound", "force-mqa", "prefill-backend", "call", "mqa-rows", "actual-rows",
+         "026-reassigned", "032-reassigned"],
+)  # fmt: skip
+def test_sparse_rule_is_not_found_in_a_changed_forward_impl(mla, version, old, new):
+    source = forward_impl_sources(mla)[version]
+    assert old in source
+    assert front_patch.sparse_rule_in(source.replace(old, new, 1)) == ""
+
+
+def test_front_guard_records_the_rule_and_builds_without_it(mla, monkeypatch):
+    release = installed_release()
+    # Under the query patch (as at start-up) the guard reads the forward_impl it wraps.
+    patch.apply(patch.check_vllm())
+    assert front_patch.check_front(release).sparse_rule is True
+    # 0.26's inline rule in a class with _use_sparse_mha: absorbed_rows would ask the method,
+    # which that forward_impl never calls.
+    src26 = forward_impl_sources(mla)["0.26"]
+    monkeypatch.setattr(mla.MLAAttention, "forward_impl", forward_impl_from(mla, src26))
+    assert front_patch.check_front(release).sparse_rule is False
+    monkeypatch.delattr(mla.MLAAttention, front_patch.SPARSE_RULE_METHOD)
+    assert front_patch.check_front(release).sparse_rule is True
+    # No rule: the front is still built (dense layers are served), without sparse ones.
+    changed = src26.replace("<= attn_metadata.topk_tokens", "< attn_metadata.topk_tokens")
+    monkeypatch.setattr(mla.MLAAttention, "forward_impl", forward_impl_from(mla, changed))
+    found = front_patch.check_front(release)
+    assert found.sparse_rule is False and found.attn_forward.__wrapped__ is mla.MLAAttention.forward
+
+
 # --- the step: decode rows to the front, prefill rows to vLLM ---------------------------------
 
 
@@ -153,6 +221,7 @@ def stand_in(rope, w_uk_t, *, split=False):
         kv_cache_dtype="auto",
         _k_scale=torch.ones(1),
         _q_scale=torch.ones(1),
+        impl=types.SimpleNamespace(is_sparse=False),
     )
     layer.__dict__[front_hook.FRONT_ATTR] = front_hook.FrontPlan(
         rotary=rope, is_neox=False, weight=w_uk_t, out_dtype=torch.bfloat16, split=split
@@ -177,8 +246,8 @@ def step_inputs(n: int, t: int):
     q = torch.randn(t, H, P + R, generator=gen).bfloat16()
     kv_c = torch.randn(t, L, generator=gen).bfloat16()
     k_pe = torch.randn(t, 1, R, generator=gen).bfloat16()
-    positions = torch.tensor([7, 300, 41, 2, 1000][:t])
-    slots = torch.tensor([3, 17, 9, 30, 12][:t])
+    positions = torch.tensor([7, 300, 41, 2, 1000, 55][:t])
+    slots = torch.tensor([3, 17, 9, 30, 12, 25][:t])
     cache = torch.zeros(4, 8, L + R, dtype=torch.bfloat16)
     return rotary(), w_uk_t, q, kv_c, k_pe, positions, slots, cache
 
@@ -216,11 +285,12 @@ def test_decode_front_splits_decode_and_prefill_rows(n, t):
     assert front_hook.QUERY_ATTR not in layer.__dict__, "handed on once"
 
 
-def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32):
+def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32, sparse=None):
     """The custom-op branch's step on CPU: ``torch.ops.fusedq.vllm_mla_front_update`` with
     the step's attention context (metadata, layer, cache, slots) as vLLM's forward context
     would give it, eagerly or inside ``torch.compile(fullgraph=True)``; returns what it wrote
-    beside vLLM's own path for the same inputs."""
+    beside vLLM's own path for the same inputs. ``sparse``: ``step_meta``'s keywords for a
+    sparse layer's step (whose q may have padding rows past its actual tokens)."""
     from vllm.model_executor.layers.attention import attention
 
     from fusedq.vllm import switch
@@ -231,10 +301,15 @@ def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32):
     layer.__dict__[front_hook.FRONT_ATTR] = dataclasses.replace(
         plan, compiled=compiled, max_m=max_m
     )
+    if sparse is not None:
+        vars(layer).update(vars(absorbing_layer()))
     layer.impl = types.SimpleNamespace(
-        do_kv_cache_update=lambda kv, kp, c, sl, dtype, scale: vllm_cache_write(kv, kp, c, sl)
+        is_sparse=sparse is not None,
+        do_kv_cache_update=lambda kv, kp, c, sl, dtype, scale: vllm_cache_write(kv, kp, c, sl),
     )
     meta = types.SimpleNamespace(num_decode_tokens=n)
+    if sparse is not None:
+        meta = step_meta(n, **sparse)
     context = (meta, layer, cache, slots)
     monkeypatch.setattr(attention, "get_attention_context", lambda name: context)
     monkeypatch.setattr(switch.path_switch, "path", path)
@@ -290,6 +365,170 @@ def test_front_op_runs_vllms_path_when_staged_or_m_is_above_its_range(
     assert torch.equal(got["k_out"], got["want_k"])
     assert torch.equal(got["cache"], got["want_cache"])
     assert front_hook.take_query(got["layer"], 3) is None, "vLLM's query block runs"
+
+
+# --- which rows the front takes: forward_impl's absorbed (MQA) rows ----------------------------
+
+
+def absorbing_layer(*, sparse=True, prefill_backend=True, force_mqa=False):
+    """What absorbed_rows and forward_impl's rule read of a layer: vLLM 0.26's form (no
+    ``_use_sparse_mha``)."""
+    return types.SimpleNamespace(
+        # vLLM 0.32's masked-MHA prefill (thresholds per GPU backend) left out.
+        impl=types.SimpleNamespace(is_sparse=sparse, masked_mha_available=False),
+        prefill_backend=object() if prefill_backend else None,
+        hisparse_cache=None,
+        _vllm_config=types.SimpleNamespace(
+            attention_config=types.SimpleNamespace(
+                sparse_mla_force_mqa=force_mqa, hisparse_config=None
+            )
+        ),
+    )
+
+
+def step_meta(n, actual, *, prefill_len=1024, topk=2048):
+    """A step's metadata: ``n`` decode tokens of ``actual``, its prefill's longest sequence
+    ``prefill_len`` against the sparse backend's ``topk``."""
+    return types.SimpleNamespace(
+        num_decode_tokens=n, num_actual_tokens=actual, num_decodes=n,
+        num_prefills=int(actual > n), decode=object(), prefill_max_seq_len=prefill_len,
+        topk_tokens=topk, prefill=None,
+    )  # fmt: skip
+
+
+def run_split(mla, version, layer, meta, rows):
+    """Run vLLM's own forward_impl (0.26's text or the installed 0.32's) on a step of ``rows``
+    query rows: how many it sent to forward_mqa (absorbed) and to forward_mha."""
+    seen = {"mqa": 0, "mha": 0}
+
+    def forward_mha(q, *args, output, **kwargs):
+        seen["mha"] = q.shape[0]
+
+    def forward_mqa(q, kv_cache, attn_metadata, layer):
+        seen["mqa"] = (q[0] if isinstance(q, tuple) else q).shape[0]
+        return torch.zeros(seen["mqa"], H, L, dtype=torch.bfloat16), None
+
+    impl = layer.impl
+    impl.__dict__.update(
+        dcp_world_size=1, supports_quant_query_input=False, forward_mha=forward_mha,
+        forward_mqa=forward_mqa,
+    )  # fmt: skip
+    layer.__dict__.update(
+        num_heads=H, v_head_dim=V, qk_nope_head_dim=P, qk_rope_head_dim=R, kv_lora_rank=L,
+        kv_cache_dtype="auto", use_pcp=False, q_pad_num_heads=None,
+        is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
+        is_amx_bmm_enabled=False, W_UK_T=torch.zeros(H, P, L, dtype=torch.bfloat16),
+        W_UK_T_dcp_qrep=None, _k_scale=torch.ones(1), _v_up_proj=lambda attn_out, out: None,
+    )  # fmt: skip
+    if version == "0.26":
+        forward_impl = forward_impl_from(mla, forward_impl_sources(mla)["0.26"])
+    else:
+        forward_impl = mla.MLAAttention.forward_impl
+    q = torch.zeros(rows, H, P + R, dtype=torch.bfloat16)
+    out = torch.empty(rows, H * V, dtype=torch.bfloat16)
+    kv_cache = torch.zeros(1, 16, L + R, dtype=torch.bfloat16)
+    forward_impl(layer, q, torch.zeros(rows, L), torch.zeros(rows, 1, R), kv_cache, meta,
+                 output=out)  # fmt: skip
+    return seen
+
+
+@pytest.mark.parametrize("version", ["0.26", "0.32"])
+@pytest.mark.parametrize(
+    "layer_kw,meta_kw,pad,want",
+    [
+        ({"sparse": False}, {"n": 2, "actual": 5, "prefill_len": 4096}, 0, 2),
+        ({}, {"n": 3, "actual": 3, "prefill_len": 4096}, 0, 3),
+        ({}, {"n": 2, "actual": 5}, 0, 2),
+        ({}, {"n": 2, "actual": 5, "prefill_len": 2048}, 0, 2),
+        ({}, {"n": 2, "actual": 5, "prefill_len": 4096}, 0, 5),
+        ({}, {"n": 0, "actual": 4, "prefill_len": 4096}, 0, 4),
+        ({"prefill_backend": False}, {"n": 2, "actual": 5}, 0, {"0.26": 5, "0.32": 2}),
+        ({"force_mqa": True}, {"n": 2, "actual": 5}, 0, 5),
+        ({}, {"n": 2, "actual": 5, "prefill_len": 4096}, 3, 5),
+    ],
+    ids=["dense-mixed", "sparse-decode", "sparse-mha", "sparse-at-top-k", "sparse-long-prefill",
+         "sparse-long-prefill-only", "sparse-no-prefill-backend", "sparse-force-mqa",
+         "sparse-padded"],
+)  # fmt: skip
+def test_absorbed_rows_is_forward_impls_split(mla, version, layer_kw, meta_kw, pad, want):
+    """absorbed_rows against vLLM's own forward_impl of each release on the same step: 0.26
+    decides inline, 0.32 asks the layer's _use_sparse_mha (vLLM's own method, bound to the
+    stand-in) about the prefill's use_dense_mha, set as vLLM's metadata builder sets it."""
+    from vllm.model_executor.layers.attention import sparse_mla_attention
+
+    layer = absorbing_layer(**layer_kw)
+    meta = step_meta(**meta_kw)
+    if version == "0.32":
+        layer._use_sparse_mha = types.MethodType(mla.MLAAttention._use_sparse_mha, layer)
+        meta.prefill = types.SimpleNamespace(
+            use_dense_mha=sparse_mla_attention._use_dense_mha_prefill(
+                layer._vllm_config, meta.prefill_max_seq_len, meta.topk_tokens
+            ),
+            chunked_context=None, max_query_len=meta.num_actual_tokens - meta.num_decode_tokens,
+        )  # fmt: skip
+    want = want[version] if isinstance(want, dict) else want
+    absorbed = front_hook.absorbed_rows(layer, meta)
+    assert absorbed == want
+    seen = run_split(mla, version, layer, meta, meta.num_actual_tokens + pad)
+    assert seen == {"mqa": absorbed, "mha": meta.num_actual_tokens - absorbed}
+
+
+def test_absorbed_rows_asks_the_layers_use_sparse_mha_where_it_has_one():
+    asked = []
+    # The inline rule would absorb every row here (no prefill backend, forced MQA).
+    layer = absorbing_layer(prefill_backend=False, force_mqa=True)
+    layer._use_sparse_mha = lambda meta: asked.append(meta) or True
+    meta = step_meta(2, 5, prefill_len=4096)
+    assert front_hook.absorbed_rows(layer, meta) == 2 and asked == [meta]
+    layer._use_sparse_mha = lambda meta: False
+    assert front_hook.absorbed_rows(layer, meta) == 5
+    asked.clear()
+    layer._use_sparse_mha = lambda meta: asked.append(meta) or True
+    assert front_hook.absorbed_rows(layer, step_meta(3, 3)) == 3 and asked == [], "decode only"
+
+
+LONG_PREFILL = {"actual": 5, "prefill_len": 4096}  # longer than top-k: every row absorbed
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("t", [5, 6], ids=["step", "padded"])
+def test_front_takes_every_row_a_sparse_layer_absorbs(mla, monkeypatch, t, compiled):
+    got = op_step(monkeypatch, n=2, t=t, compiled=compiled, sparse=LONG_PREFILL)
+    a = LONG_PREFILL["actual"]
+    # Rows past the actual tokens (CUDA-graph padding): vLLM's RoPE and cache write.
+    assert torch.equal(got["q_out"][a:, :, P:], got["want_q"][a:])
+    assert torch.equal(got["k_out"][a:], got["want_k"][a:])
+    cache, want = got["cache"], got["want_cache"]
+    if compiled:
+        assert torch.equal(cache, want)
+    else:
+        torch.testing.assert_close(cache.float(), want.float(), atol=2e-2, rtol=1e-2)
+    # The query hook's M is forward_impl's absorbed rows: every actual token, prefill too.
+    query = front_hook.take_query(got["layer"], a)
+    q = got["q"]
+    want_query = torch.cat([torch.bmm(q[:a, :, :P].transpose(0, 1), got["w"]).transpose(0, 1),
+                            got["want_q"][:a]], dim=-1)  # fmt: skip
+    assert query.shape[0] == a
+    torch.testing.assert_close(query.float(), want_query.float(), atol=6e-2, rtol=2e-2)
+
+
+def test_decode_front_leaves_vllm_no_row_a_sparse_layer_absorbs():
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(2, 6)
+    layer = stand_in(rope, w_uk_t)
+    vars(layer).update(vars(absorbing_layer()))
+    meta = step_meta(2, 5, prefill_len=4096)
+    rest = front_hook.decode_front(layer, q.clone(), kv_c, k_pe.clone(), positions, cache,
+                                   slots.clone(), meta)  # fmt: skip
+    assert rest[:5].eq(-1).all() and torch.equal(rest[5:], slots[5:])
+    assert front_hook.take_query(layer, 5).shape[0] == 5
+
+
+def test_front_runs_vllms_path_when_a_sparse_layer_absorbs_more_than_its_range(mla, monkeypatch):
+    got = op_step(monkeypatch, n=2, t=5, compiled=True, max_m=4, sparse=LONG_PREFILL)
+    assert torch.equal(got["q_out"][:, :, P:], got["want_q"])
+    assert torch.equal(got["k_out"], got["want_k"])
+    assert torch.equal(got["cache"], got["want_cache"])
+    assert front_hook.take_query(got["layer"], 5) is None, "vLLM's query block runs"
 
 
 def test_front_max_m_follows_the_measured_table():
@@ -367,7 +606,10 @@ def planned_layer(rope, **attrs):
             {"_vllm_config": functools.partial(compiled_config, graphs="FULL")},
             "full CUDA graphs of mixed batches",
         ),
-        ({"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)}, "sparse"),
+        (
+            {"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)},
+            "sparse MLA backend: this vLLM's forward_impl does not split absorbed rows",
+        ),
         ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
         ({"_vllm_config": types.SimpleNamespace(speculative_config=object())}, "MTP draft"),
         ({"calculate_kv_scales": True}, "kv scales"),
@@ -384,6 +626,32 @@ def test_plan_front_refuses_naming_why(monkeypatch, change, reason):
         assert plan.compiled is (layer._vllm_config is not None) and plan.max_m == 16
     else:
         assert plan is None and reason in why
+
+
+@pytest.mark.parametrize("where", ["impl", "wrapper"])
+@pytest.mark.parametrize(
+    "front,served",
+    [
+        (object(), False),
+        (types.SimpleNamespace(sparse_rule=False), False),
+        (types.SimpleNamespace(sparse_rule=True), True),
+    ],
+    ids=["no-record", "rule-not-found", "rule-found"],
+)
+def test_plan_front_serves_a_sparse_layer_where_the_guard_found_the_rule(
+    monkeypatch, where, front, served
+):
+    monkeypatch.setitem(releases.installed, "front", front)
+    layer = planned_layer(rotary())
+    if where == "impl":
+        layer.impl.is_sparse = True
+    else:
+        layer.__dict__[front_hook.WRAPPER_ATTR]["is_sparse"] = True
+    plan, why = front_hook.plan_front(layer)
+    if served:
+        assert plan is not None and why == ""
+    else:
+        assert plan is None and "does not split absorbed rows by the rule the front reads" in why
 
 
 def test_register_installs_the_front_and_says_which_layers(mla, monkeypatch, caplog):
