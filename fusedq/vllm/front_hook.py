@@ -365,7 +365,7 @@ def absorbed_rows(layer, attn_metadata) -> int:
     sparse layer with prefill rows, every actual token unless its prefill takes the MHA path.
     The front's query must have exactly these rows: the query hook hands it on for them."""
     n = int(attn_metadata.num_decode_tokens or 0)
-    if not layer.impl.is_sparse:
+    if not getattr(layer.impl, "is_sparse", False):  # forward_impl reads self.impl.is_sparse
         return n
     total = int(attn_metadata.num_actual_tokens)  # forward_impl's q.size(0): q[:num_actual]
     if total - n <= 0:
