@@ -661,12 +661,25 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
 NOT_NAMED = ("bf16", "candidate `fused`")
 
 
+def _over(res: Row) -> str:
+    """What a primary figure's interval is over: one switch server's rounds, or the starts of
+    a server per variant (restarts)."""
+    base, cand, unit = res["baseline"]["n"], res["candidate"]["n"], res.get("unit") or "units"
+    if unit == "rounds":
+        return f"{base} rounds, one server"
+    if unit == "blocks":
+        return f"{base} + {cand} blocks, one server"
+    return f"{base} + {cand} {unit}"
+
+
 def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
     """The primary figure of the newest A/B run of each stand-in (and weight format), head
     count and MTP."""
     # Keyed by the weight format and the candidate too: an MXFP8 run is not the bf16 run's
     # successor, nor a run of another candidate (the decode front) the fused query's.
-    newest: dict[tuple[str, str, str, int, int], tuple[Path, Row]] = {}
+    # And by the sampling unit: server starts (restarts) measure against another baseline
+    # server than a switch server's rounds, so neither run replaces the other.
+    newest: dict[tuple[str, str, str, int, int, str], tuple[Path, Row]] = {}
     for folder, report in ab_runs_found(root or VALIDATION):
         models = {
             m.get("label"): (m.get("path"), m.get("weight_format") or "bf16", m.get("num_heads"))
@@ -681,7 +694,8 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
                 c for c in report.get("cases") or [] if c["case_id"].startswith(topology + "/")
             ]
             cand = (res.get("candidate") or {}).get("variant") or "fused"
-            newest[(path, fmt, cand, heads, _mtp(cases, topology) or 0)] = (folder, res)
+            key = (path, fmt, cand, heads, _mtp(cases, topology) or 0, res.get("unit") or "")
+            newest[key] = (folder, res)
     lines = [
         [
             f"`{path}`"
@@ -689,22 +703,23 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
             str(heads),
             str(mtp),
             _ratio(res) + f": {_cell(res['verdict'])}",
+            _over(res),
             f"{_link(_rel(folder / 'report.md'), doc, folder.name)} ({folder.parent.name})",
         ]
-        for (path, fmt, cand, heads, mtp), (folder, res) in sorted(newest.items())
+        for (path, fmt, cand, heads, mtp, _), (folder, res) in sorted(newest.items())
     ]
     if not lines:
         raise TableError("no committed A/B run has a primary figure")
     return "\n".join(
         [
-            "The primary figure, ctx0 output tok/s fused/staged with its 95 % interval over "
-            "paired rounds (at equal synthetic acceptance under MTP), of the newest committed "
-            "A/B run of each stand-in (and weight format, and candidate where it is not the "
-            "fused query), head count and MTP, one switch-mode server each; every "
-            f"run and figure: {_link('docs/standins.md', doc)}, generated from each run's "
-            "`report.json`.",
+            "The primary figure, ctx0 output tok/s fused/staged with its 95 % interval (over "
+            "a switch-mode server's paired rounds, at equal synthetic acceptance under MTP, or "
+            "over server starts), of the newest committed A/B run of each stand-in (and weight "
+            "format, and candidate where it is not the fused query), head count, MTP and "
+            f"sampling unit; every run and figure: {_link('docs/standins.md', doc)}, generated "
+            "from each run's `report.json`.",
             "",
-            _table(["stand-in", "heads", "MTP", "fused/staged, 95 %", "run"], lines),
+            _table(["stand-in", "heads", "MTP", "fused/staged, 95 %", "over", "run"], lines),
         ]
     )
 

@@ -342,3 +342,35 @@ def test_the_readme_shows_the_newest_primary_figure_of_each_stand_in():
     (primary,) = [r for r in report["ab"]["results"] if r["role"] == "primary"]
     assert f"| {tables._ratio(primary)}: {primary['verdict']} |" in glm5
     assert "<!-- generated:e2e-now -->" in readme.read_text()
+
+
+def test_a_restarts_run_and_a_switch_run_of_one_stand_in_each_keep_their_row(
+    tmp_path: Path, monkeypatch
+):
+    """Server starts measure against other baseline servers than a switch server's rounds: the
+    newest run of each sampling unit has its row, and the row says what its interval is over."""
+    root = tmp_path / "docs" / "validation"
+    matrix = {**MATRIX, "models": [{"label": "glm5-tp4", "path": "builtin:glm5", "num_heads": 16}]}
+    for day, run, unit, change in (
+        ("2026-12-01", "switch-old", "rounds", 0.5),
+        ("2026-12-02", "starts", "server starts", 2.8),
+        ("2026-12-03", "switch-new", "rounds", 0.7),
+    ):
+        report = _headline() | {"run_id": run, "matrix": matrix}
+        report["ab"] = {
+            "results": [
+                {
+                    **_result("ctx0", "output_tok_s", 100.0, 100.0 + change, n=6, unit=unit),
+                    "role": "primary",
+                    "interval_pct": [change - 0.1, change + 0.1],
+                }
+            ]
+        }
+        _write(root, day, run, report)
+    monkeypatch.setattr(tables, "VALIDATION", root)
+    text = tables.e2e_now([], tmp_path / "README.md", root)
+    rows = [line for line in text.splitlines() if line.startswith("| `builtin:glm5`")]
+    assert len(rows) == 2, text
+    assert any("6 rounds, one server" in r and "switch-new" in r for r in rows)
+    assert any("6 + 6 server starts" in r and "[starts]" in r and "1.0280" in r for r in rows)
+    assert "switch-old" not in text
