@@ -145,6 +145,47 @@ def _recompute(run: str, res: dict) -> dict:
     }
 
 
+# A server start's figure (restarts): its workload's mean output tok/s over its repeats, or
+# its TPOT over all its requests.
+OF_SERVER = {
+    "output_tok_s": lambda w: w["mean"]["aggregate_tok_s"],
+    "tpot_p50_ms": lambda w: (w["latency"].get("tpot_ms") or {}).get("p50"),
+    "tpot_mean_ms": lambda w: (w["latency"].get("tpot_ms") or {}).get("mean"),
+}
+
+
+def _recompute_starts(run: str, res: dict) -> dict:
+    """A restarts run's figure `res`, from results.jsonl: one value per passed server start
+    of each variant, Fieller's interval of the ratio of their means."""
+    rows: dict[str, dict] = {}
+    for line in (VALIDATION / run / "results.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["case_id"]] = row
+    w, m = res["workload"], res["metric"]
+
+    def starts(variant: str) -> list[float]:
+        values = (
+            OF_SERVER[m](r["workloads"][w])
+            for r in rows.values()
+            if r["topology_id"] == res["topology_id"] and r["variant"] == variant
+            and r.get("ab_server") is not None and r["status"] == "passed"
+            and w in r["workloads"]
+        )  # fmt: skip
+        return [v for v in values if v is not None]
+
+    base, cand = starts(res["baseline"]["variant"]), starts(res["candidate"]["variant"])
+    out = {"baseline": base, "candidate": cand, "pairs": None}
+    if min(len(base), len(cand)) < 2:
+        return out | {"interval": None}
+    iv = ratio_interval(MeanEstimate.of(base), MeanEstimate.of(cand))
+    return out | {
+        "change": 100 * (statistics.fmean(cand) / statistics.fmean(base) - 1),
+        "interval": None if iv is None else [iv.low, iv.high],
+        "p": iv.p_value,
+        "detectable": res["detectable_pct"],  # the power figure is the analysis's own here
+    }
+
+
 def _holm(ps: list[float]) -> list[float]:
     order = sorted(range(len(ps)), key=ps.__getitem__)
     out, running = [0.0] * len(ps), 0.0
@@ -160,10 +201,15 @@ def _born_paired(run: str) -> bool:
 
 
 def test_the_committed_ab_runs_are_found():
-    # Eleven runs re-judged on 2026-12-06, seven judged paired from the start.
-    assert len(REPORTS) == 18
-    assert sum(map(_born_paired, REPORTS)) == 7
-    assert {r["ab"]["matrix"]["mode"] for r in REPORTS.values()} == {"switch"}
+    # Eleven runs re-judged on 2026-12-06, seven judged paired from the start, and one
+    # restarts run (server starts: no pairs) measured since.
+    assert len(REPORTS) == 19
+    modes = {run: r["ab"]["matrix"]["mode"] for run, r in REPORTS.items()}
+    assert sorted(run for run, mode in modes.items() if mode != "switch") == [
+        "h100-2026-12-07/front-restarts"
+    ]
+    assert modes["h100-2026-12-07/front-restarts"] == "restarts"
+    assert sum(_born_paired(run) for run, mode in modes.items() if mode == "switch") == 7
 
 
 @pytest.mark.parametrize("run", sorted(REPORTS))
@@ -173,9 +219,10 @@ def test_every_committed_ab_figure_is_its_results_recomputed(run):
     assert primary == ("ctx0", "output_tok_s")  # no committed matrix names another
     family: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
     for res in report["results"]:
-        got = _recompute(run, res)
         where = f"{run} {res['topology_id']} {res['workload']} {res['metric']}"
-        assert res["unit"] == "rounds", where
+        restarts = REPORTS[run]["ab"]["matrix"]["mode"] == "restarts"
+        assert res["unit"] == ("server starts" if restarts else "rounds"), where
+        got = (_recompute_starts if restarts else _recompute)(run, res)
         assert res["baseline"]["values"] == got["baseline"], where
         assert res["candidate"]["values"] == got["candidate"], where
         assert res["pairs"] == got["pairs"], where
