@@ -128,8 +128,6 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
     refusal = compile_refusal(compilation)
     if refusal:
         return None, refusal
-    if getattr(config, "speculative_config", None) is not None:
-        return None, "speculative decoding (MTP draft and verify steps not validated)"
     if layer.kv_cache_dtype not in KV_CACHE_DTYPES:
         return None, f"kv_cache_dtype {layer.kv_cache_dtype!r}"
     rotary = layer.__dict__[ROTARY_ATTR]
