@@ -708,6 +708,34 @@ def test_register_installs_the_front_and_says_which_layers(mla, monkeypatch, cap
     assert "fusedq: MLA decode front enabled for 1 layers: a (1 others keep" in caplog.text
 
 
+def test_front_says_once_that_it_ran_in_every_layer_it_serves(mla, caplog):
+    """A speculative decoding server's draft layer runs in the drafter's own steps, after the
+    target's layers: the line comes once the front has run in it too, and only once."""
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(2, 2)
+    target, draft = stand_in(rope, w_uk_t), stand_in(rope, w_uk_t)
+    draft.layer_name = "model.layers.2.self_attn.attn"  # the tiny model's MTP layer
+    front_hook.front_report.layers.update(
+        {target.layer_name: True, "model.layers.1.self_attn.attn": False, draft.layer_name: True}
+    )
+    meta = types.SimpleNamespace(num_decode_tokens=2)
+
+    def step(layer):
+        args = (q.clone(), kv_c, k_pe.clone(), positions, cache, slots, meta)
+        assert front_hook.front_rows(layer, *args) == 2
+
+    with caplog.at_level(logging.INFO, logger="vllm.fusedq"):
+        step(target)
+        step(target)
+        assert front_hook.RAN_LINE not in caplog.text
+        step(draft)
+        step(draft)
+    ran = [m for m in caplog.messages if front_hook.RAN_LINE in m]
+    assert ran == [
+        "fusedq: MLA decode front ran in every layer it serves (2): "
+        "model.layers.0.self_attn.attn, model.layers.2.self_attn.attn"
+    ]
+
+
 def test_front_asked_for_without_the_query_plugin_says_why(mla, monkeypatch, caplog):
     monkeypatch.setenv(report.MODE_ENV, "0")
     monkeypatch.setenv(front_hook.FRONT_ENV, "1")
