@@ -36,6 +36,7 @@ from fusedq.vllm.report import logger
 FRONT_ENV = "FUSEDQ_MLA_FRONT"
 ENABLED_LINE = "fusedq: MLA decode front enabled"
 DISABLED_LINE = "fusedq: MLA decode front disabled"
+RAN_LINE = "fusedq: MLA decode front ran"
 
 FRONT_ATTR = "_fusedq_front"  # on an MLAAttention: its FrontPlan, or None
 QUERY_ATTR = "_fusedq_front_query"  # on an MLAAttention: this step's decode query
@@ -128,8 +129,6 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
     refusal = compile_refusal(compilation)
     if refusal:
         return None, refusal
-    if getattr(config, "speculative_config", None) is not None:
-        return None, "speculative decoding (MTP draft and verify steps not validated)"
     if layer.kv_cache_dtype not in KV_CACHE_DTYPES:
         return None, f"kv_cache_dtype {layer.kv_cache_dtype!r}"
     rotary = layer.__dict__[ROTARY_ATTR]
@@ -201,6 +200,8 @@ class FrontReport:
         self.summary: str | None = None
         self.first_use = False
         self.first_mixed = False
+        self.ran: set[str] = set()  # layers whose front has run
+        self.all_ran = False  # every layer served has run it (logged once)
         self.first_vllm = False  # the first step this process ran on vLLM's path
 
     def clear(self) -> None:
@@ -438,6 +439,8 @@ def front_rows(layer, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapping, a
             "fusedq: first MLA decode front (layer %s, M=%d of %d tokens)",
             layer.layer_name, n, q.shape[0],
         )  # fmt: skip
+    if not front_report.all_ran:
+        _note_ran(layer.layer_name)
     if n < q.shape[0] and not front_report.first_mixed:
         # Proof in the log that a step split its rows between the front and vLLM.
         front_report.first_mixed = True
@@ -446,6 +449,19 @@ def front_rows(layer, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapping, a
             layer.layer_name, n, q.shape[0],
         )  # fmt: skip
     return n
+
+
+def _note_ran(name: str) -> None:
+    """Record that the front ran in this layer; once it has run in every layer it serves (a
+    speculative decoding server's draft layers too, which run in the drafter's own steps),
+    say so, once per process."""
+    with front_report.lock:
+        front_report.ran.add(name)
+        served = sorted(n for n, ok in front_report.layers.items() if ok)
+        if front_report.all_ran or not served or not set(served) <= front_report.ran:
+            return
+        front_report.all_ran = True
+    logger.info("%s in every layer it serves (%d): %s", RAN_LINE, len(served), ", ".join(served))
 
 
 def decode_front(layer, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapping, attn_metadata):

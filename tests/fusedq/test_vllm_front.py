@@ -238,23 +238,37 @@ def vllm_cache_write(kv_c, k_pe, cache, slots):
     flat[slots[keep], L:] = k_pe.squeeze(1)[keep]
 
 
-def step_inputs(n: int, t: int):
+def step_inputs(n: int, t: int, rows=None):
     """One step of ``t`` tokens (the first ``n`` decoding) at H 8: the rotary embedding,
-    W_UK_T, q, kv_c, k_pe, positions, slots and an empty cache."""
+    W_UK_T, q, kv_c, k_pe, positions, slots and an empty cache. ``rows``: the step's
+    ``(positions, slots)``, else a default of scattered positions and slots."""
     gen = torch.Generator().manual_seed(n * 10 + t)
     w_uk_t = (torch.randn(H, P, L, generator=gen) / 16).bfloat16()
     q = torch.randn(t, H, P + R, generator=gen).bfloat16()
     kv_c = torch.randn(t, L, generator=gen).bfloat16()
     k_pe = torch.randn(t, 1, R, generator=gen).bfloat16()
-    positions = torch.tensor([7, 300, 41, 2, 1000, 55][:t])
-    slots = torch.tensor([3, 17, 9, 30, 12, 25][:t])
+    positions, slots = rows or ([7, 300, 41, 2, 1000, 55][:t], [3, 17, 9, 30, 12, 25][:t])
     cache = torch.zeros(4, 8, L + R, dtype=torch.bfloat16)
-    return rotary(), w_uk_t, q, kv_c, k_pe, positions, slots, cache
+    return rotary(), w_uk_t, q, kv_c, k_pe, torch.tensor(positions), torch.tensor(slots), cache
 
 
-@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
-def test_decode_front_splits_decode_and_prefill_rows(n, t):
-    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t)
+# Steps as (n, t, rows): n decode rows of t, as step_inputs takes them.
+STEPS = {
+    "mixed": (2, 5, None),
+    "decode": (3, 3, None),
+    "prefill": (0, 4, None),
+    # Speculative decoding (MTP 1), where the backend decodes 1 + k tokens a request: a
+    # verify step of two requests, each a decode row at its own position and slot.
+    "verify": (4, 4, ([40, 41, 300, 301], [3, 4, 17, 18])),
+    # The drafter's step: a request past max_model_len (position clamped to 0, padding slot)
+    # among the decode rows, and a padding row after them.
+    "draft-padded": (3, 4, ([41, 0, 301, 5], [4, -1, 18, -1])),
+}
+
+
+@pytest.mark.parametrize("n,t,rows", STEPS.values(), ids=STEPS.keys())
+def test_decode_front_splits_decode_and_prefill_rows(n, t, rows):
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t, rows)
     layer = stand_in(rope, w_uk_t)
 
     # vLLM's staged path: RoPE of every row, the cache write of every row, the bmm.
@@ -276,7 +290,9 @@ def test_decode_front_splits_decode_and_prefill_rows(n, t):
     # Decode rows: the front's RoPE is fp32, rounded once (Inductor's numerics); vLLM's CPU
     # rotary may round differently by an ulp.
     torch.testing.assert_close(cache.float(), want_cache.float(), atol=2e-2, rtol=1e-2)
-    assert torch.equal(cache.view(-1, L + R)[slots, :L], kv_c)
+    written = slots >= 0  # a padding slot writes nothing, on the front's rows too
+    assert torch.equal(cache.view(-1, L + R)[slots[written], :L], kv_c[written])
+    assert int(cache.view(-1, L + R).any(dim=-1).sum()) == int(written.sum())
     query = front_hook.take_query(layer, n)
     if n == 0:
         assert query is None
@@ -285,7 +301,7 @@ def test_decode_front_splits_decode_and_prefill_rows(n, t):
     assert front_hook.QUERY_ATTR not in layer.__dict__, "handed on once"
 
 
-def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32, sparse=None):
+def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32, sparse=None, rows=None):
     """The custom-op branch's step on CPU: ``torch.ops.fusedq.vllm_mla_front_update`` with
     the step's attention context (metadata, layer, cache, slots) as vLLM's forward context
     would give it, eagerly or inside ``torch.compile(fullgraph=True)``; returns what it wrote
@@ -295,7 +311,7 @@ def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32, sparse=None)
 
     from fusedq.vllm import switch
 
-    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t)
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(n, t, rows)
     layer = stand_in(rope, w_uk_t)
     plan = layer.__dict__[front_hook.FRONT_ATTR]
     layer.__dict__[front_hook.FRONT_ATTR] = dataclasses.replace(
@@ -339,9 +355,11 @@ def op_step(monkeypatch, *, n, t, compiled, path="fused", max_m=32, sparse=None)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("n,t", [(2, 5), (3, 3), (0, 4)], ids=["mixed", "decode", "prefill"])
-def test_front_op_runs_the_front_then_vllms_write_of_the_rest(mla, monkeypatch, n, t, compiled):
-    got = op_step(monkeypatch, n=n, t=t, compiled=compiled)
+@pytest.mark.parametrize("n,t,rows", STEPS.values(), ids=STEPS.keys())
+def test_front_op_runs_the_front_then_vllms_write_of_the_rest(
+    mla, monkeypatch, n, t, rows, compiled
+):
+    got = op_step(monkeypatch, n=n, t=t, compiled=compiled, rows=rows)
     # Rows the front did not take: vLLM's RoPE in place, bit for bit, seen by later uses.
     assert torch.equal(got["q_out"][n:, :, P:], got["want_q"][n:])
     assert torch.equal(got["k_out"][n:], got["want_k"][n:])
@@ -553,17 +571,19 @@ def test_query_hook_hands_on_the_front_query_first(mla):
 # --- start-up: what the front refuses, and its lines ------------------------------------------
 
 
-def compiled_config(*, graphs="FULL_AND_PIECEWISE", splitting_ops=None):
+def compiled_config(*, graphs="FULL_AND_PIECEWISE", splitting_ops=None, speculative=False):
     """A vLLM config's compilation part as the front reads it: ``VLLM_COMPILE`` with vLLM's
     own CUDA-graph mode enum (its mixed-batch mode decides) and, by default, the splitting
-    ops vLLM copies from its list after the front's install added its op."""
+    ops vLLM copies from its list after the front's install added its op; ``speculative``:
+    with an MTP speculative config, as the target's and the draft's layers see it."""
     from vllm.config.compilation import CUDAGraphMode
 
     ops = splitting_ops if splitting_ops is not None else [
         "vllm::unified_mla_attention_with_output", front_hook.FRONT_OP
     ]  # fmt: skip
+    spec = types.SimpleNamespace(method="mtp", num_speculative_tokens=1) if speculative else None
     return types.SimpleNamespace(
-        speculative_config=None,
+        speculative_config=spec,
         compilation_config=types.SimpleNamespace(
             mode=types.SimpleNamespace(name="VLLM_COMPILE"),
             cudagraph_mode=CUDAGraphMode[graphs],
@@ -611,7 +631,8 @@ def planned_layer(rope, **attrs):
             "sparse MLA backend: this vLLM's forward_impl does not split absorbed rows",
         ),
         ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
-        ({"_vllm_config": types.SimpleNamespace(speculative_config=object())}, "MTP draft"),
+        # Speculative decoding (MTP): the target's layers and the draft's are served alike.
+        ({"_vllm_config": functools.partial(compiled_config, speculative=True)}, None),
         ({"calculate_kv_scales": True}, "kv scales"),
         ({front_hook.ROTARY_ATTR: torch.nn.Identity()}, "rotary embedding Identity"),
     ],
@@ -685,6 +706,34 @@ def test_register_installs_the_front_and_says_which_layers(mla, monkeypatch, cap
         # No metadata (a profile run): vLLM's RoPE of every row, no cache entry written.
         assert front_hook.front_rows(layer, q, None, k_pe, torch.arange(2), None, None, None) == 0
     assert "fusedq: MLA decode front enabled for 1 layers: a (1 others keep" in caplog.text
+
+
+def test_front_says_once_that_it_ran_in_every_layer_it_serves(mla, caplog):
+    """A speculative decoding server's draft layer runs in the drafter's own steps, after the
+    target's layers: the line comes once the front has run in it too, and only once."""
+    rope, w_uk_t, q, kv_c, k_pe, positions, slots, cache = step_inputs(2, 2)
+    target, draft = stand_in(rope, w_uk_t), stand_in(rope, w_uk_t)
+    draft.layer_name = "model.layers.2.self_attn.attn"  # the tiny model's MTP layer
+    front_hook.front_report.layers.update(
+        {target.layer_name: True, "model.layers.1.self_attn.attn": False, draft.layer_name: True}
+    )
+    meta = types.SimpleNamespace(num_decode_tokens=2)
+
+    def step(layer):
+        args = (q.clone(), kv_c, k_pe.clone(), positions, cache, slots, meta)
+        assert front_hook.front_rows(layer, *args) == 2
+
+    with caplog.at_level(logging.INFO, logger="vllm.fusedq"):
+        step(target)
+        step(target)
+        assert front_hook.RAN_LINE not in caplog.text
+        step(draft)
+        step(draft)
+    ran = [m for m in caplog.messages if front_hook.RAN_LINE in m]
+    assert ran == [
+        "fusedq: MLA decode front ran in every layer it serves (2): "
+        "model.layers.0.self_attn.attn, model.layers.2.self_attn.attn"
+    ]
 
 
 def test_front_asked_for_without_the_query_plugin_says_why(mla, monkeypatch, caplog):

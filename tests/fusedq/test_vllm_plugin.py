@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import re
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from tiny_vllm import (
     assert_greedy_agree,
     greedy,
     greedy_batch,
+    greedy_together,
     log_lines,
     profile_decode,
     text_lines,
@@ -964,38 +966,77 @@ FRONT_PROMPTS = (
     ([9, 300, 1024, 18, 700, 52, 88, 3, 460], 6),
 )
 
+# Speculative decoding of both servers: MTP 1 (the tiny model's MTP layer is the draft, an
+# MLA layer the front serves too), the draft held to the target's backend as the
+# orchestrator holds it (decision 0008), and vLLM's batch-size schedule of draft tokens: none
+# for a request alone, 1 for two to four. CPU_MLA decodes 1-token queries only (its builder's
+# QueryLenSupport.SINGLE_ONLY keeps reorder_batch_threshold at 1), so a verify step's 1 + k
+# tokens a request, and the drafter's pass over them, take vLLM's prefill path: with MTP on
+# every step no row would reach the front on CPU. The schedule keeps decode rows for the lone
+# request (the target's layers, then the draft layer in the drafter's pass over them, through
+# the front); MTP_PAIR, sent as one request, runs draft and verify steps from its first
+# decode on, in both servers, as the batch's requests do while they overlap.
+MTP_SCHEDULE = [[1, 1, 0], [2, 4, 1]]
+MTP_PAIR = (FRONT_PROMPTS[2][0], FRONT_PROMPTS[3][0])
+
+
+def mtp_args(engine_args):
+    from orchestrator.engines.vllm.server import speculative_config
+
+    spec = speculative_config(1, engine_args)
+    spec["num_speculative_tokens_per_batch_size"] = MTP_SCHEDULE
+    return (*engine_args, "--speculative-config", json.dumps(spec, separators=(",", ":")))
+
+
+def served_with_mtp(port: int) -> tuple:
+    """Greedy runs (the lone prompt, MTP_PAIR, the batch) and the speculative-decoding
+    counters after them."""
+    from orchestrator.engines.vllm.server_metrics import read_spec_decode
+
+    runs = [greedy(port), *greedy_together(port, MTP_PAIR), *greedy_batch(port, FRONT_PROMPTS)]
+    return runs, read_spec_decode(f"http://127.0.0.1:{port}")
+
 
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT_S)
 def test_e2e_decode_front_matches_plain_vllm(tmp_path):
-    """FUSEDQ_MLA_QUERY=1 FUSEDQ_MLA_FRONT=1 under torch.compile: the front serves both
-    layers of the tiny model (RoPE, query and cache write of the decode tokens in one call,
-    vLLM's RoPE and cache write for the prefill tokens of the same steps, all in the custom
-    op that replaces the wrapper's traced RoPE), with plain compiled vLLM's greedy tokens (the
-    front rounds RoPE as Inductor does)."""
+    """FUSEDQ_MLA_QUERY=1 FUSEDQ_MLA_FRONT=1 under torch.compile, with MTP 1 (MTP_SCHEDULE):
+    the front serves the tiny model's two layers and its MTP draft layer (RoPE, query and
+    cache write of the decode tokens in one call, vLLM's RoPE and cache write for the other
+    rows of the same steps, verify and draft steps included, all in the custom op that
+    replaces the wrapper's traced RoPE), with plain compiled vLLM's greedy tokens under the
+    same speculative config (the front rounds RoPE as Inductor does)."""
     pytest.importorskip("vllm")
-    with vllm_server(tmp_path / "plain", {"VLLM_PLUGINS": ""}, engine_args=COMPILED_ARGS) as (port, _):  # fmt: skip
-        want_single = greedy(port)
-        want_batch = greedy_batch(port, FRONT_PROMPTS)
+    args = mtp_args(COMPILED_ARGS)
+    with vllm_server(tmp_path / "plain", {"VLLM_PLUGINS": ""}, engine_args=args) as (port, _):
+        want, want_spec = served_with_mtp(port)
     env = {"FUSEDQ_MLA_QUERY": "1", "FUSEDQ_MLA_FRONT": "1", "TRITON_INTERPRET": "1"}
-    with vllm_server(tmp_path / "front", env, engine_args=COMPILED_ARGS) as (port, log_path):
-        single = greedy(port)
-        batch = greedy_batch(port, FRONT_PROMPTS)
+    with vllm_server(tmp_path / "front", env, engine_args=args) as (port, log_path):
+        got, spec = served_with_mtp(port)
     log = log_path.read_text(errors="replace")
     assert text_lines(log, "'mode': <CompilationMode.DYNAMO_TRACE_ONCE"), "a compiled server"
-    enabled = text_lines(log, "fusedq: MLA decode front enabled for 2 layers: ")
+    assert text_lines(log, "Resolved architecture: DeepSeekMTPModel"), "the MTP draft"
+    # Speculative decoding ran: verified drafts in both servers.
+    for counters in (want_spec, spec):
+        assert counters is not None and counters.drafts > 0, counters
+    layers = ", ".join(f"model.layers.{i}.self_attn.attn" for i in range(3))  # 2 is the draft
+    enabled = text_lines(log, "fusedq: MLA decode front enabled for 3 layers: ")
     assert len(enabled) == 1, text_lines(log, "fusedq")
-    assert "model.layers.0.self_attn.attn, model.layers.1.self_attn.attn" in enabled[0]
+    assert layers in enabled[0]
     assert text_lines(log, "fusedq: first MLA decode front (layer ")
     assert text_lines(log, "fusedq: first MLA decode front beside other rows (layer ")
+    ran = text_lines(log, "fusedq: MLA decode front ran in every layer it serves (3): ")
+    assert len(ran) == 1 and layers in ran[0], text_lines(log, "fusedq")
     assert not text_lines(log, "fusedq: MLA decode front disabled")
     assert not text_lines(log, "fusedq: MLA decode front failed")
-    # Bit for bit on this machine's ISA when written; the suite's near-tie rule keeps the
-    # test to what it proves on CPUs whose Inductor code contracts the products differently.
-    assert_greedy_agree(single, want_single)
-    for got, want in zip(batch, want_batch, strict=True):
-        assert_greedy_agree(got, want)
+    print(f"drafts: plain {want_spec}, front {spec}")
+    # The suite's near-tie rule: on CPUs whose Inductor code contracts the products
+    # differently, and for the batch, whose steps two servers compose as its requests arrive
+    # (a token computed in a verify step takes vLLM's prefill path, in a decode step the
+    # decode path: plain vLLM against itself parts at near-ties there too).
+    for one, other in zip(got, want, strict=True):
+        assert_greedy_agree(one, other)
 
 
 @pytest.mark.slow

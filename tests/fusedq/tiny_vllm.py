@@ -178,6 +178,28 @@ def greedy(port: int) -> tuple[list[int], list[float]]:
     return ids, lp["token_logprobs"]
 
 
+def greedy_together(
+    port: int, prompts: Sequence[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and logprobs of each prompt, sent in one completion request: the
+    server takes them in at once, so they run in the same steps from the first decode on."""
+    import httpx
+
+    model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {
+        "model": model, "prompt": [list(p) for p in prompts], "max_tokens": max_tokens,
+        "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }  # fmt: skip
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=900)
+    reply.raise_for_status()
+    out = []
+    for choice in sorted(reply.json()["choices"], key=lambda c: c["index"]):
+        lp = choice["logprobs"]
+        out.append(([int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]))
+    return out
+
+
 def greedy_batch(
     port: int, prompts: Sequence[tuple[list[int], int]]
 ) -> list[tuple[list[int], list[float]]]:
