@@ -455,6 +455,8 @@ def _note_ran(name: str) -> None:
     """Record that the front ran in this layer; once it has run in every layer it serves (a
     speculative decoding server's draft layers too, which run in the drafter's own steps),
     say so, once per process."""
+    if name in front_report.ran:
+        return  # the common case until every layer has run: no lock, no sort
     with front_report.lock:
         front_report.ran.add(name)
         served = sorted(n for n, ok in front_report.layers.items() if ok)

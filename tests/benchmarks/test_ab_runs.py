@@ -334,7 +334,7 @@ def test_the_readme_shows_the_newest_primary_figure_of_each_stand_in():
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     # stand-in, heads, MTP and what the interval is over (rounds or server starts)
     keys = [
-        tuple(cell.strip() for cell in row.split("|")[1:4]) + ("starts" in row.split("|")[5],)
+        (*(cell.strip() for cell in row.split("|")[1:4]), "starts" in row.split("|")[5])
         for row in rows
     ]
     assert len(keys) == len(set(keys)) and len(rows) >= 9
