@@ -259,8 +259,13 @@ def prewarm_front(layer, plan: FrontPlan) -> list[int]:
     return ms
 
 
+def _served() -> list[str]:
+    """The layers the front serves, by name."""
+    return [n for n, ok in sorted(front_report.layers.items()) if ok]
+
+
 def summary_line() -> str:
-    served = [n for n, ok in sorted(front_report.layers.items()) if ok]
+    served = _served()
     if not served:
         return disabled_line("no MLA layer of this process can take it (see the lines above)")
     others = len(front_report.layers) - len(served)
@@ -459,7 +464,7 @@ def _note_ran(name: str) -> None:
         return  # the common case until every layer has run: no lock, no sort
     with front_report.lock:
         front_report.ran.add(name)
-        served = sorted(n for n, ok in front_report.layers.items() if ok)
+        served = _served()
         if front_report.all_ran or not served or not set(served) <= front_report.ran:
             return
         front_report.all_ran = True

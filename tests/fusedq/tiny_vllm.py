@@ -161,21 +161,35 @@ def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 6
     raise AssertionError(f"vllm serve not ready after {timeout} s:\n{log.read_text()[-4000:]}")
 
 
-def greedy(port: int) -> tuple[list[int], list[float]]:
-    """Greedy token ids and their logprobs for the fixed prompt."""
+def _model(port: int) -> str:
     import httpx
 
-    models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+    return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def _completions(
+    port: int, model: str, prompt, max_tokens: int, timeout: float
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and their logprobs of each choice of one completion request (one per
+    prompt where ``prompt`` is a list of prompts), in prompt order."""
+    import httpx
+
     body = {
-        "model": models["data"][0]["id"], "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-        "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
-        "ignore_eos": True,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
     }  # fmt: skip
-    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600)
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout)
     reply.raise_for_status()
-    lp = reply.json()["choices"][0]["logprobs"]
-    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-    return ids, lp["token_logprobs"]
+    out = []
+    for choice in sorted(reply.json()["choices"], key=lambda c: c["index"]):
+        lp = choice["logprobs"]
+        out.append(([int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]))
+    return out
+
+
+def greedy(port: int) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their logprobs for the fixed prompt."""
+    return _completions(port, _model(port), PROMPT, MAX_TOKENS, timeout=600)[0]
 
 
 def greedy_together(
@@ -183,21 +197,7 @@ def greedy_together(
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy token ids and logprobs of each prompt, sent in one completion request: the
     server takes them in at once, so they run in the same steps from the first decode on."""
-    import httpx
-
-    model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {
-        "model": model, "prompt": [list(p) for p in prompts], "max_tokens": max_tokens,
-        "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
-        "ignore_eos": True,
-    }  # fmt: skip
-    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=900)
-    reply.raise_for_status()
-    out = []
-    for choice in sorted(reply.json()["choices"], key=lambda c: c["index"]):
-        lp = choice["logprobs"]
-        out.append(([int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]))
-    return out
+    return _completions(port, _model(port), [list(p) for p in prompts], max_tokens, timeout=900)
 
 
 def greedy_batch(
@@ -207,20 +207,11 @@ def greedy_batch(
     once (one thread each), so the server batches them and steps mix decode and prefill."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
-
-    model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+    model = _model(port)
 
     def one(case: tuple[list[int], int]) -> tuple[list[int], list[float]]:
         prompt, max_tokens = case
-        body = {
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
-        }  # fmt: skip
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=900)
-        reply.raise_for_status()
-        lp = reply.json()["choices"][0]["logprobs"]
-        return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
+        return _completions(port, model, prompt, max_tokens, timeout=900)[0]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))

@@ -67,13 +67,18 @@ verdicts = _load_verdicts()
 REPORTS = verdicts.ab_reports()
 
 
-def _rows(run: str) -> dict[tuple[str, str], dict]:
-    """(topology, variant) -> the run's row (the latest line of each case)."""
+def _case_rows(run: str) -> dict[str, dict]:
+    """case id -> the run's row (the latest line of each case)."""
     rows = {}
     for line in (VALIDATION / run / "results.jsonl").read_text().splitlines():
         row = json.loads(line)
         rows[row["case_id"]] = row
-    return {(r["topology_id"], r["variant"]): r for r in rows.values()}
+    return rows
+
+
+def _rows(run: str) -> dict[tuple[str, str], dict]:
+    """(topology, variant) -> the run's row (the latest line of each case)."""
+    return {(r["topology_id"], r["variant"]): r for r in _case_rows(run).values()}
 
 
 def _blocks(row: dict, workload: str, metric: str) -> list[float | None]:
@@ -157,10 +162,7 @@ OF_SERVER = {
 def _recompute_starts(run: str, res: dict) -> dict:
     """A restarts run's figure `res`, from results.jsonl: one value per passed server start
     of each variant, Fieller's interval of the ratio of their means."""
-    rows: dict[str, dict] = {}
-    for line in (VALIDATION / run / "results.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["case_id"]] = row
+    rows = _case_rows(run)
     w, m = res["workload"], res["metric"]
 
     def starts(variant: str) -> list[float]:
