@@ -116,8 +116,14 @@ def plan_front(layer) -> tuple[FrontPlan | None, str]:
             "sparse MLA backend: this vLLM's forward_impl does not split absorbed rows by the "
             "rule the front reads"
         )
-    if facts.get("dcp_q_replicate") or getattr(layer.impl, "dcp_world_size", 1) > 1:
-        return None, "decode context parallel (DCP > 1)"
+    # DCP > 1 is served: each rank's slot mapping gives the tokens another rank stores slot
+    # -1 (vLLM's _compute_slot_mapping_kernel), for which the front writes nothing, as vLLM's
+    # write does not; the query is this rank's heads, all-gathered after the hook by vLLM (0.26:
+    # get_dcp_group().all_gather; 0.32: dcp_manager.query_gather), as for the fused query.
+    # vLLM 0.32's query replication instead runs its own bmm over every head's q (the query
+    # hook declines it), which would then read a q_pe the front left un-rotated.
+    if facts.get("dcp_q_replicate"):
+        return None, "DCP query replication (vLLM's own bmm over every head's q)"
     if getattr(layer, "use_pcp", False):
         return None, "prefill context parallel (the cache write gathers rows)"
     if getattr(layer, "hisparse_cache", None) is not None:

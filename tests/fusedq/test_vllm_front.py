@@ -263,6 +263,10 @@ STEPS = {
     # The drafter's step: a request past max_model_len (position clamped to 0, padding slot)
     # among the decode rows, and a padding row after them.
     "draft-padded": (3, 4, ([41, 0, 301, 5], [4, -1, 18, -1])),
+    # Decode context parallel (DCP 2, interleave 1), rank 1: vLLM's slot mapping gives the
+    # tokens rank 0 stores (even positions) slot -1, so each rank writes only its own entries
+    # while every row's query is computed (vLLM all-gathers the heads after the hook).
+    "dcp2-rank1": (3, 4, ([40, 41, 300, 7], [-1, 20, -1, 15])),
 }
 
 
@@ -630,7 +634,13 @@ def planned_layer(rope, **attrs):
             {"impl": types.SimpleNamespace(is_sparse=True, dcp_world_size=1)},
             "sparse MLA backend: this vLLM's forward_impl does not split absorbed rows",
         ),
-        ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, "DCP > 1"),
+        # DCP > 1: served (each rank writes the slots its mapping keeps, STEPS' dcp2-rank1);
+        # vLLM 0.32's query replication runs its own bmm over every head's q: refused.
+        ({"impl": types.SimpleNamespace(is_sparse=False, dcp_world_size=2)}, None),
+        (
+            {front_hook.WRAPPER_ATTR: {"is_sparse": False, "dcp_q_replicate": True}},
+            "DCP query replication",
+        ),
         # Speculative decoding (MTP): the target's layers and the draft's are served alike.
         ({"_vllm_config": functools.partial(compiled_config, speculative=True)}, None),
         ({"calculate_kv_scales": True}, "kv scales"),
