@@ -446,9 +446,11 @@ def front_rows(layer, q, kv_c_normed, k_pe, positions, kv_cache, slot_mapping, a
     _rope_rows(layer, plan, positions, q, k_pe, n)
     if not front_report.first_use:
         front_report.first_use = True
+        # What it wrote, so that a run's log shows an FP8 server's E4M3 query and cache.
         logger.info(
-            "fusedq: first MLA decode front (layer %s, M=%d of %d tokens)",
-            layer.layer_name, n, q.shape[0],
+            "fusedq: first MLA decode front (layer %s, M=%d of %d tokens, query=%s, cache=%s)",
+            layer.layer_name, n, q.shape[0], str(plan.out_dtype).removeprefix("torch."),
+            layer.kv_cache_dtype,
         )  # fmt: skip
     if not front_report.all_ran:
         _note_ran(layer.layer_name)

@@ -739,6 +739,11 @@ def test_front_says_once_that_it_ran_in_every_layer_it_serves(mla, caplog):
         assert front_hook.RAN_LINE not in caplog.text
         step(draft)
         step(draft)
+    first = [m for m in caplog.messages if m.startswith("fusedq: first MLA decode front (")]
+    assert first == [
+        "fusedq: first MLA decode front (layer model.layers.0.self_attn.attn, M=2 of 2 tokens, "
+        "query=bfloat16, cache=auto)"
+    ]
     ran = [m for m in caplog.messages if front_hook.RAN_LINE in m]
     assert ran == [
         "fusedq: MLA decode front ran in every layer it serves (2): "
