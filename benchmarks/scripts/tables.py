@@ -526,7 +526,7 @@ def _ab_lines(folder: Path, report: Row, doc: Path) -> list[list[str]]:
     run = _link(
         str(target if target.is_file() else folder / "report.json"),
         doc,
-        report.get("run_id") or folder.name,
+        folder.name,
     )
     by: dict[tuple[str, str], dict[str, Row]] = {}
     for res in report["ab"]["results"]:
@@ -657,8 +657,29 @@ def geometry_qualification(rows: list[Row], doc: Path, geometry: str = "deepseek
     )
 
 
-# What e2e_now's stand-in cell leaves unsaid: the bf16 weights and the fused query.
-NOT_NAMED = ("bf16", "candidate `fused`")
+# What e2e_now's stand-in cell leaves unsaid: the bf16 weights, the fused query and the
+# model's own KV cache dtype.
+NOT_NAMED = ("bf16", "candidate `fused`", "")
+
+
+def _named(parts: Iterable[str]) -> str:
+    """' (a, b)': what a stand-in cell names beside the stand-in, or '' for nothing."""
+    named = ", ".join(parts)
+    return f" ({named})" if named else ""
+
+
+def _kv_cache(matrix: Row, model: Row) -> str:
+    """The KV cache the servers ran with where the engine or model args set one ("fp8 KV
+    cache"), else "": an FP8 cache changes the decode step, so its run is not the BF16
+    cache run's successor."""
+    args = [*((matrix.get("engine") or {}).get("args") or []), *(model.get("args") or [])]
+    dtype = ""
+    for i, arg in enumerate(args):
+        if arg.startswith("--kv-cache-dtype="):
+            dtype = arg.split("=", 1)[1]
+        elif arg == "--kv-cache-dtype" and i + 1 < len(args):
+            dtype = args[i + 1]
+    return f"{dtype} KV cache" if dtype and dtype != "auto" else ""
 
 
 def _over(res: Row) -> str:
@@ -679,34 +700,39 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
     # successor, nor a run of another candidate (the decode front) the fused query's.
     # And by the sampling unit: server starts (restarts) measure against another baseline
     # server than a switch server's rounds, so neither run replaces the other.
-    newest: dict[tuple[str, str, str, int, int, str], tuple[Path, Row]] = {}
+    newest: dict[tuple[str, str, str, str, int, int, str], tuple[Path, Row]] = {}
     for folder, report in ab_runs_found(root or VALIDATION):
+        matrix = _run_matrix(report, folder)
         models = {
-            m.get("label"): (m.get("path"), m.get("weight_format") or "bf16", m.get("num_heads"))
-            for m in _run_matrix(report, folder).get("models") or []
+            m.get("label"): (
+                m.get("path"),
+                m.get("weight_format") or "bf16",
+                _kv_cache(matrix, m),
+                m.get("num_heads"),
+            )
+            for m in matrix.get("models") or []
         }
         for res in report["ab"]["results"]:
             if res.get("role") != "primary":
                 continue
             topology = res["topology_id"]
-            path, fmt, heads = models.get(topology.split("/")[0], ("?", "bf16", 0))
+            path, fmt, kv, heads = models.get(topology.split("/")[0], ("?", "bf16", "", 0))
             cases = [
                 c for c in report.get("cases") or [] if c["case_id"].startswith(topology + "/")
             ]
             cand = (res.get("candidate") or {}).get("variant") or "fused"
-            key = (path, fmt, cand, heads, _mtp(cases, topology) or 0, res.get("unit") or "")
+            key = (path, fmt, kv, cand, heads, _mtp(cases, topology) or 0, res.get("unit") or "")
             newest[key] = (folder, res)
     lines = [
         [
-            f"`{path}`"
-            + "".join(f" ({x})" for x in (fmt, f"candidate `{cand}`") if x not in NOT_NAMED),
+            f"`{path}`" + _named(x for x in (fmt, kv, f"candidate `{cand}`") if x not in NOT_NAMED),
             str(heads),
             str(mtp),
             _ratio(res) + f": {_cell(res['verdict'])}",
             _over(res),
             f"{_link(_rel(folder / 'report.md'), doc, folder.name)} ({folder.parent.name})",
         ]
-        for (path, fmt, cand, heads, mtp, _), (folder, res) in sorted(newest.items())
+        for (path, fmt, kv, cand, heads, mtp, _), (folder, res) in sorted(newest.items())
     ]
     if not lines:
         raise TableError("no committed A/B run has a primary figure")
@@ -715,7 +741,8 @@ def e2e_now(rows: list[Row], doc: Path, root: Path | None = None) -> str:
             "The primary figure, ctx0 output tok/s fused/staged with its 95 % interval (over "
             "a switch-mode server's paired rounds, at equal synthetic acceptance under MTP, or "
             "over server starts), of the newest committed A/B run of each stand-in (and weight "
-            "format, and candidate where it is not the fused query), head count, MTP and "
+            "format, KV cache, and candidate where it is not the fused query), head count, MTP "
+            "and "
             f"sampling unit; every run and figure: {_link('docs/standins.md', doc)}, generated "
             "from each run's `report.json`.",
             "",

@@ -378,3 +378,37 @@ def test_a_restarts_run_and_a_switch_run_of_one_stand_in_each_keep_their_row(
     assert any("6 rounds, one server" in r and "switch-new" in r for r in rows)
     assert any("6 + 6 server starts" in r and "[starts]" in r and "1.0280" in r for r in rows)
     assert "switch-old" not in text
+
+
+def test_an_fp8_cache_run_keeps_its_own_row_and_names_its_cache(tmp_path: Path, monkeypatch):
+    """An FP8 KV cache changes the decode step: a newer FP8-cache run does not replace the
+    BF16-cache run's row, and its cell names the cache (whichever way the arg is spelled)."""
+    root = tmp_path / "docs" / "validation"
+    model = {"label": "glm5-tp4", "path": "builtin:glm5", "num_heads": 16}
+    for day, run, args in (
+        ("2026-12-01", "bf16-cache", ["--max-model-len=4096"]),
+        ("2026-12-02", "auto-cache", ["--kv-cache-dtype=auto"]),
+        ("2026-12-03", "fp8-cache", ["--kv-cache-dtype", "fp8"]),
+    ):
+        matrix = {**MATRIX, "models": [model], "engine": {"args": args}}
+        report = _headline() | {"run_id": run, "matrix": matrix}
+        report["ab"] = {
+            "results": [
+                {
+                    **_result("ctx0", "output_tok_s", 100.0, 101.0, n=4, unit="rounds"),
+                    "role": "primary",
+                    "interval_pct": [0.9, 1.1],
+                }
+            ]
+        }
+        _write(root, day, run, report)
+    monkeypatch.setattr(tables, "VALIDATION", root)
+    text = tables.e2e_now([], tmp_path / "README.md", root)
+    rows = [line for line in text.splitlines() if line.startswith("| `builtin:glm5`")]
+    assert len(rows) == 2, text
+    assert any(
+        r.startswith("| `builtin:glm5` (fp8 KV cache) |") and "[fp8-cache]" in r for r in rows
+    )
+    # "auto" is the model's own cache dtype: the newer auto run replaces the unnamed one.
+    assert any(r.startswith("| `builtin:glm5` |") and "[auto-cache]" in r for r in rows)
+    assert "bf16-cache" not in text
