@@ -144,10 +144,11 @@ def group_id(topology_id: str, variant: str) -> str:
 def unit_values(
     rows: Sequence[CaseResult], workload: str, metric: Metric
 ) -> tuple[str, list[float]]:
-    """The sampling unit of one (topology, variant) and one figure per unit: each passed
-    server start's figure when the variant was served two or more times; otherwise the
-    blocks of its one switch-mode server. A unit without the figure is left out."""
-    passed = [r for r in rows if r.passed and workload in r.workloads]
+    """The sampling unit of one (topology, variant) and one figure per unit: each measured
+    server start's figure (CaseResult.measured: passed, or failed only in the profile phase
+    after it) when the variant was served two or more times; otherwise the blocks of its one
+    switch-mode server. A unit without the figure is left out."""
+    passed = [r for r in rows if r.measured and workload in r.workloads]
     if len(rows) == 1 and passed and passed[0].switch is not None:
         blocks = (metric.of_block(b) for b in passed[0].workloads[workload].repeats)
         return BLOCKS, [float(v) for v in blocks if v is not None]
@@ -291,10 +292,11 @@ def paired_units(
     """Switch mode's pairs of one figure, each (index, baseline, candidate): the rounds of
     one server (index: the round, from 0), or the server starts that served both variants
     (index: the start), each variant's figure the mean of its blocks there. A pair without
-    both figures, or with a failed row, is left out."""
+    both figures, or with a row whose figures do not stand (CaseResult.measured), is left
+    out."""
 
     def ok(rows: Sequence[CaseResult]) -> list[CaseResult]:
-        return [r for r in rows if r.passed and workload in r.workloads]
+        return [r for r in rows if r.measured and workload in r.workloads]
 
     b_rows, c_rows = ok(base), ok(cand)
     if len(base) == 1 and len(cand) == 1:

@@ -29,6 +29,25 @@ def design(run: Run) -> str:
     ab = run.manifest.ab
     if ab is None:
         return ""
+    return " ".join(x for x in (_design(run, ab), _after_failure(run)) if x)
+
+
+def _after_failure(run: Run) -> str:
+    """The servers that failed in their profile phase, after their measurements: their
+    figures are judged, and the case stays failed."""
+    servers: dict[str, str] = {}
+    for r in run.ordered:
+        if r.ab_server is not None and not r.passed and r.measured:
+            server = r.switch.server_case if r.switch is not None else r.case_id
+            servers.setdefault(server, (r.reason or "no reason recorded").splitlines()[0])
+    return " ".join(
+        f"{server} failed in its profile phase, after its measurements ({reason}): the "
+        "figures measured before it are judged; the case stays failed."
+        for server, reason in servers.items()
+    )
+
+
+def _design(run: Run, ab: dict[str, Any]) -> str:
     if ab.get("mode", "restarts") == "restarts":
         servers = {len(rows) for rows in server_groups(run.ordered).values()}
         count = "/".join(str(n) for n in sorted(servers)) or "?"

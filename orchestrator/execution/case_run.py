@@ -44,7 +44,7 @@ from orchestrator.engines import ServerStartError, engine_for, log_tail
 from orchestrator.execution.progress import STOPPING
 from orchestrator.plan.units import Unit
 from orchestrator.results.profile_figures import ProfileResult
-from orchestrator.results.rows import SCHEMA_VERSION, CaseResult, WorkloadSummary
+from orchestrator.results.rows import PROFILE_PHASE, SCHEMA_VERSION, CaseResult, WorkloadSummary
 from orchestrator.results.store import RunStore, write_json_atomic
 from orchestrator.results.stored_audit import AuditSummary
 
@@ -145,6 +145,12 @@ class CaseRun:
         self.workloads: dict[str, WorkloadSummary] = {}
         self.profile: ProfileResult | None = None
         self.status, self.reason = "passed", None
+        # Where the server is: "measure" (start-up and the measurements), PROFILE_PHASE (set by
+        # the measuring once every measurement is taken), "checks" (after the stop). A failure
+        # in the profile phase leaves the measurements standing (CaseResult.failed_in).
+        self.stage = "measure"
+        self.failed_in: str | None = None
+        self.profile_line = 0  # the first server log line of the profile phase
         # The server's last words, for a case whose server ended on its own (None: not shown).
         self.tail: str | None = None
         self.handle: Any = None
@@ -193,6 +199,7 @@ class CaseRun:
         startup = self._startup()
         if self.profile is not None and self.status == "passed":
             self.measuring.read_traces(self)
+        self.stage = "checks"
         if self.status == "passed" and self.exited_early is not None:
             how = describe_exit(self.exited_early)
             self.fail(f"server process {how} before the orchestrator stopped it")
@@ -202,6 +209,8 @@ class CaseRun:
         # The audit runs on every case, failed or not: a fault explains a failure, and a fault
         # in a case that produced numbers must fail it anyway.
         audit = self._audit()
+        if self.failed_in == PROFILE_PHASE and self._fault_before_profile(audit):
+            self.failed_in = None  # a fault before the profile: the measurements do not stand
         same_tokens = self.measuring.same_tokens(self)
         differs = [c["sentence"] for c in same_tokens.values() if c["verdict"] == tokens.DIFFERS]
         if differs and self.status == "passed":
@@ -215,8 +224,25 @@ class CaseRun:
         """The server's phase, in the live view."""
         self.progress.update(self.shown_as, phase, *args, **kwargs)
 
+    def enter_profile(self) -> None:
+        """Every measurement is taken; the profile phase begins (a failure from here on leaves
+        the measurements standing, unless the audit finds a fault logged before it)."""
+        self.stage = PROFILE_PHASE
+        self.profile_line = _line_count(self.server_log) + 1
+
+    def _fault_before_profile(self, audit: AuditSummary) -> bool:
+        """Whether a case-breaking finding came before the profile phase: in the server log
+        above its first line, or anywhere else (the kernel log's lines are not the server's)."""
+        log = str(self.server_log)
+        return any(
+            f.file != log or f.line is None or f.line < self.profile_line
+            for f in audit.case_breaking
+        )
+
     def fail(self, reason: str) -> None:
-        """The server's case fails, for `reason`."""
+        """The server's case fails, for `reason` (the first failure says in which phase)."""
+        if self.status == "passed":
+            self.failed_in = self.stage if self.stage == PROFILE_PHASE else None
         self.status, self.reason = "failed", reason
 
     @contextlib.contextmanager
@@ -460,6 +486,7 @@ class CaseRun:
         row.update(
             status=self.status,
             reason=self.reason,
+            failed_in=self.failed_in if self.status != "passed" else None,
             ended_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             workloads=self.workloads,
             errors=sum(w.errors for w in self.workloads.values()),

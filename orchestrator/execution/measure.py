@@ -52,6 +52,7 @@ class EveryWorkloadOnce:
             self._measure(run, wl, vocab, key)
         if self.matrix.profile is not None:
             # After the workloads: the profiler's overhead never touches a measured figure.
+            run.enter_profile()
             take_profile(run, model_path, vocab, key)
 
     def _measure(self, run: CaseRun, wl: WorkloadSpec, vocab: int, key: str | None) -> None:

@@ -213,6 +213,7 @@ class SwitchBlocks:
                 self.blocks = self.blocks[:block]
                 break
         if self.matrix.profile is not None:
+            run.enter_profile()
             known: set[str] = set()
             for n, variant in enumerate(self.by_variant, len(self.blocks) + 1):
                 self._flip(run, variant, n, key)

@@ -49,6 +49,10 @@ __all__ = [
 # --------------------------------------------------------------------------- workloads
 
 
+# The phase after the measurements (CaseResult.failed_in).
+PROFILE_PHASE = "profile"
+
+
 class _Figures(Record):
     """Figures of which an undefined one (of no values) may have been written as NaN."""
 
@@ -293,6 +297,9 @@ class CaseResult(Record):
     same_tokens: dict[str, TokenCheck] = Field(default_factory=dict)
     status: str | None = None  # "passed" or "failed"; anything else reads as failed
     reason: str | None = None
+    # "profile": a failed case that failed in its profile phase, after every workload (every
+    # block, on a switch server) had been measured; None otherwise.
+    failed_in: str | None = None
     ended_at: str | None = None
     workloads: dict[str, WorkloadSummary] = Field(default_factory=dict)
     errors: int = 0
@@ -316,6 +323,12 @@ class CaseResult(Record):
     @property
     def passed(self) -> bool:
         return self.status == "passed"
+
+    @property
+    def measured(self) -> bool:
+        """Whether the row's figures stand: it passed, or it failed only in the profile phase
+        that follows the measurements (the profiler never runs beside a measured figure)."""
+        return self.passed or self.failed_in == PROFILE_PHASE
 
     def mean_of(self, workload: str, metric: str = "aggregate_tok_s") -> float | None:
         """The mean over repeats of `metric` in `workload`, None where not measured."""

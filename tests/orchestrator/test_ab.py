@@ -23,6 +23,7 @@ from orchestrator.analysis.ab import (
     ab_results,
     verdict,
 )
+from orchestrator.analysis.ab_design import design
 from orchestrator.analysis.evidence import BMM_ALONE, BMM_CAT, evidence_chain
 from orchestrator.analysis.paired import PAIRED_SERVERS, ROUNDS
 from orchestrator.analysis.stats import TOO_FEW, Interval, MeanEstimate, ratio_interval
@@ -206,6 +207,43 @@ def test_a_switch_round_without_both_blocks_is_no_pair(tmp_path):
     tok = _results(tmp_path, figures, matrix=abrun.SWITCH, edit=edit)[0]
     assert tok.interval is None and tok.verdict == TOO_FEW
     assert tok.why == "0 rounds with both variants measured; 2 or more are needed"
+
+
+def test_a_switch_server_failed_in_its_profile_keeps_its_rounds(tmp_path):
+    """The profile phase runs after every block: a server that fails there (the engine ended
+    in a profiled step) still measured its rounds, which are judged; the report says so."""
+    failed = {"status": "failed", "reason": "CUDA error: invalid argument\nprofile: HTTP 500"}
+    edit = {
+        f"glm5-h16/tp1-dcp1-mtp0/{v}/s1": {**failed, "failed_in": "profile"}
+        for v in ("staged", "fused")
+    }
+    figures = abrun.switch(SWITCH_STAGED, SWITCH_FUSED)
+    run = Run.load(abrun.write_run(tmp_path, figures, matrix=abrun.SWITCH, edit=edit))
+    tok = ab_results(run)[0]
+    clean = _results(tmp_path / "clean", figures, matrix=abrun.SWITCH)[0]
+    assert tok.interval == clean.interval and tok.verdict == FASTER
+    text = design(run)
+    assert (
+        "failed in its profile phase, after its measurements (CUDA error: invalid argument)" in text
+    )
+    assert text.count("failed in its profile phase") == 1  # one server, named once
+    assert not any(r.passed for r in run.ordered)  # the case stays failed
+
+
+def test_a_failure_before_the_profile_leaves_the_figures_out(tmp_path):
+    # failed_in is None: the failure came during the measurements (or the audit found a fault
+    # logged before the profile began), so nothing of the server is judged.
+    edit = {"glm5-h16/tp1-dcp1-mtp0/fused/s1": {"status": "failed", "reason": "boom"}}
+    figures = abrun.switch(SWITCH_STAGED, SWITCH_FUSED)
+    run = Run.load(abrun.write_run(tmp_path, figures, matrix=abrun.SWITCH, edit=edit))
+    assert ab_results(run)[0].verdict == TOO_FEW and "profile phase" not in design(run)
+
+
+def test_a_server_start_failed_in_its_profile_is_one_more_unit(tmp_path):
+    failed = {"status": "failed", "reason": "boom", "failed_in": "profile"}
+    edit = {"glm5-h16/tp1-dcp1-mtp0/fused/s4": failed}
+    tok = _results(tmp_path, abrun.restarts(STAGED, FUSED), edit=edit)[0]
+    assert tok.candidate.values == tuple(u[0] for u in FUSED)
 
 
 def test_a_run_without_ab_has_no_ab_results(tmp_path):

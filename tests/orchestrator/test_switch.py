@@ -477,3 +477,46 @@ def test_only_a_server_with_synthetic_acceptance_is_reseeded_and_its_rows_say_so
     assert [b["args"] for _, b, _ in state["calls"]] == [["40"], ["40"], ["41"], ["41"]]
     staged, fused = blocks.rows(run, run.result(AuditSummary(), {}))
     assert staged.switch.seeds == fused.switch.seeds == [40, 41]
+
+
+def _fatal_at(path: Path, line: int) -> AuditSummary:
+    finding = {
+        "file": str(path), "line": line, "rank": None, "signature": "CUDA-error",
+        "severity": "fatal", "category": "CUDA-error", "text": "CUDA error: invalid argument",
+    }  # fmt: skip
+    return AuditSummary.model_validate({"findings": [finding]})
+
+
+def test_a_failure_in_the_profile_phase_leaves_the_rounds_standing(tmp_path):
+    """The profile phase begins once every block has run: a failure there marks the rows
+    failed_in "profile" (their figures stand, CaseResult.measured); a failure before it, or a
+    fault the audit finds logged before the phase began, does not."""
+    m = parse_matrix(SAME_TOKENS + "ab: {mode: switch, blocks: 2}\n", "sw.yaml")
+    cases = expand(m)
+    (unit,) = [u for u in run_units(m, cases, cases) if u.server.mtp == 0]
+
+    def server(fail_in_profile: bool) -> tuple[CaseRun, SwitchBlocks]:
+        blocks = SwitchBlocks(unit, m)
+        store = RunStore.create(tmp_path / f"p{fail_in_profile}", "r")
+        run = CaseRun(unit, blocks, m, None, store, lambda _: None, None)
+        for variant in ("staged", "fused"):
+            blocks.results[variant]["greedy"] = [_greedy([1, 2, 3], 0), _greedy([1, 2, 3], 1)]
+        run.server_log.parent.mkdir(parents=True, exist_ok=True)
+        run.server_log.write_text("started\nblock 1\nblock 2\n")
+        if fail_in_profile:
+            run.enter_profile()
+        run.fail("CUDA error: invalid argument")
+        run.fail("a later failure does not move the phase")
+        return run, blocks
+
+    run, blocks = server(True)
+    assert run.profile_line == 4 and run.failed_in == "profile"
+    rows = blocks.rows(run, run.result(AuditSummary(), {}))
+    assert [(r.status, r.failed_in, r.measured) for r in rows] == [("failed", "profile", True)] * 2
+    assert not run._fault_before_profile(_fatal_at(run.server_log, 5))
+    assert run._fault_before_profile(_fatal_at(run.server_log, 3))
+    assert run._fault_before_profile(_fatal_at(tmp_path / "kern.log", 9))
+
+    run, blocks = server(False)
+    rows = blocks.rows(run, run.result(AuditSummary(), {}))
+    assert [(r.failed_in, r.measured) for r in rows] == [(None, False)] * 2
