@@ -43,7 +43,8 @@ Gluon, ``view_tma`` (those tiles read by TMA bulk copies); see FLOOR_SPLIT_K.
 staged query, its ``concat_and_cache_mla``), against ``fused_front``, one
 ``mla_decode_front`` launch, with the query alone of each beside them.
 
-``--eager`` measures something else: host time per call outside graphs (``eager``).
+``--eager`` measures something else: host time per call outside graphs (``eager``); with
+``--front``, of the decode front's eager paths.
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
         "--eager",
         action="store_true",
         help="host time per call outside CUDA graphs: public op, custom op, bare launch, "
-        "vLLM's staged block",
+        "vLLM's staged block (with --front: the decode front's, against vLLM's front)",
     )
     p.add_argument("--calls", type=int, default=Options.eager_calls, help="--eager: calls per run")
     p.add_argument(
@@ -291,7 +292,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--json", default=None, help="write every figure to this path")
     a = p.parse_args(argv)
     if a.eager:
-        clash = [f for f in ("chain", "sweep", "floors", "front") if getattr(a, f)]
+        # --eager --front: the front's eager paths (fusedq_bench.eager.FRONT_PATHS).
+        clash = [f for f in ("chain", "sweep", "floors") if getattr(a, f)]
         if clash:
             p.error(f"--eager times calls outside graphs; it does not combine with --{clash[0]}")
     if a.front:

@@ -24,6 +24,17 @@ after; the figure is the best of ``repeats`` such runs (paths interleaved ABBA b
 repeats), in µs per call. With the GPU work far shorter than the host time, the queue never
 backs up and the wall time per call is the host time.
 
+With ``--front`` the paths are the decode front's (``FRONT_PATHS``), which vLLM's piecewise
+steps run eagerly once per layer (a request's first step under MTP, mixed batches):
+
+- ``front_public``: ``fusedq.mla_decode_front(..., backend="auto")`` allocating the query,
+  as the vLLM hook calls it;
+- ``front_custom_op``: ``torch.ops.fusedq.mla_decode_front`` into a preallocated query;
+- ``vllm_front``: vLLM's best front as its piecewise step runs it, ``concat_and_cache_mla_rope_
+  fused`` then the served staged query (where vLLM is importable), else ``staged_front``:
+  the staged RoPE, query and cache write of ``fusedq-bench --front``;
+- ``query_public``: ``fusedq.mla_query_projection`` on the same q, the query alone.
+
 On a machine without CUDA this mode refuses: under ``TRITON_INTERPRET=1`` the kernel itself
 runs in Python, so the host time would measure the interpreter, not the launch path.
 """
@@ -42,6 +53,7 @@ QK_NOPE = GLM5.qk_nope
 V_HEAD = GLM5.v_head
 
 CALL_PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
+FRONT_PATHS = ("front_public", "front_custom_op", "vllm_front", "staged_front", "query_public")
 # The fused paths compared with the staged block, and the staged variant each is divided by.
 RATIOS = {
     "public_over_staged": ("public", "staged_032"),
@@ -208,6 +220,97 @@ def eager_shape(fmt: str, h: int, m: int, opts) -> dict:
     return row
 
 
+def front_paths(fr, vllm_op) -> dict[str, Callable[[], object]]:
+    """One eager call of each front path on ``fr`` (``fusedq_bench.front.Front``), as
+    zero-argument closures; ``vllm_op``: vLLM's RoPE + cache-write op, or None."""
+    import torch
+
+    import fusedq
+    import fusedq.ops
+    from fusedq.dispatch import split_weight
+    from fusedq_bench import front
+
+    lay = fr.lay
+    w = lay.fused_w[0]
+    values, scales = split_weight(w)
+    cache = fr.caches[0]
+    out = torch.empty(lay.out.shape, dtype=lay.out_dtype, device=lay.out.device)
+    op = torch.ops.fusedq.mla_decode_front
+    baseline = (
+        ("vllm_front", front.vllm_fused_front_step(fr, vllm_op))
+        if vllm_op is not None
+        else ("staged_front", front.staged_front_step(fr))
+    )
+
+    def front_public():
+        return fusedq.mla_decode_front(
+            fr.q, fr.kv_c, fr.k_pe, fr.positions, fr.cos_sin, w, cache, fr.slot_mapping,
+            is_neox=front.IS_NEOX, kv_cache_dtype="auto", k_scale=fr.k_scale,
+            out_dtype=lay.out_dtype, q_scale=lay.q_scale, backend="auto",
+        )  # fmt: skip
+
+    def front_custom_op():
+        return op(
+            fr.q, fr.kv_c, fr.k_pe, fr.positions, fr.cos_sin, values, scales, cache,
+            fr.slot_mapping, out, fr.k_scale, lay.q_scale, front.IS_NEOX, "auto", "auto",
+        )  # fmt: skip
+
+    return {
+        "front_public": front_public,
+        "front_custom_op": front_custom_op,
+        baseline[0]: lambda: baseline[1](0),
+        "query_public": lambda: fusedq.mla_query_projection(
+            lay.q_nope, w, lay.q_pe, out_dtype=lay.out_dtype, q_scale=lay.q_scale
+        ),
+    }
+
+
+def auto_front_choice(fr, fmt: str) -> str:
+    """What ``backend="auto"`` runs at ``fr``'s shape: the fused kernel's tiles, or staged and
+    why."""
+    from fusedq import front_dispatch
+
+    lay = fr.lay
+    m, h = lay.q_nope.shape[0], lay.q_nope.shape[1]
+    config, why = front_dispatch.choice(
+        h, m, geometry=lay.geometry, weight_format=RECIPES[fmt][0], out_dtype=lay.out_dtype,
+        cache_fp8=False, device=lay.q_nope.device,
+    )  # fmt: skip
+    if config is None:
+        return f"staged ({why})"
+    return f"fused (BLOCK_M {config.block_m} BLOCK_N {config.block_n} {config.num_warps} warps)"
+
+
+def eager_front_shape(fmt: str, h: int, m: int, opts) -> dict:
+    """The front's eager paths at one shape (``--eager --front``); the row names the kernel
+    ``backend="auto"`` chose (or staged) and vLLM's op where it was missing."""
+    import torch
+
+    import fusedq
+    from fusedq_bench import front
+
+    fr = front.build_front(fmt, h, m, opts)
+    fusedq.prewarm_decode_front(
+        fr.lay.fused_w[0], [m], is_neox=front.IS_NEOX, out_dtype=fr.lay.out_dtype,
+        cos_sin_dtype=fr.cos_sin.dtype, positions_dtype=fr.positions.dtype,
+    )  # fmt: skip
+    vllm_op, why = front.vllm_rope_cache_op(torch.device("cuda"))
+    per_call = time_paths(front_paths(fr, vllm_op), opts.eager_calls, opts.eager_repeats,
+                          opts.warmup)  # fmt: skip
+    row = eager_row(fmt, h, m, per_call)
+    row["front"] = True
+    row["front_choice"] = auto_front_choice(fr, fmt)
+    if vllm_op is None:
+        row["vllm_front_missing"] = why
+    for fused in ("front_public", "front_custom_op"):
+        base = "vllm_front" if vllm_op is not None else "staged_front"
+        row[f"{fused}_over_{base}"] = row[f"{fused}_us"] / row[f"{base}_us"]
+    row["calls"], row["repeats"] = opts.eager_calls, opts.eager_repeats
+    del fr
+    torch.cuda.synchronize()
+    return row
+
+
 def run(opts) -> list[dict]:
     """Every (format, H, M) of ``opts``; refuses without CUDA (see the module docstring)."""
     import torch
@@ -219,7 +322,8 @@ def run(opts) -> list[dict]:
         for h in opts.heads:
             for m in opts.ms:
                 try:
-                    row = eager_shape(fmt, h, m, opts)
+                    shape = eager_front_shape if opts.front else eager_shape
+                    row = shape(fmt, h, m, opts)
                 except Exception as exc:  # one broken shape must not lose the others
                     row = {"format": fmt, "H": h, "M": m, "error": repr(exc)}
                 print(one_line(row), flush=True)
@@ -230,12 +334,15 @@ def run(opts) -> list[dict]:
 def one_line(row: dict) -> str:
     if "error" in row:
         return f"eager {row['format']} H={row['H']} M={row['M']}: FAILED {row['error']}"
-    paths = " ".join(f"{p}={row[f'{p}_us']:.1f}" for p in CALL_PATHS if f"{p}_us" in row)
+    names = FRONT_PATHS if row.get("front") else CALL_PATHS
+    paths = " ".join(f"{p}={row[f'{p}_us']:.1f}" for p in names if f"{p}_us" in row)
     return f"eager {row['format']} H={row['H']} M={row['M']} µs/call: {paths}"
 
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table: best µs per call of every path, and fused/staged."""
+    if rows and all(r.get("front") or "error" in r for r in rows):
+        return format_front_table(rows)
     header = ["format", "H", "M", *(f"{p} µs" for p in CALL_PATHS), "public/staged", "hook/staged"]
     body = []
     for r in rows:
@@ -245,4 +352,20 @@ def format_table(rows: list[dict]) -> str:
         cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in CALL_PATHS]
         ratios = [f"{r[k]:.2f}" if k in r else "-" for k in RATIOS]
         body.append([r["format"], r["H"], r["M"], *cells, *ratios])
+    return md_table(header, body)
+
+
+def format_front_table(rows: list[dict]) -> str:
+    """Markdown table of ``--eager --front``: best µs per call of every front path, the
+    fused front over vLLM's (or the staged) front, and what ``backend="auto"`` ran."""
+    header = ["format", "H", "M", *(f"{p} µs" for p in FRONT_PATHS), "front/vLLM", "auto ran"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["format"], r["H"], r["M"], f"error: {r['error']}"])
+            continue
+        cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in FRONT_PATHS]
+        ratio = next((v for k, v in r.items() if k.startswith("front_public_over_")), None)
+        body.append([r["format"], r["H"], r["M"], *cells,
+                     "-" if ratio is None else f"{ratio:.2f}", r.get("front_choice", "-")])  # fmt: skip
     return md_table(header, body)

@@ -292,7 +292,8 @@ def eager_now(rows: list[Row], doc: Path) -> str:
     """Host µs per eager call, each shape from the latest run that timed it."""
     latest: dict[tuple[str, int, int], dict[str, Row]] = {}
     for r in rows:
-        if r["metric"] == HOST_US:
+        # The query's paths only: `--eager --front` rows (the front's paths) are another table.
+        if r["metric"] == HOST_US and r["kernel"] in EAGER:
             key = (r["recipe"], r["H"], r["M"])
             if latest.get(key) and next(iter(latest[key].values()))["source"] != r["source"]:
                 latest[key] = {}

@@ -5,6 +5,7 @@
 #   OUT=/some/dir scripts/gpu/front_check.sh record   # the GPU record: every gpu test + bench
 #   OUT=/some/dir scripts/gpu/front_check.sh vllm     # the front's tests against vLLM's CUDA ops
 #   OUT=/some/dir scripts/gpu/front_check.sh bench    # fusedq-bench --front, both geometries
+#                                                      # (and --eager --front: host time)
 #
 # `record` runs without vLLM on the path, as every record so far: the server tests then skip
 # rather than start two vLLM servers inside the record's time, and the front's comparison with
@@ -55,6 +56,10 @@ case "$part" in
         ;;
     bench)
         with_vllm
+        # Host time of the front's eager call (vLLM's piecewise steps: a request's first step
+        # under MTP) against vLLM's eager front, first: it takes seconds.
+        step eager_front "$PY" -m fusedq_bench --eager --front --heads 16 --m 1 2 \
+            --json "$OUT/eager-front.json"
         # Every recipe at GLM-5's qualified heads and M; DeepSeek-V3's BF16 and MXFP8 weights at
         # its TP8 / TP4 / TP2 ranks to M 64, where the front's cost over the query kernel grew.
         step front_glm5 "$PY" -m fusedq_bench --front --geometry glm5 --heads 8 16 \

@@ -15,7 +15,7 @@ import torch
 from fusedq_cases import assert_matches
 
 import fusedq
-from fusedq_bench import cli, front, options
+from fusedq_bench import cli, eager, front, options
 
 REPO = Path(__file__).resolve().parents[2]
 # A CPU shape: two layers (the smallest rotation), few heads and tokens for the interpreter.
@@ -30,7 +30,12 @@ def test_front_arguments():
     assert not cli.parse_args([])[0].front
 
 
-@pytest.mark.parametrize("other", ["--floors", "--chain", "--sweep", "--eager"])
+def test_front_with_eager_times_the_fronts_eager_paths():
+    opts, _ = cli.parse_args(["--eager", "--front", "--heads", "16", "--m", "1"])
+    assert opts.eager and opts.front
+
+
+@pytest.mark.parametrize("other", ["--floors", "--chain", "--sweep"])
 def test_front_refuses_other_modes(other, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(["--front", other])
@@ -246,3 +251,51 @@ def test_gpu_front_bench_one_shape():
     assert row["fused_front_cache_equal"] and row["fused_front_err"] < 0.05
     assert all(row[f"{p}_us"] > 0 for p in front.PATHS)
     assert row["staged_front_kernel"].startswith("rope: inductor(")
+
+
+# --- --eager --front ---------------------------------------------------------------------------
+
+
+def test_every_eager_front_path_does_its_work():
+    """Each timed closure of --eager --front computes what it is named for (the fused front
+    through Triton's interpreter here): the front's query and cache entries from the
+    unrotated q, the staged front's too, and the query alone; the row names the kernel
+    ``backend="auto"`` chose."""
+    fr = front.build_front("bf16", H, M, CPU_OPTS, device="cpu", compiled=False)
+    q0 = fr.q.clone()
+    ref_out, ref_cache = _reference(fr, q0, fr.lay.fused_w[0])
+    paths = eager.front_paths(fr, None)
+    assert set(paths) == set(eager.FRONT_PATHS) - {"vllm_front"}  # no vLLM CUDA op here
+    assert_matches(paths["front_public"](), ref_out, "bf16")
+    assert torch.equal(_bits(fr.caches[0]), _bits(ref_cache)) and torch.equal(fr.q, q0)
+    fr.caches[0].zero_()
+    paths["front_custom_op"]()
+    assert torch.equal(_bits(fr.caches[0]), _bits(ref_cache))
+    query = paths["query_public"]()
+    assert query.shape == ref_out.shape
+    staged = front.query_of(paths["staged_front"](), fr.lay.out)
+    assert torch.equal(_bits(staged), _bits(ref_out))  # (it rotates q in place: last)
+    assert eager.auto_front_choice(fr, "bf16").startswith("fused (BLOCK_M ")
+
+
+def test_the_eager_front_table_names_the_paths_and_what_auto_ran():
+    per_call = {name: [30.0, 20.0] for name in ("front_public", "front_custom_op")}
+    per_call |= {"vllm_front": [40.0, 42.0], "query_public": [15.0, 16.0]}
+    row = eager.eager_row("bf16", 16, 1, per_call) | {
+        "front": True,
+        "front_choice": "fused (BLOCK_M 16 BLOCK_N 64 4 warps)",
+        "front_public_over_vllm_front": 0.5,
+    }
+    table = eager.format_table([row, {"format": "bf16", "H": 16, "M": 2, "error": "x"}])
+    assert "| front_public µs | front_custom_op µs | vllm_front µs |" in table
+    assert "| 20.0 | 20.0 | 40.0 | - | 15.0 | 0.50 | fused (BLOCK_M 16" in table
+    line = eager.one_line(row)
+    assert line.startswith("eager bf16 H=16 M=1 µs/call: front_public=20.0") and "vllm" in line
+
+
+@pytest.mark.gpu
+def test_gpu_eager_front_one_shape():
+    opts = options.Options(eager=True, front=True, eager_calls=50, eager_repeats=2, warmup=3)
+    row = eager.eager_front_shape("bf16", 16, 1, opts)
+    assert all(row[f"{p}_us"] > 0 for p in ("front_public", "front_custom_op", "query_public"))
+    assert row["front_choice"].startswith("fused (")
