@@ -343,29 +343,34 @@ def format_table(rows: list[dict]) -> str:
     """Markdown table: best µs per call of every path, and fused/staged."""
     if rows and all(r.get("front") or "error" in r for r in rows):
         return format_front_table(rows)
-    header = ["format", "H", "M", *(f"{p} µs" for p in CALL_PATHS), "public/staged", "hook/staged"]
-    body = []
-    for r in rows:
-        if "error" in r:
-            body.append([r["format"], r["H"], r["M"], f"error: {r['error']}"])
-            continue
-        cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in CALL_PATHS]
-        ratios = [f"{r[k]:.2f}" if k in r else "-" for k in RATIOS]
-        body.append([r["format"], r["H"], r["M"], *cells, *ratios])
-    return md_table(header, body)
+    return _paths_table(
+        rows, CALL_PATHS, ["public/staged", "hook/staged"],
+        lambda r: [f"{r[k]:.2f}" if k in r else "-" for k in RATIOS],
+    )  # fmt: skip
 
 
 def format_front_table(rows: list[dict]) -> str:
     """Markdown table of ``--eager --front``: best µs per call of every front path, the
     fused front over vLLM's (or the staged) front, and what ``backend="auto"`` ran."""
-    header = ["format", "H", "M", *(f"{p} µs" for p in FRONT_PATHS), "front/vLLM", "auto ran"]
+
+    def tail(r: dict) -> list[str]:
+        ratio = next((v for k, v in r.items() if k.startswith("front_public_over_")), None)
+        return ["-" if ratio is None else f"{ratio:.2f}", r.get("front_choice", "-")]
+
+    return _paths_table(rows, FRONT_PATHS, ["front/vLLM", "auto ran"], tail)
+
+
+def _paths_table(
+    rows: list[dict], paths: tuple[str, ...], tail_header: list[str],
+    tail: Callable[[dict], list[str]],
+) -> str:  # fmt: skip
+    """One line a shape: its best µs per call of each of ``paths``, then ``tail(row)``."""
+    header = ["format", "H", "M", *(f"{p} µs" for p in paths), *tail_header]
     body = []
     for r in rows:
         if "error" in r:
             body.append([r["format"], r["H"], r["M"], f"error: {r['error']}"])
             continue
-        cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in FRONT_PATHS]
-        ratio = next((v for k, v in r.items() if k.startswith("front_public_over_")), None)
-        body.append([r["format"], r["H"], r["M"], *cells,
-                     "-" if ratio is None else f"{ratio:.2f}", r.get("front_choice", "-")])  # fmt: skip
+        cells = [f"{r[f'{p}_us']:.1f}" if f"{p}_us" in r else "-" for p in paths]
+        body.append([r["format"], r["H"], r["M"], *cells, *tail(r)])
     return md_table(header, body)
