@@ -228,6 +228,9 @@ class CaseRun:
         """Every measurement is taken; the profile phase begins (a failure from here on leaves
         the measurements standing, unless the audit finds a fault logged before it)."""
         self.stage = PROFILE_PHASE
+        if self.launcher is not None and self.handle is not None:
+            # A remote node's log is mirrored by polling: bring the mirror up to date first.
+            self.launcher.exit_code(self.handle)
         self.profile_line = _line_count(self.server_log) + 1
 
     def _fault_before_profile(self, audit: AuditSummary) -> bool:
