@@ -302,8 +302,8 @@ def eager_front_shape(fmt: str, h: int, m: int, opts) -> dict:
     row["front_choice"] = auto_front_choice(fr, fmt)
     if vllm_op is None:
         row["vllm_front_missing"] = why
+    base = "vllm_front" if vllm_op is not None else "staged_front"
     for fused in ("front_public", "front_custom_op"):
-        base = "vllm_front" if vllm_op is not None else "staged_front"
         row[f"{fused}_over_{base}"] = row[f"{fused}_us"] / row[f"{base}_us"]
     row["calls"], row["repeats"] = opts.eager_calls, opts.eager_repeats
     del fr

@@ -673,13 +673,10 @@ def _kv_cache(matrix: Row, model: Row) -> str:
     """The KV cache the servers ran with where the engine or model args set one ("fp8 KV
     cache"), else "": an FP8 cache changes the decode step, so its run is not the BF16
     cache run's successor."""
+    from orchestrator.engines.vllm.server import flag_value
+
     args = [*((matrix.get("engine") or {}).get("args") or []), *(model.get("args") or [])]
-    dtype = ""
-    for i, arg in enumerate(args):
-        if arg.startswith("--kv-cache-dtype="):
-            dtype = arg.split("=", 1)[1]
-        elif arg == "--kv-cache-dtype" and i + 1 < len(args):
-            dtype = args[i + 1]
+    dtype = flag_value(args, "--kv-cache-dtype")
     return f"{dtype} KV cache" if dtype and dtype != "auto" else ""
 
 

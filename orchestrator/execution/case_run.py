@@ -145,10 +145,10 @@ class CaseRun:
         self.workloads: dict[str, WorkloadSummary] = {}
         self.profile: ProfileResult | None = None
         self.status, self.reason = "passed", None
-        # Where the server is: "measure" (start-up and the measurements), PROFILE_PHASE (set by
-        # the measuring once every measurement is taken), "checks" (after the stop). A failure
-        # in the profile phase leaves the measurements standing (CaseResult.failed_in).
-        self.stage = "measure"
+        # In the profile phase (set by the measuring once every measurement is taken, until
+        # the traces are read): a failure there leaves the measurements standing
+        # (CaseResult.failed_in).
+        self.profiling = False
         self.failed_in: str | None = None
         self.profile_line = 0  # the first server log line of the profile phase
         # The server's last words, for a case whose server ended on its own (None: not shown).
@@ -199,7 +199,7 @@ class CaseRun:
         startup = self._startup()
         if self.profile is not None and self.status == "passed":
             self.measuring.read_traces(self)
-        self.stage = "checks"
+        self.profiling = False
         if self.status == "passed" and self.exited_early is not None:
             how = describe_exit(self.exited_early)
             self.fail(f"server process {how} before the orchestrator stopped it")
@@ -227,7 +227,7 @@ class CaseRun:
     def enter_profile(self) -> None:
         """Every measurement is taken; the profile phase begins (a failure from here on leaves
         the measurements standing, unless the audit finds a fault logged before it)."""
-        self.stage = PROFILE_PHASE
+        self.profiling = True
         if self.launcher is not None and self.handle is not None:
             # A remote node's log is mirrored by polling: bring the mirror up to date first.
             self.launcher.exit_code(self.handle)
@@ -245,7 +245,7 @@ class CaseRun:
     def fail(self, reason: str) -> None:
         """The server's case fails, for `reason` (the first failure says in which phase)."""
         if self.status == "passed":
-            self.failed_in = self.stage if self.stage == PROFILE_PHASE else None
+            self.failed_in = PROFILE_PHASE if self.profiling else None
         self.status, self.reason = "failed", reason
 
     @contextlib.contextmanager
@@ -489,7 +489,7 @@ class CaseRun:
         row.update(
             status=self.status,
             reason=self.reason,
-            failed_in=self.failed_in if self.status != "passed" else None,
+            failed_in=self.failed_in,  # set only by fail()
             ended_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             workloads=self.workloads,
             errors=sum(w.errors for w in self.workloads.values()),

@@ -306,20 +306,26 @@ def compile_cache_env(base: Path) -> dict[str, str]:
     return {key: str(base / sub) for key, sub in _RUN_DIR_ENV.items() if key != "TMPDIR"}
 
 
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value `vllm serve` args give `flag` (`--flag value` or `--flag=value`, underscores
+    for dashes; the last mention wins, as in vLLM's parser), or None where none is given."""
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if _flag_name(name) != flag:
+            continue
+        if eq:
+            found = value
+        elif i + 1 < len(args):
+            found = args[i + 1]
+    return found
+
+
 def api_key(args: Sequence[str], env: Mapping[str, str]) -> str | None:
     """A key a server started with these args and env accepts (`--api-key`, which vLLM
     lets win over `VLLM_API_KEY`; it takes one or more keys, any of them works), or None
     when it serves without one."""
-    key = None
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if _flag_name(name) != "--api-key":
-            continue
-        if eq:
-            key = value
-        elif i + 1 < len(args):
-            key = args[i + 1]
-    return key or env.get("VLLM_API_KEY") or None
+    return flag_value(args, "--api-key") or env.get("VLLM_API_KEY") or None
 
 
 def auth_headers(key: str | None) -> dict[str, str]:
