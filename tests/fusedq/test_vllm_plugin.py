@@ -33,6 +33,7 @@ from tiny_vllm import (
     assert_greedy_agree,
     greedy,
     greedy_batch,
+    greedy_staggered,
     greedy_together,
     log_lines,
     profile_decode,
@@ -989,11 +990,18 @@ def mtp_args(engine_args):
 
 
 def served_with_mtp(port: int) -> tuple:
-    """Greedy runs (the lone prompt, MTP_PAIR, the batch) and the speculative-decoding
-    counters after them."""
+    """Greedy runs (the lone prompt, MTP_PAIR, a staggered pair, the batch) and the
+    speculative-decoding counters after them. The staggered pair is the step the front must
+    split whatever the timing: the first request's decode token, undrafted (it was alone in
+    the step before), beside the second's prefill."""
     from orchestrator.engines.vllm.server_metrics import read_spec_decode
 
-    runs = [greedy(port), *greedy_together(port, MTP_PAIR), *greedy_batch(port, FRONT_PROMPTS)]
+    runs = [
+        greedy(port),
+        *greedy_together(port, MTP_PAIR),
+        *greedy_staggered(port, FRONT_PROMPTS[0], FRONT_PROMPTS[4]),
+        *greedy_batch(port, FRONT_PROMPTS),
+    ]
     return runs, read_spec_decode(f"http://127.0.0.1:{port}")
 
 

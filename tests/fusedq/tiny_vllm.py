@@ -8,6 +8,7 @@ stopped before they read it).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -215,6 +216,47 @@ def greedy_batch(
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))
+
+
+def greedy_staggered(
+    port: int, first: tuple[list[int], int], second: tuple[list[int], int]
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and logprobs of two ``(prompt, max_tokens)`` requests, the second sent
+    once the first has streamed its first token. The first then decodes alone until the
+    second arrives, so the step that takes the second's prefill holds the first's one decode
+    token beside it: a mixed step whatever the timing, as long as ``first`` still has tokens to
+    produce (a concurrent batch mixes only when its arrivals happen to straddle a step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    model = _model(port)
+    (prompt, max_tokens) = first
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    ids: list[int] = []
+    lps: list[float] = []
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with (
+        ThreadPoolExecutor(1) as pool,
+        httpx.stream("POST", url, json=body, timeout=900) as reply,
+    ):
+        reply.raise_for_status()
+        later = None
+        for line in reply.iter_lines():
+            data = line.removeprefix("data: ").strip()
+            if not data or data == "[DONE]" or not line.startswith("data: "):
+                continue
+            for choice in json.loads(data)["choices"]:
+                lp = choice.get("logprobs") or {}
+                ids += [int(t.removeprefix("token_id:")) for t in lp.get("tokens") or []]
+                lps += lp.get("token_logprobs") or []
+            if ids and later is None:
+                later = pool.submit(_completions, port, model, second[0], second[1], 900)
+        assert later is not None, f"the first request streamed no token: {ids}"
+        return [(ids, lps), later.result()[0]]
 
 
 # Decode steps the staged and fused servers are profiled for (interpreted fused query: ~1 s
