@@ -33,7 +33,12 @@ steps run eagerly once per layer (a request's first step under MTP, mixed batche
 - ``vllm_front``: vLLM's best front as its piecewise step runs it, ``concat_and_cache_mla_rope_
   fused`` then the served staged query (where vLLM is importable), else ``staged_front``:
   the staged RoPE, query and cache write of ``fusedq-bench --front``;
-- ``query_public``: ``fusedq.mla_query_projection`` on the same q, the query alone.
+- ``query_public``: ``fusedq.mla_query_projection`` on the same q, the query alone;
+- ``rest_reference``: what the vLLM hook runs, in a compiled server's mixed step, on the rows
+  the front leaves when vLLM's RoPE + cache-write fusion is not used: the reference's RoPE of
+  q's rope part and k_pe in place (``fusedq.front_reference.rope``, Inductor's numerics), then
+  the cache write; ``rest_vllm``: vLLM's fusion on the same rows, one launch (where vLLM is
+  importable).
 
 On a machine without CUDA this mode refuses: under ``TRITON_INTERPRET=1`` the kernel itself
 runs in Python, so the host time would measure the interpreter, not the launch path.
@@ -53,7 +58,10 @@ QK_NOPE = GLM5.qk_nope
 V_HEAD = GLM5.v_head
 
 CALL_PATHS = ("public", "public_out", "hook", "custom_op", "bare", "staged_032", "staged_026")
-FRONT_PATHS = ("front_public", "front_custom_op", "vllm_front", "staged_front", "query_public")
+FRONT_PATHS = (
+    "front_public", "front_custom_op", "vllm_front", "staged_front", "query_public",
+    "rest_reference", "rest_vllm",
+)  # fmt: skip
 # The fused paths compared with the staged block, and the staged variant each is divided by.
 RATIOS = {
     "public_over_staged": ("public", "staged_032"),
@@ -227,6 +235,7 @@ def front_paths(fr, vllm_op) -> dict[str, Callable[[], object]]:
 
     import fusedq
     import fusedq.ops
+    from fusedq import front_reference
     from fusedq.dispatch import split_weight
     from fusedq_bench import front
 
@@ -255,14 +264,29 @@ def front_paths(fr, vllm_op) -> dict[str, Callable[[], object]]:
             fr.slot_mapping, out, fr.k_scale, lay.q_scale, front.IS_NEOX, "auto", "auto",
         )  # fmt: skip
 
-    return {
+    q_pe = fr.q[..., lay.geometry.qk_nope :]
+
+    def rest_reference():
+        # As the hook's rows after the front's: RoPE in place, then the cache write.
+        q_pe.copy_(front_reference.rope(q_pe, fr.positions, fr.cos_sin, front.IS_NEOX))
+        fr.k_pe.copy_(front_reference.rope(fr.k_pe, fr.positions, fr.cos_sin, front.IS_NEOX))
+        fr.cache_write(fr.kv_c, fr.k_pe, cache, fr.slot_mapping, fr.k_scale)
+
+    paths = {
         "front_public": front_public,
         "front_custom_op": front_custom_op,
         baseline[0]: lambda: baseline[1](0),
         "query_public": lambda: fusedq.mla_query_projection(
             lay.q_nope, w, lay.q_pe, out_dtype=lay.out_dtype, q_scale=lay.q_scale
         ),
+        "rest_reference": rest_reference,
     }
+    if vllm_op is not None:
+        paths["rest_vllm"] = lambda: vllm_op(
+            fr.positions, q_pe, fr.k_pe, fr.kv_c, fr.cos_sin, front.IS_NEOX, fr.slot_mapping,
+            cache, "auto", fr.k_scale,
+        )  # fmt: skip
+    return paths
 
 
 def auto_front_choice(fr, fmt: str) -> str:

@@ -262,10 +262,10 @@ def test_every_eager_front_path_does_its_work():
     unrotated q, the staged front's too, and the query alone; the row names the kernel
     ``backend="auto"`` chose."""
     fr = front.build_front("bf16", H, M, CPU_OPTS, device="cpu", compiled=False)
-    q0 = fr.q.clone()
+    q0, k0 = fr.q.clone(), fr.k_pe.clone()
     ref_out, ref_cache = _reference(fr, q0, fr.lay.fused_w[0])
     paths = eager.front_paths(fr, None)
-    assert set(paths) == set(eager.FRONT_PATHS) - {"vllm_front"}  # no vLLM CUDA op here
+    assert set(paths) == set(eager.FRONT_PATHS) - {"vllm_front", "rest_vllm"}  # no CUDA op here
     assert_matches(paths["front_public"](), ref_out, "bf16")
     assert torch.equal(_bits(fr.caches[0]), _bits(ref_cache)) and torch.equal(fr.q, q0)
     fr.caches[0].zero_()
@@ -276,11 +276,21 @@ def test_every_eager_front_path_does_its_work():
     staged = front.query_of(paths["staged_front"](), fr.lay.out)
     assert torch.equal(_bits(staged), _bits(ref_out))  # (it rotates q in place: last)
     assert eager.auto_front_choice(fr, "bf16").startswith("fused (BLOCK_M ")
+    # The hook's rows after the front's, on the unrotated operands again: q's rope part and
+    # k_pe rotated in place as the front rotates them, and the front's cache entries.
+    fr.q.copy_(q0)
+    fr.k_pe.copy_(k0)
+    fr.caches[0].zero_()
+    paths["rest_reference"]()
+    assert torch.equal(_bits(fr.q[..., :-64]), _bits(q0[..., :-64]))
+    assert torch.equal(_bits(fr.q[..., -64:]), _bits(ref_out[..., -64:]))
+    assert torch.equal(_bits(fr.caches[0]), _bits(ref_cache))
 
 
 def test_the_eager_front_table_names_the_paths_and_what_auto_ran():
     per_call = {name: [30.0, 20.0] for name in ("front_public", "front_custom_op")}
     per_call |= {"vllm_front": [40.0, 42.0], "query_public": [15.0, 16.0]}
+    per_call |= {"rest_reference": [120.0, 110.0], "rest_vllm": [12.0, 11.0]}
     row = eager.eager_row("bf16", 16, 1, per_call) | {
         "front": True,
         "front_choice": "fused (BLOCK_M 16 BLOCK_N 64 4 warps)",
@@ -288,7 +298,8 @@ def test_the_eager_front_table_names_the_paths_and_what_auto_ran():
     }
     table = eager.format_table([row, {"format": "bf16", "H": 16, "M": 2, "error": "x"}])
     assert "| front_public µs | front_custom_op µs | vllm_front µs |" in table
-    assert "| 20.0 | 20.0 | 40.0 | - | 15.0 | 0.50 | fused (BLOCK_M 16" in table
+    assert "| rest_reference µs | rest_vllm µs | front/vLLM |" in table
+    assert "| 20.0 | 20.0 | 40.0 | - | 15.0 | 110.0 | 11.0 | 0.50 | fused (BLOCK_M 16" in table
     line = eager.one_line(row)
     assert line.startswith("eager bf16 H=16 M=1 µs/call: front_public=20.0") and "vllm" in line
 
