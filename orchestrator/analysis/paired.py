@@ -44,8 +44,9 @@ from orchestrator.results.rows import Repeat, WorkloadSummary
 ROUNDS, PAIRED_SERVERS = "rounds", "server starts, paired"
 # How a figure moves with the acceptance length L (tokens a decode step emits per request):
 # output tok/s as L over the share of its time the workload spends decoding (a prefill emits
-# one token whatever L is); a TPOT, a decode step's time per token, as 1 / L.
-DECODE_SHARE, PER_TOKEN = "decode share", "per token"
+# one token whatever L is); a TPOT, a decode step's time per token, as 1 / L; the time to the
+# first token not at all (it comes before any draft is verified).
+DECODE_SHARE, PER_TOKEN, FIRST_TOKEN = "decode share", "per token", "first token"
 _ORDER_GROUPS = 32  # pairs of rounds the order's text spells out before "…"
 
 
@@ -149,7 +150,8 @@ def acceptance_adjustment(
     Per round k, x = log(L_cand / L_base), L = 1 + mtp × the block's acceptance rate (the
     tokens a decode step emits per request), and the log ratio less e × x is the round's
     change at equal acceptance, e the figure's elasticity to L (`moves_as`: DECODE_SHARE, the
-    round's mean decode share, for tok/s; PER_TOKEN, -1, for a TPOT). Adjusted only under
+    round's mean decode share, for tok/s; PER_TOKEN, -1, for a TPOT; FIRST_TOKEN, 0, for a
+    time to first token). Adjusted only under
     synthetic acceptance, which the path cannot change: a real draft's acceptance may move
     with the kernel's numerics, and that would be part of the change. `confidence`: the
     adjusted interval's (a stopping rule's per-look level)."""
@@ -172,7 +174,7 @@ def acceptance_adjustment(
     if len(used) < len(rounds) or len(used) < 2:
         return _not(seen, "a round's blocks lack their acceptance rates")
     xs = [math.log((1 + mtp * rc) / (1 + mtp * rb)) for _, _, _, rb, rc in used]
-    shares: list[float | None] = [-1.0] * len(used)
+    shares: list[float | None] = [0.0 if moves_as == FIRST_TOKEN else -1.0] * len(used)
     if moves_as == DECODE_SHARE:
         shares = [_round_share(base.repeats, cand.repeats, k) for k, *_ in used]
     if any(e is None for e in shares):

@@ -83,7 +83,7 @@ SWITCH_FLAGS = ("--worker-extension-cls", "--enable-prefix-caching", "--no-enabl
 
 # The figures an A/B judges, by the keys report.json names them (orchestrator.analysis.ab's
 # AB_METRICS reads each one; a test holds the two lists equal).
-ABMetricKey = Literal["output_tok_s", "tpot_p50_ms", "tpot_mean_ms"]
+ABMetricKey = Literal["output_tok_s", "tpot_p50_ms", "tpot_mean_ms", "ttft_p50_ms"]
 # The primary figure when the matrix names none: decode speed at one-token prompts, the
 # workload the fused query's saving is largest in and the one every shipped A/B runs.
 DEFAULT_PRIMARY_WORKLOAD, DEFAULT_PRIMARY_METRIC = "ctx0", "output_tok_s"

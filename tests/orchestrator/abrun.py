@@ -36,29 +36,33 @@ variants: [{name: staged}, {name: fused}]
 ab: {mode: switch, blocks: 4}
 """
 
-# One figure of a unit: (output tok/s, TPOT p50 ms, TPOT mean ms).
-Unit = tuple[float, float, float]
+# One figure of a unit: (output tok/s, TPOT p50 ms, TPOT mean ms), and the TTFT p50 ms where
+# the test gives one (a run recorded without it has no TTFT to judge).
+Unit = tuple[float, ...]
 
 
 def _figures(unit: Unit) -> dict[str, Any]:
-    tok, p50, mean = unit
-    return {
+    tok, p50, mean = unit[:3]
+    out = {
         "aggregate_tok_s": tok,
         "per_user_tok_s": tok,
         "tpot_ms": {"p50": p50, "p99": p50 * 1.01, "mean": mean},
     }
+    if len(unit) > 3:
+        out["ttft_ms"] = {"p50": unit[3], "p99": unit[3] * 1.2, "mean": unit[3]}
+    return out
 
 
 def _server(units: Sequence[Unit]) -> dict[str, Any]:
     """A workload measured in `units` repeats (restarts) or blocks (switch)."""
     repeats = [{"repeat": i, **_figures(u)} for i, u in enumerate(units, 1)]
-    pooled = tuple(statistics.fmean(u[i] for u in units) for i in range(3))
+    pooled = tuple(statistics.fmean(u[i] for u in units) for i in range(min(map(len, units))))
     mean = _figures(pooled)
     return {
         "name": "ctx0",
         "repeats": repeats,
         "mean": mean,
-        "latency": {"tpot_ms": mean["tpot_ms"]},
+        "latency": {k: mean[k] for k in ("tpot_ms", "ttft_ms") if k in mean},
         "requests": len(units),
         "errors": 0,
     }

@@ -97,8 +97,11 @@ def test_restarts_are_judged_over_server_starts(tmp_path):
         ("output_tok_s", SERVERS),
         ("tpot_p50_ms", SERVERS),
         ("tpot_mean_ms", SERVERS),
+        ("ttft_p50_ms", SERVERS),
     ]
-    tok, p50, _ = results
+    tok, p50, _, ttft = results
+    # These rows carry no time to first token: nothing to judge, and the report says so.
+    assert ttft.interval is None and ttft.verdict == TOO_FEW
     staged, fused = [u[0] for u in STAGED], [u[0] for u in FUSED]
     # One value per server start (its mean over its 3 repeats), in run order.
     assert tok.baseline.values == tuple(staged) and tok.candidate.values == tuple(fused)
@@ -173,8 +176,22 @@ def test_switch_mode_pairs_the_blocks_of_each_round(tmp_path):
     assert tok.ratio == pytest.approx(math.exp(mean))
     assert tok.interval.low > 0.3 and tok.interval.high < 0.5 and tok.verdict == FASTER
     assert tok.role == PRIMARY and tok.adjustment is None  # MTP 0: no acceptance to adjust for
-    for tpot in results[1:]:
+    for tpot in results[1:3]:
         assert tpot.interval.high < 0 and tpot.role == SECONDARY
+
+
+def test_a_slower_first_token_is_judged_beside_a_faster_decode(tmp_path):
+    """A path faster per token but slower to its first (a step it runs outside CUDA
+    graphs): the time to first token is a secondary figure of its own, judged over the same
+    rounds, with no MTP adjustment (the first token comes before any draft)."""
+    staged = [(*u, 38.0 * lv) for u, lv in zip(SWITCH_STAGED, LEVELS, strict=True)]
+    fused = [(*u, 88.0 * lv) for u, lv in zip(SWITCH_FUSED, LEVELS, strict=True)]
+    results = _results(tmp_path, abrun.switch(staged, fused), matrix=abrun.SWITCH)
+    tok, ttft = results[0], results[3]
+    assert tok.verdict == FASTER and tok.role == PRIMARY
+    assert ttft.metric.key == "ttft_p50_ms" and ttft.role == SECONDARY and ttft.unit == ROUNDS
+    assert ttft.ratio == pytest.approx(88.0 / 38.0)
+    assert ttft.interval.low > 0 and ttft.holm_p < 0.05 and ttft.verdict == SLOWER
 
 
 def test_two_switch_servers_are_two_pairs(tmp_path):
@@ -327,8 +344,9 @@ def test_every_report_carries_the_ab(tmp_path):
     assert "they agree within the interval" in md
     assert "## Paired variants" not in md  # the one-server deltas are superseded
     data = json.loads((root / "report.json").read_text())
-    assert [r["verdict"] for r in data["ab"]["results"]] == [FASTER, FASTER, FASTER]
-    assert [r["role"] for r in data["ab"]["results"]] == [PRIMARY, SECONDARY, SECONDARY]
+    assert [r["verdict"] for r in data["ab"]["results"]] == [FASTER, FASTER, FASTER, TOO_FEW]
+    roles = [PRIMARY, SECONDARY, SECONDARY, SECONDARY]
+    assert [r["role"] for r in data["ab"]["results"]] == roles
     assert data["ab"]["results"][0]["unit"] == SERVERS
     assert data["ab"]["primary"] == {"workload": "ctx0", "metric": "output_tok_s"}
     assert data["ab"]["results"][0]["detectable_pct"] == pytest.approx(tok.detectable)
@@ -351,9 +369,9 @@ def test_every_report_carries_the_ab(tmp_path):
 
 def test_one_figure_is_primary_and_the_others_are_holm_corrected(tmp_path):
     results = _results(tmp_path, abrun.restarts(STAGED, FUSED))
-    assert [r.role for r in results] == [PRIMARY, SECONDARY, SECONDARY]
-    tok, p50, mean = results
-    assert tok.holm_p is None
+    assert [r.role for r in results] == [PRIMARY, SECONDARY, SECONDARY, SECONDARY]
+    tok, p50, mean, ttft = results
+    assert tok.holm_p is None and ttft.holm_p is None  # (no TTFT recorded: no p-value)
     # Holm over the two secondary figures: the smaller p doubled, the larger kept (or raised
     # to the first), each capped at 1.
     low, high = sorted([p50.interval.p_value, mean.interval.p_value])
@@ -370,6 +388,7 @@ def test_the_matrix_names_its_primary_figure(tmp_path):
         ("output_tok_s", SECONDARY),
         ("tpot_p50_ms", SECONDARY),
         ("tpot_mean_ms", PRIMARY),
+        ("ttft_p50_ms", SECONDARY),
     ]
 
 
