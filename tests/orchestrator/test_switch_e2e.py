@@ -148,8 +148,10 @@ def test_every_report_states_the_ab_over_rounds(switch_run):
     assert "staged baseline in vLLM 0.32" in md and "bmm + cat" in md
     data = json.loads((root / "report.json").read_text())
     assert {r["unit"] for r in data["ab"]["results"]} == {"rounds"}
-    assert [len(r["pairs"]) for r in data["ab"]["results"]] == [BLOCKS] * 3
-    assert [r["role"] for r in data["ab"]["results"]] == ["primary", "secondary", "secondary"]
+    # Output tok/s (primary), TPOT p50 and mean, TTFT p50: each over the same rounds.
+    assert [len(r["pairs"]) for r in data["ab"]["results"]] == [BLOCKS] * 4
+    assert [r["role"] for r in data["ab"]["results"]] == ["primary"] + ["secondary"] * 3
+    assert [r["metric"] for r in data["ab"]["results"]][-1] == "ttft_p50_ms"
     assert "A/B: fused vs staged, 95% interval over rounds" in out.stdout
     # The stopping rule: one look of two planned, stopped there, said in every report.
     stop = "1 look(s) (4 rounds: fused ±"
