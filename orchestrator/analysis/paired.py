@@ -47,6 +47,8 @@ ROUNDS, PAIRED_SERVERS = "rounds", "server starts, paired"
 # one token whatever L is); a TPOT, a decode step's time per token, as 1 / L; the time to the
 # first token not at all (it comes before any draft is verified).
 DECODE_SHARE, PER_TOKEN, FIRST_TOKEN = "decode share", "per token", "first token"
+# The elasticities the structure fixes (DECODE_SHARE's is each round's own).
+_FIXED_ELASTICITY = {PER_TOKEN: -1.0, FIRST_TOKEN: 0.0}
 _ORDER_GROUPS = 32  # pairs of rounds the order's text spells out before "…"
 
 
@@ -174,9 +176,11 @@ def acceptance_adjustment(
     if len(used) < len(rounds) or len(used) < 2:
         return _not(seen, "a round's blocks lack their acceptance rates")
     xs = [math.log((1 + mtp * rc) / (1 + mtp * rb)) for _, _, _, rb, rc in used]
-    shares: list[float | None] = [0.0 if moves_as == FIRST_TOKEN else -1.0] * len(used)
+    shares: list[float | None]
     if moves_as == DECODE_SHARE:
         shares = [_round_share(base.repeats, cand.repeats, k) for k, *_ in used]
+    else:
+        shares = [_FIXED_ELASTICITY[moves_as]] * len(used)
     if any(e is None for e in shares):
         return _not(seen, "a block's TTFT or end-to-end latency was not recorded")
     es = [float(e) for e in shares if e is not None]

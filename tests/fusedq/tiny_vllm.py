@@ -175,17 +175,26 @@ def _completions(
     prompt where ``prompt`` is a list of prompts), in prompt order."""
     import httpx
 
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
-    }  # fmt: skip
+    body = _greedy_body(model, prompt, max_tokens)
     reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout)
     reply.raise_for_status()
     out = []
     for choice in sorted(reply.json()["choices"], key=lambda c: c["index"]):
         lp = choice["logprobs"]
-        out.append(([int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]))
+        out.append((_token_ids(lp["tokens"]), lp["token_logprobs"]))
     return out
+
+
+def _greedy_body(model: str, prompt, max_tokens: int) -> dict:
+    """A greedy completion request's body: token ids and their logprobs back, no early end."""
+    return {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
+    }  # fmt: skip
+
+
+def _token_ids(tokens: Sequence[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
 def greedy(port: int) -> tuple[list[int], list[float]]:
@@ -231,11 +240,7 @@ def greedy_staggered(
     import httpx
 
     model = _model(port)
-    (prompt, max_tokens) = first
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, "stream": True,
-    }  # fmt: skip
+    body = _greedy_body(model, *first) | {"stream": True}
     ids: list[int] = []
     lps: list[float] = []
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -251,7 +256,7 @@ def greedy_staggered(
                 continue
             for choice in json.loads(data)["choices"]:
                 lp = choice.get("logprobs") or {}
-                ids += [int(t.removeprefix("token_id:")) for t in lp.get("tokens") or []]
+                ids += _token_ids(lp.get("tokens") or [])
                 lps += lp.get("token_logprobs") or []
             if ids and later is None:
                 later = pool.submit(_completions, port, model, second[0], second[1], 900)
