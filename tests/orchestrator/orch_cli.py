@@ -53,9 +53,15 @@ def marked_processes(var: str, mark: str) -> dict[int, dict[str, str]]:
     return found
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` on timeout
-    or when ``proc`` (the orchestrator) exits first."""
+def wait_for(
+    predicate,
+    timeout: float,
+    what: str,
+    proc: subprocess.Popen | None = None,
+    interval: float = 0.1,
+):
+    """Poll ``predicate`` every ``interval`` seconds until it returns something truthy; fail
+    naming ``what`` on timeout or when ``proc`` (the orchestrator) exits first."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = predicate()
@@ -63,5 +69,5 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
             return value
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"orchestrator exited ({proc.returncode}) before {what}")
-        time.sleep(0.1)
+        time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
